@@ -1,0 +1,93 @@
+"""`phaze-opt` (also `python -m phaze_opt`): one console command with subcommands.
+
+Each subcommand lives in `phaze_opt/commands/<name>.py` and exposes `HELP`, `add_arguments(parser)`,
+`run(args) -> dict` and optionally `render(result) -> str` for the human-readable form. The CLI
+adds `--json` to every subcommand, prints the result, and turns user mistakes (`PhazeError`) into
+one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+
+from .errors import PhazeError
+
+COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare")
+
+
+def _command_module(name: str):
+    try:
+        return importlib.import_module(f"phaze_opt.commands.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"phaze_opt.commands.{name}":
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phaze-opt",
+        description="Co-design search over a training accelerator and the device placement of a large model.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = _command_module(name)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP))
+        module.add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+        p.set_defaults(_module=module)
+    return parser
+
+
+def _jsonable(value):
+    """Make results printable as strict JSON (no NaN/inf, no tuples or numpy scalars)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def dumps(result) -> str:
+    return json.dumps(_jsonable(result), indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    module = args._module
+    try:
+        result = module.run(args)
+    except PhazeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if isinstance(result, int):
+        return result
+    if args.json:
+        print(dumps(result))
+    else:
+        render = getattr(module, "render", None)
+        print(render(result) if render else dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

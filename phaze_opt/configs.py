@@ -1,0 +1,97 @@
+"""Finding and reading the YAML files under `configs/`.
+
+A config is named either by its short name (`gpt3-175b` -> `configs/models/gpt3-175b.yaml`) or by a
+path to the user's own YAML file. Validation of the contents belongs to the module that owns the
+config kind; this module only guarantees a mapping came out of a readable YAML file and offers the
+small checks that every kind repeats.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from .errors import PhazeError, config_error
+
+KINDS = ("models", "archs", "spaces", "systems")
+
+
+def configs_dir() -> Path:
+    """The configs folder: `$PHAZE_OPT_CONFIGS`, else the one beside the package."""
+    env = os.environ.get("PHAZE_OPT_CONFIGS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+def available(kind: str) -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+
+
+def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
+    """Map a config name or a path to an existing YAML file, or fail with the allowed names."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown config kind {kind!r}")
+    text = str(name_or_path)
+    candidate = Path(text)
+    if text.endswith((".yaml", ".yml")) or os.sep in text or candidate.is_file():
+        if not candidate.is_file():
+            raise PhazeError(f"{text}: no such {kind[:-1]} file")
+        return candidate
+    path = configs_dir() / kind / f"{text}.yaml"
+    if not path.is_file():
+        names = ", ".join(available(kind)) or "(none)"
+        raise PhazeError(f"unknown {kind[:-1]} '{text}': choose one of {names}, or give a path to a YAML file")
+    return path
+
+
+def load(kind: str, name_or_path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
+    """Read a config as a mapping; returns (data, path). Malformed YAML is a one-line error."""
+    path = resolve(kind, name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise PhazeError(f"{path}: malformed YAML{where}: {problem}") from None
+    except OSError as exc:
+        raise PhazeError(f"{path}: cannot read: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise PhazeError(f"{path}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    return data, path
+
+
+def check_keys(data: Mapping[str, Any], file, required: Iterable[str], optional: Iterable[str] = ()) -> None:
+    """Reject unknown and missing keys, naming the first offender and what is allowed."""
+    required = list(required)
+    allowed = set(required) | set(optional)
+    for key in data:
+        if key not in allowed:
+            raise config_error(file, key, f"unknown field; allowed fields are {', '.join(sorted(allowed))}")
+    for key in required:
+        if key not in data:
+            raise config_error(file, key, "missing required field")
+
+
+def positive_int(data: Mapping[str, Any], key: str, file, default: Any = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise config_error(file, key, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def positive_number(data: Mapping[str, Any], key: str, file, default: Any = None) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise config_error(file, key, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def one_of(data: Mapping[str, Any], key: str, file, choices: Iterable[Any], default: Any = None) -> Any:
+    choices = list(choices)
+    value = data.get(key, default)
+    if value not in choices:
+        raise config_error(file, key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value

@@ -1,0 +1,1 @@
+"""Hardware: the accelerator template, its area, search spaces and per-operator latency."""

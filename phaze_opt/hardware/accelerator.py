@@ -1,0 +1,39 @@
+"""The accelerator template: one training chip, as an immutable value.
+
+Only independent design choices are fields; everything that follows from them (peak FLOP/s and
+the like) is a property, so two equal designs can never disagree about a derived figure.
+Units are SI: bytes, bytes/s, Hz.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    num_tc: int  # tensor cores
+    tc_x: int  # PE array width (columns)
+    tc_y: int  # PE array depth (rows)
+    num_vc: int  # vector cores
+    vc_width: int  # lanes per vector core
+    glb_bytes: int  # on-chip global buffer
+    glb_bw: float  # global buffer bandwidth, bytes/s
+    hbm_bytes: int  # off-chip memory capacity
+    hbm_bw: float  # off-chip memory bandwidth, bytes/s
+    clock_hz: float
+    name: str = ""
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak 16-bit tensor FLOP/s: one multiply-add (2 FLOP) per PE per cycle."""
+        return 2.0 * self.num_tc * self.tc_x * self.tc_y * self.clock_hz
+
+    @property
+    def compute_key(self) -> tuple:
+        """The fields that decide operator latencies and schedules (HBM capacity does not)."""
+        return (self.num_tc, self.tc_x, self.tc_y, self.num_vc, self.vc_width, self.glb_bytes,
+                self.glb_bw, self.hbm_bw, self.clock_hz)
+
+    def fields(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""Exact solvers: the per-layer operator schedule (ILP) and the device placement (DP)."""

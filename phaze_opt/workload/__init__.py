@@ -1,0 +1,1 @@
+"""Workloads: model configs, meta-device PyTorch layers, traced operator graphs and layer graphs."""

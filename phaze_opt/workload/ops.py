@@ -1,0 +1,141 @@
+"""The values that flow from the workload into the hardware model and the solvers.
+
+An `OpGraph` is one layer kind's forward or backward pass as a DAG of `Op`s on one device (already
+sharded for its tensor-parallel width). A `LayerGraph` is the whole model as layers (a chain for
+transformers, any DAG in general) with the per-device memory facts the placement needs and a
+pointer from every layer to its op graphs, so identical repeated layers share one op graph and are
+scheduled once.
+
+All sizes are bytes, all work is FLOP (2 per multiply-add), per device and per microbatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+# Which core type executes an op.
+TC = "tc"  # tensor core (systolic array): GEMM and batched GEMM
+VC = "vc"  # vector core: elementwise, norm, softmax, activation, dropout, reductions
+TCVC = "tc+vc"  # a GEMM fused with its elementwise epilogue: one TC and one VC together
+NET = "net"  # a collective over the interconnect: occupies no core
+NONE = "none"  # views, reshapes, transposes folded into addressing: zero time
+UNITS = (TC, VC, TCVC, NET, NONE)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator on one device.
+
+    `gemm` is (batch, M, K, N) for C[b] = A[b] (M x K) @ B[b] (K x N); empty for non-GEMMs.
+    `vector_ops` lists the elementwise kinds applied per output element (one entry for a plain op,
+    several for a fused chain); the hardware model keeps a cycles-per-element table keyed by them.
+    `contains` names the traced nodes a fused op was made from.
+    """
+
+    name: str
+    kind: str  # gemm, bgemm, elementwise, norm, softmax, activation, dropout, embedding, loss, collective, noop, fused
+    unit: str  # one of UNITS
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    gemm: tuple[int, int, int, int] | tuple[()] = ()
+    elements: int = 0
+    vector_ops: tuple[str, ...] = ()
+    collective: str = ""  # "allreduce" for Megatron's TP all-reduces
+    comm_bytes: float = 0.0  # payload per device of a collective
+    group: int = 1  # devices taking part in the collective (the TP width)
+    contains: tuple[str, ...] = ()
+    shape: tuple[int, ...] = ()  # output shape
+
+    def __post_init__(self):
+        if self.unit not in UNITS:
+            raise ValueError(f"op {self.name}: unit {self.unit!r} not in {UNITS}")
+
+    def cost_fields(self) -> dict:
+        """Everything about the op that affects its cost: the name is left out on purpose."""
+        d = asdict(self)
+        d.pop("name")
+        d.pop("contains")
+        return d
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A DAG of ops; `edges` are (src, dst) index pairs and ops are listed in a topological order."""
+
+    layer: str  # the layer kind this graph belongs to, e.g. "decoder"
+    pass_name: str  # "fwd" or "bwd"
+    ops: tuple[Op, ...]
+    edges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self):
+        n = len(self.ops)
+        for s, d in self.edges:
+            if not (0 <= s < d < n):
+                raise ValueError(f"{self.layer}/{self.pass_name}: edge ({s}, {d}) is not forward in topological order")
+
+    @cached_property
+    def content_key(self) -> str:
+        """A hash of the graph's structure and op costs; equal keys schedule identically."""
+        payload = json.dumps(
+            {"ops": [op.cost_fields() for op in self.ops], "edges": sorted(self.edges)},
+            sort_keys=True,
+            default=list,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    @property
+    def flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+    def count_by_unit(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for op in self.ops:
+            out[op.unit] = out.get(op.unit, 0) + 1
+        return out
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the model as the placement sees it, per device at the graph's TP width."""
+
+    name: str  # e.g. "embedding", "decoder.17", "head"
+    kind: str  # key into LayerGraph.op_graphs; identical layers share a kind
+    params: int  # parameters held per device (1/t of the full layer when sharded)
+    param_bytes: float  # params x bytes per element
+    activation_bytes: float  # stashed for backward, per microbatch, no recompute
+    boundary_bytes: float  # the tensor sent to the next layer, per microbatch
+    input_bytes: float  # the tensor received from the previous layer, per microbatch
+    fwd_flops: float
+    bwd_flops: float
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """The model for one (TP width, microbatch, sequence length) as layers plus op graphs."""
+
+    model: str
+    tp: int
+    mbs: int
+    seq: int
+    bytes_per_element: int
+    layers: tuple[Layer, ...]
+    edges: tuple[tuple[int, int], ...]  # layer DAG; (i, i+1) for a chain
+    op_graphs: dict  # kind -> {"fwd": OpGraph, "bwd": OpGraph}
+    total_params: int  # the whole model, not per device
+    train_flops_per_sequence: float  # fwd + bwd of the whole model, no recompute
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kinds(self) -> list[str]:
+        """Distinct layer kinds in first-appearance order."""
+        seen: dict[str, None] = {}
+        for layer in self.layers:
+            seen.setdefault(layer.kind, None)
+        return list(seen)
+
+    def is_chain(self) -> bool:
+        return sorted(self.edges) == [(i, i + 1) for i in range(len(self.layers) - 1)]
