@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .memory import l2_bytes
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -34,6 +36,26 @@ class Accelerator:
         """The fields that decide operator latencies and schedules (HBM capacity does not)."""
         return (self.num_tc, self.tc_x, self.tc_y, self.num_vc, self.vc_width, self.glb_bytes,
                 self.glb_bw, self.hbm_bw, self.clock_hz)
+
+    @property
+    def tc_pes(self) -> int:
+        """PEs in one tensor core."""
+        return self.tc_x * self.tc_y
+
+    @property
+    def vc_peak_ops(self) -> float:
+        """Vector lane operations per second over all vector cores (one op per lane per cycle)."""
+        return float(self.num_vc * self.vc_width * self.clock_hz)
+
+    @property
+    def l2_tc_bytes(self) -> int:
+        """Local buffer of one tensor core, by the published system's sizing rule (hardware.memory)."""
+        return int(l2_bytes(self.tc_pes))
+
+    @property
+    def l2_vc_bytes(self) -> int:
+        """Local buffer of one vector core (a vc_width x 1 array for sizing)."""
+        return int(l2_bytes(self.vc_width))
 
     def fields(self) -> dict:
         return asdict(self)

@@ -1,19 +1,39 @@
 """Evaluate one design: workload graphs -> operator latencies -> per-layer ILP -> placement DP.
 
-CONTRACT (implemented by the integration step; the study and exhaustive modes call only this):
-
     evaluate_design(model, arch, mbs, recompute, system="default", placement="optimal") -> DesignResult
 
-`model` is a model name/path or a loaded model config, `arch` an Accelerator, `system` a system
-name/path or a loaded System. It never raises for an infeasible design: `feasible` is False and
-`reason` says why (for example the smallest memory needed against the HBM). Work shared between
-calls (graphs, latencies and ILP solutions of the same compute architecture and microbatch) is
-cached by content, so a repeated compute architecture costs milliseconds.
+The study, the exhaustive sweep and `phaze-opt evaluate` all go through this one function, so a
+design means the same thing everywhere. It never raises for a design that cannot train: the result
+is then infeasible with the reason (for example the least memory any placement needs against the
+HBM). Mistakes in the request itself (unknown model, malformed placement) are `PhazeError`s.
+
+Reuse. The per-layer costs depend only on the model, the compute part of the architecture
+(`Accelerator.compute_key`: not the HBM capacity), the microbatch and the TP links of the system.
+They are memoised in-process under that content key, so grid points that differ only in HBM
+capacity or recompute pay for the placement DP alone; below that, layer graphs are cached on disk
+by the workload module and schedules on disk by content by the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from ..errors import PhazeError
+from ..hardware.accelerator import Accelerator
+from ..hardware.area import area_mm2
+from ..hardware.latency import estimate
+from ..solve.placement import even_placement, optimal_placement
+from ..solve.placement_eval import evaluate_placement
+from ..solve.placement_types import LayerCosts, PlacementProblem, parse_placement_spec
+from ..solve.schedule import schedule_graph
+from ..system import System, load_system
+from ..workload.graphs import build_layer_graph
+from ..workload.models import ModelConfig, load_model
+
+PASSES = ("fwd", "bwd")
 
 
 @dataclass
@@ -27,9 +47,174 @@ class DesignResult:
     mfu: float
     placement: dict  # {"tp", "pp", "dp", "microbatches", "stages": [...]}
     timings: dict  # {"graph_s", "estimate_s", "ilp_s", "dp_s"}
-    layers: list = field(default_factory=list)  # per-layer cost table
+    layers: list = field(default_factory=list)  # per-layer cost table at the chosen TP width
     model: str = ""
     energy_j: float | None = None  # per batch, when the hardware model provides it
+    schedules: dict = field(default_factory=dict)  # per TP width: solve status counts
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class _TpCosts:
+    costs: LayerCosts
+    table: list  # per-layer rows for reports
+    statuses: dict  # schedule status -> count
+    timings: dict
+
+
+_COSTS_MEMO: dict = {}
+
+
+def _link_key(link) -> tuple:
+    return (float(link.bandwidth), float(link.latency))
+
+
+def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int) -> _TpCosts:
+    """Per-layer forward/backward time (proven-optimal schedules) and memory facts at TP width tp."""
+    link = system.tp_link(tp)
+    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision)
+    hit = _COSTS_MEMO.get(key)
+    if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
+        return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
+    timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
+    t0 = time.perf_counter()
+    graph = build_layer_graph(model, tp, mbs)
+    timings["graph_s"] += time.perf_counter() - t0
+    times: dict[tuple[str, str], float] = {}
+    statuses: dict[str, int] = {}
+    for kind in graph.kinds:
+        for pass_name in PASSES:
+            op_graph = graph.op_graphs[kind][pass_name]
+            t0 = time.perf_counter()
+            lat = estimate(op_graph, [arch], interconnect=link)
+            t1 = time.perf_counter()
+            sched = schedule_graph(op_graph, lat.single[0], lat.split[0], arch)
+            t2 = time.perf_counter()
+            timings["estimate_s"] += t1 - t0
+            timings["ilp_s"] += t2 - t1
+            if sched.status != "optimal":
+                raise RuntimeError(
+                    f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) not proven optimal: {sched.status}"
+                )
+            statuses[sched.method] = statuses.get(sched.method, 0) + 1
+            times[(kind, pass_name)] = sched.makespan
+    layers = graph.layers
+    costs = LayerCosts(
+        tp=tp,
+        fwd_s=[times[(l.kind, "fwd")] for l in layers],
+        bwd_s=[times[(l.kind, "bwd")] for l in layers],
+        params=[l.params for l in layers],
+        activation_bytes=[l.activation_bytes for l in layers],
+        boundary_bytes=[l.boundary_bytes for l in layers],
+        input_bytes=[l.input_bytes for l in layers],
+        edges=graph.edges,
+        names=tuple(l.name for l in layers),
+        flops=[l.fwd_flops + l.bwd_flops for l in layers],
+    )
+    table = [
+        {
+            "name": l.name,
+            "kind": l.kind,
+            "fwd_s": times[(l.kind, "fwd")],
+            "bwd_s": times[(l.kind, "bwd")],
+            "param_bytes": l.param_bytes,
+            "activation_bytes": l.activation_bytes,
+            "boundary_bytes": l.boundary_bytes,
+        }
+        for l in layers
+    ]
+    out = _TpCosts(costs=costs, table=table, statuses=statuses, timings=timings)
+    _COSTS_MEMO[key] = out
+    return out
+
+
+def _tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
+    return tuple(t for t in model.tp_widths if t <= system.accelerators)
+
+
+def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None):
+    """The PlacementProblem of a design, plus per-TP cost tables and the work timings."""
+    model = load_model(model)
+    system = system if isinstance(system, System) else load_system(system)
+    widths = tuple(tp_widths) if tp_widths else _tp_widths(model, system)
+    per_tp = {t: layer_costs(model, arch, mbs, system, t) for t in widths}
+    flops_per_seq = build_layer_graph(model, widths[0], mbs).train_flops_per_sequence
+    problem = PlacementProblem(
+        costs=tuple(v.costs for v in per_tp.values()),
+        system=system,
+        hbm_bytes=arch.hbm_bytes,
+        peak_flops=arch.peak_flops,
+        mbs=mbs,
+        recompute=recompute,
+        seq_len=model.seq,
+        model_flops_per_sequence=flops_per_seq,
+    )
+    return model, system, problem, per_tp
+
+
+def _fixed_placement(problem: PlacementProblem, model: ModelConfig, spec: str):
+    if spec == "expert":
+        fields = dict(model.expert_placement)
+    else:
+        fields = parse_placement_spec(spec)
+    tp, pp, dp = fields["tp"], fields["pp"], fields["dp"]
+    if tp not in problem.tp_widths:
+        raise PhazeError(
+            f"placement tp={tp}: TP width not allowed for {model.name}; allowed: {', '.join(map(str, problem.tp_widths))}"
+        )
+    return even_placement(problem, tp, pp, dp)
+
+
+def evaluate_design(
+    model,
+    arch: Accelerator,
+    mbs: int,
+    recompute: bool,
+    system="default",
+    placement: str = "optimal",
+) -> DesignResult:
+    """Throughput of one design (architecture, microbatch, recompute) with its best or a given placement."""
+    if isinstance(mbs, bool) or not isinstance(mbs, (int, np.integer)) or mbs < 1:
+        raise PhazeError(f"microbatch size must be a positive integer, got {mbs!r}")
+    fixed = None
+    if placement != "optimal":
+        fixed = placement if placement == "expert" else parse_placement_spec(placement)
+    model_cfg = load_model(model)
+    widths = None
+    if fixed is not None:
+        tp = model_cfg.expert_placement["tp"] if fixed == "expert" else fixed["tp"]
+        if tp not in model_cfg.tp_widths:
+            raise PhazeError(
+                f"placement tp={tp}: TP width not allowed for {model_cfg.name}; "
+                f"allowed: {', '.join(map(str, model_cfg.tp_widths))}"
+            )
+        widths = (tp,)
+    model_cfg, system, problem, per_tp = placement_problem(model_cfg, arch, int(mbs), bool(recompute), system, widths)
+    t0 = time.perf_counter()
+    if fixed is None:
+        result = optimal_placement(problem)
+    else:
+        result = evaluate_placement(problem, _fixed_placement(problem, model_cfg, placement))
+    dp_s = time.perf_counter() - t0
+    timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
+    for v in per_tp.values():
+        for k in timings:
+            timings[k] += v.timings[k]
+    timings["dp_s"] = dp_s
+    chosen = per_tp.get(result.tp) if result.feasible else None
+    return DesignResult(
+        feasible=result.feasible,
+        reason=result.reason,
+        throughput=result.throughput,
+        tokens_per_s=result.tokens_per_s,
+        time_per_batch_s=result.time_per_batch_s,
+        area_mm2=float(area_mm2(arch)),
+        mfu=result.mfu,
+        placement=result.placement_dict() if result.feasible else {"tp": 0, "pp": 0, "dp": 0, "microbatches": 0, "stages": []},
+        timings=timings,
+        layers=chosen.table if chosen else [],
+        model=model_cfg.name,
+        schedules={t: v.statuses for t, v in per_tp.items()},
+    )

@@ -1,0 +1,288 @@
+"""Per-operator latency, in seconds, on one core of the op's type and split across all of them.
+
+The exhaustive mode needs millions of estimates, so everything is computed on 2-D arrays: designs on
+the first axis (struct of arrays, `DesignArrays`), ops on the second. Each op gets
+
+- `single`: on one core of its type (one TC and one VC for a fused "tc+vc" op) while the other cores
+  may run other ops. Shared resources are split evenly: the op gets 1/n of the GLB capacity and of the
+  GLB and HBM bandwidth (n = cores of its type), because the schedule may run n such ops side by side
+  and the model has no contention term;
+- `split`: across all n cores of its type, with the whole GLB and all bandwidth.
+
+Both use the same formulas with k = 1 or k = n cores and a resource share of k/n, so with one core
+`split == single`, and latency never grows with k.
+
+GEMM on a weight-stationary systolic array of tc_y rows (reduction) x tc_x columns (SCALE-Sim model,
+Samajdar et al., "A Systematic Methodology for Characterizing Scalability of DNN Accelerators using
+SCALE-Sim", ISPASS 2020): a fold maps a tc_y x tc_x tile of the stationary operand; streaming T rows
+of the other operand through it takes 2*tc_y + tc_x + T - 2 cycles (weight fill, skewed fill, stream,
+drain); partial tiles at the edges cost a full fold. As in a TPU's matrix unit (Jouppi et al., ISCA
+2017) the second operand B (K x N, the weights of a linear layer) is stationary and the M rows of A
+(the tokens) stream, so folds = ceil(K/tc_y) x ceil(N/tc_x) per batch, each streaming M rows. The
+core's accumulators are assumed to hold a fold's partial sums. Across k cores the column tiles (and
+batches) are dealt out; when there are fewer than k, the streamed rows are cut too. The compute time
+is bounded below by
+
+- GLB traffic / GLB bandwidth: A is read once per column tile, B and the output once;
+- HBM traffic / HBM bandwidth: every operand once, plus re-reads when the GLB cannot hold what is
+  reused: the operand kept resident (either one, whichever costs less) is cut into chunks of half the
+  GLB share (the other half double-buffers the stream), and the streamed operand is re-read per chunk.
+
+Memory traffic and compute overlap (double buffering), so the latency is the largest of the three.
+
+Vector ops: ceil(elements / (lanes x k)) x cycles-per-element, bounded below by bytes / bandwidth
+(every op reads its inputs from and writes its outputs to HBM). Fused TC+VC ops run the vector epilogue
+on output tiles as they drain from the array (as a TPU's vector unit consumes MXU results), so the two
+pipelines overlap: latency = max(GEMM, epilogue).
+
+Collectives (unit "net") use the interconnect link: ring all-reduce 2(g-1)/g x bytes / bw + 2(g-1) x
+latency (Patarasuk and Yuan, JPDC 2009), all-gather / reduce-scatter / all-to-all (g-1)/g x bytes /
+bw + (g-1) x latency. They take the same time on every design. "none" ops take zero time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
+from .accelerator import Accelerator
+
+BYTES_PER_ELEMENT = 2  # bf16 operands, as the published system
+
+# Cycles per output element per vector lane, one ALU op per lane per cycle. Transcendentals (exp, tanh,
+# reciprocal square root, division) issue at a quarter rate on a typical pipelined special-function
+# unit; composite ops count their steps: softmax = max, subtract, exp, sum, scale; layernorm = mean,
+# variance (2), subtract, scale by rsqrt, affine (2); GELU (tanh form) = 3 mul/add + tanh + 3 mul/add.
+CYCLES_PER_ELEMENT = {
+    "add": 1, "sub": 1, "mul": 1, "neg": 1, "scale": 1, "copy": 1, "cast": 1, "to": 1, "contiguous": 1,
+    "clone": 1, "masked_fill": 1, "where": 1, "bias": 1, "residual": 1, "relu": 1, "abs": 1, "max": 1,
+    "min": 1, "sum": 1, "mean": 1, "reduce": 1, "embedding": 1, "cat": 1, "index": 1, "gather": 1,
+    "div": 4, "exp": 4, "log": 4, "sqrt": 4, "rsqrt": 4, "reciprocal": 4, "pow": 4,
+    "tanh": 4, "sigmoid": 5, "silu": 5, "swish": 5, "gelu": 10,
+    "dropout": 2,  # compare a random number, then scale
+    "softmax": 8, "log_softmax": 8,
+    "layernorm": 7, "layer_norm": 7, "rmsnorm": 5, "rms_norm": 5,
+    "cross_entropy": 10, "loss": 10,
+    "adam": 10, "sgd": 2,
+}
+# When an op lists no known vector kind: by its op kind.
+CYCLES_BY_OP_KIND = {
+    "elementwise": 1, "activation": 10, "norm": 7, "softmax": 8, "dropout": 2, "embedding": 1, "loss": 10,
+    "fused": 1, "reduction": 1,
+}
+BACKWARD_SUFFIXES = ("_backward", "_bwd", "_grad")
+BACKWARD_FACTOR = 2  # a backward elementwise reads the incoming gradient and the saved input
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link a collective uses, per device and direction."""
+
+    bandwidth_Bps: float = 300e9  # NVLink-class intra-node link, as configs/systems/default.yaml
+    latency_s: float = 1e-6
+
+    def __post_init__(self):
+        if not (self.bandwidth_Bps > 0 and self.latency_s >= 0):
+            raise ValueError(f"interconnect needs bandwidth > 0 and latency >= 0, got {self}")
+
+
+DEFAULT_INTERCONNECT = Interconnect()
+
+
+def _link(interconnect) -> tuple[float, float]:
+    if interconnect is None:
+        interconnect = DEFAULT_INTERCONNECT
+    if isinstance(interconnect, Interconnect):
+        return interconnect.bandwidth_Bps, interconnect.latency_s
+    bw, lat = getattr(interconnect, "bandwidth", None), getattr(interconnect, "latency", None)  # system.Link
+    if bw is None or lat is None:
+        raise TypeError(f"interconnect must be an Interconnect or have .bandwidth and .latency, got {interconnect!r}")
+    return float(bw), float(lat)
+
+
+@dataclass(frozen=True)
+class DesignArrays:
+    """Accelerator fields as float64 column vectors [n_designs, 1] (struct of arrays)."""
+
+    num_tc: np.ndarray
+    tc_x: np.ndarray
+    tc_y: np.ndarray
+    num_vc: np.ndarray
+    vc_width: np.ndarray
+    glb_bytes: np.ndarray
+    glb_bw: np.ndarray
+    hbm_bw: np.ndarray
+    clock_hz: np.ndarray
+
+    FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bw", "clock_hz")
+
+    @classmethod
+    def from_accelerators(cls, designs: Sequence[Accelerator]) -> "DesignArrays":
+        rows = np.array([[getattr(d, f) for f in cls.FIELDS] for d in designs], dtype=float).reshape(-1, len(cls.FIELDS))
+        return cls(*(rows[:, i : i + 1] for i in range(len(cls.FIELDS))))
+
+    @classmethod
+    def from_columns(cls, **columns) -> "DesignArrays":
+        cols = np.broadcast_arrays(*(np.asarray(columns[f], dtype=float).reshape(-1) for f in cls.FIELDS))
+        return cls(*(c.reshape(-1, 1).copy() for c in cols))
+
+    def __len__(self) -> int:
+        return self.num_tc.shape[0]
+
+
+@dataclass(frozen=True)
+class OpLatencies:
+    """Latencies in seconds, float64 [n_designs, n_ops]; ops in the graph's order."""
+
+    single: np.ndarray
+    split: np.ndarray
+    units: tuple[str, ...]
+    names: tuple[str, ...]
+    unknown_vector_ops: tuple[str, ...] = field(default=())  # kinds costed by the op-kind fallback
+
+    def design(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(single, split) rows of design i."""
+        return self.single[i], self.split[i]
+
+
+def cycles_per_element(op) -> tuple[float, list[str]]:
+    """Lane-cycles per output element for a vector op, and the kinds the table did not know."""
+    total, unknown = 0.0, []
+    for kind in op.vector_ops:
+        k = kind.lower()
+        factor = 1
+        for suffix in BACKWARD_SUFFIXES:
+            if k.endswith(suffix) and k not in CYCLES_PER_ELEMENT:
+                k, factor = k[: -len(suffix)], BACKWARD_FACTOR
+        if k in CYCLES_PER_ELEMENT:
+            total += factor * CYCLES_PER_ELEMENT[k]
+        else:
+            unknown.append(kind)
+    if total == 0.0:
+        total = float(CYCLES_BY_OP_KIND.get(op.kind, 1))
+    return total, unknown
+
+
+def _ceil_div(a, b):
+    return np.ceil(a / b)
+
+
+def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
+    """GEMM latency on k tensor cores holding `share` of the GLB and of the bandwidths; arrays broadcast."""
+    tx, ty = d.tc_x, d.tc_y
+    flops_cycles_floor = B * M * K * N / (k * tx * ty)  # roofline on k cores, for safety against rounding
+    # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share
+    cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
+    a_b, w_b = M * K * e, K * N * e
+    extra = np.minimum((_ceil_div(w_b, cap) - 1.0) * B * a_b, (_ceil_div(a_b, cap) - 1.0) * B * w_b)
+    hbm_s = (hbm_bytes + extra) / (d.hbm_bw * share)
+    # compute: the stationary operand (K x N) in folds of tc_y x tc_x, the M rows of A streaming through
+    col = _ceil_div(N, tx)
+    units = B * col  # independent column tiles, dealt out to the k cores
+    parts = np.maximum(1.0, np.floor(k / units))  # cores left over cut the stream
+    m_per = _ceil_div(M, parts)
+    cycles = _ceil_div(units, k) * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
+    compute_s = np.maximum(cycles, flops_cycles_floor) / d.clock_hz
+    glb_s = B * (a_b * col + w_b + M * N * e) / (d.glb_bw * share)
+    return np.maximum(np.maximum(compute_s, glb_s), hbm_s)
+
+
+def _vector_seconds(elements, cpe, nbytes, d: DesignArrays, k, share):
+    cycles = _ceil_div(elements, d.vc_width * k) * cpe
+    mem_s = nbytes / (np.minimum(d.hbm_bw, d.glb_bw) * share)
+    return np.maximum(cycles / d.clock_hz, mem_s)
+
+
+def _collective_seconds(op, bw: float, lat: float) -> float:
+    g = op.group
+    if g <= 1:
+        return 0.0
+    nbytes = op.comm_bytes or op.bytes_read
+    kind = op.collective.lower().replace("-", "").replace("_", "")
+    if kind in ("allreduce", ""):
+        return 2.0 * (g - 1) / g * nbytes / bw + 2.0 * (g - 1) * lat
+    if kind in ("allgather", "reducescatter", "alltoall"):
+        return (g - 1) / g * nbytes / bw + (g - 1) * lat
+    if kind in ("sendrecv", "p2p", "send", "recv"):
+        return nbytes / bw + lat
+    raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")
+
+
+def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: int = BYTES_PER_ELEMENT) -> OpLatencies:
+    """Latency of every op of `op_graph` on every design: `single` and `split`, [n_designs, n_ops] s.
+
+    `designs` is a sequence of Accelerators or a DesignArrays; `interconnect` an Interconnect, a
+    system Link (.bandwidth, .latency) or None for the default NVLink-class link.
+    """
+    d = designs if isinstance(designs, DesignArrays) else DesignArrays.from_accelerators(list(designs))
+    ops = op_graph.ops
+    n_d, n_o = len(d), len(ops)
+    single = np.zeros((n_d, n_o))
+    split = np.zeros((n_d, n_o))
+    e = float(bytes_per_element)
+    unknown: set[str] = set()
+
+    gemm_idx, gemm_rows = [], []  # (B, M, K, N, hbm bytes, epilogue elements, epilogue cpe, is fused)
+    vec_idx, vec_rows = [], []  # (elements, cpe, bytes)
+    bw, lat = _link(interconnect)
+    for i, op in enumerate(ops):
+        if op.unit in (TC, TCVC):
+            if len(op.gemm) != 4:
+                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
+            b, m, kk, n = (float(x) for x in op.gemm)
+            dims_bytes = b * (m * kk + kk * n + m * n) * e
+            nbytes = op.bytes_read + op.bytes_written or dims_bytes
+            cpe, unk = cycles_per_element(op) if op.unit == TCVC else (0.0, [])
+            unknown.update(unk)
+            elements = float(op.elements or b * m * n)
+            if op.unit == TCVC and op.flops > 0:
+                cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
+            gemm_idx.append(i)
+            gemm_rows.append((b, m, kk, n, nbytes, elements, cpe, op.unit == TCVC))
+        elif op.unit == VC:
+            cpe, unk = cycles_per_element(op)
+            unknown.update(unk)
+            elements = float(op.elements or max(op.bytes_written / e, 1.0))
+            if op.flops > 0:  # never fewer lane-cycles than the op's counted operations
+                cpe = max(cpe, op.flops / elements)
+            nbytes = op.bytes_read + op.bytes_written or 2.0 * elements * e
+            vec_idx.append(i)
+            vec_rows.append((elements, cpe, nbytes))
+        elif op.unit == NET:
+            t = _collective_seconds(op, bw, lat)
+            single[:, i] = t
+            split[:, i] = t
+        elif op.unit == NONE:
+            pass
+        else:  # Op validates its unit; a new unit must be costed here before it is used
+            raise ValueError(f"op {op.name}: no latency model for unit {op.unit!r}")
+
+    if gemm_idx:
+        g = np.array(gemm_rows, dtype=float).T[:, None, :]  # each field [1, n_gemm]
+        B, M, K, N, nbytes, elements, cpe, fused = g
+        for out, k_tc, k_vc, share in (
+            (single, 1.0, 1.0, 1.0 / d.num_tc),
+            (split, d.num_tc, d.num_vc, 1.0),
+        ):
+            t = _gemm_seconds(B, M, K, N, nbytes, d, k_tc, share, e)
+            epilogue = _ceil_div(elements, d.vc_width * k_vc) * cpe / d.clock_hz
+            out[:, gemm_idx] = np.where(fused > 0, np.maximum(t, epilogue), t)
+    if vec_idx:
+        v = np.array(vec_rows, dtype=float).T[:, None, :]
+        elements, cpe, nbytes = v
+        single[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, 1.0, 1.0 / d.num_vc)
+        split[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, d.num_vc, 1.0)
+
+    return OpLatencies(
+        single=single, split=split, units=tuple(op.unit for op in ops), names=tuple(op.name for op in ops),
+        unknown_vector_ops=tuple(sorted(unknown)),
+    )
+
+
+def estimate_one(op_graph: OpGraph, accel: Accelerator, interconnect=None) -> tuple[np.ndarray, np.ndarray]:
+    """(single, split) latency rows of one design."""
+    lat = estimate(op_graph, [accel], interconnect)
+    return lat.single[0], lat.split[0]

@@ -1,0 +1,406 @@
+"""Search spaces: which accelerators (and which microbatch/recompute choices) a study may try.
+
+A space file (`configs/spaces/<name>.yaml` or the user's own) names every parameter and its ordered
+choices, the values that are tied to another parameter or fixed, and the area rule:
+
+    name: phaze
+    params:                          # sampled, in this order; choices keep their order
+      num_tc: {pow2: [1, 4096]}      # powers of two from 1 to 4096
+      glb_mib: {pow2: [2, 128]}
+      hbm_gib: [32, 64, 80]          # an explicit list
+      mbs: [1, 2, 4, 8]
+      recompute: [false, true]
+      ...
+    tied: {vc_width: tc_x}           # the published system ties the vector width to the TC width
+    fixed: {clock_ghz: 1.05}
+    hbm_bw_gbps: {32: 1200, ...}     # optional; default hardware.memory.HBM_BW_BY_GIB
+    glb_bw_gbps: 8601.6              # optional; default the published rule (hardware.memory)
+    area:
+      budget: tpuv4                  # a reference design (its modelled area) or a number in mm^2
+      min_fraction: 0.3              # the floor, as a fraction of the budget
+      floor_exempt_if_one: [num_tc, num_vc]
+
+Every accelerator field (num_tc, tc_x, tc_y, num_vc, vc_width, glb_mib, hbm_gib, clock_ghz) must be
+sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item list fixes them).
+
+The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
+`check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
+floor is waived when any of `floor_exempt_if_one` is 1 (single-core designs are kept as baselines).
+HBM is off-chip and does not count towards the area.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import configs
+from ..errors import PhazeError, config_error
+from .accelerator import Accelerator
+from .arch import GIB, MIB, load_arch
+from .area import area_mm2, area_mm2_arrays
+from .memory import HBM_BW_BY_GIB, glb_bandwidth
+
+ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
+AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
+RUN_FIELDS = ("mbs", "recompute")
+INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
+POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
+ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS
+TOP_KEYS_REQUIRED = ("params", "area")
+TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps")
+AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
+MAX_GRID = 20_000_000
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and (v & (v - 1)) == 0
+
+
+def _native(v):
+    """Plain Python numbers: whole floats become ints so points print and log cleanly."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _check_value(file, where: str, name: str, v) -> Any:
+    if name == "recompute":
+        if not isinstance(v, bool):
+            raise config_error(file, where, f"choices must be true or false, got {v!r}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise config_error(file, where, f"values must be positive numbers, got {v!r}")
+    v = _native(v)
+    if name in INT_FIELDS and not isinstance(v, int):
+        raise config_error(file, where, f"values must be positive integers, got {v!r}")
+    if name in POW2_FIELDS and not _is_pow2(v):
+        raise config_error(file, where, f"values must be powers of two, got {v!r}")
+    return v
+
+
+def _expand_choices(file, name: str, spec) -> list:
+    where = f"params.{name}"
+    if isinstance(spec, dict):
+        if set(spec) == {"pow2"}:
+            lohi = spec["pow2"]
+            if not (isinstance(lohi, list) and len(lohi) == 2 and all(_is_pow2(x) for x in lohi)) or lohi[0] > lohi[1]:
+                raise config_error(file, where, f"pow2 needs [low, high] with powers of two, low <= high, got {lohi!r}")
+            values = [2**i for i in range(int(math.log2(lohi[0])), int(math.log2(lohi[1])) + 1)]
+        elif set(spec) in ({"range"}, {"range", "step"}):
+            lohi, step = spec["range"], spec.get("step", 1)
+            ok = isinstance(lohi, list) and len(lohi) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lohi)
+            if not ok or lohi[0] > lohi[1] or not (isinstance(step, int) and not isinstance(step, bool) and step > 0):
+                raise config_error(file, where, f"range needs [low, high] integers with low <= high and a positive integer step, got {spec!r}")
+            values = list(range(lohi[0], lohi[1] + 1, step))
+        else:
+            raise config_error(file, where, f"a mapping must be {{pow2: [low, high]}} or {{range: [low, high], step: s}}, got keys {sorted(spec)}")
+    elif isinstance(spec, list):
+        values = spec
+    else:
+        raise config_error(file, where, f"must be a list of choices or a pow2/range mapping, got {spec!r}")
+    if not values:
+        raise config_error(file, where, "has no choices")
+    values = [_check_value(file, where, name, v) for v in values]
+    if len(set(values)) != len(values):
+        raise config_error(file, where, f"repeats a choice: {values}")
+    return values
+
+
+@dataclass
+class SearchSpace:
+    name: str
+    params: dict[str, list]  # sampled parameters -> ordered choices
+    tied: dict[str, str]  # field -> the sampled parameter it copies
+    fixed: dict[str, Any]
+    hbm_bw_table: dict  # hbm GiB -> bytes/s
+    glb_bw_fixed: float | None  # bytes/s, or None for the published rule
+    area_budget_mm2: float
+    budget_label: str
+    min_fraction: float
+    floor_exempt_if_one: tuple[str, ...]
+    description: str = ""
+    path: str = ""
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- single points --------------------------------------------------------------------------
+
+    def _value(self, point: dict, name: str):
+        if name in self.fixed:
+            return self.fixed[name]
+        if name in self.tied:
+            name = self.tied[name]
+        try:
+            return point[name]
+        except KeyError:
+            raise PhazeError(f"space '{self.name}': point lacks parameter '{name}'; it needs {', '.join(self.params)}") from None
+
+    def arch_values(self, point: dict) -> dict:
+        """Every accelerator field in config units (MiB, GiB, GHz) for a point."""
+        return {f: self._value(point, f) for f in ARCH_FIELDS}
+
+    def accelerator(self, point: dict) -> Accelerator:
+        v = self.arch_values(point)
+        clock_hz = float(v["clock_ghz"]) * 1e9
+        hbm = v["hbm_gib"]
+        if hbm not in self.hbm_bw_table:
+            raise PhazeError(f"space '{self.name}': no HBM bandwidth for hbm_gib={hbm}; known {sorted(self.hbm_bw_table)}")
+        glb_bw = self.glb_bw_fixed if self.glb_bw_fixed is not None else glb_bandwidth(
+            v["num_tc"], v["tc_x"], v["tc_y"], v["num_vc"], v["vc_width"], clock_hz)
+        label = (f"tc{v['num_tc']}x{v['tc_x']}x{v['tc_y']}-vc{v['num_vc']}x{v['vc_width']}"
+                 f"-glb{_native(v['glb_mib'])}M-hbm{_native(hbm)}G")
+        return Accelerator(
+            num_tc=int(v["num_tc"]), tc_x=int(v["tc_x"]), tc_y=int(v["tc_y"]), num_vc=int(v["num_vc"]),
+            vc_width=int(v["vc_width"]), glb_bytes=int(round(v["glb_mib"] * MIB)), glb_bw=float(glb_bw),
+            hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
+        )
+
+    def _rule(self, area, exempt):
+        """Vectorised area rule -> (ok, too_big, too_small)."""
+        too_big = area > self.area_budget_mm2 * (1 + AREA_TOLERANCE)
+        too_small = (area < self.min_fraction * self.area_budget_mm2 * (1 - AREA_TOLERANCE)) & ~exempt
+        return ~too_big & ~too_small, too_big, too_small
+
+    def area_check(self, point: dict) -> tuple[bool, float, str]:
+        """(fits, area in mm^2, why not) for one point; the reason is '' when it fits."""
+        acc = self.accelerator(point)
+        area = area_mm2(acc)
+        exempt = np.array(any(self._value(point, f) == 1 for f in self.floor_exempt_if_one))
+        ok, too_big, _ = self._rule(np.array(area), exempt)
+        if ok:
+            return True, area, ""
+        if too_big:
+            return False, area, f"area {area:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2 ({self.budget_label})"
+        floor = self.min_fraction * self.area_budget_mm2
+        return False, area, (f"area {area:.2f} mm^2 is below the floor {floor:.2f} mm^2 "
+                             f"({self.min_fraction:g} of the budget; waived only when {' or '.join(self.floor_exempt_if_one) or 'never'} is 1)")
+
+    # ---- the grid -------------------------------------------------------------------------------
+
+    @property
+    def area_params(self) -> list[str]:
+        """Sampled parameters that change the chip's area (directly or through a tie)."""
+        used = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed}
+        return [p for p in self.params if p in used]
+
+    def _grid_arrays(self):
+        """Over the full index grid of the sampled params: area (broadcast) and the feasibility mask."""
+        if "grid" in self._cache:
+            return self._cache["grid"]
+        names = list(self.params)
+        shape = tuple(len(self.params[n]) for n in names)
+        if math.prod(shape) > MAX_GRID:
+            raise PhazeError(f"space '{self.name}': {math.prod(shape):,} points is more than the {MAX_GRID:,} this tool enumerates")
+
+        def axis_values(field_name):
+            if field_name in self.fixed:
+                return np.array(self.fixed[field_name], dtype=float)
+            src = self.tied.get(field_name, field_name)
+            k = names.index(src)
+            vals = np.array(self.params[src], dtype=float)
+            return vals.reshape([-1 if i == k else 1 for i in range(len(names))])
+
+        v = {f: axis_values(f) for f in AREA_FIELDS}
+        area = area_mm2_arrays(v["num_tc"], v["tc_x"], v["tc_y"], v["num_vc"], v["vc_width"], v["glb_mib"] * MIB)
+        exempt = np.zeros(area.shape, dtype=bool)
+        for f in self.floor_exempt_if_one:
+            exempt = exempt | (axis_values(f) == 1)
+        ok, _, _ = self._rule(area, exempt)
+        self._cache["grid"] = (names, shape, area, ok)
+        return self._cache["grid"]
+
+    def _arch_grid(self):
+        """Area-relevant sub-grid: (names, index arrays of the feasible combos in grid order, areas)."""
+        if "arch" in self._cache:
+            return self._cache["arch"]
+        names, shape, area, ok = self._grid_arrays()
+        keep = [i for i, n in enumerate(names) if n in self.area_params]
+        # area and feasibility vary only along the area axes: take one slice through the others
+        sub = tuple(slice(None) if i in keep else slice(0, 1) for i in range(len(names)))
+        kshape = tuple(shape[i] for i in keep) or (1,)
+        area_sub = np.broadcast_to(area, shape)[sub].reshape(kshape)
+        ok_sub = np.broadcast_to(ok, shape)[sub].reshape(kshape)
+        idx = np.nonzero(ok_sub)
+        result = ([names[i] for i in keep], idx, area_sub[idx])
+        self._cache["arch"] = result
+        return result
+
+    def count(self) -> int:
+        """Number of architectures (distinct area-relevant choices) that pass the area rule."""
+        return int(self._arch_grid()[2].size)
+
+    def architectures(self, order: str = "area") -> list[dict]:
+        """The area-feasible architectures as dicts of the area-relevant parameters plus `area_mm2`."""
+        names, idx, areas = self._arch_grid()
+        perm = self._order(areas, order)
+        cols = [[self.params[n][j] for j in idx[k][perm]] for k, n in enumerate(names)]
+        rows = zip(*cols) if names else [()] * areas.size
+        return [dict(zip(names, vals), area_mm2=float(a)) for vals, a in zip(rows, areas[perm])]
+
+    @staticmethod
+    def _order(areas: np.ndarray, order: str) -> np.ndarray:
+        if order == "grid":
+            return np.arange(areas.size)
+        if order == "area":  # the published sweep: largest designs first
+            return np.argsort(-areas, kind="stable")
+        raise ValueError(f"order must be 'area' or 'grid', got {order!r}")
+
+    def grid_points(self, order: str = "area") -> list[dict]:
+        """Every area-feasible full point (all sampled parameters).
+
+        "grid": the product of the choices in file order; "area": by decreasing area, the published
+        system's sweep order, ties in grid order.
+        """
+        names, shape, area, ok = self._grid_arrays()
+        ok_full = np.broadcast_to(ok, shape)
+        idx = np.nonzero(ok_full)
+        if idx[0].size == 0:
+            return []
+        perm = self._order(np.broadcast_to(area, shape)[idx], order)
+        cols = [[self.params[n][j] for j in idx[k][perm]] for k, n in enumerate(names)]
+        return [dict(zip(names, vals)) for vals in zip(*cols)]
+
+    def size(self) -> int:
+        """Number of area-feasible full points (what `grid_points` returns)."""
+        names, shape, _, ok = self._grid_arrays()
+        return int(np.broadcast_to(ok, shape).sum())
+
+    # ---- reference designs ----------------------------------------------------------------------
+
+    def reference_point(self, arch: str | os.PathLike = "tpuv4", mbs: int | None = None, recompute: bool | None = None) -> dict:
+        """The point of this space that builds `arch` (a reference design name or path).
+
+        Fails with a one-line error when the space cannot express the design (a fixed or tied field,
+        or a derived bandwidth, differs). `mbs` defaults to the first choice, `recompute` to False.
+        """
+        acc = load_arch(arch)
+        have = {
+            "num_tc": acc.num_tc, "tc_x": acc.tc_x, "tc_y": acc.tc_y, "num_vc": acc.num_vc, "vc_width": acc.vc_width,
+            "glb_mib": _native(acc.glb_bytes / MIB), "hbm_gib": _native(acc.hbm_bytes / GIB),
+            "clock_ghz": _native(acc.clock_hz / 1e9),
+        }
+        point = {}
+        for p in self.params:
+            if p == "mbs":
+                point[p] = self.params["mbs"][0] if mbs is None else mbs
+            elif p == "recompute":
+                point[p] = (False if False in self.params[p] else self.params[p][0]) if recompute is None else recompute
+            else:
+                point[p] = have[p]
+        built = self.accelerator(point)
+        for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bytes", "hbm_bw", "clock_hz"):
+            a, b = getattr(built, f), getattr(acc, f)
+            if not math.isclose(a, b, rel_tol=1e-9):
+                raise PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': {f} would be {a:g} in the space, the design has {b:g}")
+        return point
+
+
+def _parse_budget(file, area_spec) -> tuple[float, str]:
+    budget = area_spec.get("budget")
+    if isinstance(budget, str):
+        base = Path(file).parent
+        candidate = base / budget
+        target = candidate if (budget.endswith((".yaml", ".yml")) and candidate.is_file()) else budget
+        try:
+            acc = load_arch(target)
+        except PhazeError as exc:
+            raise config_error(file, "area.budget", f"not a reference design ({exc})") from None
+        return area_mm2(acc), acc.name or str(budget)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise config_error(file, "area.budget", f"must be a reference design name or a positive number of mm^2, got {budget!r}")
+    return float(budget), f"{budget:g} mm^2"
+
+
+def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
+    configs.check_keys(data, file, TOP_KEYS_REQUIRED, TOP_KEYS_OPTIONAL)
+    raw_params = data["params"]
+    if not isinstance(raw_params, dict) or not raw_params:
+        raise config_error(file, "params", "must be a non-empty mapping of parameter -> choices")
+    for name in raw_params:
+        if name not in ALL_FIELDS:
+            raise config_error(file, f"params.{name}", f"unknown parameter; allowed: {', '.join(ALL_FIELDS)}")
+    params = {name: _expand_choices(file, name, spec) for name, spec in raw_params.items()}
+
+    tied = data.get("tied") or {}
+    fixed_raw = data.get("fixed") or {}
+    for key, val in (("tied", tied), ("fixed", fixed_raw)):
+        if not isinstance(val, dict):
+            raise config_error(file, key, f"must be a mapping, got {val!r}")
+    for f, src in tied.items():
+        if f not in ARCH_FIELDS:
+            raise config_error(file, f"tied.{f}", f"unknown field; allowed: {', '.join(ARCH_FIELDS)}")
+        if src not in params or src in RUN_FIELDS:
+            raise config_error(file, f"tied.{f}", f"must name a sampled accelerator parameter, got {src!r}")
+    fixed = {}
+    for f, v in fixed_raw.items():
+        if f not in ARCH_FIELDS:
+            raise config_error(file, f"fixed.{f}", f"unknown field; allowed: {', '.join(ARCH_FIELDS)}")
+        fixed[f] = _check_value(file, f"fixed.{f}", f, v)
+    for f in ARCH_FIELDS:
+        where = [k for k, d in (("params", params), ("tied", tied), ("fixed", fixed)) if f in d]
+        if len(where) != 1:
+            problem = "is not given" if not where else f"is given in more than one of {', '.join(where)}"
+            raise config_error(file, f, f"{problem}; every accelerator field must be sampled (params), tied or fixed")
+    for f in RUN_FIELDS:
+        if f not in params:
+            raise config_error(file, f"params.{f}", "missing; give the choices (a one-item list fixes it)")
+
+    hbm_raw = data.get("hbm_bw_gbps")
+    if hbm_raw is None:
+        hbm_table = dict(HBM_BW_BY_GIB)
+    else:
+        if not isinstance(hbm_raw, dict) or not hbm_raw:
+            raise config_error(file, "hbm_bw_gbps", "must map HBM capacity (GiB) -> bandwidth (GB/s)")
+        hbm_table = {}
+        for k, v in hbm_raw.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise config_error(file, f"hbm_bw_gbps.{k}", f"must be a positive number of GB/s, got {v!r}")
+            hbm_table[_native(k)] = float(v) * 1e9
+    hbm_choices = params.get("hbm_gib", [fixed.get("hbm_gib")])
+    for h in hbm_choices:
+        if h not in hbm_table:
+            raise config_error(file, "hbm_bw_gbps", f"no bandwidth for hbm_gib {h}; known: {sorted(hbm_table)}")
+    glb_bw = None
+    if "glb_bw_gbps" in data:
+        glb_bw = configs.positive_number(data, "glb_bw_gbps", file) * 1e9
+
+    area_spec = data["area"]
+    if not isinstance(area_spec, dict):
+        raise config_error(file, "area", "must be a mapping with budget, min_fraction, floor_exempt_if_one")
+    configs.check_keys(area_spec, f"{file}: area", ["budget"], ["min_fraction", "floor_exempt_if_one"])
+    budget, label = _parse_budget(file, area_spec)
+    min_fraction = area_spec.get("min_fraction", 0.0)
+    if isinstance(min_fraction, bool) or not isinstance(min_fraction, (int, float)) or not 0 <= min_fraction < 1:
+        raise config_error(file, "area.min_fraction", f"must be a number in [0, 1), got {min_fraction!r}")
+    exempt = area_spec.get("floor_exempt_if_one", [])
+    if not isinstance(exempt, list) or any(e not in ("num_tc", "num_vc") for e in exempt):
+        raise config_error(file, "area.floor_exempt_if_one", f"must be a list drawn from num_tc, num_vc, got {exempt!r}")
+
+    name = data.get("name", default_name)
+    if not isinstance(name, str):
+        raise config_error(file, "name", f"must be a string, got {name!r}")
+    space = SearchSpace(
+        name=name, params=params, tied=dict(tied), fixed=fixed, hbm_bw_table=hbm_table, glb_bw_fixed=glb_bw,
+        area_budget_mm2=budget, budget_label=label, min_fraction=float(min_fraction),
+        floor_exempt_if_one=tuple(exempt), description=str(data.get("description", "")), path=str(file),
+    )
+    if space.count() == 0:
+        raise config_error(file, "area", f"no architecture passes the area rule (budget {budget:.2f} mm^2, "
+                                         f"floor {min_fraction:g} of it): the space is empty")
+    return space
+
+
+def load_space(name_or_path: str | os.PathLike) -> SearchSpace:
+    data, path = configs.load("spaces", name_or_path)
+    return space_from_mapping(data, path, default_name=path.stem)
+
+
+def available_spaces() -> list[str]:
+    return configs.available("spaces")

@@ -1,0 +1,297 @@
+"""A study's settings, their validation, and opening its Optuna storage and sampler.
+
+Everything here runs before the first trial, so every user mistake (unknown sampler, model, space
+or system, bad objectives, an empty space, a study name reused with other settings) becomes one
+`PhazeError` line instead of a failed trial or a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from ..errors import PhazeError
+from .objective import directions, parse_objectives
+from .tracking import DEFAULT_TRACKING_URI, redact
+
+SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
+SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
+ORDERS = ("area", "grid")
+# The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
+# (msr-fiddle/phaze, Solver/solver.py: acc_group_range = 10000, areas in um^2).
+PHAZE_AREA_GROUP_MM2 = 0.01
+HEARTBEAT_S = 30
+GRACE_S = 120
+_NAME_BAD = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    models: tuple[str, ...] = ("gpt3-175b",)
+    space: str = "phaze"
+    system: str = "default"
+    sampler: str = "tpe"
+    seed: int = 0
+    trials: int = 500  # the study's total of finished trials; a resumed study runs only the rest
+    objectives: tuple[str, ...] = ("throughput",)
+    study_name: str | None = None
+    storage: str | None = None  # default sqlite:///<output_dir>/<study-name>.db
+    tracking_uri: str | None = DEFAULT_TRACKING_URI  # "off" disables MLflow
+    workers: int = 1
+    exhaustive: bool = False
+    order: str = "area"
+    hysteresis: int | None = None  # None: evaluate every grid point
+    area_group_mm2: float = PHAZE_AREA_GROUP_MM2
+    output_dir: str = "studies"
+    reference_arch: str = "tpuv4"
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+
+    @property
+    def mode(self) -> str:
+        return "exhaustive" if self.exhaustive else "sampled"
+
+    @property
+    def directions(self) -> list[str]:
+        return directions(self.objectives)
+
+
+@dataclass
+class Backend:
+    """The pieces a study calls, injectable so the study machinery can be tested on its own.
+
+    Left as None they are the real ones: `evaluate_design`, the space named by the config,
+    `load_arch(config.reference_arch)` and `load_model` to check model names. Worker processes get
+    a copy, so anything put here must be picklable (module-level functions and classes).
+    """
+
+    evaluator: Callable | None = None
+    space: Any = None
+    reference_arch: Any = None
+    check_model: Callable[[str], Any] | None = None
+
+    def resolved(self, config: StudyConfig) -> "Backend":
+        evaluator = self.evaluator
+        if evaluator is None:
+            from . import evaluate
+
+            evaluator = getattr(evaluate, "evaluate_design", None)
+            if evaluator is None:
+                raise PhazeError("phaze_opt.search.evaluate.evaluate_design is not available in this build")
+        space = self.space
+        if space is None:
+            from ..hardware.space import load_space
+
+            space = load_space(config.space)
+        reference = self.reference_arch
+        if reference is None:
+            from ..hardware.arch import load_arch
+
+            reference = load_arch(config.reference_arch)
+        return replace(self, evaluator=evaluator, space=space, reference_arch=reference)
+
+
+def _stem(name: str) -> str:
+    text = str(name)
+    if text.endswith((".yaml", ".yml")) or "/" in text:
+        text = Path(text).stem
+    return text
+
+
+def clean_name(text: str) -> str:
+    return _NAME_BAD.sub("_", text).strip("_") or "study"
+
+
+def default_study_name(config: StudyConfig) -> str:
+    models = "+".join(_stem(m) for m in config.models)
+    parts = [models, _stem(config.space)]
+    if _stem(config.system) != "default":
+        parts.append(_stem(config.system))
+    if config.exhaustive:
+        hyst = "off" if config.hysteresis is None else str(config.hysteresis)
+        parts += ["exhaustive", config.order, f"h{hyst}"]
+    else:
+        parts += [config.sampler, f"seed{config.seed}"]
+    if tuple(config.objectives) != ("throughput",):
+        parts.append("+".join(config.objectives))
+    return clean_name("-".join(parts))
+
+
+def study_name(config: StudyConfig) -> str:
+    return config.study_name or default_study_name(config)
+
+
+def default_storage(name: str, output_dir: str = "studies") -> str:
+    return f"sqlite:///{Path(output_dir) / name}.db"
+
+
+def storage_url(config: StudyConfig) -> str:
+    return config.storage or default_storage(study_name(config), config.output_dir)
+
+
+def parse_hysteresis(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        text = str(value).strip().lower()
+        if text in ("off", "none"):
+            return None
+        try:
+            number = int(text)
+        except ValueError:
+            raise PhazeError(f"--hysteresis: expected a positive whole number of area groups or 'off', got '{value}'") from None
+    if number <= 0:
+        raise PhazeError(f"--hysteresis: expected a positive whole number of area groups or 'off', got '{value}'")
+    return number
+
+
+def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig:
+    """Check every user-given setting; returns the config with normalised values."""
+    sampler = str(config.sampler).strip().lower()
+    if sampler not in SAMPLERS:
+        raise PhazeError(f"--sampler: unknown sampler '{config.sampler}'; choose one of {', '.join(SAMPLERS)}")
+    objectives = parse_objectives(config.objectives)
+    if len(objectives) > 1 and sampler in SINGLE_OBJECTIVE_SAMPLERS and not config.exhaustive:
+        raise PhazeError(f"--sampler {sampler} optimises one objective; use tpe, random, qmc, gp or nsga2 "
+                         f"with --objectives {','.join(objectives)}")
+    if not config.models:
+        raise PhazeError("--model: give at least one model")
+    if len(set(config.models)) != len(config.models):
+        raise PhazeError(f"--model: a model is repeated: {', '.join(config.models)}")
+    if isinstance(config.trials, bool) or not isinstance(config.trials, int) or config.trials <= 0:
+        raise PhazeError(f"--trials: expected a positive whole number, got {config.trials!r}")
+    if isinstance(config.workers, bool) or not isinstance(config.workers, int) or config.workers <= 0:
+        raise PhazeError(f"--workers: expected a positive whole number, got {config.workers!r}")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
+        raise PhazeError(f"--seed: expected a non-negative whole number, got {config.seed!r}")
+    order = str(config.order).strip().lower()
+    if order not in ORDERS:
+        raise PhazeError(f"--order: unknown order '{config.order}'; choose area or grid")
+    hysteresis = parse_hysteresis(config.hysteresis)
+    if config.exhaustive and hysteresis is not None and order != "area":
+        raise PhazeError("--hysteresis stops a sweep by decreasing area; it needs --order area (or --hysteresis off)")
+    if config.exhaustive and hysteresis is not None and config.workers > 1:
+        raise PhazeError("--hysteresis needs the area groups in order; use --workers 1 or --hysteresis off")
+    if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
+        raise PhazeError(f"--area-group-mm2: expected a positive number, got {config.area_group_mm2!r}")
+    if config.study_name is not None and not str(config.study_name).strip():
+        raise PhazeError("--study-name: must not be empty")
+    if config.storage is not None and "://" not in str(config.storage):
+        raise PhazeError(f"--storage: expected a database URL such as sqlite:///studies/x.db or "
+                         f"postgresql://user@host/db, got '{config.storage}'")
+    check = (backend.check_model if backend and backend.check_model else None) or _check_model
+    models = tuple(str(m) for m in config.models)
+    for m in models:
+        check(m)
+    from ..system import load_system
+
+    load_system(config.system)
+    return replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
+
+
+def _check_model(name: str):
+    try:
+        from ..workload.models import load_model
+    except ImportError:  # the workload package is not there: at least the name must resolve
+        from .. import configs
+
+        return configs.resolve("models", name)
+    return load_model(name)
+
+
+def check_space(space) -> None:
+    params = getattr(space, "params", None)
+    if not params:
+        raise PhazeError(f"space '{getattr(space, 'name', '?')}': it has no parameters to search")
+    for name, choices in params.items():
+        if not list(choices):
+            raise PhazeError(f"space '{getattr(space, 'name', '?')}': parameter '{name}' has no choices")
+    for needed in ("mbs", "recompute"):
+        if needed not in params:
+            raise PhazeError(f"space '{getattr(space, 'name', '?')}': parameter '{needed}' is missing")
+
+
+def make_storage(url: str) -> optuna.storages.RDBStorage:
+    """An RDB storage with heartbeats, so trials of a killed process are failed and retried on resume."""
+    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):].split("?", 1)[0])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    else:
+        kwargs["engine_kwargs"] = {"pool_pre_ping": True}
+    try:
+        return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                          failed_trial_callback=RetryFailedTrialCallback(max_retry=3), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a bad URL or unreachable server is user input
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PhazeError(f"--storage {redact(url)}: cannot open: {first}") from None
+
+
+def make_sampler(name: str, seed: int, n_objectives: int, worker: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler for one process; worker k > 0 gets seed + k so workers do not propose the same points."""
+    s = seed + worker
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=s)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=s)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=s, warn_independent_sampling=False)
+    if name == "qmc":
+        return optuna.samplers.QMCSampler(seed=s, scramble=True, warn_independent_sampling=False,
+                                          warn_asynchronous_seeding=False)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=s, warn_independent_sampling=False)
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=s)
+    raise PhazeError(f"unknown sampler '{name}'; choose one of {', '.join(SAMPLERS)}")
+
+
+IDENTITY_KEYS = ("mode", "models", "space", "system", "objectives")
+
+
+def study_identity(config: StudyConfig, space) -> dict:
+    return {
+        "mode": config.mode,
+        "models": list(config.models),
+        "space": getattr(space, "name", None) or _stem(config.space),
+        "system": _stem(config.system),
+        "objectives": list(config.objectives),
+    }
+
+
+def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Study, bool]:
+    """Create the study, or load it when it exists with the same settings; returns (study, resumed)."""
+    name = study_name(config)
+    identity = study_identity(config, space)
+    try:
+        existing = optuna.study.get_all_study_names(storage)
+    except Exception as exc:  # noqa: BLE001
+        raise PhazeError(f"--storage {redact(storage_url(config))}: cannot read: {exc}") from None
+    if name in existing:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        attrs = study.user_attrs
+        for key in IDENTITY_KEYS:
+            if key in attrs and attrs[key] != identity[key]:
+                raise PhazeError(f"study '{name}' in {redact(storage_url(config))} was run with {key} "
+                                 f"{attrs[key]}, not {identity[key]}; choose another --study-name")
+        if list(study.directions) != [optuna.study.StudyDirection[d.upper()] for d in config.directions]:
+            raise PhazeError(f"study '{name}' has other objective directions; choose another --study-name")
+        return study, True
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                                directions=config.directions, load_if_exists=True)
+    for key, value in identity.items():
+        study.set_user_attr(key, value)
+    study.set_user_attr("sampler", "exhaustive" if config.exhaustive else config.sampler)
+    study.set_user_attr("seed", config.seed)
+    if config.exhaustive:
+        study.set_user_attr("order", config.order)
+        study.set_user_attr("hysteresis", config.hysteresis)
+    return study, False

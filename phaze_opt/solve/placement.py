@@ -1,0 +1,694 @@
+"""Exact device placement: pipeline stages, TP width and data-parallel degree for one design.
+
+The cost model is defined once, in `placement_eval` (read its docstring first); this module finds
+the placement that minimises its time per batch, and every answer is re-evaluated by that
+independent evaluator before it is returned.
+
+Search space: every allowed TP width t; every number of stages S (1 <= S <= layers); every data-
+parallel degree d with S*t*d <= accelerators; every split of the layer DAG into S stages that are
+differences of downsets D_0 = {} < D_1 < ... < D_S = all layers (for a chain: contiguous ranges).
+Each stage uses exactly t devices per replica, so unlike the published DP (Wang et al., ICML 2024)
+we carry no device dimension: a stage count S already fixes the devices a pipeline uses.
+
+The DP. Rows are the downsets D (layers placed in earlier stages), ordered by size. With k the
+position from the end, f_k(D) is the least bottleneck with which the layers outside D can be split
+into k stages, the first of them at position k:
+
+    f_0(all) = 0,   f_k(D) = min over downsets D' > D of max(c_k(D, D'), f_{k-1}(D')),
+
+where c_k is the stage time (recompute's extra forward for k > 1, receives on the pipeline link) and
+infinite when the stage does not fit HBM at position k. One sweep k = 1..K gives the best split for
+every S at once: f_S({}). Memory makes the position matter: the stage at position k holds
+min(k, m) microbatches, and m depends on d. Only the smallest d of each distinct m can be optimal
+(same pipeline, least all-reduce), and for S <= m the cap never binds, so one uncapped sweep serves
+all those (S, d) pairs; a pair with S > m continues a capped sweep from row k = m of the uncapped one.
+The pipeline link depends on S only through "does one replica fit in a node" (see
+`phaze_opt.system`), so there are two sweeps per width, one per link.
+
+Exactness with two max-terms. Time per batch = (m + S - 1) * C + AR(d) * G + AR0(d), with C the
+bottleneck stage time and G the largest stage's gradient bytes. Minimising C alone is not exact: a
+split with a slightly slower bottleneck but a smaller largest stage can win on the all-reduce. We
+use epsilon-constraints on G: sweep with stages restricted to gradient bytes < x, get for every
+(S, d) pair the least C and the G of that split, then lower x to the largest G still of interest.
+Any split whose largest stage lies in [G_i, x_i) is dominated by the one found at step i (C no
+smaller, G no smaller), so every Pareto-optimal (C, G) of every pair is met on the way. A pair
+drops out when its C is infinite, when its G equals the least any S-stage split can have
+(max(largest layer, total / S)), or when even that least G cannot beat the best time found so far
+(C only grows as x falls). The tests check this against brute force over every placement.
+
+Costs: per sweep step one gather, one max and one argmin over rows x candidate stages; a chain's
+candidate stages are limited to the longest one that fits HBM, so a 98-layer GPT-3 on 1024
+devices with 4 TP widths takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PhazeError
+from .placement_eval import GIB, evaluate_placement
+from .placement_types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result
+
+INF = math.inf
+MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
+MAX_TRANSITIONS = 2_000_000
+_KMAX_CAP = 1 << 30  # "any number of microbatches fits"
+RTOL = 1e-9  # DP value vs evaluator
+
+
+# --------------------------------------------------------------------------------------------
+# Candidate stages of every TP width, stacked
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stack:
+    """Candidate stages as dense [widths, rows, columns] tables.
+
+    Row r is the downset placed in earlier stages (sizes ascending; row 0 the empty set, the last
+    row the full set, which has no candidates). Column a is the stage D' minus D_r with D' the row
+    `dst[r, a]`; padding points at the sentinel row R, whose f is always infinite. The layer graph
+    is the same at every TP width, so rows and `dst` are shared; the costs are per width.
+    """
+
+    widths: tuple[int, ...]
+    n_layers: int
+    sizes: np.ndarray  # [R] layers in each row's downset
+    masks: list | None  # DAG: bitmask per row; chain: None (row r = the first r layers)
+    dst: np.ndarray  # [R, W] int
+    work1: np.ndarray  # [T, R, W] compute time as the last stage (k = 1)
+    work2: np.ndarray  # [T, R, W] compute time elsewhere (recompute adds a forward)
+    bytes_in: np.ndarray  # [T, R, W] received activations (and output gradients below)
+    has_in: np.ndarray  # [T, R, W] bool: the stage receives anything
+    bytes_out: np.ndarray
+    has_out: np.ndarray
+    grad: np.ndarray  # [T, R, W] gradient bytes of the stage (inf for padding)
+    base: np.ndarray  # [T, R, W] state + one microbatch's activations
+    stash: np.ndarray  # [T, R, W] bytes per further in-flight microbatch
+    kmax: np.ndarray  # [T, R, W] most in-flight microbatches that fit HBM (0: never)
+    cuts: list  # cuts[k]: rows that leave at least k layers for k stages, k = 0..layers
+    colcuts: list  # colcuts[k]: columns that can leave k - 1 layers for the later stages
+
+    @property
+    def rows(self) -> int:
+        return int(self.sizes.shape[0])
+
+    def stage_time(self, link) -> tuple[np.ndarray, np.ndarray]:
+        """Stage time per microbatch on this pipeline link: (last stage, other stages)."""
+        comm = (0.0 + np.where(self.has_in, link.latency + self.bytes_in / link.bandwidth, 0.0)) + np.where(
+            self.has_out, link.latency + self.bytes_out / link.bandwidth, 0.0
+        )
+        valid = np.isfinite(self.grad)
+        return np.where(valid, self.work1 + comm, INF), np.where(valid, self.work2 + comm, INF)
+
+    def members(self, row: int, a: int) -> tuple[int, ...]:
+        nxt = int(self.dst[row, a])
+        if self.masks is None:
+            return tuple(range(row, nxt))
+        diff = self.masks[nxt] & ~self.masks[row]
+        return tuple(v for v in range(self.n_layers) if diff >> v & 1)
+
+
+def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
+    """Largest q with base + (q - 1) * stash <= hbm, in exact arithmetic on whole-byte floats."""
+    finite = np.isfinite(base)
+    base = np.where(finite, base, 0.0)
+    stash = np.where(np.isfinite(stash), stash, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.floor((hbm - base) / stash) + 1.0
+    q = np.where(stash > 0, q, _KMAX_CAP)
+    q = np.clip(np.nan_to_num(q, nan=0.0, posinf=_KMAX_CAP, neginf=0.0), 0, _KMAX_CAP)
+    # The division may round across an integer; settle it with exact products (q is capped).
+    small = np.minimum(q, 1 << 20)
+    q = np.where((small >= 1) & (base + (small - 1) * stash > hbm), q - 1, q)
+    q = np.where((q < (1 << 20)) & (base + q * stash <= hbm), q + 1, q)
+    q = np.where((base > hbm) | ~finite, 0, q)
+    return q.astype(np.int64)
+
+
+def _chain_width(problem: PlacementProblem, costs) -> int:
+    """The longest chain stage that fits HBM at all (one microbatch in flight), over all widths.
+
+    A stage's smallest footprint grows with its length, so from each start the stages that fit are
+    a prefix of lengths; longer candidates are never needed.
+    """
+    bpp = problem.system.state_bytes_per_param
+    L = costs[0].n_layers
+    width = 1
+    for c in costs:
+        prefix = np.concatenate([[0.0], np.cumsum(c.params * bpp + c.activation_bytes)])
+        ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1
+        width = max(width, int(np.max(ends - np.arange(L))))
+    return min(width, L)
+
+
+def _chain_stack(problem: PlacementProblem, costs, width: int) -> _Stack:
+    """Stages of a chain are ranges [i, i + w], w < width; all widths at once, [T, L + 1, width]."""
+    system = problem.system
+    T = len(costs)
+    L = costs[0].n_layers
+    R = L + 1
+    W = width
+
+    def window(rows):  # [T, L] -> [T, L, W] with entry (t, i, w) = rows[t, i + w] (zero past the end)
+        padded = np.concatenate([rows, np.zeros((T, W))], axis=1)
+        return np.lib.stride_tricks.sliding_window_view(padded, W, axis=1)[:, :L, :]
+
+    def stacked(name):
+        return np.stack([getattr(c, name) for c in costs])
+
+    fwd, bwd = stacked("fwd_s"), stacked("bwd_s")
+    # Running sums from each stage's first layer: the evaluator adds in the same order.
+    work = np.cumsum(window(fwd + bwd), axis=2)
+    fwd_sum = np.cumsum(window(fwd), axis=2)
+    params = np.cumsum(window(stacked("params")), axis=2)
+    acts = np.cumsum(window(stacked("activation_bytes")), axis=2)
+    boundary = stacked("boundary_bytes")
+    i = np.arange(L)[:, None]
+    j = i + np.arange(W)[None, :]
+    valid = np.broadcast_to(j < L, (T, L, W))
+    prev_boundary = np.concatenate([np.zeros((T, 1)), boundary[:, :-1]], axis=1)  # [T, L]: into layer i
+    has_in = np.broadcast_to(i > 0, (T, L, W))
+    bytes_in = np.broadcast_to(prev_boundary[:, :, None], (T, L, W))
+    has_out = np.broadcast_to(j < L - 1, (T, L, W))
+    bytes_out = boundary[:, np.minimum(j, L - 1)]
+    first_input = np.stack([c.input_bytes[0] for c in costs])[:, None]
+    stage_input = np.where(np.arange(L)[None, :] > 0, prev_boundary, first_input)  # [T, L]
+    base = params * system.state_bytes_per_param + acts
+    stash = np.broadcast_to(stage_input[:, :, None], (T, L, W)) if problem.recompute else acts
+
+    def full(a, fill, dtype=np.float64):
+        out = np.full((T, R, W), fill, dtype=dtype)
+        out[:, :L] = np.where(valid, a, fill)
+        return out
+
+    base_f = full(base, INF)
+    stash_f = full(stash, INF)
+    dst = np.full((R, W), R, dtype=np.int64)
+    dst[:L] = np.where(j < L, j + 1, R)
+    return _Stack(
+        widths=tuple(c.tp for c in costs),
+        n_layers=L,
+        sizes=np.arange(R),
+        masks=None,
+        dst=dst,
+        work1=full(work + 0.0, INF),
+        work2=full(work + fwd_sum if problem.recompute else work + 0.0, INF),
+        bytes_in=full(bytes_in, 0.0),
+        has_in=full(has_in, False, bool),
+        bytes_out=full(bytes_out, 0.0),
+        has_out=full(has_out, False, bool),
+        grad=full(params * system.grad_bytes_per_param, INF),
+        base=base_f,
+        stash=stash_f,
+        kmax=_kmax(base_f, stash_f, problem.hbm_bytes),
+        cuts=[L - k + 1 for k in range(L + 1)],
+        colcuts=[max(1, min(W, L - k + 1)) for k in range(L + 1)],
+    )
+
+
+def _downsets(n: int, edges) -> list[int]:
+    preds = [0] * n
+    for u, v in edges:
+        preds[v] |= 1 << u
+    seen = {0}
+    stack = [0]
+    while stack:
+        down = stack.pop()
+        for v in range(n):
+            bit = 1 << v
+            if not down & bit and preds[v] & ~down == 0:
+                grown = down | bit
+                if grown not in seen:
+                    seen.add(grown)
+                    stack.append(grown)
+                    if len(seen) > MAX_DOWNSETS:
+                        raise PhazeError(
+                            f"the layer graph has more than {MAX_DOWNSETS} downsets; the exact placement "
+                            "supports chains and small DAGs"
+                        )
+    return sorted(seen, key=lambda m: (m.bit_count(), m))
+
+
+def _dag_stack(problem: PlacementProblem, costs) -> _Stack:
+    """Stages of a DAG: every difference of two nested downsets, [T, downsets, most supersets]."""
+    system = problem.system
+    first = costs[0]
+    n = first.n_layers
+    masks = _downsets(n, first.edges)
+    index = {m: r for r, m in enumerate(masks)}
+    R = len(masks)
+    preds = [[] for _ in range(n)]
+    succs = [[] for _ in range(n)]
+    for u, v in first.edges:
+        preds[v].append(u)
+        succs[u].append(v)
+    supersets = [[m2 for m2 in masks if m2 != m and m2 & m == m] for m in masks]
+    W = max(1, max(len(s) for s in supersets))
+    if R * W > MAX_TRANSITIONS:
+        raise PhazeError(f"the layer graph has too many candidate stages ({R} x {W}) for the exact placement")
+    T = len(costs)
+    shape = (T, R, W)
+    dst = np.full((R, W), R, dtype=np.int64)
+    arrays = {name: np.full(shape, INF) for name in ("work1", "work2", "grad", "base", "stash")}
+    arrays.update(bytes_in=np.zeros(shape), bytes_out=np.zeros(shape))
+    has_in = np.zeros(shape, dtype=bool)
+    has_out = np.zeros(shape, dtype=bool)
+    for r, m in enumerate(masks):
+        for a, m2 in enumerate(supersets[r]):
+            dst[r, a] = index[m2]
+            layers = [v for v in range(n) if (m2 & ~m) >> v & 1]
+            producers_in = sorted({u for v in layers for u in preds[v] if not (m2 & ~m) >> u & 1})
+            producers_out = [v for v in layers if any(not (m2 >> w & 1) for w in succs[v])]
+            sources = [v for v in layers if not preds[v]]
+            for ti, c in enumerate(costs):
+                work = 0.0
+                fwd = 0.0
+                for v in layers:
+                    work += float(c.fwd_s[v]) + float(c.bwd_s[v])
+                    fwd += float(c.fwd_s[v])
+                params = float(sum(c.params[v] for v in layers))
+                acts = float(sum(c.activation_bytes[v] for v in layers))
+                b_in = float(sum(c.boundary_bytes[u] for u in producers_in))
+                arrays["work1"][ti, r, a] = work + 0.0
+                arrays["work2"][ti, r, a] = work + fwd if problem.recompute else work + 0.0
+                arrays["bytes_in"][ti, r, a] = b_in
+                arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
+                has_in[ti, r, a] = bool(producers_in)
+                has_out[ti, r, a] = bool(producers_out)
+                arrays["grad"][ti, r, a] = params * system.grad_bytes_per_param
+                arrays["base"][ti, r, a] = params * system.state_bytes_per_param + acts
+                arrays["stash"][ti, r, a] = (
+                    b_in + float(sum(c.input_bytes[v] for v in sources)) if problem.recompute else acts
+                )
+    sizes = np.array([m.bit_count() for m in masks])
+    return _Stack(
+        widths=tuple(c.tp for c in costs),
+        n_layers=n,
+        sizes=sizes,
+        masks=masks,
+        dst=dst,
+        has_in=has_in,
+        has_out=has_out,
+        kmax=_kmax(arrays["base"], arrays["stash"], problem.hbm_bytes),
+        cuts=[int(np.searchsorted(sizes, n - k, side="right")) for k in range(n + 1)],
+        colcuts=[W] * (n + 1),
+        **arrays,
+    )
+
+
+def _stack(problem: PlacementProblem, costs, force_dag: bool, full_width: bool = False) -> _Stack:
+    if costs[0].is_chain() and not force_dag:
+        width = costs[0].n_layers if full_width else _chain_width(problem, costs)
+        return _chain_stack(problem, costs, width)
+    return _dag_stack(problem, costs)
+
+
+# --------------------------------------------------------------------------------------------
+# The bottleneck sweep
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sweep:
+    """f_k, the largest stage gradient G of the chosen split, and the chosen column.
+
+    Arrays are [steps, blocks, rows] for k = k0 .. k0 + steps - 1 and the TP widths `blocks`.
+    """
+
+    k0: int
+    blocks: np.ndarray
+    f: np.ndarray
+    g: np.ndarray
+    arg: np.ndarray
+
+
+def _start(st: _Stack, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    f0 = np.full((blocks, st.rows + 1), INF)
+    f0[:, st.rows - 1] = 0.0
+    return f0, f0.copy()
+
+
+def _sweep(st: _Stack, blocks: np.ndarray, cost_at, k_from: int, k_to: int, f_prev, g_prev) -> _Sweep:
+    """f_k(D) = min_a max(cost_at(k, cut)[., D, a], f_{k-1}(dst[D, a])) for k = k_from..k_to.
+
+    cost_at(k, cut, cols) gives the [blocks, cut, cols] stage costs at position k for the first
+    `cut` rows and `cols` columns (the others cannot leave room for k stages). f_prev, g_prev:
+    [blocks, R + 1], row R the sentinel.
+    """
+    B = len(blocks)
+    R = st.rows
+    steps = max(0, k_to - k_from + 1)
+    F = np.full((steps, B, R + 1), INF)
+    G = np.full((steps, B, R + 1), INF)
+    A = np.full((steps, B, R), -1, dtype=np.int64)
+    grad = st.grad[blocks]
+    for s, k in enumerate(range(k_from, k_to + 1)):
+        cut = st.cuts[k] if k < len(st.cuts) else 0
+        if cut > 0:
+            cols = st.colcuts[k]
+            dst = st.dst[:cut, :cols]
+            vals = np.maximum(cost_at(k, cut, cols), f_prev[:, dst])
+            a = np.argmin(vals, axis=2)
+            a3 = a[:, :, None]
+            F[s, :, :cut] = np.take_along_axis(vals, a3, axis=2)[:, :, 0]
+            nxt = dst[np.arange(cut)[None, :], a]
+            G[s, :, :cut] = np.maximum(
+                np.take_along_axis(grad[:, :cut, :cols], a3, axis=2)[:, :, 0], np.take_along_axis(g_prev, nxt, axis=1)
+            )
+            A[s, :, :cut] = a
+        f_prev, g_prev = F[s], G[s]
+    return _Sweep(k_from, np.asarray(blocks), F, G, A)
+
+
+def _walk(st: _Stack, arg_at, S: int) -> tuple[tuple[int, ...], ...]:
+    """Rebuild the stages of f_S({}) from the chosen columns; arg_at(k) -> that step's row array."""
+    stages = []
+    row = 0
+    for k in range(S, 0, -1):
+        a = int(arg_at(k)[row])
+        if a < 0:
+            raise RuntimeError("placement DP: broken back-pointer")
+        stages.append(st.members(row, a))
+        row = int(st.dst[row, a])
+    if row != st.rows - 1:
+        raise RuntimeError("placement DP: reconstruction did not cover every layer")
+    return tuple(stages)
+
+
+# --------------------------------------------------------------------------------------------
+# The search
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Best:
+    time: float = INF
+    tp: int = 0
+    dp: int = 0
+    stages: tuple = ()
+
+
+def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d, m) for the smallest d of each distinct microbatch count m."""
+    d = np.arange(1, problem.system.accelerators // t + 1, dtype=np.int64)
+    m = -(-problem.system.global_batch // (problem.mbs * d))
+    first = np.concatenate([[True], m[1:] != m[:-1]])
+    return d[first], m[first]
+
+
+@dataclass
+class _Pairs:
+    """Every (TP width, stages S, replicas d) worth scoring, as flat arrays."""
+
+    block: np.ndarray  # index into the stack's widths
+    S: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+    hop: np.ndarray  # 1: the pipeline uses the intra-node link
+    cap: np.ndarray  # m when m < S (memory caps at m in flight), else 0
+    multiplier: np.ndarray  # m + S - 1
+    ring_bw: np.ndarray
+    ring_lat: np.ndarray
+    g_floor: np.ndarray  # least largest-stage gradient bytes of any S-stage split
+
+    def allreduce(self, G: np.ndarray) -> np.ndarray:
+        steps = 2.0 * (self.d - 1)
+        with np.errstate(invalid="ignore"):
+            return np.where(self.d > 1, steps * self.ring_lat + steps / self.d * G / self.ring_bw, 0.0)
+
+
+def _pairs(problem: PlacementProblem, costs) -> _Pairs:
+    system = problem.system
+    N = system.accelerators
+    dpn = system.devices_per_node
+    parts = {k: [] for k in ("block", "S", "d", "m", "g_floor")}
+    for b, c in enumerate(costs):
+        t = c.tp
+        ds, ms = _dp_degrees(problem, t)
+        counts = np.minimum(c.n_layers, N // (t * ds))
+        S = np.concatenate([np.arange(1, n + 1) for n in counts]).astype(np.int64)
+        total = float(np.sum(c.params)) * system.grad_bytes_per_param
+        largest = float(np.max(c.params)) * system.grad_bytes_per_param
+        parts["block"].append(np.full(S.shape, b, dtype=np.int64))
+        parts["S"].append(S)
+        parts["d"].append(np.repeat(ds, counts))
+        parts["m"].append(np.repeat(ms, counts))
+        parts["g_floor"].append(np.maximum(largest, total / S))
+    block, S, d, m, g_floor = (np.concatenate(parts[k]) for k in ("block", "S", "d", "m", "g_floor"))
+    t = np.array([c.tp for c in costs], dtype=np.int64)[block]
+    # The link rules of phaze_opt.system, vectorised (the evaluator calls the methods themselves).
+    ring_intra = S * t * d <= dpn
+    return _Pairs(
+        block=block,
+        S=S,
+        d=d,
+        m=m,
+        hop=(dpn % (S * t) == 0).astype(np.int64),
+        cap=np.where(m < S, m, 0),
+        multiplier=(m + S - 1).astype(np.float64),
+        ring_bw=np.where(ring_intra, system.intra_node.bandwidth, system.inter_node.bandwidth),
+        ring_lat=np.where(ring_intra, system.intra_node.latency, system.inter_node.latency),
+        g_floor=g_floor,
+    )
+
+
+def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _Best:
+    system = problem.system
+    best = _Best()
+    st = _stack(problem, costs, force_dag)
+    pairs = _pairs(problem, costs)
+    links = {0: system.inter_node, 1: system.intra_node}
+    times = {h: st.stage_time(links[h]) for h in (0, 1) if np.any(pairs.hop == h)}
+    T = len(costs)
+    x = np.full(T, INF)  # per width: candidate stages must have gradient bytes < x
+    active = np.ones(pairs.S.shape[0], dtype=bool)
+    while np.any(active):
+        stats["sweeps"] = stats.get("sweeps", 0) + 1
+        C = np.full(active.shape[0], INF)
+        G = np.full(active.shape[0], INF)
+        runs: dict = {}
+        for h, (time1, time2) in times.items():
+            sel = active & (pairs.hop == h)
+            if not np.any(sel):
+                continue
+            blocks = np.unique(pairs.block[sel])
+            allowed = st.grad[blocks] < x[blocks][:, None, None]
+            c1 = np.where(allowed, time1[blocks], INF)
+            c2 = np.where(allowed, time2[blocks], INF)
+            kmax = st.kmax[blocks]
+
+            def uncapped(k, cut, c1=c1, c2=c2, kmax=kmax):
+                return np.where(kmax[:, :cut] >= k, (c1 if k == 1 else c2)[:, :cut], INF)
+
+            top = int(np.max(np.where(pairs.cap > 0, pairs.cap, pairs.S)[sel]))
+            free = _sweep(st, blocks, uncapped, 1, top, *_start(st, len(blocks)))
+            runs[h] = free
+            pos = np.searchsorted(blocks, pairs.block)
+            idx = np.flatnonzero(sel & (pairs.cap == 0))
+            C[idx] = free.f[pairs.S[idx] - 1, pos[idx], 0]
+            G[idx] = free.g[pairs.S[idx] - 1, pos[idx], 0]
+            capped_sel = sel & (pairs.cap > 0)
+            for b, mc in sorted(set(zip(pairs.block[capped_sel].tolist(), pairs.cap[capped_sel].tolist()))):
+                part = capped_sel & (pairs.block == b) & (pairs.cap == mc)
+                p = int(np.searchsorted(blocks, b))
+                cost = np.where(kmax[p : p + 1] >= mc, c2[p : p + 1], INF)
+                sw = _sweep(
+                    st, np.array([b]), lambda k, cut, cost=cost: cost[:, :cut], mc + 1, int(np.max(pairs.S[part])),
+                    free.f[mc - 1, p : p + 1], free.g[mc - 1, p : p + 1],
+                )
+                runs[(h, b, mc)] = sw
+                idx = np.flatnonzero(part)
+                C[idx] = sw.f[pairs.S[idx] - (mc + 1), 0, 0]
+                G[idx] = sw.g[pairs.S[idx] - (mc + 1), 0, 0]
+        with np.errstate(invalid="ignore"):
+            total = np.where(active, C * pairs.multiplier + pairs.allreduce(G), INF)
+        i = int(np.argmin(total))
+        if total[i] < best.time:
+            h, b, mc, S = int(pairs.hop[i]), int(pairs.block[i]), int(pairs.cap[i]), int(pairs.S[i])
+            free = runs[h]
+            p = int(np.searchsorted(free.blocks, b))
+            capped = runs.get((h, b, mc))
+
+            def arg_at(k, free=free, p=p, capped=capped, mc=mc):
+                if mc and k > mc:
+                    return capped.arg[k - capped.k0, 0]
+                return free.arg[k - 1, p]
+
+            best.time = float(total[i])
+            best.tp = costs[b].tp
+            best.dp = int(pairs.d[i])
+            best.stages = _walk(st, arg_at, S)
+        with np.errstate(invalid="ignore"):
+            bound = C * pairs.multiplier + pairs.allreduce(pairs.g_floor)
+        active &= np.isfinite(C) & (bound < best.time) & (G > pairs.g_floor)
+        for b in np.unique(pairs.block[active]):
+            x[b] = float(np.max(G[active & (pairs.block == b)]))
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Smallest memory any placement needs (the reason when nothing fits)
+# --------------------------------------------------------------------------------------------
+
+
+def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tuple[float, dict]:
+    """The least, over every placement, of its fullest stage's memory per device, and where.
+
+    For each (t, S) the most replicas d = N // (S t) give the fewest microbatches in flight, so the
+    least memory; the split minimising the largest stage memory comes from the same sweep as the
+    time DP with memory as the stage cost.
+    """
+    system = problem.system
+    N = system.accelerators
+    costs = [c for c in problem.costs if c.tp <= N]
+    if not costs:
+        return INF, {}
+    st = _stack(problem, costs, force_dag, full_width=True)
+    blocks = np.arange(len(costs))
+    base = st.base
+    stash = np.where(np.isfinite(st.stash), st.stash, 0.0)
+
+    def memory(k, cut, b=None, q=None):
+        q = k if q is None else min(k, q)
+        sl = slice(None) if b is None else slice(b, b + 1)
+        return base[sl, :cut] + (q - 1) * stash[sl, :cut]
+
+    tops = [min(st.n_layers, N // c.tp) for c in costs]
+    free = _sweep(st, blocks, memory, 1, max(tops), *_start(st, len(costs)))
+    best = (INF, {})
+    for b, c in enumerate(costs):
+        groups: dict[int, list] = {}
+        for S in range(1, tops[b] + 1):
+            d = N // (S * c.tp)
+            m = problem.microbatches(d)
+            if S <= m:
+                value = float(free.f[S - 1, b, 0])
+            else:
+                groups.setdefault(m, []).append((S, d))
+                continue
+            if value < best[0]:
+                best = (value, {"tp": c.tp, "pp": S, "dp": d, "microbatches": m})
+        for m, items in groups.items():
+            top = max(S for S, _ in items)
+            sw = _sweep(st, np.array([b]), lambda k, cut, b=b, m=m: memory(k, cut, b, m), m + 1, top,
+                        free.f[m - 1, b : b + 1], free.g[m - 1, b : b + 1])
+            for S, d in items:
+                value = float(sw.f[S - (m + 1), 0, 0])
+                if value < best[0]:
+                    best = (value, {"tp": c.tp, "pp": S, "dp": d, "microbatches": m})
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
+    """The placement with the least time per batch, checked by the independent evaluator.
+
+    Never raises for a design that cannot run: the result is then infeasible, with the least memory
+    any placement needs against the HBM. `force_dag` runs the general downset DP even on a chain
+    (for testing the two against each other).
+    """
+    start = time.perf_counter()
+    system = problem.system
+    stats: dict = {}
+    method = "dp-chain" if (problem.costs[0].is_chain() and not force_dag) else "dp-dag"
+    costs = [c for c in problem.costs if c.tp <= system.accelerators]
+    if not costs:
+        return infeasible_result(
+            problem,
+            f"every TP width ({', '.join(map(str, problem.tp_widths))}) exceeds the {system.accelerators} accelerators",
+            method=method,
+            min_memory_bytes=INF,
+            solve_s=time.perf_counter() - start,
+        )
+    best = _search(problem, costs, force_dag, stats)
+    if not math.isfinite(best.time):
+        need, where = min_memory_needed(problem, force_dag)
+        reason = (
+            f"no placement fits in HBM: the smallest memory any placement needs is {need / GIB:.3f} GiB per "
+            f"device (tp {where.get('tp')}, pp {where.get('pp')}, dp {where.get('dp')}), more than the "
+            f"{problem.hbm_bytes / GIB:.3f} GiB of HBM"
+        )
+        return infeasible_result(
+            problem, reason, method=method, min_memory_bytes=need, solve_s=time.perf_counter() - start,
+            info={"sweeps": stats.get("sweeps", 0), "min_memory_at": where},
+        )
+    placement = Placement(best.tp, best.dp, best.stages)
+    result = evaluate_placement(problem, placement, method=method)
+    if not result.feasible or abs(result.time_per_batch_s - best.time) > RTOL * best.time:
+        raise RuntimeError(
+            f"placement DP disagrees with the evaluator: DP {best.time!r} s, evaluator "
+            f"{result.time_per_batch_s!r} s ({result.reason or 'feasible'}) for {placement}"
+        )
+    result.solve_s = time.perf_counter() - start
+    result.info = {"sweeps": stats.get("sweeps", 0), "dp_time_per_batch_s": best.time}
+    return result
+
+
+def _minmax_split(weights: np.ndarray, parts: int) -> tuple[tuple[int, ...], ...]:
+    """Contiguous split into `parts` non-empty ranges: least largest sum, then least sum of squares."""
+    n = weights.shape[0]
+    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    seg = prefix[None, :] - prefix[:, None]  # seg[i, j] = sum of weights[i:j]
+    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+    seg = np.where(valid, seg, INF)
+    # Least bottleneck: g[k][i] = best for weights[i:] in k parts.
+    g = np.full(n + 1, INF)
+    g[n] = 0.0
+    for _ in range(parts):
+        g = np.min(np.maximum(seg, g[None, :]), axis=1)
+    limit = g[0] * (1 + 1e-12) + 1e-300
+    # Least sum of squares among splits within the bottleneck.
+    sq = np.where(seg <= limit, seg * seg, INF)
+    h = np.full(n + 1, INF)
+    h[n] = 0.0
+    choices = []
+    for _ in range(parts):
+        vals = sq + h[None, :]
+        choices.append(np.argmin(vals, axis=1))
+        h = np.min(vals, axis=1)
+    stages = []
+    i = 0
+    for k in range(parts, 0, -1):
+        j = int(choices[k - 1][i])
+        stages.append(tuple(range(i, j)))
+        i = j
+    return tuple(stages)
+
+
+def even_placement(problem: PlacementProblem, tp: int, pp: int, dp: int, balance: str = "time") -> Placement:
+    """A given tp x pp x dp with the layers (in their topological numbering) split evenly.
+
+    balance="time": contiguous stages whose largest forward + backward time is least, and among
+    those the most even (least sum of squared stage times); for a transformer this puts the
+    embedding with the first decoder layers and the head with the last, as Megatron does.
+    balance="layers": equal layer counts, the first (layers mod pp) stages one layer longer.
+    """
+    costs = problem.costs_for(tp)
+    n = costs.n_layers
+    for key, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise PhazeError(f"placement: {key} must be a positive integer, got {value!r}")
+    if pp > n:
+        raise PhazeError(f"placement: pp {pp} is more than the {n} layers")
+    if balance == "time":
+        stages = _minmax_split(costs.fwd_s + costs.bwd_s, pp)
+    elif balance == "layers":
+        size, extra = divmod(n, pp)
+        stages, start = [], 0
+        for s in range(pp):
+            length = size + (1 if s < extra else 0)
+            stages.append(tuple(range(start, start + length)))
+            start += length
+        stages = tuple(stages)
+    else:
+        raise PhazeError(f"placement: balance must be time or layers, got {balance!r}")
+    return Placement(tp, dp, stages)

@@ -1,0 +1,319 @@
+"""Inputs and outputs of the device placement, independent of where the numbers came from.
+
+`LayerCosts` is the whole model at one tensor-parallel width as plain per-layer arrays: forward and
+backward time per microbatch (from the per-layer schedules, TP collectives included), parameters
+and activation sizes per device. A `PlacementProblem` bundles one `LayerCosts` per TP width with the
+system, the chip's HBM and peak, the microbatch and the recompute choice. The placement DP
+(`placement.optimal_placement`) and the independent evaluator (`placement_eval.evaluate_placement`)
+both read only these values, so they can be tested on synthetic layers.
+
+Units: seconds, bytes, parameters (counts), FLOP. Byte and parameter arrays are rounded up to whole
+numbers on construction. Whole numbers below 2**53 add exactly in float64, so the DP and the
+evaluator, which sum them in different orders, agree exactly on whether a stage fits in HBM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import PhazeError
+from ..system import System
+
+_EXACT = 2.0**53
+
+
+def _array(name: str, values, n: int | None, whole: bool) -> np.ndarray:
+    arr = np.array(values, dtype=np.float64).reshape(-1)
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"LayerCosts.{name}: expected {n} entries, got {arr.shape[0]}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"LayerCosts.{name}: entries must be finite and non-negative")
+    if whole:
+        arr = np.ceil(arr)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCosts:
+    """The model at TP width `tp`, one entry per layer, layers numbered in a topological order.
+
+    - `fwd_s`, `bwd_s`: time of one microbatch's forward / backward pass of the layer on one device,
+      including its TP collectives;
+    - `params`: parameters held per device (the layer's 1/tp shard);
+    - `activation_bytes`: what the layer stashes for its backward pass, per microbatch, without
+      recompute;
+    - `boundary_bytes`: the output tensor the layer sends to each consumer, per microbatch (what
+      crosses a stage boundary after it, and its gradient on the way back);
+    - `input_bytes`: the model input a source layer reads (token ids for an embedding); only used
+      for layers without predecessors, whose stage input it is;
+    - `edges`: the layer DAG as (producer, consumer) pairs with producer < consumer; default chain;
+    - `flops`: forward + backward FLOP per device per microbatch (reported per stage only).
+    """
+
+    tp: int
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    params: np.ndarray
+    activation_bytes: np.ndarray
+    boundary_bytes: np.ndarray
+    input_bytes: np.ndarray
+    edges: tuple[tuple[int, int], ...] | None = None
+    names: tuple[str, ...] = ()
+    flops: np.ndarray | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
+            raise ValueError(f"LayerCosts.tp must be a positive integer, got {self.tp!r}")
+        object.__setattr__(self, "tp", int(self.tp))
+        fwd = _array("fwd_s", self.fwd_s, None, whole=False)
+        n = fwd.shape[0]
+        if n < 1:
+            raise ValueError("LayerCosts: at least one layer is needed")
+        object.__setattr__(self, "fwd_s", fwd)
+        object.__setattr__(self, "bwd_s", _array("bwd_s", self.bwd_s, n, whole=False))
+        for name in ("params", "activation_bytes", "boundary_bytes", "input_bytes"):
+            object.__setattr__(self, name, _array(name, getattr(self, name), n, whole=True))
+        flops = np.zeros(n) if self.flops is None else self.flops
+        object.__setattr__(self, "flops", _array("flops", flops, n, whole=False))
+        if self.edges is None:
+            edges = tuple((i, i + 1) for i in range(n - 1))
+        else:
+            edges = tuple(sorted({(int(u), int(v)) for u, v in self.edges}))
+            for u, v in edges:
+                if not 0 <= u < v < n:
+                    raise ValueError(f"LayerCosts.edges: ({u}, {v}) must satisfy 0 <= producer < consumer < {n}")
+        object.__setattr__(self, "edges", edges)
+        names = tuple(self.names) if self.names else tuple(f"layer{i}" for i in range(n))
+        if len(names) != n:
+            raise ValueError(f"LayerCosts.names: expected {n} names, got {len(names)}")
+        object.__setattr__(self, "names", names)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.fwd_s.shape[0])
+
+    def is_chain(self) -> bool:
+        return self.edges == tuple((i, i + 1) for i in range(self.n_layers - 1))
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementProblem:
+    """Everything the placement needs for one design, microbatch and recompute choice.
+
+    `costs`: one LayerCosts per allowed TP width (same layers and edges in each);
+    `hbm_bytes`: HBM capacity per accelerator; `peak_flops`: its peak FLOP/s (for MFU);
+    `seq_len`: tokens per sequence (for tokens/s); `model_flops_per_sequence`: forward + backward
+    FLOP of the whole model for one sequence, without recompute (the MFU numerator).
+    """
+
+    costs: tuple[LayerCosts, ...]
+    system: System
+    hbm_bytes: float
+    peak_flops: float
+    mbs: int
+    recompute: bool
+    seq_len: int = 0
+    model_flops_per_sequence: float = 0.0
+
+    def __post_init__(self):
+        costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
+        costs = tuple(sorted(costs, key=lambda c: c.tp))
+        if not costs:
+            raise ValueError("PlacementProblem: costs for at least one TP width are needed")
+        widths = [c.tp for c in costs]
+        if len(set(widths)) != len(widths):
+            raise ValueError(f"PlacementProblem: duplicate TP widths {widths}")
+        first = costs[0]
+        for c in costs[1:]:
+            if c.n_layers != first.n_layers or c.edges != first.edges:
+                raise ValueError(f"PlacementProblem: TP width {c.tp} has a different layer graph than {first.tp}")
+        object.__setattr__(self, "costs", costs)
+        if isinstance(self.mbs, bool) or not isinstance(self.mbs, (int, np.integer)) or self.mbs < 1:
+            raise ValueError(f"PlacementProblem.mbs must be a positive integer, got {self.mbs!r}")
+        if not (self.hbm_bytes >= 0 and math.isfinite(self.hbm_bytes)):
+            raise ValueError(f"PlacementProblem.hbm_bytes must be finite and non-negative, got {self.hbm_bytes!r}")
+        # Whole bytes, like every other memory figure (see the module docstring).
+        object.__setattr__(self, "hbm_bytes", float(math.floor(self.hbm_bytes)))
+        object.__setattr__(self, "recompute", bool(self.recompute))
+        for c in costs:
+            worst = float(np.sum(c.params)) * self.system.state_bytes_per_param + float(np.sum(c.activation_bytes)) * (
+                c.n_layers + 1
+            ) + float(np.sum(c.boundary_bytes) + np.sum(c.input_bytes)) * (c.n_layers + 1)
+            if worst >= _EXACT:
+                raise ValueError("PlacementProblem: byte counts too large to add exactly in float64")
+
+    @property
+    def n_layers(self) -> int:
+        return self.costs[0].n_layers
+
+    @property
+    def tp_widths(self) -> tuple[int, ...]:
+        return tuple(c.tp for c in self.costs)
+
+    def costs_for(self, tp: int) -> LayerCosts:
+        for c in self.costs:
+            if c.tp == tp:
+                return c
+        raise PhazeError(f"no layer costs for TP width {tp}; available widths are {', '.join(map(str, self.tp_widths))}")
+
+    def microbatches(self, dp: int) -> int:
+        """Microbatches per pipeline per step: ceil(global batch / (microbatch * replicas))."""
+        return -(-self.system.global_batch // (self.mbs * dp))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """TP width, data-parallel degree, and the pipeline stages as layer index tuples, first to last.
+
+    Each stage runs on `tp` devices of every one of the `dp` replicas.
+    """
+
+    tp: int
+    dp: int
+    stages: tuple[tuple[int, ...], ...]
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class StageResult:
+    index: int
+    layers: list  # layer indices
+    first_layer: str
+    last_layer: str
+    devices: int  # per replica (= tp)
+    ranks: list  # [first, last] rank of this stage in replica 0 (see phaze_opt.system)
+    inflight_microbatches: int  # stashed under 1F1B: min(stages from the end, microbatches)
+    time_s: float  # per microbatch: compute + recompute + receives
+    compute_s: float
+    recompute_s: float
+    comm_s: float
+    params: float  # per device
+    memory_bytes: float  # per device
+    headroom_bytes: float  # HBM minus memory
+    allreduce_s: float
+    flops: float  # per device per microbatch
+
+
+@dataclass
+class PlacementResult:
+    feasible: bool
+    reason: str
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+    devices_used: int
+    time_per_batch_s: float  # inf when infeasible
+    throughput: float  # sequences/s (global batch / time per batch)
+    tokens_per_s: float
+    bottleneck_s: float  # slowest stage per microbatch
+    pipeline_s: float  # bottleneck x (microbatches + stages - 1)
+    allreduce_s: float  # slowest stage's data-parallel gradient all-reduce
+    bubble_fraction: float  # (stages - 1) / (microbatches + stages - 1)
+    mfu: float
+    hbm_bytes: float
+    peak_memory_bytes: float  # the fullest stage's memory per device
+    stages: list = field(default_factory=list)
+    method: str = ""  # evaluated | dp-chain | dp-dag
+    solve_s: float = 0.0
+    min_memory_bytes: float | None = None  # when no placement fits: the least any placement needs
+    info: dict = field(default_factory=dict)
+
+    def placement(self) -> Placement | None:
+        if not self.stages:
+            return None
+        return Placement(self.tp, self.dp, tuple(tuple(s.layers) for s in self.stages))
+
+    def placement_dict(self) -> dict:
+        """The `placement` entry of a DesignResult."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "microbatches": self.microbatches,
+            "devices_used": self.devices_used,
+            "bubble_fraction": self.bubble_fraction,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def infeasible_result(problem: PlacementProblem, reason: str, **fields) -> PlacementResult:
+    values = dict(
+        feasible=False, reason=reason, tp=0, pp=0, dp=0, microbatches=0, devices_used=0,
+        time_per_batch_s=math.inf, throughput=0.0, tokens_per_s=0.0, bottleneck_s=math.inf,
+        pipeline_s=math.inf, allreduce_s=0.0, bubble_fraction=0.0, mfu=0.0,
+        hbm_bytes=problem.hbm_bytes, peak_memory_bytes=0.0,
+    )
+    values.update(fields)
+    return PlacementResult(**values)
+
+
+def parse_placement_spec(text: str) -> dict:
+    """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; a one-line PhazeError otherwise."""
+    allowed = ("tp", "pp", "dp")
+    out: dict[str, int] = {}
+    for part in str(text).split(","):
+        key, sep, value = part.strip().partition("=")
+        key = key.strip().lower()
+        if not sep or key not in allowed:
+            raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D (positive integers), got {part.strip()!r}")
+        if key in out:
+            raise PhazeError(f"placement {text!r}: {key} given twice")
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise PhazeError(f"placement {text!r}: {key} must be a positive integer, got {value.strip()!r}")
+        out[key] = number
+    missing = [k for k in allowed if k not in out]
+    if missing:
+        raise PhazeError(f"placement {text!r}: missing {', '.join(missing)}; expected tp=T,pp=P,dp=D")
+    return out
+
+
+def check_placement_shape(problem: PlacementProblem, placement: Placement) -> None:
+    """Reject placements that are not placements at all (a one-line PhazeError).
+
+    Running out of devices or memory is not an error: the evaluator reports it as infeasible.
+    """
+    costs = problem.costs_for(placement.tp)
+    n = costs.n_layers
+    if isinstance(placement.dp, bool) or not isinstance(placement.dp, (int, np.integer)) or placement.dp < 1:
+        raise PhazeError(f"placement: dp must be a positive integer, got {placement.dp!r}")
+    if not placement.stages:
+        raise PhazeError("placement: at least one stage is needed")
+    stage_of = [-1] * n
+    for s, stage in enumerate(placement.stages):
+        if not stage:
+            raise PhazeError(f"placement: stage {s} has no layers")
+        for v in stage:
+            if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
+                raise PhazeError(f"placement: stage {s} names layer {v!r}; layers are 0..{n - 1}")
+            if stage_of[v] != -1:
+                raise PhazeError(f"placement: layer {v} is in stages {stage_of[v]} and {s}")
+            stage_of[v] = s
+    missing = [v for v in range(n) if stage_of[v] == -1]
+    if missing:
+        raise PhazeError(f"placement: layers {missing[:5]} are in no stage")
+    for u, v in costs.edges:
+        if stage_of[u] > stage_of[v]:
+            raise PhazeError(
+                f"placement: layer {u} (stage {stage_of[u]}) feeds layer {v} (stage {stage_of[v]}), "
+                "an earlier stage; stages must follow the layer graph"
+            )

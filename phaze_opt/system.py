@@ -1,0 +1,219 @@
+"""The cluster a model trains on: accelerator count, nodes, links, batch, precision, optimizer.
+
+A `System` is loaded from `configs/systems/<name>.yaml` and validated on load. Link bandwidths and
+latencies may be written with units (`300 GB/s`, `4 GiB/s`, `200 Gbit/s`, `1 us`, `500 ns`) or as
+plain SI numbers (bytes/s, seconds); inside the code they are always bytes/s and seconds.
+
+Where devices sit decides which link a collective or a pipeline transfer uses. We fix one layout,
+Megatron-like with tensor parallelism innermost (Narayanan et al., SC'21, sec. 3.3: keep the
+all-reduce-heavy TP group on the fast in-node links):
+
+    rank = tp_rank + t * (stage + pp * replica)
+
+so a TP group is t consecutive ranks, a pipeline replica is pp*t consecutive ranks, and the data-
+parallel peers of a stage are pp*t ranks apart. From that layout (nodes are `devices_per_node`
+consecutive ranks):
+
+- a TP group of width t uses the intra-node link when t divides devices_per_node, else the
+  inter-node link (`tp_link`);
+- the pipeline hops of a replica use the intra-node link only when pp*t divides devices_per_node
+  (every replica then sits inside one node); otherwise every hop is charged at the inter-node link,
+  even a hop that happens to stay inside a node. That is conservative, and it keeps a stage's time
+  independent of where in the pipeline it sits, which the placement DP relies on (`pipeline_link`);
+- the data-parallel ring of a stage is intra-node only when the whole job (pp*t*dp devices) fits in
+  one node, else a ring that crosses nodes runs at the inter-node link (`dp_link`).
+
+Every device has its own link of the stated bandwidth per direction (as in a DGX node with one NIC
+per GPU), so concurrent rings and transfers of different devices do not share bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import configs
+from .configs import check_keys, one_of, positive_int
+from .errors import config_error
+
+PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of weights and gradients
+OPTIMIZERS = ("adam", "sgd")
+OPTIMIZER_MEMORY = ("mixed_precision", "phaze")
+
+_BANDWIDTH_UNITS = {
+    "B/s": 1.0, "kB/s": 1e3, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
+    "KiB/s": 2.0**10, "MiB/s": 2.0**20, "GiB/s": 2.0**30, "TiB/s": 2.0**40,
+    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
+    "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9].*?)?\s*$")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link per device and direction, in the alpha-beta model (Hockney, 1994)."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # s per message
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    accelerators: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    global_batch: int  # sequences per optimizer step
+    precision: str  # bf16 | fp16 | fp32
+    optimizer: str  # adam | sgd
+    optimizer_memory: str  # mixed_precision | phaze
+    path: str = ""
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of one weight or gradient element; gradients are all-reduced at this width."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Weights + gradients + optimizer state held per parameter on its device.
+
+        mixed_precision (ZeRO, Rajbhandari et al., SC'20, sec. 3.1): with 16-bit training each
+        parameter keeps a 16-bit weight and gradient plus an fp32 master weight (2 + 2 + 4 bytes);
+        Adam adds fp32 momentum and variance (+8): 16 bytes. In fp32 there is no master copy:
+        4 + 4, + 8 for Adam: again 16. Plain SGD (no momentum) keeps no state: 8 bytes either way.
+
+        phaze (the published system's accounting): weights and gradients at the element width,
+        plus one more copy for Adam: 3 elements (6 bytes in bf16), 2 for SGD.
+        """
+        e = self.bytes_per_element
+        if self.optimizer_memory == "phaze":
+            return e * (3 if self.optimizer == "adam" else 2)
+        master = 4 if e < 4 else 0
+        state = 8 if self.optimizer == "adam" else 0
+        return 2 * e + master + state
+
+    @property
+    def grad_bytes_per_param(self) -> int:
+        return self.bytes_per_element
+
+    def tp_link(self, t: int) -> Link:
+        """The link a TP group of width t all-reduces over (pass it to the latency model)."""
+        return self.intra_node if self.devices_per_node % t == 0 else self.inter_node
+
+    def pipeline_link(self, t: int, pp: int) -> Link:
+        """The link between neighbouring pipeline stages (see the module docstring)."""
+        return self.intra_node if self.devices_per_node % (pp * t) == 0 else self.inter_node
+
+    def dp_link(self, t: int, pp: int, dp: int) -> Link:
+        """The link of the data-parallel gradient ring (see the module docstring)."""
+        return self.intra_node if pp * t * dp <= self.devices_per_node else self.inter_node
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "accelerators": self.accelerators,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": {"bandwidth_bytes_per_s": self.intra_node.bandwidth, "latency_s": self.intra_node.latency},
+            "inter_node": {"bandwidth_bytes_per_s": self.inter_node.bandwidth, "latency_s": self.inter_node.latency},
+            "global_batch": self.global_batch,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "optimizer_memory": self.optimizer_memory,
+            "state_bytes_per_param": self.state_bytes_per_param,
+        }
+
+
+def parse_quantity(value: Any, units: Mapping[str, float], file, field: str, allow_zero: bool) -> float:
+    """A number in SI units, or a string `<number> <unit>`; returns SI. Bad input: one-line error."""
+    allowed = ", ".join(units)
+    if isinstance(value, bool):
+        number = None
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = _QUANTITY.match(value)
+        if not match:
+            raise config_error(file, field, f"expected a number with a unit ({allowed}), got {value!r}")
+        unit = match.group(2) or ""
+        if unit and unit not in units:
+            raise config_error(file, field, f"unknown unit {unit!r}; allowed units are {allowed}")
+        number = float(match.group(1)) * (units[unit] if unit else 1.0)
+    else:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise config_error(file, field, f"expected a number with a unit ({allowed}), got {value!r}")
+    if number < 0 or (number == 0 and not allow_zero):
+        need = "non-negative" if allow_zero else "positive"
+        raise config_error(file, field, f"must be {need}, got {value!r}")
+    return number
+
+
+def _link(data: Mapping[str, Any], key: str, file) -> Link:
+    raw = data[key]
+    if not isinstance(raw, dict):
+        raise config_error(file, key, f"expected a mapping with bandwidth and latency, got {raw!r}")
+    for sub in raw:
+        if sub not in ("bandwidth", "latency"):
+            raise config_error(file, f"{key}.{sub}", "unknown field; allowed fields are bandwidth, latency")
+    for sub in ("bandwidth", "latency"):
+        if sub not in raw:
+            raise config_error(file, f"{key}.{sub}", "missing required field")
+    bandwidth = parse_quantity(raw["bandwidth"], _BANDWIDTH_UNITS, file, f"{key}.bandwidth", allow_zero=False)
+    # A zero latency is allowed: it means "ignore per-message latency", as the published model did.
+    latency = parse_quantity(raw["latency"], _TIME_UNITS, file, f"{key}.latency", allow_zero=True)
+    return Link(bandwidth=bandwidth, latency=latency)
+
+
+REQUIRED = ("devices_per_node", "intra_node", "inter_node")
+OPTIONAL = ("name", "description", "accelerators", "global_batch", "precision", "optimizer", "optimizer_memory")
+
+
+def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
+    check_keys(data, file, REQUIRED, OPTIONAL)
+    name = data.get("name", Path(str(file)).stem)
+    if not isinstance(name, str) or not name:
+        raise config_error(file, "name", f"must be a non-empty string, got {name!r}")
+    accelerators = positive_int(data, "accelerators", file, default=1024)
+    devices_per_node = positive_int(data, "devices_per_node", file)
+    global_batch = positive_int(data, "global_batch", file, default=4096)
+    precision = one_of(data, "precision", file, PRECISIONS, default="bf16")
+    optimizer = one_of(data, "optimizer", file, OPTIMIZERS, default="adam")
+    optimizer_memory = one_of(data, "optimizer_memory", file, OPTIMIZER_MEMORY, default="mixed_precision")
+    intra = _link(data, "intra_node", file)
+    inter = _link(data, "inter_node", file)
+    # The device layout puts the busiest traffic inside nodes; that only pays if the node's link is
+    # not the slower one, and the placement DP's pruning of data-parallel degrees relies on it.
+    if intra.bandwidth < inter.bandwidth:
+        raise config_error(file, "intra_node.bandwidth", "must be at least inter_node.bandwidth")
+    if intra.latency > inter.latency:
+        raise config_error(file, "intra_node.latency", "must be at most inter_node.latency")
+    return System(
+        name=name,
+        accelerators=accelerators,
+        devices_per_node=devices_per_node,
+        intra_node=intra,
+        inter_node=inter,
+        global_batch=global_batch,
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_memory=optimizer_memory,
+        path=str(file),
+    )
+
+
+def load_system(name_or_path: str | os.PathLike | System = "default") -> System:
+    """Load and validate a system config by name (`configs/systems/`) or path."""
+    if isinstance(name_or_path, System):
+        return name_or_path
+    data, path = configs.load("systems", name_or_path)
+    return system_from_dict(data, path)

@@ -1,0 +1,322 @@
+"""The model's layers as real `torch.nn.Module`s on the meta device, sharded the Megatron way.
+
+A transformer is built per layer kind, never whole: the embedding, one transformer block (all blocks
+are identical, so one module stands for all of them) and the head (final norm, LM or masked-LM
+projection and the loss). Parameters live on the meta device: shapes and dtypes only, no memory, so
+a GPT-3 block costs nothing to build.
+
+Tensor parallelism of width t follows Megatron-LM (Shoeybi et al. 2019, Sec. 3; Narayanan et al. 2021):
+
+- attention: a column-parallel QKV projection (heads/t query heads and kv_heads/t KV heads per device),
+  attention on the local heads, a row-parallel output projection, all-reduce (`g`), then the
+  replicated output bias, dropout and the residual add;
+- MLP: column-parallel first linear (ffn/t columns; gate and up for SwiGLU), the activation, a
+  row-parallel second linear, all-reduce (`g`);
+- `f` (all-reduce in backward) on the input of every column-parallel linear;
+- embedding: vocabulary-parallel (ceil(V/t) rows per device, out-of-range tokens masked, all-reduce);
+  position and token-type tables, norms and row-parallel biases are replicated;
+- head: the projection onto the vocabulary is column-parallel and the cross-entropy is Megatron's
+  vocabulary-parallel one (all-reduces of the max, of the picked logit and of the sum of exponentials).
+
+Activations use Megatron's [sequence, batch, hidden] layout, so the attention's Q, K and V are strided
+views of the QKV output and the backward pass saves exactly what Megatron saves. Token ids and labels
+are int64 [seq, batch]; everything else uses the model's dtype. The vocabulary-parallel code is
+written for rank 0 of the TP group (every rank does the same work on the same shapes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .collectives import copy_to_tp, reduce_from_tp
+from .models import ModelConfig
+
+META = torch.device("meta")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KINDS = ("embedding", "block", "head")
+
+
+def _param(dtype, *shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=META, dtype=dtype))
+
+
+def _shard(n: int, t: int, what: str) -> int:
+    if n % t:
+        raise ValueError(f"{what} ({n}) is not divisible by the TP width {t}")
+    return n // t
+
+
+def vocab_rows(model: ModelConfig, t: int) -> int:
+    """Rows of the vocabulary each device holds: Megatron pads the vocabulary to a multiple of t."""
+    return -(-model.vocab // t)
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Training-mode dropout whose mask is a 1-byte bool tensor (what autograd saves), as on GPUs."""
+    if p == 0:
+        return x
+    out, _mask = torch.ops.aten.native_dropout(x, p, True)
+    return out
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, h: int, eps: float, dtype):
+        super().__init__()
+        self.weight, self.bias, self.eps = _param(dtype, h), _param(dtype, h), eps
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (Zhang & Sennrich 2019), written out as the reference implementation does."""
+
+    def __init__(self, h: int, eps: float, dtype):
+        super().__init__()
+        self.weight, self.eps = _param(dtype, h), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(model: ModelConfig, dtype) -> nn.Module:
+    cls = RMSNorm if model.norm == "rmsnorm" else LayerNorm
+    return cls(model.hidden, model.norm_eps, dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by columns: each device computes out/t outputs from the full input."""
+
+    def __init__(self, n_in: int, n_out: int, t: int, bias: bool, dtype, what: str):
+        super().__init__()
+        local = _shard(n_out, t, what)
+        self.weight = _param(dtype, local, n_in)
+        self.bias = _param(dtype, local) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by rows: partial sums all-reduced over the group; the bias is replicated
+    and returned separately so that the caller adds it after the reduction (Megatron fuses it with
+    dropout and the residual add)."""
+
+    def __init__(self, n_in: int, n_out: int, t: int, bias: bool, dtype, what: str):
+        super().__init__()
+        self.t = t
+        self.weight = _param(dtype, n_out, _shard(n_in, t, what))
+        self.bias = _param(dtype, n_out) if bias else None
+
+    def forward(self, x):
+        return reduce_from_tp(F.linear(x, self.weight), self.t), self.bias
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary_tables(s: int, d: int, dtype, device):
+    """cos/sin of rotary embeddings (Su et al. 2021), [s, d]; constants of the sequence length."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention on heads/t local heads.
+
+    Grouped-query attention (Ainslie et al. 2023) is computed without copying K and V: the g query
+    heads that share one KV head are stacked along the rows of one batched GEMM.
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t = t
+        self.heads = _shard(model.heads, t, "heads")
+        self.kv_heads = _shard(model.kv_heads, t, "kv_heads")
+        self.group = self.heads // self.kv_heads
+        self.d = model.head_dim
+        self.causal = model.causal
+        self.rotary = model.position == "rotary"
+        self.p = model.dropout
+        width = (model.heads + 2 * model.kv_heads) * self.d
+        self.qkv = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "QKV width")
+        self.proj = RowParallelLinear(model.heads * self.d, model.hidden, t, model.bias, dtype, "heads x head size")
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        kv, g, d = self.kv_heads, self.group, self.d
+        # Megatron's layout: per KV group, g query heads then its key and value: [s, b, kv, (g + 2) d].
+        qkv = self.qkv(x).view(s, b, kv, (g + 2) * d)
+        q, k, v = torch.split(qkv, [g * d, d, d], dim=-1)
+        q = q.reshape(s, b, kv, g, d).permute(1, 2, 0, 3, 4)  # [b, kv, s, g, d]
+        k = k.permute(1, 2, 0, 3)  # [b, kv, s, d]
+        v = v.permute(1, 2, 0, 3)
+        if self.rotary:
+            cos, sin = _rotary_tables(s, d, x.dtype, x.device)
+            q = q * cos[:, None, :] + _rotate_half(q) * sin[:, None, :]
+            k = k * cos + _rotate_half(k) * sin
+        q = q.reshape(b * kv, s * g, d)  # query rows ordered (position, head in group)
+        k = k.reshape(b * kv, s, d)
+        v = v.reshape(b * kv, s, d)
+        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [b kv, s g, s]
+        if self.causal:
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future.repeat_interleave(g, dim=0), float("-inf"))
+        probs = dropout(torch.softmax(scores, dim=-1), self.p)
+        ctx = torch.bmm(probs, v)  # [b kv, s g, d]
+        ctx = ctx.view(b, kv, s, g, d).permute(2, 0, 1, 3, 4).reshape(s, b, kv * g * d)
+        return self.proj(ctx)
+
+
+class MLP(nn.Module):
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.activation = model.activation
+        width = 2 * model.ffn if model.activation == "swiglu" else model.ffn  # SwiGLU: gate and up
+        self.fc1 = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "ffn")
+        self.fc2 = RowParallelLinear(model.ffn, model.hidden, t, model.bias, dtype, "ffn")
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.activation == "swiglu":  # Shazeer 2020, "GLU Variants Improve Transformer"
+            gate, up = torch.chunk(y, 2, dim=-1)
+            y = F.silu(gate) * up
+        elif self.activation == "gelu":
+            y = F.gelu(y)
+        else:
+            y = F.relu(y)
+        return self.fc2(y)
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer; pre-norm for GPT/OPT/Llama, post-norm for BERT."""
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t, self.p, self.post_norm = t, model.dropout, model.post_norm
+        self.norm1 = make_norm(model, dtype)
+        self.attention = SelfAttention(model, t, dtype)
+        self.norm2 = make_norm(model, dtype)
+        self.mlp = MLP(model, t, dtype)
+
+    def _residual(self, x, out):
+        y, bias = out
+        if bias is not None:
+            y = y + bias
+        return x + dropout(y, self.p)
+
+    def forward(self, x):
+        t = self.t
+        if self.post_norm:
+            x = self.norm1(self._residual(x, self.attention(copy_to_tp(x, t))))
+            return self.norm2(self._residual(x, self.mlp(copy_to_tp(x, t))))
+        x = self._residual(x, self.attention(copy_to_tp(self.norm1(x), t)))
+        return self._residual(x, self.mlp(copy_to_tp(self.norm2(x), t)))
+
+
+class Embedding(nn.Module):
+    """Word (vocabulary-parallel), learned position and token-type embeddings; BERT adds a norm."""
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t, self.p, self.rows = t, model.dropout, vocab_rows(model, t)
+        self.word = _param(dtype, self.rows, model.hidden)
+        self.position = _param(dtype, model.positions, model.hidden) if model.position == "learned" else None
+        self.token_type = _param(dtype, model.type_vocab, model.hidden) if model.type_vocab else None
+        self.norm = make_norm(model, dtype) if model.family == "bert" else None
+
+    def forward(self, ids, token_types=None):
+        if self.t > 1:
+            outside = ids >= self.rows  # tokens another device of the group holds (rank 0's view)
+            x = F.embedding(ids.masked_fill(outside, 0), self.word)
+            x = reduce_from_tp(x.masked_fill(outside.unsqueeze(-1), 0.0), self.t)
+        else:
+            x = F.embedding(ids, self.word)
+        if self.position is not None:
+            positions = torch.arange(ids.shape[0], device=ids.device)
+            x = x + F.embedding(positions, self.position).unsqueeze(1)
+        if self.token_type is not None:
+            x = x + F.embedding(token_types, self.token_type)
+        if self.norm is not None:
+            x = self.norm(x)
+        return dropout(x, self.p)
+
+
+class Head(nn.Module):
+    """Final norm (BERT: the masked-LM transform), projection onto the vocabulary, and the loss.
+
+    With tied embeddings the projection is the word-embedding matrix; the last pipeline stage keeps
+    its own copy of it (Megatron all-reduces the two copies' gradients), so it is a parameter of this
+    module too, and `tied_parameters` names it so the model total can count it once.
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t, self.rows, self.bert = t, vocab_rows(model, t), model.family == "bert"
+        if self.bert:  # BERT's masked-LM transform: dense + GELU + LayerNorm, replicated (Devlin et al. 2019)
+            self.transform = nn.Module()
+            self.transform.weight = _param(dtype, model.hidden, model.hidden)
+            self.transform.bias = _param(dtype, model.hidden)
+        self.norm = make_norm(model, dtype)
+        self.weight = _param(dtype, self.rows, model.hidden)
+        self.bias = _param(dtype, self.rows) if self.bert else None  # BERT's decoder bias
+        self.tied_parameters = ("weight",) if model.tied_embeddings else ()
+
+    def forward(self, x, labels):
+        if self.bert:
+            x = F.gelu(F.linear(x, self.transform.weight, self.transform.bias))
+        logits = F.linear(copy_to_tp(self.norm(x), self.t), self.weight, self.bias)
+        return vocab_parallel_cross_entropy(logits, labels, self.t, self.rows)
+
+
+def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
+    """Mean token cross-entropy over logits split by vocabulary (Megatron's vocab-parallel loss).
+
+    In float32 as Megatron computes it; the max is detached (a constant shift for stability). Each
+    rank only holds the target logit of tokens in its slice, hence the masked pick and its all-reduce.
+    """
+    logits = logits.float()
+    shift = reduce_from_tp(logits.detach().amax(dim=-1, keepdim=True), t, "max")
+    z = logits - shift
+    target = labels
+    if t > 1:
+        outside = labels >= rows
+        target = labels.masked_fill(outside, 0)
+    picked = torch.gather(z, -1, target.unsqueeze(-1)).squeeze(-1)
+    if t > 1:
+        picked = reduce_from_tp(picked.masked_fill(outside, 0.0), t)
+    total = reduce_from_tp(torch.exp(z).sum(dim=-1), t)
+    return (torch.log(total) - picked).mean()
+
+
+def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
+    """The module of one layer kind at TP width t, on the meta device."""
+    dtype = TORCH_DTYPES[model.dtype]
+    if kind == "embedding":
+        return Embedding(model, t, dtype)
+    if kind == "block":
+        return TransformerBlock(model, t, dtype)
+    if kind == "head":
+        return Head(model, t, dtype)
+    raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
+
+
+def example_inputs(model: ModelConfig, kind: str, mbs: int, seq: int) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of the layer kind's inputs for one microbatch of `mbs` sequences."""
+    ids = torch.empty(seq, mbs, dtype=torch.int64, device=META)
+    hidden = torch.empty(seq, mbs, model.hidden, dtype=TORCH_DTYPES[model.dtype], device=META)
+    if kind == "embedding":
+        return (ids, torch.empty_like(ids)) if model.type_vocab else (ids,)
+    if kind == "block":
+        return (hidden,)
+    if kind == "head":
+        return (hidden, ids)
+    raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
