@@ -84,8 +84,7 @@ def gpt3_layer_graphs():
         from phaze_opt.workload.models import load_model
 
         lg = build_layer_graph(load_model("gpt3-175b"), tp=1, mbs=1)
-        kind = next(k for k in lg.kinds if lg.op_graphs[k]["fwd"].ops and "decoder" in k.lower()) \
-            if any("decoder" in k.lower() for k in lg.kinds) else max(lg.kinds, key=lambda k: lg.op_graphs[k]["fwd"].flops)
+        kind = max(lg.kinds, key=lambda k: lg.op_graphs[k]["fwd"].flops)  # the decoder layer
         return lg.op_graphs[kind]["fwd"], lg.op_graphs[kind]["bwd"], f"traced ({kind})"
     except Exception as exc:  # the workload module may not be there yet
         fwd, bwd = hand_built_gpt3_layer()

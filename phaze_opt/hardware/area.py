@@ -87,7 +87,9 @@ def reference_path() -> Path:
 
 
 def constants_path() -> Path:
-    return configs.configs_dir() / "area.yaml"
+    """`area.yaml` in the configs folder in use, else the one shipped beside the package."""
+    p = configs.configs_dir() / "area.yaml"
+    return p if p.is_file() else _repo_root() / "configs" / "area.yaml"
 
 
 def load_constants(path: str | os.PathLike | None = None) -> AreaConstants:

@@ -30,8 +30,10 @@ is bounded below by
 
 Memory traffic and compute overlap (double buffering), so the latency is the largest of the three.
 
-Vector ops: ceil(elements / (lanes x k)) x cycles-per-element, bounded below by bytes / bandwidth
-(every op reads its inputs from and writes its outputs to HBM). Fused TC+VC ops run the vector epilogue
+Vector ops: ceil(elements / (lanes x k)) x cycles-per-element, bounded below by bytes / bandwidth:
+every op reads its inputs from HBM and writes its outputs back, through the GLB, so the slower of
+the two sets the pace. The cycles per element come from a table per vector-op kind (never fewer
+than the op's counted FLOPs per element, one op per lane per cycle). Fused TC+VC ops run the vector epilogue
 on output tiles as they drain from the array (as a TPU's vector unit consumes MXU results), so the two
 pipelines overlap: latency = max(GEMM, epilogue).
 
@@ -59,19 +61,20 @@ BYTES_PER_ELEMENT = 2  # bf16 operands, as the published system
 CYCLES_PER_ELEMENT = {
     "add": 1, "sub": 1, "mul": 1, "neg": 1, "scale": 1, "copy": 1, "cast": 1, "to": 1, "contiguous": 1,
     "clone": 1, "masked_fill": 1, "where": 1, "bias": 1, "residual": 1, "relu": 1, "abs": 1, "max": 1,
-    "min": 1, "sum": 1, "mean": 1, "reduce": 1, "embedding": 1, "cat": 1, "index": 1, "gather": 1,
+    "min": 1, "amax": 1, "sum": 1, "mean": 1, "reduce": 1, "compare": 1, "embedding": 1, "cat": 1, "index": 1,
+    "gather": 1, "scatter": 1,
     "div": 4, "exp": 4, "log": 4, "sqrt": 4, "rsqrt": 4, "reciprocal": 4, "pow": 4,
     "tanh": 4, "sigmoid": 5, "silu": 5, "swish": 5, "gelu": 10,
     "dropout": 2,  # compare a random number, then scale
     "softmax": 8, "log_softmax": 8,
     "layernorm": 7, "layer_norm": 7, "rmsnorm": 5, "rms_norm": 5,
-    "cross_entropy": 10, "loss": 10,
+    "cross_entropy": 10, "loss": 10, "nll_loss": 2,
     "adam": 10, "sgd": 2,
 }
 # When an op lists no known vector kind: by its op kind.
 CYCLES_BY_OP_KIND = {
     "elementwise": 1, "activation": 10, "norm": 7, "softmax": 8, "dropout": 2, "embedding": 1, "loss": 10,
-    "fused": 1, "reduction": 1,
+    "fused": 1, "reduction": 1, "gather": 1,
 }
 BACKWARD_SUFFIXES = ("_backward", "_bwd", "_grad")
 BACKWARD_FACTOR = 2  # a backward elementwise reads the incoming gradient and the saved input
@@ -173,7 +176,6 @@ def _ceil_div(a, b):
 def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     """GEMM latency on k tensor cores holding `share` of the GLB and of the bandwidths; arrays broadcast."""
     tx, ty = d.tc_x, d.tc_y
-    flops_cycles_floor = B * M * K * N / (k * tx * ty)  # roofline on k cores, for safety against rounding
     # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share
     cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
     a_b, w_b = M * K * e, K * N * e
@@ -185,7 +187,7 @@ def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     parts = np.maximum(1.0, np.floor(k / units))  # cores left over cut the stream
     m_per = _ceil_div(M, parts)
     cycles = _ceil_div(units, k) * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
-    compute_s = np.maximum(cycles, flops_cycles_floor) / d.clock_hz
+    compute_s = cycles / d.clock_hz
     glb_s = B * (a_b * col + w_b + M * N * e) / (d.glb_bw * share)
     return np.maximum(np.maximum(compute_s, glb_s), hbm_s)
 

@@ -179,8 +179,8 @@ class SearchSpace:
         if too_big:
             return False, area, f"area {area:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2 ({self.budget_label})"
         floor = self.min_fraction * self.area_budget_mm2
-        return False, area, (f"area {area:.2f} mm^2 is below the floor {floor:.2f} mm^2 "
-                             f"({self.min_fraction:g} of the budget; waived only when {' or '.join(self.floor_exempt_if_one) or 'never'} is 1)")
+        waiver = f"; waived only when {' or '.join(self.floor_exempt_if_one)} is 1" if self.floor_exempt_if_one else ""
+        return False, area, f"area {area:.2f} mm^2 is below the floor {floor:.2f} mm^2 ({self.min_fraction:g} of the budget{waiver})"
 
     # ---- the grid -------------------------------------------------------------------------------
 
@@ -294,11 +294,22 @@ class SearchSpace:
                 point[p] = (False if False in self.params[p] else self.params[p][0]) if recompute is None else recompute
             else:
                 point[p] = have[p]
+        def cannot(why):
+            return PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': {why}")
+
+        for f, v in self.fixed.items():
+            if not math.isclose(have[f], v, rel_tol=1e-9):
+                raise cannot(f"{f} is fixed at {v} in the space, the design has {have[f]}")
+        for f, src in self.tied.items():
+            if have[f] != have[src]:
+                raise cannot(f"{f} is tied to {src} in the space, the design has {f}={have[f]}, {src}={have[src]}")
+        if have["hbm_gib"] not in self.hbm_bw_table:
+            raise cannot(f"the space knows no HBM bandwidth for {have['hbm_gib']} GiB (known: {sorted(self.hbm_bw_table)})")
         built = self.accelerator(point)
         for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bytes", "hbm_bw", "clock_hz"):
             a, b = getattr(built, f), getattr(acc, f)
             if not math.isclose(a, b, rel_tol=1e-9):
-                raise PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': {f} would be {a:g} in the space, the design has {b:g}")
+                raise cannot(f"{f} would be {a:g} in the space, the design has {b:g}")
         return point
 
 

@@ -153,10 +153,12 @@ class Outcome:
             "timings": r.timings,
         })
 
-    def user_attrs(self) -> dict:
-        """What Optuna keeps of the trial (compact: no per-layer table)."""
+    def result_attr(self) -> dict:
+        """What Optuna keeps of the trial besides its point, as one user attribute (one storage write).
+
+        Compact: no per-layer table (that goes to the MLflow artifact).
+        """
         return jsonable({
-            "point": self.point,
             "feasible": self.feasible,
             "reason": self.reason,
             "area_mm2": self.area_mm2,

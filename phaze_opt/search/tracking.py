@@ -90,12 +90,13 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
                  objectives: Sequence[str] = ("throughput",)) -> RunRecord:
     """The MLflow run of one finished trial, from the trial alone (see the module docstring)."""
     ua = trial.user_attrs
+    res = ua.get("result") or {}
     state = trial_state(trial)
     rec = RunRecord(name=f"trial {trial.number}", step=trial.number,
                     status="FINISHED" if trial.state.name == "COMPLETE" else "FAILED")
     for k, v in (ua.get("point") or {}).items():
         rec.params[_key(k)] = str(v)[:MAX_PARAM]
-    for k, v in (ua.get("accelerator") or {}).items():
+    for k, v in (res.get("accelerator") or {}).items():
         rec.params[_key(f"arch.{k}")] = str(v)[:MAX_PARAM]
     rec.tags.update({
         "trial_state": state,
@@ -106,15 +107,15 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
         "models": ",".join(models),
         "mode": mode,
     })
-    if "feasible" in ua:
-        rec.tags["feasible"] = "true" if ua["feasible"] else "false"
-    if ua.get("reason"):
-        rec.tags["infeasible_reason"] = str(ua["reason"])[:MAX_TAG]
-    if ua.get("error"):
-        rec.tags["error"] = str(ua["error"])[:MAX_TAG]
+    if "feasible" in res:
+        rec.tags["feasible"] = "true" if res["feasible"] else "false"
+    if res.get("reason"):
+        rec.tags["infeasible_reason"] = str(res["reason"])[:MAX_TAG]
+    if res.get("error"):
+        rec.tags["error"] = str(res["error"])[:MAX_TAG]
     if ua.get("retry_of") is not None:
         rec.tags["retry_of"] = str(ua["retry_of"])
-    if ua.get("new_best"):
+    if res.get("new_best"):
         rec.tags["new_best"] = "true"
     metrics = rec.metrics
     if trial.values is not None:
@@ -122,9 +123,9 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
             if _finite(value) is not None:
                 metrics[f"objective.{name}"] = float(value)
     for k in ("score", "area_mm2", "trial_s", "elapsed_s"):
-        if _finite(ua.get(k)) is not None:
-            metrics[k] = float(ua[k])
-    per_model = ua.get("models") or {}
+        if _finite(res.get(k)) is not None:
+            metrics[k] = float(res[k])
+    per_model = res.get("models") or {}
     totals = {t: 0.0 for t in TIMINGS}
     for model, summary in per_model.items():
         prefix = "" if len(per_model) == 1 else f"{_key(model)}."
@@ -182,6 +183,9 @@ class NullTracker:
         pass
 
     def close(self, status="FINISHED"):
+        pass
+
+    def stop(self):
         pass
 
     def where(self) -> str:

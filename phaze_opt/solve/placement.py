@@ -18,12 +18,18 @@ into k stages, the first of them at position k:
 
 where c_k is the stage time (recompute's extra forward for k > 1, receives on the pipeline link) and
 infinite when the stage does not fit HBM at position k. One sweep k = 1..K gives the best split for
-every S at once: f_S({}). Memory makes the position matter: the stage at position k holds
-min(k, m) microbatches, and m depends on d. Only the smallest d of each distinct m can be optimal
-(same pipeline, least all-reduce), and for S <= m the cap never binds, so one uncapped sweep serves
-all those (S, d) pairs; a pair with S > m continues a capped sweep from row k = m of the uncapped one.
+every S at once: f_S({}). All TP widths share the rows (the layer graph is the same), so they
+are swept together as one batch.
+
+Memory makes the position matter: the stage at position k holds min(k, m) microbatches, and m
+depends on d. Only the smallest d of each distinct m can be optimal (the same pipeline, and the
+least all-reduce, since the system configs guarantee the intra-node link is not the slower one).
+For S <= m the cap never binds, so one uncapped sweep serves all those (S, d) pairs. A pair with
+S > m needs a capped sweep (continued from row k = m of the uncapped one); its value lies between
+the uncapped sweep's and the "loosest" sweep's (one microbatch per stage), so where those two
+agree, or where the loosest cannot beat the best time found so far, no capped sweep is run.
 The pipeline link depends on S only through "does one replica fit in a node" (see
-`phaze_opt.system`), so there are two sweeps per width, one per link.
+`phaze_opt.system`), so there are at most two sweeps, one per link.
 
 Exactness with two max-terms. Time per batch = (m + S - 1) * C + AR(d) * G + AR0(d), with C the
 bottleneck stage time and G the largest stage's gradient bytes. Minimising C alone is not exact: a
@@ -36,9 +42,10 @@ drops out when its C is infinite, when its G equals the least any S-stage split 
 (max(largest layer, total / S)), or when even that least G cannot beat the best time found so far
 (C only grows as x falls). The tests check this against brute force over every placement.
 
-Costs: per sweep step one gather, one max and one argmin over rows x candidate stages; a chain's
-candidate stages are limited to the longest one that fits HBM, so a 98-layer GPT-3 on 1024
-devices with 4 TP widths takes milliseconds.
+Costs: per sweep step one gather, one max and one argmin over widths x rows x candidate stages; a
+chain's candidate stages are limited to the longest one that fits HBM and to the rows and lengths
+that leave a layer for every later stage, so a 98-layer GPT-3 on 1024 devices with 4 TP widths
+takes about ten milliseconds (benchmarks/bench_placement.py).
 """
 
 from __future__ import annotations
@@ -50,8 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PhazeError
-from .placement_eval import GIB, evaluate_placement
-from .placement_types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result
+from .placement_eval import evaluate_placement, format_bytes
+from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -82,9 +89,9 @@ class _Stack:
     dst: np.ndarray  # [R, W] int
     work1: np.ndarray  # [T, R, W] compute time as the last stage (k = 1)
     work2: np.ndarray  # [T, R, W] compute time elsewhere (recompute adds a forward)
-    bytes_in: np.ndarray  # [T, R, W] received activations (and output gradients below)
-    has_in: np.ndarray  # [T, R, W] bool: the stage receives anything
-    bytes_out: np.ndarray
+    bytes_in: np.ndarray  # [T, R, W] activations received from earlier stages
+    has_in: np.ndarray  # [T, R, W] bool: something is received from earlier stages
+    bytes_out: np.ndarray  # [T, R, W] output gradients received back from later stages
     has_out: np.ndarray
     grad: np.ndarray  # [T, R, W] gradient bytes of the stage (inf for padding)
     base: np.ndarray  # [T, R, W] state + one microbatch's activations
@@ -347,6 +354,8 @@ def _sweep(st: _Stack, blocks: np.ndarray, cost_at, k_from: int, k_to: int, f_pr
     G = np.full((steps, B, R + 1), INF)
     A = np.full((steps, B, R), -1, dtype=np.int64)
     grad = st.grad[blocks]
+    bi = np.arange(B)[:, None]
+    rows = np.arange(R)[None, :]
     for s, k in enumerate(range(k_from, k_to + 1)):
         cut = st.cuts[k] if k < len(st.cuts) else 0
         if cut > 0:
@@ -354,12 +363,9 @@ def _sweep(st: _Stack, blocks: np.ndarray, cost_at, k_from: int, k_to: int, f_pr
             dst = st.dst[:cut, :cols]
             vals = np.maximum(cost_at(k, cut, cols), f_prev[:, dst])
             a = np.argmin(vals, axis=2)
-            a3 = a[:, :, None]
-            F[s, :, :cut] = np.take_along_axis(vals, a3, axis=2)[:, :, 0]
-            nxt = dst[np.arange(cut)[None, :], a]
-            G[s, :, :cut] = np.maximum(
-                np.take_along_axis(grad[:, :cut, :cols], a3, axis=2)[:, :, 0], np.take_along_axis(g_prev, nxt, axis=1)
-            )
+            ri = rows[:, :cut]
+            F[s, :, :cut] = vals[bi, ri, a]
+            G[s, :, :cut] = np.maximum(grad[bi, ri, a], g_prev[bi, dst[ri, a]])
             A[s, :, :cut] = a
         f_prev, g_prev = F[s], G[s]
     return _Sweep(k_from, np.asarray(blocks), F, G, A)
@@ -464,68 +470,107 @@ def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _
     pairs = _pairs(problem, costs)
     links = {0: system.inter_node, 1: system.intra_node}
     times = {h: st.stage_time(links[h]) for h in (0, 1) if np.any(pairs.hop == h)}
-    T = len(costs)
-    x = np.full(T, INF)  # per width: candidate stages must have gradient bytes < x
+    x = np.full(len(costs), INF)  # per width: candidate stages must have gradient bytes < x
     active = np.ones(pairs.S.shape[0], dtype=bool)
+    floor_allreduce = pairs.allreduce(pairs.g_floor)
     while np.any(active):
         stats["sweeps"] = stats.get("sweeps", 0) + 1
-        C = np.full(active.shape[0], INF)
-        G = np.full(active.shape[0], INF)
-        runs: dict = {}
+        C = np.full(active.shape[0], INF)  # least bottleneck with largest-stage gradient < x
+        G = np.full(active.shape[0], INF)  # the largest-stage gradient of that split
+        drop = np.zeros(active.shape[0], dtype=bool)  # pairs proven unable to win
+        walkers: dict = {}  # pair group -> arg_at(k) for rebuilding its split
+
+        def consider(idx: np.ndarray) -> None:
+            """Score the pairs idx (C and G known) and keep the best as the incumbent."""
+            if idx.size == 0:
+                return
+            with np.errstate(invalid="ignore"):
+                total = C[idx] * pairs.multiplier[idx] + pairs.allreduce(G)[idx]
+            i = int(np.argmin(total))
+            if total[i] < best.time:
+                pair = int(idx[i])
+                b = int(pairs.block[pair])
+                key = (int(pairs.hop[pair]), b, int(pairs.cap[pair]))
+                best.time = float(total[i])
+                best.tp = costs[b].tp
+                best.dp = int(pairs.d[pair])
+                best.stages = _walk(st, walkers.get(key) or walkers[key[:2]], int(pairs.S[pair]))
+
+        capped_groups = []
         for h, (time1, time2) in times.items():
             sel = active & (pairs.hop == h)
             if not np.any(sel):
                 continue
             blocks = np.unique(pairs.block[sel])
+            pos = np.searchsorted(blocks, pairs.block)
             allowed = st.grad[blocks] < x[blocks][:, None, None]
-            c1 = np.where(allowed, time1[blocks], INF)
+            c1 = np.where(allowed & (st.kmax[blocks] >= 1), time1[blocks], INF)
             c2 = np.where(allowed, time2[blocks], INF)
             kmax = st.kmax[blocks]
 
-            def uncapped(k, cut, c1=c1, c2=c2, kmax=kmax):
-                return np.where(kmax[:, :cut] >= k, (c1 if k == 1 else c2)[:, :cut], INF)
+            def uncapped(k, cut, cols, c1=c1, c2=c2, kmax=kmax):
+                if k == 1:
+                    return c1[:, :cut, :cols]
+                return np.where(kmax[:, :cut, :cols] >= k, c2[:, :cut, :cols], INF)
 
-            top = int(np.max(np.where(pairs.cap > 0, pairs.cap, pairs.S)[sel]))
-            free = _sweep(st, blocks, uncapped, 1, top, *_start(st, len(blocks)))
-            runs[h] = free
-            pos = np.searchsorted(blocks, pairs.block)
-            idx = np.flatnonzero(sel & (pairs.cap == 0))
+            free = _sweep(st, blocks, uncapped, 1, int(np.max(pairs.S[sel])), *_start(st, len(blocks)))
+            for p, b in enumerate(blocks.tolist()):
+                walkers[(h, b)] = lambda k, free=free, p=p: free.arg[k - 1, p]
+            idx = np.flatnonzero(sel)
             C[idx] = free.f[pairs.S[idx] - 1, pos[idx], 0]
             G[idx] = free.g[pairs.S[idx] - 1, pos[idx], 0]
+            consider(np.flatnonzero(sel & (pairs.cap == 0)))
             capped_sel = sel & (pairs.cap > 0)
-            for b, mc in sorted(set(zip(pairs.block[capped_sel].tolist(), pairs.cap[capped_sel].tolist()))):
-                part = capped_sel & (pairs.block == b) & (pairs.cap == mc)
+            if not np.any(capped_sel):
+                continue
+            # A pair with m < S holds at most m microbatches per stage: its memory lies between
+            # the uncapped sweep's and one microbatch per stage (the loosest). Where those two
+            # agree, so does the capped one; where even the loosest cannot win, drop the pair.
+            loose_c2 = np.where(kmax >= 1, c2, INF)
+            loosest = _sweep(
+                st, blocks, lambda k, cut, cols: (c1 if k == 1 else loose_c2)[:, :cut, :cols], 1,
+                int(np.max(pairs.S[capped_sel])), *_start(st, len(blocks)),
+            )
+            idx = np.flatnonzero(capped_sel)
+            low = loosest.f[pairs.S[idx] - 1, pos[idx], 0]
+            same = low == C[idx]
+            consider(idx[same])
+            rest = idx[~same]
+            lows = np.full(active.shape[0], INF)
+            lows[rest] = low[~same]
+            for b, mc in sorted(set(zip(pairs.block[rest].tolist(), pairs.cap[rest].tolist()))):
+                part = rest[(pairs.block[rest] == b) & (pairs.cap[rest] == mc)]
                 p = int(np.searchsorted(blocks, b))
-                cost = np.where(kmax[p : p + 1] >= mc, c2[p : p + 1], INF)
-                sw = _sweep(
-                    st, np.array([b]), lambda k, cut, cost=cost: cost[:, :cut], mc + 1, int(np.max(pairs.S[part])),
-                    free.f[mc - 1, p : p + 1], free.g[mc - 1, p : p + 1],
-                )
-                runs[(h, b, mc)] = sw
-                idx = np.flatnonzero(part)
-                C[idx] = sw.f[pairs.S[idx] - (mc + 1), 0, 0]
-                G[idx] = sw.g[pairs.S[idx] - (mc + 1), 0, 0]
-        with np.errstate(invalid="ignore"):
-            total = np.where(active, C * pairs.multiplier + pairs.allreduce(G), INF)
-        i = int(np.argmin(total))
-        if total[i] < best.time:
-            h, b, mc, S = int(pairs.hop[i]), int(pairs.block[i]), int(pairs.cap[i]), int(pairs.S[i])
-            free = runs[h]
-            p = int(np.searchsorted(free.blocks, b))
-            capped = runs.get((h, b, mc))
+                capped_groups.append((h, b, mc, p, part, lows, free, kmax, c2))
+        # The capped sweeps, most promising first, each only while it can still beat the incumbent.
+        def promise(group):
+            part, lows = group[4], group[5]
+            with np.errstate(invalid="ignore"):
+                return float(np.min(lows[part] * pairs.multiplier[part] + floor_allreduce[part]))
 
-            def arg_at(k, free=free, p=p, capped=capped, mc=mc):
-                if mc and k > mc:
-                    return capped.arg[k - capped.k0, 0]
-                return free.arg[k - 1, p]
-
-            best.time = float(total[i])
-            best.tp = costs[b].tp
-            best.dp = int(pairs.d[i])
-            best.stages = _walk(st, arg_at, S)
+        for group in sorted(capped_groups, key=promise):
+            h, b, mc, p, part, lows, free, kmax, c2 = group
+            with np.errstate(invalid="ignore"):
+                hopeless = lows[part] * pairs.multiplier[part] + floor_allreduce[part] >= best.time
+            drop[part[hopeless]] = True
+            part = part[~hopeless]
+            C[part] = INF
+            if part.size == 0:
+                continue
+            cost = np.where(kmax[p : p + 1] >= mc, c2[p : p + 1], INF)
+            sw = _sweep(
+                st, np.array([b]), lambda k, cut, cols, cost=cost: cost[:, :cut, :cols], mc + 1,
+                int(np.max(pairs.S[part])), free.f[mc - 1, p : p + 1], free.g[mc - 1, p : p + 1],
+            )
+            walkers[(h, b, mc)] = lambda k, sw=sw, free=free, p=p, mc=mc: (
+                sw.arg[k - sw.k0, 0] if k > mc else free.arg[k - 1, p]
+            )
+            C[part] = sw.f[pairs.S[part] - (mc + 1), 0, 0]
+            G[part] = sw.g[pairs.S[part] - (mc + 1), 0, 0]
+            consider(part)
         with np.errstate(invalid="ignore"):
-            bound = C * pairs.multiplier + pairs.allreduce(pairs.g_floor)
-        active &= np.isfinite(C) & (bound < best.time) & (G > pairs.g_floor)
+            bound = C * pairs.multiplier + floor_allreduce
+        active &= ~drop & np.isfinite(C) & (bound < best.time) & (G > pairs.g_floor)
         for b in np.unique(pairs.block[active]):
             x[b] = float(np.max(G[active & (pairs.block == b)]))
     return best
@@ -553,10 +598,10 @@ def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tup
     base = st.base
     stash = np.where(np.isfinite(st.stash), st.stash, 0.0)
 
-    def memory(k, cut, b=None, q=None):
+    def memory(k, cut, cols, b=None, q=None):
         q = k if q is None else min(k, q)
         sl = slice(None) if b is None else slice(b, b + 1)
-        return base[sl, :cut] + (q - 1) * stash[sl, :cut]
+        return base[sl, :cut, :cols] + (q - 1) * stash[sl, :cut, :cols]
 
     tops = [min(st.n_layers, N // c.tp) for c in costs]
     free = _sweep(st, blocks, memory, 1, max(tops), *_start(st, len(costs)))
@@ -575,7 +620,7 @@ def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tup
                 best = (value, {"tp": c.tp, "pp": S, "dp": d, "microbatches": m})
         for m, items in groups.items():
             top = max(S for S, _ in items)
-            sw = _sweep(st, np.array([b]), lambda k, cut, b=b, m=m: memory(k, cut, b, m), m + 1, top,
+            sw = _sweep(st, np.array([b]), lambda k, cut, cols, b=b, m=m: memory(k, cut, cols, b, m), m + 1, top,
                         free.f[m - 1, b : b + 1], free.g[m - 1, b : b + 1])
             for S, d in items:
                 value = float(sw.f[S - (m + 1), 0, 0])
@@ -613,9 +658,9 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
-            f"no placement fits in HBM: the smallest memory any placement needs is {need / GIB:.3f} GiB per "
+            f"no placement fits in HBM: the smallest memory any placement needs is {format_bytes(need)} per "
             f"device (tp {where.get('tp')}, pp {where.get('pp')}, dp {where.get('dp')}), more than the "
-            f"{problem.hbm_bytes / GIB:.3f} GiB of HBM"
+            f"{format_bytes(problem.hbm_bytes)} of HBM"
         )
         return infeasible_result(
             problem, reason, method=method, min_memory_bytes=need, solve_s=time.perf_counter() - start,

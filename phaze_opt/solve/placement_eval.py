@@ -42,7 +42,12 @@ from .placement_types import (
     infeasible_result,
 )
 
-GIB = 2.0**30
+def format_bytes(n: float) -> str:
+    """Bytes for a reason line: '170 B', '1.500 MiB', '29.789 GiB'."""
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n:.0f} B"
 
 
 def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float, latency: float) -> float:
@@ -149,8 +154,8 @@ def evaluate_placement(problem: PlacementProblem, placement: Placement, *, metho
     if peak_memory > hbm:
         worst = max(stages, key=lambda st: st.memory_bytes)
         reasons.append(
-            f"stage {worst.index} needs {worst.memory_bytes / GIB:.3f} GiB per device, more than the "
-            f"{hbm / GIB:.3f} GiB of HBM"
+            f"stage {worst.index} needs {format_bytes(worst.memory_bytes)} per device, more than the "
+            f"{format_bytes(hbm)} of HBM"
         )
     if reasons:
         return infeasible_result(problem, "; ".join(reasons), **common)
@@ -169,17 +174,3 @@ def evaluate_placement(problem: PlacementProblem, placement: Placement, *, metho
         hbm_bytes=hbm,
         **common,
     )
-
-
-def memory_needed(problem: PlacementProblem, placement: Placement) -> float:
-    """The fullest stage's memory per device under `placement` (bytes)."""
-    return evaluate_placement(problem, placement).peak_memory_bytes
-
-
-def is_valid_stage_order(edges, stages) -> bool:
-    """Whether every edge runs from an earlier or the same stage (stages = downset differences)."""
-    stage_of = {v: s for s, stage in enumerate(stages) for v in stage}
-    return all(stage_of[u] <= stage_of[v] for u, v in edges)
-
-
-__all__ = ["evaluate_placement", "ring_allreduce_s", "memory_needed", "is_valid_stage_order", "math"]

@@ -141,10 +141,12 @@ class PlacementProblem:
         object.__setattr__(self, "hbm_bytes", float(math.floor(self.hbm_bytes)))
         object.__setattr__(self, "recompute", bool(self.recompute))
         for c in costs:
-            worst = float(np.sum(c.params)) * self.system.state_bytes_per_param + float(np.sum(c.activation_bytes)) * (
-                c.n_layers + 1
-            ) + float(np.sum(c.boundary_bytes) + np.sum(c.input_bytes)) * (c.n_layers + 1)
-            if worst >= _EXACT:
+            # The largest memory figure: all state plus every activation and boundary tensor
+            # once per possible in-flight microbatch (at most one per layer).
+            largest = float(np.sum(c.params)) * self.system.state_bytes_per_param + (c.n_layers + 1) * float(
+                np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)
+            )
+            if largest >= _EXACT:
                 raise ValueError("PlacementProblem: byte counts too large to add exactly in float64")
 
     @property

@@ -277,24 +277,47 @@ class Head(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.t, self.rows)
 
 
-def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
-    """Mean token cross-entropy over logits split by vocabulary (Megatron's vocab-parallel loss).
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Token cross-entropy over logits split by vocabulary, Megatron's way (Shoeybi et al. 2019).
 
-    In float32 as Megatron computes it; the max is detached (a constant shift for stability). Each
-    rank only holds the target logit of tokens in its slice, hence the masked pick and its all-reduce.
+    A custom autograd function as in Megatron: the forward keeps only the softmax (float32, the
+    size of the local logits) and the targets, and the backward is softmax minus the one-hot target
+    on the local slice (subtracted in place at one logit per token), with no communication. Each rank only holds the target logit of tokens in
+    its slice, hence the masked pick and its all-reduce. The max is a constant shift for stability.
     """
-    logits = logits.float()
-    shift = reduce_from_tp(logits.detach().amax(dim=-1, keepdim=True), t, "max")
-    z = logits - shift
-    target = labels
-    if t > 1:
-        outside = labels >= rows
-        target = labels.masked_fill(outside, 0)
-    picked = torch.gather(z, -1, target.unsqueeze(-1)).squeeze(-1)
-    if t > 1:
-        picked = reduce_from_tp(picked.masked_fill(outside, 0.0), t)
-    total = reduce_from_tp(torch.exp(z).sum(dim=-1), t)
-    return (torch.log(total) - picked).mean()
+
+    @staticmethod
+    def forward(ctx, logits, labels, t: int, rows: int):
+        shift = reduce_from_tp(logits.amax(dim=-1, keepdim=True), t, "max")
+        z = logits - shift
+        if t > 1:
+            outside = labels >= rows  # targets another device of the group holds (rank 0's view)
+            target = labels.masked_fill(outside, 0)
+        else:
+            outside, target = None, labels
+        picked = torch.gather(z, -1, target.unsqueeze(-1)).squeeze(-1)
+        if t > 1:
+            picked = reduce_from_tp(picked.masked_fill(outside, 0.0), t)
+        exp = torch.exp(z)
+        total = reduce_from_tp(exp.sum(dim=-1), t)
+        softmax = exp / total.unsqueeze(-1)
+        ctx.save_for_backward(softmax, target, outside if outside is not None else target)
+        ctx.has_outside = outside is not None
+        return torch.log(total) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, target, outside = ctx.saved_tensors
+        g = grad.unsqueeze(-1)
+        grad_logits = softmax * g
+        minus_hit = -g if not ctx.has_outside else -(g * (~outside).unsqueeze(-1).to(g.dtype))
+        grad_logits.scatter_add_(-1, target.unsqueeze(-1), minus_hit)  # touches one logit per token
+        return grad_logits, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
+    """Mean token cross-entropy of [s, b, rows] logits (float32, as Megatron computes it)."""
+    return _VocabParallelCrossEntropy.apply(logits.float(), labels, t, rows).mean()
 
 
 def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:

@@ -36,7 +36,7 @@ class Op:
     """
 
     name: str
-    kind: str  # gemm, bgemm, elementwise, norm, softmax, activation, dropout, embedding, loss, collective, noop, fused
+    kind: str  # gemm, bgemm, elementwise, norm, softmax, activation, dropout, reduction, gather, embedding, loss, collective, noop, fused
     unit: str  # one of UNITS
     flops: float = 0.0
     bytes_read: float = 0.0

@@ -1,0 +1,82 @@
+"""`phaze-opt study` (also `python -m phaze_opt.study`): the co-design search users run."""
+
+from __future__ import annotations
+
+from ..search.report import render as _render
+from ..search.setup import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig
+from ..search.tracking import DEFAULT_TRACKING_URI
+
+HELP = "search accelerator designs and placements with an Optuna study (or an exhaustive sweep), logged to MLflow"
+DESCRIPTION = (
+    "Search the accelerator architecture, microbatch and recompute choices of a search space; every trial "
+    "runs the exact per-layer ILP schedules and the optimal placement DP, and is logged to MLflow. "
+    "Re-running with the same study name and storage resumes the study; --trials is the study's total."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="model config name or YAML path; repeat for one common design across models, scored by "
+                        "the mean throughput relative to each model's TPUv4 expert baseline (default gpt3-175b)")
+    p.add_argument("--space", default="phaze", help="search space config name or YAML path (default phaze)")
+    p.add_argument("--system", default="default", help="system config name or YAML path (default default)")
+    p.add_argument("--sampler", default="tpe", metavar="NAME",
+                   help=f"Optuna sampler: {', '.join(SAMPLERS)} (default tpe)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0; a seed gives the same study)")
+    p.add_argument("--trials", type=int, default=500,
+                   help="finished trials the study should hold; a resumed study runs only the rest (default 500)")
+    p.add_argument("--objectives", default="throughput", metavar="LIST",
+                   help="throughput[,area][,energy]; several give a Pareto front, saved as a PNG (default throughput)")
+    p.add_argument("--study-name", default=None,
+                   help="Optuna study name (default derived from model, space, system, sampler/mode, seed)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage URL, e.g. postgresql://user@host/db (default sqlite:///studies/<study-name>.db)")
+    p.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, metavar="URL",
+                   help=f"MLflow tracking URI, or 'off' (default {DEFAULT_TRACKING_URI}, artifacts under mlruns/)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the study through its storage (Optuna's distributed mode; default 1)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="evaluate every grid point of the space instead of sampling (--trials is ignored)")
+    p.add_argument("--order", default="area", metavar="area|grid",
+                   help="exhaustive order: area (decreasing area, the published sweep; default) or grid")
+    p.add_argument("--hysteresis", default="off", metavar="K|off",
+                   help="exhaustive: stop once the best throughput of the last K area groups stops improving "
+                        "(the published rule uses 5); off evaluates every point (default off)")
+    p.add_argument("--area-group-mm2", type=float, default=PHAZE_AREA_GROUP_MM2,
+                   help=f"exhaustive: width of an area group in mm^2 (default {PHAZE_AREA_GROUP_MM2}, the published 10,000 um^2)")
+    p.add_argument("--output-dir", default="studies", help="where storages, plots and summaries go (default studies)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="always show the progress bar (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
+
+
+def config_from_args(args) -> StudyConfig:
+    return StudyConfig(
+        models=tuple(args.model or ("gpt3-175b",)),
+        space=args.space,
+        system=args.system,
+        sampler=args.sampler,
+        seed=args.seed,
+        trials=args.trials,
+        objectives=args.objectives,
+        study_name=args.study_name,
+        storage=args.storage,
+        tracking_uri=args.tracking_uri,
+        workers=args.workers,
+        exhaustive=args.exhaustive,
+        order=args.order,
+        hysteresis=args.hysteresis,
+        area_group_mm2=args.area_group_mm2,
+        output_dir=args.output_dir,
+        progress=args.progress,
+    )
+
+
+def run(args) -> dict:
+    from ..search.runner import run_study
+
+    return run_study(config_from_args(args))
+
+
+def render(result: dict) -> str:
+    return _render(result)

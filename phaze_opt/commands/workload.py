@@ -1,0 +1,107 @@
+"""`phaze-opt workload`: the model's size, training FLOPs and per-layer graph summary."""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import PhazeError
+
+HELP = "summarise a model's workload graph: parameters, training FLOPs, per-layer memory and op counts"
+DESCRIPTION = (
+    "Build the model's layers on the meta device at one TP width and microbatch, trace their forward "
+    "and backward passes, and print the whole model's parameters and training FLOPs per sequence, and "
+    "for every layer its per-device parameters, stashed activation bytes and op counts by unit."
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="model name (configs/models) or path to a model YAML")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel width (default 1)")
+    parser.add_argument("--mbs", type=int, default=1, help="microbatch size in sequences (default 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--no-cache", action="store_true", help="extract again instead of using the disk cache")
+
+
+def run(args) -> dict:
+    from ..workload.graphs import build_layer_graph
+    from ..workload.models import load_model
+
+    start = time.perf_counter()
+    model = load_model(args.model)
+    if args.mbs <= 0:
+        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
+    graph = build_layer_graph(model, args.tp, args.mbs, args.seq, cache=not args.no_cache)
+    elapsed = time.perf_counter() - start
+    layers = []
+    for layer in graph.layers:
+        ops = graph.op_graphs[layer.kind]
+        layers.append({
+            "name": layer.name,
+            "kind": layer.kind,
+            "params": layer.params,
+            "param_bytes": layer.param_bytes,
+            "activation_bytes": layer.activation_bytes,
+            "boundary_bytes": layer.boundary_bytes,
+            "input_bytes": layer.input_bytes,
+            "fwd_flops": layer.fwd_flops,
+            "bwd_flops": layer.bwd_flops,
+            "fwd_ops": ops["fwd"].count_by_unit(),
+            "bwd_ops": ops["bwd"].count_by_unit(),
+        })
+    return {
+        "model": model.name,
+        "family": model.family,
+        "tp": graph.tp,
+        "mbs": graph.mbs,
+        "seq": graph.seq,
+        "params": graph.total_params,
+        "train_flops_per_sequence": graph.train_flops_per_sequence,
+        "distinct_layer_kinds": graph.kinds,
+        "params_note": "params per layer are per device at this TP width; 'params' at the top is the whole model",
+        "layers": layers,
+        "unmapped_ops": graph.extra.get("unmapped_ops", []),
+        "source": graph.extra.get("source", "traced"),
+        "time_s": elapsed,
+    }
+
+
+def _si(x: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.1f} MiB"
+
+
+def _counts(c: dict) -> str:
+    return " ".join(f"{unit}:{n}" for unit, n in sorted(c.items()))
+
+
+def render(r: dict) -> str:
+    lines = [
+        f"model {r['model']} ({r['family']}), TP {r['tp']}, microbatch {r['mbs']}, sequence {r['seq']}",
+        f"  parameters (whole model):     {r['params']:,} ({r['params'] / 1e9:.3f} B)",
+        f"  training FLOPs per sequence:  {_si(r['train_flops_per_sequence'], 'FLOP')} (fwd + bwd, no recompute)",
+        f"  distinct layer kinds:         {', '.join(r['distinct_layer_kinds'])}",
+        "",
+        f"  {'layers':<18} {'params/device':>15} {'activations':>14} {'fwd+bwd FLOP':>16}  ops fwd | bwd",
+    ]
+    rows, i = r["layers"], 0
+    while i < len(rows):  # identical consecutive layers print once
+        j = i
+        while j + 1 < len(rows) and rows[j + 1]["kind"] == rows[i]["kind"]:
+            j += 1
+        row = rows[i]
+        label = row["name"] if i == j else f"{row['name']}..{rows[j]['name'].rsplit('.', 1)[-1]} (x{j - i + 1})"
+        lines.append(
+            f"  {label:<18} {row['params']:>15,} {_mib(row['activation_bytes']):>14} "
+            f"{_si(row['fwd_flops'] + row['bwd_flops'], 'FLOP'):>16}  {_counts(row['fwd_ops'])} | {_counts(row['bwd_ops'])}"
+        )
+        i = j + 1
+    if r["unmapped_ops"]:
+        lines.append(f"  ops without a cost rule (costed as vector ops): {', '.join(r['unmapped_ops'])}")
+    lines.append(f"  time: {r['time_s']:.2f} s (graphs: {r['source']})")
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""Convergence comparison of two or more studies: how fast each found its best design.
+
+For every study, the finished trials in wall-clock order (`elapsed_s`, the study's own search time
+summed over invocations; Optuna timestamps when a study lacks it) give a best-so-far curve over the
+feasible trials' throughput objective. The table reports per study: best score, trials, wall time,
+and the trials and time it needed to reach `threshold` (99%) of the best score that ANY of the
+compared studies found -- for a sampled and an exhaustive study of one space, that is how close
+and how fast sampling gets to the exhaustive optimum.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+import optuna
+
+from ..errors import PhazeError
+from .runner import finished_trials, is_feasible, quiet_optuna
+from .setup import clean_name, default_storage
+from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
+
+
+@dataclass
+class Curve:
+    name: str
+    storage: str
+    mode: str
+    sampler: str
+    models: list | None
+    objective: str
+    trials: int
+    wall_s: float
+    # one row per finished trial, in wall-clock order: (elapsed_s, trials so far, best so far or None)
+    steps: list = field(default_factory=list)
+    best_trial: int | None = None
+
+    @property
+    def best(self) -> float | None:
+        return self.steps[-1][2] if self.steps else None
+
+
+def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tuple[str, str]:
+    """A STUDY argument -> (study name, storage URL).
+
+    NAME uses --storage, else the study's default `sqlite:///<out_dir>/NAME.db`; a path to a
+    `.db` file names the (single) study inside that SQLite file.
+    """
+    text = str(arg)
+    if text.endswith(".db") and not storage:
+        if not Path(text).is_file():
+            raise PhazeError(f"{text}: no such study database")
+        url = f"sqlite:///{text}"
+        names = _study_names(url)
+        if len(names) != 1:
+            raise PhazeError(f"{text}: holds {len(names)} studies ({', '.join(names) or 'none'}); "
+                             "name one with --storage sqlite:///" + text + " NAME")
+        return names[0], url
+    url = storage or default_storage(clean_name(text), out_dir)
+    if not storage and not Path(url[len("sqlite:///"):]).is_file():
+        raise PhazeError(f"unknown study '{text}': no {url[len('sqlite:///'):]}; give --storage URL for a "
+                         "study stored elsewhere")
+    return text, url
+
+
+_STORAGES: dict = {}
+
+
+def _storage(url: str):
+    if url not in _STORAGES:
+        _STORAGES[url] = optuna.storages.RDBStorage(url)
+    return _STORAGES[url]
+
+
+def _study_names(url: str) -> list[str]:
+    quiet_optuna()
+    try:
+        return [s.study_name for s in optuna.study.get_all_studies(_storage(url))]
+    except Exception as exc:  # noqa: BLE001 - the user's URL
+        raise PhazeError(f"--storage {redact(url)}: cannot open: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def _elapsed(trials) -> dict[int, float]:
+    """trial number -> seconds into the study (its own elapsed_s, else from Optuna's timestamps)."""
+    out = {}
+    starts = [t.datetime_start for t in trials if t.datetime_start is not None]
+    first = min(starts) if starts else None
+    for t in trials:
+        e = (t.user_attrs.get("result") or {}).get("elapsed_s")
+        if isinstance(e, (int, float)) and math.isfinite(e):
+            out[t.number] = float(e)
+        elif t.datetime_complete is not None and first is not None:
+            out[t.number] = (t.datetime_complete - first).total_seconds()
+        else:
+            out[t.number] = math.inf
+    return out
+
+
+def load_curve(name: str, url: str) -> Curve:
+    quiet_optuna()
+    names = _study_names(url)
+    if name not in names:
+        raise PhazeError(f"unknown study '{name}' in {redact(url)}; it holds {', '.join(names) or 'no study'}")
+    study = optuna.load_study(study_name=name, storage=_storage(url))
+    trials = finished_trials(study.get_trials(deepcopy=False))
+    attrs = study.user_attrs
+    elapsed = _elapsed(trials)
+    trials = sorted(trials, key=lambda t: (elapsed[t.number], t.number))
+    steps, best, best_trial = [], None, None
+    for i, t in enumerate(trials, 1):
+        if is_feasible(t) and (best is None or t.values[0] > best):
+            best, best_trial = t.values[0], t.number
+        steps.append((elapsed[t.number], i, best))
+    wall = max((e for e in elapsed.values() if math.isfinite(e)), default=0.0)
+    objectives = attrs.get("objectives") or ["throughput"]
+    curve = Curve(name=name, storage=url, mode=attrs.get("mode", "?"), sampler=str(attrs.get("sampler", "?")),
+                  models=attrs.get("models"), objective=objectives[0], trials=len(trials), wall_s=wall, steps=steps,
+                  best_trial=best_trial)
+    return curve
+
+
+def table(curves: Sequence[Curve], threshold: float = 0.99) -> tuple[list[dict], float | None]:
+    """One row per study (see the module docstring); returns (rows, target score)."""
+    bests = [c.best for c in curves if c.best is not None]
+    top = max(bests) if bests else None
+    target = threshold * top if top is not None and top > 0 else None
+    rows = []
+    for c in curves:
+        reach = None
+        if target is not None:
+            reach = next(((e, n) for e, n, b in c.steps if b is not None and b >= target), None)
+        rows.append({
+            "study": c.name,
+            "mode": c.mode,
+            "sampler": c.sampler,
+            "best_score": c.best,
+            "best_trial": c.best_trial,
+            "best_vs_overall": (c.best / top) if c.best is not None and top else None,
+            "trials": c.trials,
+            "wall_s": c.wall_s,
+            "trials_to_target": reach[1] if reach else None,
+            "time_to_target_s": reach[0] if reach else None,
+        })
+    return rows, target
+
+
+def _pct(threshold: float) -> str:
+    return f"{threshold * 100:g}pct"
+
+
+def rows_csv(rows: list[dict], threshold: float) -> str:
+    pct = _pct(threshold)
+    cols = ["study", "mode", "sampler", "best_score", "best_trial", "best_vs_overall", "trials", "wall_s",
+            f"trials_to_{pct}", f"time_to_{pct}_s"]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for r in rows:
+        w.writerow([r["study"], r["mode"], r["sampler"], _num(r["best_score"]), _num(r["best_trial"]),
+                    _num(r["best_vs_overall"]), r["trials"], _num(r["wall_s"]), _num(r["trials_to_target"]),
+                    _num(r["time_to_target_s"])])
+    return buf.getvalue()
+
+
+def _num(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ""
+    return str(v)
+
+
+def rows_markdown(rows: list[dict], threshold: float, target: float | None, objective: str) -> str:
+    pct = f"{threshold * 100:g}%"
+    head = ["study", "mode", "best " + objective, "vs best overall", "trials", "wall (s)",
+            f"trials to {pct}", f"time to {pct} (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["study"], f"{r['mode']} ({r['sampler']})",
+                 "n/a" if r["best_score"] is None else f"{r['best_score']:.6g}",
+                 "n/a" if r["best_vs_overall"] is None else f"{r['best_vs_overall'] * 100:.2f}%",
+                 str(r["trials"]), f"{r['wall_s']:.1f}",
+                 "not reached" if r["trials_to_target"] is None else str(r["trials_to_target"]),
+                 "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    tail = f"\nTarget: {pct} of the best score any study found" + (f" = {target:.6g}." if target else " (none feasible).")
+    return "\n".join(lines) + "\n" + tail + "\n"
+
+
+def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    finite = [e for c in curves for e, _, b in c.steps if b is not None and math.isfinite(e) and e > 0]
+    for i, c in enumerate(curves):
+        xs = [e for e, _, b in c.steps if b is not None and math.isfinite(e)]
+        ys = [b for e, _, b in c.steps if b is not None and math.isfinite(e)]
+        if not xs:
+            continue
+        xs.append(max(c.wall_s, xs[-1]))
+        ys.append(ys[-1])
+        ax.step(xs, ys, where="post", color=f"C{i}", label=f"{c.name} ({c.mode})")
+        if target is not None:
+            hit = next(((e, b) for e, _, b in c.steps if b is not None and b >= target and math.isfinite(e)), None)
+            if hit:
+                ax.plot([hit[0]], [hit[1]], "o", color=f"C{i}", ms=6)
+    if target is not None:
+        ax.axhline(target, color="0.4", ls="--", lw=1, label="99% of the best found" if abs(target) else "target")
+    if finite and max(finite) / max(min(finite), 1e-9) > 100:
+        ax.set_xscale("log")
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("best feasible score so far")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def output_stem(names: Sequence[str]) -> str:
+    stem = "compare-" + "-vs-".join(clean_name(n) for n in names)
+    if len(stem) > 120:
+        stem = stem[:100] + "-" + hashlib.sha1(stem.encode()).hexdigest()[:8]
+    return stem
+
+
+def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str = "studies",
+            tracking_uri: str | None = None, threshold: float = 0.99, name: str | None = None) -> dict:
+    """Compare studies; writes `<out_dir>/<name>.csv`, `.md` and `.png` and logs them to MLflow."""
+    if len(studies) < 2:
+        raise PhazeError("compare: give at least two studies")
+    if not 0 < threshold <= 1:
+        raise PhazeError(f"--threshold: expected a fraction in (0, 1], got {threshold}")
+    resolved = [resolve_study(s, storage, out_dir) for s in studies]
+    if len(set(resolved)) != len(resolved):
+        raise PhazeError("compare: a study is named twice")
+    curves = [load_curve(n, u) for n, u in resolved]
+    models = {tuple(c.models) for c in curves if c.models is not None}
+    if len(models) > 1:
+        raise PhazeError("compare: the studies optimise different models (" +
+                         "; ".join(f"{c.name}: {', '.join(c.models or [])}" for c in curves) +
+                         "), so their scores are not comparable")
+    rows, target = table(curves, threshold)
+    stem = clean_name(name) if name else output_stem([c.name for c in curves])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path, png_path = out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.png"
+    csv_path.write_text(rows_csv(rows, threshold))
+    objective = "throughput" if not curves[0].models or len(curves[0].models) == 1 else "score"
+    md_path.write_text(f"# {stem}\n\n" + rows_markdown(rows, threshold, target, objective))
+    plot(curves, target, png_path, f"best-so-far vs wall-clock: {', '.join(c.name for c in curves)}")
+    result = {"studies": [{"name": c.name, "storage": redact(c.storage)} for c in curves], "threshold": threshold,
+              "target": target, "rows": rows, "csv": str(csv_path), "markdown": str(md_path), "plot": str(png_path),
+              "mlflow": None}
+    if tracking_enabled(tracking_uri):
+        tracker = MlflowTracker.start(
+            tracking_uri, "phaze_opt-compare", run_name=f"{stem} {datetime.now():%Y-%m-%d %H:%M:%S}",
+            params={"studies": ",".join(c.name for c in curves), "threshold": threshold},
+            tags={"mode": "compare", "models": ",".join(curves[0].models or [])},
+            context={"study_name": stem, "sampler": "", "models": curves[0].models or [], "mode": "compare"},
+            background=False)
+        metrics = {}
+        for r in rows:
+            key = clean_name(r["study"])[:150]
+            for k in ("best_score", "trials", "wall_s", "trials_to_target", "time_to_target_s", "best_vs_overall"):
+                if isinstance(r[k], (int, float)):
+                    metrics[f"{key}.{k}"] = r[k]
+        tracker.log_parent(metrics=metrics)
+        for p in (csv_path, md_path, png_path):
+            tracker.log_parent_file(p)
+        tracker.close()
+        result["mlflow"] = {"experiment": "phaze_opt-compare", "experiment_id": tracker.experiment_id,
+                            "run_id": tracker.parent_run_id, "errors": list(tracker.errors)}
+    return result
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
+    lines = [rows_markdown(rows, result["threshold"], result["target"], "score").rstrip(),
+             f"table: {result['csv']} and {result['markdown']}", f"plot: {result['plot']}"]
+    if result.get("mlflow"):
+        m = result["mlflow"]
+        lines.append(f"MLflow: experiment '{m['experiment']}', run {m['run_id']}")
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""The end of a study: its summary (best design, placement, ratios), Pareto plot and text report.
+
+Units: the summary keeps SI (sequences/s, s, mm^2); only `render` formats for people.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from .runner import finished_trials, is_feasible
+from .tracking import redact, ui_command
+
+
+def best_trial(trials, objectives: Sequence[str]):
+    """The feasible trial with the highest throughput objective (ties: the earliest)."""
+    feasible = [t for t in trials if is_feasible(t)]
+    if not feasible:
+        return None
+    return max(feasible, key=lambda t: (t.values[0], -t.number))
+
+
+def pareto_front(trials, directions: Sequence[str]) -> list:
+    """Feasible trials no other feasible trial dominates (all objectives at least as good, one better)."""
+    feasible = [t for t in trials if is_feasible(t)]
+    signs = [1.0 if d == "maximize" else -1.0 for d in directions]
+
+    def key(t):
+        return [s * v for s, v in zip(signs, t.values)]
+
+    front = []
+    for t in feasible:
+        kt = key(t)
+        dominated = False
+        for u in feasible:
+            ku = key(u)
+            if all(a >= b for a, b in zip(ku, kt)) and any(a > b for a, b in zip(ku, kt)):
+                dominated = True
+                break
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: -t.values[0])
+
+
+def describe_trial(trial, baselines: dict) -> dict:
+    result = trial.user_attrs.get("result") or {}
+    models = {}
+    for m, s in (result.get("models") or {}).items():
+        base = baselines.get(m)
+        ratio = None
+        if base is not None and base.feasible and base.throughput and s.get("throughput") is not None:
+            ratio = s["throughput"] / base.throughput
+        models[m] = {**s, "ratio_to_tpuv4_expert": ratio}
+    ratios = [v["ratio_to_tpuv4_expert"] for v in models.values()]
+    return {
+        "trial": trial.number,
+        "design": trial.user_attrs.get("point"),
+        "accelerator": result.get("accelerator"),
+        "score": trial.values[0] if trial.values else None,
+        "values": list(trial.values or []),
+        "area_mm2": result.get("area_mm2"),
+        "elapsed_s": result.get("elapsed_s"),
+        "models": models,
+        "ratio_to_tpuv4_expert": (sum(ratios) / len(ratios)) if ratios and None not in ratios else None,
+    }
+
+
+def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], path: Path, title: str) -> Path | None:
+    """All feasible trials and their Pareto front, one panel per pair of objectives."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    feasible = [t for t in trials if is_feasible(t)]
+    if len(objectives) < 2 or not feasible:
+        return None
+    front = {t.number for t in pareto_front(trials, directions)}
+    pairs = [(0, j) for j in range(1, len(objectives))]
+    if len(objectives) == 3:
+        pairs.append((1, 2))
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.5), squeeze=False)
+    labels = {"throughput": "throughput objective", "area": "area (mm$^2$)", "energy": "energy objective"}
+    for ax, (i, j) in zip(axes[0], pairs):
+        xs = [t.values[j] for t in feasible]
+        ys = [t.values[i] for t in feasible]
+        ax.scatter(xs, ys, s=12, c="0.7", label="feasible trials")
+        pts = sorted(((t.values[j], t.values[i]) for t in feasible if t.number in front))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="C3", ms=5, label="Pareto front")
+        ax.set_xlabel(labels.get(objectives[j], objectives[j]))
+        ax.set_ylabel(labels.get(objectives[i], objectives[i]))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> dict:
+    """Build the summary, save the Pareto plot and summary.json, log them to the parent run."""
+    config = session.config
+    trials = session.all_trials()
+    done = finished_trials(trials)
+    feasible = [t for t in done if is_feasible(t)]
+    failed = [t for t in done if t.state.name == "FAIL"]
+    best = best_trial(done, config.objectives)
+    summary: dict[str, Any] = {
+        "study": session.name,
+        "storage": redact(session.url),
+        "mode": config.mode,
+        "resumed": session.resumed,
+        "models": list(config.models),
+        "space": getattr(session.space, "name", config.space),
+        "system": config.system,
+        "sampler": "exhaustive" if config.exhaustive else config.sampler,
+        "seed": config.seed,
+        "objectives": list(config.objectives),
+        "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
+                  else "throughput, sequences/s"),
+        "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
+                   "failed": len(failed), "this_run": len(done) - session.trials_before},
+        "wall_s": session.elapsed() - session.offset_s,
+        "elapsed_s": session.elapsed(),
+        "baselines": {m: b.to_json() for m, b in session.baselines.items()},
+        "best": describe_trial(best, session.baselines) if best is not None else None,
+        "notes": list(session.notes),
+    }
+    errors = [e for s in worker_stats for e in s.get("tracking_errors", [])]
+    if len(config.objectives) > 1:
+        front = pareto_front(done, config.directions)
+        summary["pareto"] = {"trials": [describe_trial(t, session.baselines) for t in front]}
+        path = plot_pareto(done, config.objectives, config.directions,
+                           Path(config.output_dir) / f"{session.name}-pareto.png",
+                           f"{session.name}: {len(front)} Pareto-optimal of {len(feasible)} feasible designs")
+        summary["pareto"]["plot"] = str(path) if path else None
+        if path:
+            session.tracker.log_parent_file(path)
+    if extra:
+        summary.update(extra)
+    tracker = session.tracker
+    summary["mlflow"] = None
+    if tracker.enabled:
+        summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri), "experiment": session.name,
+                             "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
+                             "ui": ui_command(config.tracking_uri)}
+        metrics = {"trials": len(done), "feasible_trials": len(feasible), "wall_s": summary["wall_s"]}
+        if best is not None:
+            b = summary["best"]
+            metrics.update({"best_score": b["score"], "best_area_mm2": b["area_mm2"] or float("nan"),
+                            "best_trial": best.number})
+            if b["ratio_to_tpuv4_expert"] is not None:
+                metrics["ratio_to_tpuv4_expert"] = b["ratio_to_tpuv4_expert"]
+            for m, s in b["models"].items():
+                prefix = "" if len(b["models"]) == 1 else f"{m}."
+                for k in ("throughput", "tokens_per_s", "mfu"):
+                    if isinstance(s.get(k), (int, float)):
+                        metrics[f"best_{prefix}{k}"] = s[k]
+        tracker.log_parent(metrics=metrics, tags={"best_trial": str(best.number) if best else "none"})
+        out = Path(config.output_dir) / f"{session.name}-summary.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1, default=str))
+        tracker.log_parent_file(out)
+        tracker.flush()
+        errors += list(tracker.errors)
+        summary["mlflow"]["errors"] = errors
+    return summary
+
+
+def _fmt(value, unit="", digits=3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}g}{unit}" if abs(value) < 1e4 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def render(summary: dict) -> str:
+    """The human-readable end-of-study report."""
+    lines = []
+    t = summary["trials"]
+    lines.append(f"study {summary['study']} ({summary['mode']}, {summary['sampler']}) on "
+                 f"{', '.join(summary['models'])}, space {summary['space']}, system {summary['system']}")
+    lines.append(f"  storage {summary['storage']}")
+    lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
+                 f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run")
+    ex = summary.get("exhaustive")
+    if ex:
+        stop = (f"stopped by hysteresis after {ex['groups_done']} of {ex['groups']} area groups"
+                if ex.get("stopped_early") else "every point")
+        lines.append(f"  exhaustive: {ex['evaluated']} of {ex['points']} grid points evaluated ({stop})")
+        for h in ex.get("best_history", [])[-5:]:
+            lines.append(f"    new best at {h['elapsed_s']:.1f} s (trial {h['trial']}): {h['score']:.6g}")
+    best = summary.get("best")
+    if best is None:
+        lines.append("  no feasible design found")
+    else:
+        lines.append(f"  best design (trial {best['trial']}): " +
+                     ", ".join(f"{k}={v}" for k, v in (best["design"] or {}).items()))
+        lines.append(f"    area {_fmt(best['area_mm2'], ' mm2', 4)}")
+        for m, s in best["models"].items():
+            p = s.get("placement") or {}
+            stages = p.get("stages") or []
+            lines.append(f"    {m}: {_fmt(s.get('throughput'), ' seq/s', 5)} ({_fmt(s.get('tokens_per_s'), ' tokens/s', 4)}), "
+                         f"MFU {_fmt(s.get('mfu'), '', 3)}, time/batch {_fmt(s.get('time_per_batch_s'), ' s', 4)}")
+            lines.append(f"      placement TP={p.get('tp')} PP={p.get('pp')} DP={p.get('dp')}, "
+                         f"{p.get('microbatches')} microbatches, {len(stages)} stages")
+            ratio = s.get("ratio_to_tpuv4_expert")
+            base = summary["baselines"].get(m, {})
+            if ratio is not None:
+                lines.append(f"      {ratio:.3f}x TPUv4 with the expert placement "
+                             f"({_fmt(base.get('throughput'), ' seq/s', 5)} at mbs={base.get('mbs')}, "
+                             f"recompute={base.get('recompute')}, {base.get('placement')} placement)")
+            else:
+                lines.append(f"      no TPUv4 expert baseline: {base.get('reason') or 'not available'}")
+        if len(best["models"]) > 1 and best.get("ratio_to_tpuv4_expert") is not None:
+            lines.append(f"    mean ratio to TPUv4 (expert placement): {best['ratio_to_tpuv4_expert']:.3f}x")
+    pareto = summary.get("pareto")
+    if pareto:
+        lines.append(f"  Pareto front: {len(pareto['trials'])} designs; plot {pareto.get('plot')}")
+    for note in summary.get("notes", []):
+        lines.append(f"  note: {note}")
+    ml = summary.get("mlflow")
+    if ml:
+        lines.append(f"  MLflow: experiment '{ml['experiment']}' (id {ml['experiment_id']}), parent run {ml['parent_run_id']}")
+        lines.append(f"    open the UI with: {ml['ui']}")
+        if ml.get("errors"):
+            lines.append(f"    {len(ml['errors'])} MLflow writes failed, first: {ml['errors'][0]}")
+    else:
+        lines.append("  MLflow tracking was off")
+    return "\n".join(lines)

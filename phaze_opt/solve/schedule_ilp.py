@@ -1,0 +1,491 @@
+"""The exact mixed-integer program for one series block, solved with PuLP (HiGHS by default).
+
+Variables (times are scaled so the incumbent's makespan is 1000, which keeps the solver's absolute
+tolerances far below any latency that matters):
+
+- S_i >= 0 continuous start of op i, within its window [head_i, UB - tail_i - dmin_i] (head and
+  tail are longest paths with fastest latencies; only schedules no longer than the incumbent UB
+  matter, so the windows cut nothing useful);
+- x_i binary, 1 when op i runs split, only for ops where the split mode exists, is strictly faster,
+  and where it could matter (see "solo ops");
+- order binaries y_ab ("a ends before b starts") only for pairs the DAG leaves unordered and only
+  where the pair can interact: two collectives (one link), two compute ops of which either may run
+  split, two compute ops sharing a one-core resource, and (lazily, see below) two single-mode ops
+  competing for a resource with more cores. Ordered pairs get no variable; their precedence is one
+  constraint per edge of the transitive reduction.
+
+Constraints:
+- precedence  S_b >= S_a + d_a with d_a = single_a + (split_a - single_a) x_a;
+- disjunction S_b >= S_a + d_a - M_ab (1 - y_ab), with the tightest valid M_ab = (UB - tail_a) -
+  head_b; where M_ab <= 0 the order is forced and no variable is created, and where a cannot end
+  before b could start y_ab is fixed to 0;
+- a pair that must never overlap (link, one-core resource): y_ab + y_ba = 1 (one binary);
+- split exclusivity: y_ab + y_ba >= x_a, >= x_b, and <= 1;
+- makespan C >= S_i + d_i for the block's sinks.
+
+Valid inequalities that make the relaxation strong (see `bounds`): with T the time no split op
+runs, C >= sum_i split_i x_i + T; T >= single-mode TC work / num_tc; T >= single-mode VC work /
+num_vc; T >= L_i where L_i >= (1 - x_i) single_i + L_p along compute precedence (the longest chain
+of single-mode ops, which run one after another and only while no split op runs); and C >= the
+link bound. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
+so S_a <= S_b for a before b in index order, and y_ba = 0 (symmetry breaking).
+
+Core limits. Capacity is only at stake for a resource whose largest antichain of users in the block
+(Dilworth: ops minus a maximum matching of the comparability graph) exceeds its core count; else
+there is no constraint at all. One-core resources use the pairwise disjunction above. For
+k >= 2 cores we first solve without core limits, as the published system does; if the schedule
+runs more than k single-mode users at once, instead of adding per-core assignment variables we add
+the cut "among these k+1 ops, at least one pair is ordered": sum of their y over pairs >= 1. It is
+valid (intervals that pairwise overlap share a point, Helly, so a legal schedule cannot have k+1
+pairwise-overlapping users) and it is all that is needed (if no k+1 users pairwise overlap, no
+instant has k+1 users). We re-solve until the schedule fits; each relaxation's optimum is a lower
+bound, so the last one, which fits, is optimal. Then greedy interval colouring names the cores.
+
+Realisation. The solver's start times carry its tolerances, so we never report them directly: we
+keep its modes, order every pair that it left non-overlapping (in a linear extension that follows
+its start times), and recompute exact earliest starts by longest path. That schedule keeps every
+non-overlap the solver found and overlaps only pairs it overlapped, so it obeys every rule exactly
+and ends no later than the solver's, up to rounding.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from .schedule_heuristic import duration
+from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails
+
+SCALE_TARGET = 1000.0
+WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
+ORDER_TOL = 1e-6  # in scaled units: "a ends before b starts" in the solver's answer
+PROVEN_REL_GAP = 1e-6  # realised makespan vs. the solver's bound when it says "optimal"
+MAX_CUT_SUBSETS = 20
+
+DISJ, SPLIT, CAP = "disj", "split", "cap"
+
+
+@dataclass
+class IlpResult:
+    makespan: float  # seconds, of the realised schedule (the better of it and the incumbent)
+    lower_bound: float  # seconds, proven
+    status: str  # optimal | time_limit | error
+    start: dict
+    modes: dict
+    stats: dict = field(default_factory=dict)
+
+
+def max_antichain(ops: list[int], desc) -> int:
+    """Width of the poset on `ops` (Dilworth): |ops| minus a maximum matching of a < b pairs."""
+    idx = {o: k for k, o in enumerate(ops)}
+    adj = [[idx[b] for b in ops if (desc[a] >> b) & 1] for a in ops]
+    match_right = [-1] * len(ops)
+
+    def augment(u: int, seen: list[bool]) -> bool:
+        for v in adj[u]:
+            if not seen[v]:
+                seen[v] = True
+                if match_right[v] == -1 or augment(match_right[v], seen):
+                    match_right[v] = u
+                    return True
+        return False
+
+    matched = sum(augment(u, [False] * len(ops)) for u in range(len(ops)))
+    return len(ops) - matched
+
+
+class _WarmHiGHS(pulp.HiGHS):
+    """PuLP's in-process HiGHS, handing the incumbent to the solver before it runs."""
+
+    def __init__(self, start_values: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.start_values = start_values or {}
+
+    def callSolver(self, lp):
+        if self.start_values:
+            import highspy
+
+            values = [0.0] * lp.solverModel.getNumCol()
+            for var in lp.variables():
+                values[var.index] = float(self.start_values.get(var.name, var.lowBound or 0.0))
+            sol = highspy.HighsSolution()
+            sol.col_value = values
+            sol.value_valid = True
+            lp.solverModel.setSolution(sol)
+        lp.solverModel.run()
+
+
+def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict):
+    """Solve; return (proven_optimal, has_solution, dual_bound or None, nodes)."""
+    time_limit = max(time_limit, 0.01)
+    if solver == "highs":
+        import highspy
+
+        s = _WarmHiGHS(start_values=warm, msg=False, gapRel=0.0, gapAbs=0.0, threads=1, timeLimit=time_limit,
+                       mip_feasibility_tolerance=1e-9, primal_feasibility_tolerance=1e-9,
+                       random_seed=0)
+        prob.solve(s)
+        h = prob.solverModel
+        status = h.getModelStatus()
+        info = h.getInfo()
+        has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
+        return status == highspy.HighsModelStatus.kOptimal, has, bound, int(info.mip_node_count)
+    if solver == "cbc":
+        for var in prob.variables():
+            if var.name in warm:
+                var.setInitialValue(warm[var.name])
+        s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, warmStart=bool(warm), threads=1)
+        prob.solve(s)
+        optimal = prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal
+        has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        return optimal, has, (pulp.value(prob.objective) if optimal else None), -1
+    raise ValueError(f"unknown solver {solver!r}: choose highs or cbc")
+
+
+def _linear_order(view: BlockView, key: dict) -> list[int]:
+    """A topological order of the block that follows `key` (start times) where precedence allows."""
+    remaining = {i: len(view.preds[i]) for i in view.ops}
+    pos = {i: k for k, i in enumerate(view.ops)}
+    heap = [(key[i], pos[i], i) for i in view.ops if remaining[i] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, i = heapq.heappop(heap)
+        order.append(i)
+        for j in view.succs[i]:
+            remaining[j] -= 1
+            if remaining[j] == 0:
+                heapq.heappush(heap, (key[j], pos[j], j))
+    return order
+
+
+def realise(inst: Instance, view: BlockView, modes: dict, approx_start: dict, interacting: list, tol: float) -> dict:
+    """Exact earliest starts that keep every non-overlap of an approximate schedule (see module doc)."""
+    order = _linear_order(view, approx_start)
+    pos = {i: k for k, i in enumerate(order)}
+    approx_end = {i: approx_start[i] + duration(inst, i, modes[i]) for i in view.ops}
+    extra: dict[int, list[int]] = {i: [] for i in view.ops}
+    for a, b in interacting:
+        if pos[a] > pos[b]:
+            a, b = b, a
+        if approx_end[a] <= approx_start[b] + tol:
+            extra[b].append(a)
+    start: dict[int, float] = {}
+    for i in order:
+        start[i] = max((start[p] + duration(inst, p, modes[p]) for p in (*view.preds[i], *extra[i])), default=0.0)
+    return start
+
+
+def capacity_violations(inst: Instance, view: BlockView, start: dict, modes: dict, tol: float) -> list[tuple[str, list[int]]]:
+    """(resource, ops running together) wherever more single-mode users than cores run at once."""
+    found = []
+    for resource, cap, uses in (("tc", inst.num_tc, inst.uses_tc), ("vc", inst.num_vc, inst.uses_vc)):
+        users = [i for i in view.ops if inst.compute[i] and uses[i] and not modes[i]]
+        if len(users) <= cap:
+            continue
+        end = {i: start[i] + duration(inst, i, False) for i in users}
+        seen = set()
+        for i in users:
+            t = start[i]
+            running = tuple(sorted(j for j in users if start[j] <= t + tol and end[j] > t + tol))
+            if len(running) > cap and running not in seen:
+                seen.add(running)
+                found.append((resource, list(running)))
+    return found
+
+
+class BlockModel:
+    """The MIP of one block, kept between lazy capacity rounds."""
+
+    def __init__(self, inst: Instance, view: BlockView, incumbent, lower_bound: float):
+        self.inst, self.view = inst, view
+        ub_s, inc_start, inc_modes = incumbent
+        self.scale = ub_s / SCALE_TARGET
+        sc = self.scale
+        ops = view.ops
+        self.ub = SCALE_TARGET * (1.0 + WINDOW_SLACK)
+        self.s1 = {i: inst.single[i] / sc for i in ops}
+        self.s2 = {i: inst.split[i] / sc for i in ops}
+        dmin = [0.0] * inst.n
+        for i in ops:
+            dmin[i] = min(self.s1[i], self.s2[i])
+        self.head = longest_heads(view, dmin)
+        self.tail = longest_tails(view, dmin)
+        self.dmin = dmin
+        self.stats = {"ops": len(ops)}
+        self._classify()
+        self._build(lower_bound / sc)
+        self.warm = self._warm_values(inc_start, inc_modes, ub_s)
+
+    # -- pair analysis -------------------------------------------------------------------------
+    def _classify(self) -> None:
+        inst, view = self.inst, self.view
+        ops = view.ops
+        tight = {}
+        for resource, cap, uses in (("tc", inst.num_tc, inst.uses_tc), ("vc", inst.num_vc, inst.uses_vc)):
+            users = [i for i in ops if inst.compute[i] and uses[i]]
+            tight[resource] = cap >= 2 and len(users) > cap and max_antichain(users, inst.desc) > cap
+        self.tight = tight
+        self.pairs: dict[tuple[int, int], str] = {}
+        self.interacting: list[tuple[int, int]] = []
+        unordered = 0
+        for k, a in enumerate(ops):
+            for b in ops[k + 1:]:
+                if not inst.unordered(a, b):
+                    continue
+                unordered += 1
+                if inst.net[a] and inst.net[b]:
+                    self.pairs[(a, b)] = DISJ
+                elif inst.compute[a] and inst.compute[b]:
+                    share_tc = inst.uses_tc[a] and inst.uses_tc[b]
+                    share_vc = inst.uses_vc[a] and inst.uses_vc[b]
+                    if (share_tc and inst.num_tc == 1) or (share_vc and inst.num_vc == 1):
+                        self.pairs[(a, b)] = DISJ
+                    elif inst.can_split[a] or inst.can_split[b]:
+                        self.pairs[(a, b)] = SPLIT
+                    elif (share_tc and tight["tc"]) or (share_vc and tight["vc"]):
+                        self.pairs[(a, b)] = CAP
+                if (a, b) in self.pairs or (inst.compute[a] and inst.compute[b]):
+                    self.interacting.append((a, b))
+        involved = set()
+        for a, b in self.pairs:
+            involved.add(a)
+            involved.add(b)
+        # A solo op interacts with nothing: no compute op may overlap it, or it cannot split and
+        # shares no scarce resource. Its fastest mode is then always at least as good.
+        self.free_mode = {i for i in ops if inst.can_split[i] and i in involved}
+        self.fixed_split = {i for i in ops if inst.can_split[i] and i not in involved}
+        self.stats.update(unordered_pairs=unordered, solo_ops=len(ops) - len(involved),
+                          tight_tc=tight["tc"], tight_vc=tight["vc"])
+
+    def _twins(self) -> list[tuple[int, int]]:
+        inst = self.inst
+        groups: dict[tuple, list[int]] = {}
+        for i in self.view.ops:
+            key = (inst.unit[i], inst.single[i], inst.split[i], inst.can_split[i], inst.anc[i], inst.desc[i])
+            groups.setdefault(key, []).append(i)
+        out = []
+        for g in groups.values():
+            g.sort()
+            out.extend(zip(g, g[1:]))
+        return out
+
+    # -- model ---------------------------------------------------------------------------------
+    def d(self, i):
+        if i in self.free_mode:
+            return self.s1[i] + (self.s2[i] - self.s1[i]) * self.x[i]
+        return self.s2[i] if i in self.fixed_split else self.s1[i]
+
+    def _big_m(self, a: int, b: int) -> float:
+        """Largest possible S_a + d_a - S_b in a schedule no longer than UB."""
+        return (self.ub - self.tail[a]) - self.head[b]
+
+    def _build(self, lb_scaled: float) -> None:
+        inst, view = self.inst, self.view
+        ops = view.ops
+        prob = pulp.LpProblem("block", pulp.LpMinimize)
+        self.prob = prob
+        self.C = pulp.LpVariable("C", lowBound=min(lb_scaled, self.ub), upBound=self.ub)
+        prob += self.C
+        self.S = {i: pulp.LpVariable(f"S_{i}", lowBound=self.head[i],
+                                     upBound=max(self.head[i], self.ub - self.tail[i] - self.dmin[i]))
+                  for i in ops}
+        self.x = {i: pulp.LpVariable(f"x_{i}", cat="Binary") for i in sorted(self.free_mode)}
+        self.y: dict[tuple[int, int], pulp.LpVariable] = {}
+        self.n_cuts = 0
+        for j in ops:
+            for p in view.preds[j]:
+                prob += self.S[j] >= self.S[p] + self.d(p)
+            if not view.succs[j]:
+                prob += self.C >= self.S[j] + self.d(j)
+
+        twins = set(self._twins())
+        for a, b in twins:
+            prob += self.S[a] <= self.S[b]
+        self.twins = twins
+
+        forced = 0
+        for (a, b), kind in self.pairs.items():
+            m_ab, m_ba = self._big_m(a, b), self._big_m(b, a)
+            a_first_impossible = self.head[a] + self.dmin[a] + self.dmin[b] + self.tail[b] > self.ub or (b, a) in twins
+            b_first_impossible = self.head[b] + self.dmin[b] + self.dmin[a] + self.tail[a] > self.ub or (a, b) in twins
+            if m_ab <= 0 or m_ba <= 0:  # the order is forced by the windows: they never overlap
+                forced += 1
+                continue
+            if kind == DISJ:
+                if a_first_impossible or b_first_impossible:
+                    first, second = (b, a) if a_first_impossible else (a, b)
+                    prob += self.S[second] >= self.S[first] + self.d(first)
+                    forced += 1
+                    continue
+                z = pulp.LpVariable(f"z_{a}_{b}", cat="Binary")
+                self.y[(a, b)] = z
+                self.y[(b, a)] = 1 - z
+                prob += self.S[b] >= self.S[a] + self.d(a) - m_ab * (1 - z)
+                prob += self.S[a] >= self.S[b] + self.d(b) - m_ba * z
+            elif kind == SPLIT:
+                y_ab = self._order_var(a, b, m_ab, fixed_zero=a_first_impossible)
+                y_ba = self._order_var(b, a, m_ba, fixed_zero=b_first_impossible)
+                prob += y_ab + y_ba <= 1
+                for o in (a, b):
+                    if o in self.free_mode:
+                        prob += y_ab + y_ba >= self.x[o]
+            # CAP pairs get their variables only when a cut needs them.
+        self.stats["forced_pairs"] = forced
+
+        # Timeline cut (see bounds.py): C >= sum split_i x_i + T, T >= work / cores, T >= chains.
+        compute = [i for i in ops if inst.compute[i]]
+        if compute:
+            T = pulp.LpVariable("T", lowBound=0)
+            split_time = pulp.lpSum(self.s2[i] * self.x[i] for i in compute if i in self.free_mode) + \
+                sum(self.s2[i] for i in compute if i in self.fixed_split)
+
+            def single_part(i):
+                if i in self.free_mode:
+                    return self.s1[i] * (1 - self.x[i])
+                return 0.0 if i in self.fixed_split else self.s1[i]
+
+            prob += self.C >= split_time + T
+            prob += T >= pulp.lpSum(single_part(i) for i in compute if inst.uses_tc[i]) * (1.0 / inst.num_tc)
+            prob += T >= pulp.lpSum(single_part(i) for i in compute if inst.uses_vc[i]) * (1.0 / inst.num_vc)
+            cmask = 0
+            for i in compute:
+                cmask |= 1 << i
+            L = {}
+            for i in compute:  # topological order
+                a = inst.anc[i] & cmask
+                covered = 0
+                for p in _bits(a):
+                    covered |= inst.anc[p]
+                L[i] = pulp.LpVariable(f"L_{i}", lowBound=0)
+                prob += L[i] >= single_part(i)
+                for p in _bits(a & ~covered):
+                    prob += L[i] >= L[p] + single_part(i)
+                if not (inst.desc[i] & cmask):
+                    prob += T >= L[i]
+            self.T, self.L, self.cmask = T, L, cmask
+        nets = [i for i in ops if inst.net[i]]
+        if len(nets) > 1:
+            prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
+
+    def _order_var(self, a: int, b: int, m_ab: float, fixed_zero: bool = False):
+        if fixed_zero:
+            self.y[(a, b)] = 0
+            return 0
+        v = pulp.LpVariable(f"y_{a}_{b}", cat="Binary")
+        self.y[(a, b)] = v
+        self.prob += self.S[b] >= self.S[a] + self.d(a) - m_ab * (1 - v)
+        return v
+
+    def _pair_var(self, a: int, b: int):
+        """y_ab, creating y_ab and y_ba (at most one of them is 1) for a capacity pair on first use."""
+        if (a, b) not in self.y:
+            m_ab, m_ba = self._big_m(a, b), self._big_m(b, a)
+            if m_ab <= 0 or m_ba <= 0:  # the windows force the order: the pair never overlaps
+                self.y[(a, b)] = 1 if m_ab <= 0 else 0
+                self.y[(b, a)] = 1 if m_ab > 0 else 0
+            else:
+                ya = self._order_var(a, b, m_ab, fixed_zero=(b, a) in self.twins)
+                yb = self._order_var(b, a, m_ba, fixed_zero=(a, b) in self.twins)
+                self.prob += ya + yb <= 1
+        return self.y[(a, b)]
+
+    def add_capacity_cut(self, group: list[int], cap: int) -> int:
+        added = 0
+        for subset in itertools.islice(itertools.combinations(group, cap + 1), MAX_CUT_SUBSETS):
+            terms = []
+            for a, b in itertools.combinations(subset, 2):
+                terms.append(self._pair_var(a, b))
+                terms.append(self._pair_var(b, a))
+            self.prob += pulp.lpSum(terms) >= 1
+            added += 1
+        self.n_cuts += added
+        return added
+
+    def _warm_values(self, start: dict, modes: dict, ub_s: float) -> dict:
+        inst, sc = self.inst, self.scale
+        vals = {"C": ub_s / sc}
+        fin = {}
+        for i in self.view.ops:
+            vals[f"S_{i}"] = start[i] / sc
+            fin[i] = (start[i] + duration(inst, i, modes[i])) / sc
+        for i, v in self.x.items():
+            vals[v.name] = 1.0 if modes[i] else 0.0
+        for (a, b), v in self.y.items():
+            if isinstance(v, pulp.LpVariable):
+                vals[v.name] = 1.0 if fin[a] <= start[b] / sc + ORDER_TOL else 0.0
+        if hasattr(self, "T"):
+            single = {i: (0.0 if modes[i] else self.s1[i]) for i in self.view.ops}
+            chain = {}
+            for i in self.view.ops:
+                if not inst.compute[i]:
+                    continue
+                a = inst.anc[i] & self.cmask
+                chain[i] = single[i] + max((chain[p] for p in _bits(a)), default=0.0)
+                vals[f"L_{i}"] = chain[i]
+            tc = sum(single[i] for i in chain if inst.uses_tc[i]) / inst.num_tc
+            vc = sum(single[i] for i in chain if inst.uses_vc[i]) / inst.num_vc
+            vals["T"] = max([tc, vc, *chain.values()])
+        return vals
+
+    def solution(self) -> tuple[dict, dict]:
+        modes = {}
+        for i in self.view.ops:
+            if i in self.free_mode:
+                modes[i] = (self.x[i].varValue or 0.0) > 0.5
+            else:
+                modes[i] = i in self.fixed_split
+        start = {i: (self.S[i].varValue or 0.0) * self.scale for i in self.view.ops}
+        return start, modes
+
+
+def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
+                time_limit_s: float = 60.0) -> IlpResult:
+    """Prove the incumbent optimal or find the optimum of one block (see the module docstring)."""
+    t0 = time.perf_counter()
+    model = BlockModel(inst, view, incumbent, lower_bound)
+    best_ms, best_start, best_modes = incumbent
+    bound = lower_bound
+    status = "time_limit"
+    rounds = 0
+    nodes = 0
+    tol_s = ORDER_TOL * model.scale
+    while True:
+        rounds += 1
+        left = time_limit_s - (time.perf_counter() - t0)
+        if left <= 0:
+            break
+        proven, has, dual, n_nodes = _run_solver(model.prob, solver, left, model.warm)
+        nodes += max(n_nodes, 0)
+        if dual is not None:  # every round solves a relaxation, so its bound holds for the block
+            bound = max(bound, dual * model.scale)
+        if not has:
+            if proven:  # "optimal" without a solution cannot happen; treat as a solver failure
+                status = "error"
+            break
+        approx_start, modes = model.solution()
+        start = realise(inst, view, modes, approx_start, model.interacting, tol_s)
+        violations = capacity_violations(inst, view, start, modes, 1e-10 * best_ms)
+        if violations:
+            for resource, group in violations:
+                model.add_capacity_cut(group, inst.num_tc if resource == "tc" else inst.num_vc)
+            continue
+        ms = max(start[i] + duration(inst, i, modes[i]) for i in view.ops)
+        if ms < best_ms:
+            best_ms, best_start, best_modes = ms, start, modes
+        if proven:
+            status = "optimal"
+        break
+    bound = min(bound, best_ms)
+    if status == "optimal" and best_ms > bound * (1.0 + PROVEN_REL_GAP):
+        status = "time_limit"  # the solver's claim does not survive exact realisation
+    stats = dict(model.stats, rounds=rounds, capacity_cuts=model.n_cuts, nodes=nodes,
+                 build_solve_s=time.perf_counter() - t0)
+    stats["binaries"] = len(model.x) + sum(1 for v in model.y.values() if isinstance(v, pulp.LpVariable))
+    return IlpResult(best_ms, bound, status, best_start, best_modes, stats)

@@ -1,0 +1,181 @@
+"""The layer graph of a model at one (TP width, microbatch, sequence length), cached on disk.
+
+A transformer is a chain: embedding, `layers` identical blocks, head. Only one module per distinct
+layer kind is built and traced (three traces per TP width, whatever the depth), and every block
+points at the same pair of op graphs, so later stages schedule a block once.
+
+Per-device parameter bytes are what one device of the TP group holds for the layer. The head of a
+model with tied embeddings holds its own copy of the word-embedding matrix (Megatron keeps one on
+the last pipeline stage and all-reduces its gradient with the first stage's), so that copy is
+counted in the head's `params`/`param_bytes`, where it really costs memory, while `total_params`
+of the whole model counts the shared matrix once, as published sizes do.
+
+Extraction is cached in memory and on disk (pickle) under `$PHAZE_OPT_CACHE/graphs`, by default
+`.cache/phaze_opt/graphs` in the project folder, keyed by a hash of the model config, TP width,
+microbatch, sequence length, fusion flag and the source of this package's workload code, so a code
+change never serves a stale graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import pickle
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import PhazeError
+from .models import ModelConfig, check_tp, load_model
+from .ops import Layer, LayerGraph
+
+_MEMO: dict[str, LayerGraph] = {}
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    """`$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder."""
+    env = os.environ.get("PHAZE_OPT_CACHE")
+    return Path(env) if env else _PACKAGE.parent.parent / ".cache" / "phaze_opt"
+
+
+def _code_version() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    try:  # aten decompositions change with torch; read the version without importing torch
+        h.update(importlib.metadata.version("torch").encode())
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        pass
+    return h.hexdigest()[:16]
+
+
+_CODE_VERSION = _code_version()
+
+
+def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> str:
+    payload = json.dumps(
+        {"model": model.identity(), "tp": tp, "mbs": mbs, "seq": seq, "fuse": fuse, "code": _CODE_VERSION},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def build_layer_graph(
+    model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool = True,
+    cache: bool = True,
+) -> LayerGraph:
+    """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
+
+    `model` may be a ModelConfig or a model name/path. `cache=False` skips the disk cache (the
+    in-memory one still applies). Bad arguments raise a one-line PhazeError.
+    """
+    model = load_model(model)
+    tp = check_tp(model, tp)
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs <= 0:
+        raise PhazeError(f"microbatch size must be a positive integer, got {mbs!r}")
+    seq = model.seq if seq is None else seq
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise PhazeError(f"sequence length must be a positive integer, got {seq!r}")
+    if model.position == "learned" and seq > model.positions:
+        raise PhazeError(f"model {model.name}: sequence length {seq} exceeds its {model.positions} learned positions")
+
+    key = graph_key(model, tp, mbs, seq, fuse)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_root() / "graphs" / f"{key}.pkl"
+    graph = _read(path) if cache else None
+    if graph is None:
+        graph = _extract(model, tp, mbs, seq, fuse, cache)
+        if cache:
+            _write(path, graph)
+    _MEMO[key] = graph
+    return graph
+
+
+def _read(path: Path) -> LayerGraph | None:
+    try:
+        with open(path, "rb") as f:
+            graph = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError):
+        return None  # missing or unreadable: extract again
+    if not isinstance(graph, LayerGraph):
+        return None
+    graph.extra["source"] = "disk cache"
+    return graph
+
+
+def _write(path: Path, graph: LayerGraph) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+            pickle.dump(graph, f, protocol=pickle.HIGHEST_PROTOCOL)
+            tmp = f.name
+        os.replace(tmp, path)  # atomic: concurrent readers never see half a file
+    except OSError:
+        pass  # a read-only or full disk only costs a re-extraction next time
+
+
+def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> dict:
+    """Build and trace one module per layer kind: {kind: LayerTrace}."""
+    from .layers import KINDS, build_layer, example_inputs
+    from .trace import trace_layer_details
+
+    return {
+        kind: trace_layer_details(build_layer(model, kind, tp), example_inputs(model, kind, mbs, seq),
+                                  name=kind, fuse=fuse)
+        for kind in KINDS
+    }
+
+
+def model_params(model: ModelConfig) -> int:
+    """Parameters of the whole model (no TP), with a tied embedding matrix counted once."""
+    from .layers import build_layer
+
+    total = 0
+    for kind, count in (("embedding", 1), ("block", model.layers), ("head", 1)):
+        module = build_layer(model, kind, 1)
+        tied = {id(getattr(module, name)) for name in getattr(module, "tied_parameters", ())}
+        total += count * sum(p.numel() for p in module.parameters() if id(p) not in tied)
+    return total
+
+
+def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool, cache: bool) -> LayerGraph:
+    start = time.perf_counter()
+    traces = trace_kinds(model, tp, mbs, seq, fuse)
+    names = ["embedding"] + [f"block.{i}" for i in range(model.layers)] + ["head"]
+    kinds = ["embedding"] + ["block"] * model.layers + ["head"]
+    edges = tuple((i, i + 1) for i in range(len(names) - 1))
+    has_successor = {s for s, _ in edges}
+    layers = []
+    for i, (name, kind) in enumerate(zip(names, kinds)):
+        tr = traces[kind]
+        layers.append(Layer(
+            name=name, kind=kind, params=tr.params, param_bytes=float(tr.param_bytes),
+            activation_bytes=float(tr.activation_bytes),
+            boundary_bytes=float(tr.output_bytes) if i in has_successor else 0.0,
+            input_bytes=float(tr.input_bytes), fwd_flops=tr.fwd.flops, bwd_flops=tr.bwd.flops,
+        ))
+    op_graphs = {kind: {"fwd": tr.fwd, "bwd": tr.bwd} for kind, tr in traces.items()}
+    step_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
+    if tp == 1 and mbs == 1:
+        flops_per_sequence = step_flops
+    else:  # the model's own work: the unsharded graph of one sequence (cached like any other)
+        flops_per_sequence = build_layer_graph(model, 1, 1, seq, fuse=fuse, cache=cache).train_flops_per_sequence
+    return LayerGraph(
+        model=model.name, tp=tp, mbs=mbs, seq=seq, bytes_per_element=model.bytes_per_element,
+        layers=tuple(layers), edges=edges, op_graphs=op_graphs, total_params=model_params(model),
+        train_flops_per_sequence=float(flops_per_sequence),
+        extra={
+            "source": "traced",
+            "extract_s": time.perf_counter() - start,
+            "trace_s": {kind: tr.trace_s for kind, tr in traces.items()},
+            "vocab_rows_per_device": -(-model.vocab // tp),
+            "tied_embeddings": model.tied_embeddings,
+            "unmapped_ops": sorted({op for tr in traces.values() for op in tr.unmapped_ops}),
+            "saved_tensors": {kind: tr.saved for kind, tr in traces.items()},
+        },
+    )

@@ -1,0 +1,530 @@
+"""Tracing one layer's forward and backward passes into operator graphs.
+
+The layer is run once on meta tensors inside `make_fx` (torch.fx) by a function that calls the module
+and then `torch.autograd.grad`, so the traced graph holds the forward ops followed by exactly the
+ops the autograd engine runs for the backward pass: every GEMM's data-gradient and weight-gradient
+GEMMs, each activation's derivative, the gradient accumulations, and Megatron's all-reduces. Nothing
+about the backward is assumed; it is what PyTorch's derivative formulas produce.
+
+The traced aten graph is then mapped onto `Op`s:
+
+- GEMMs (mm, addmm, bmm, baddbmm) run on tensor cores with `gemm=(batch, M, K, N)`, 2 FLOP per MAC;
+- elementwise, normalisation, softmax, dropout, reductions, embedding look-ups and the loss run on
+  vector cores with `elements` and `vector_ops` (kinds the hardware model keeps a cost per element for);
+- `phaze::allreduce` becomes a collective (unit NET) whose payload is the tensor it reduces;
+- views, transposes and layout copies are zero-cost no-ops (unit NONE); ops on constants only
+  (masks, rotary tables, zero-filled buffers) are folded away.
+
+Chains of pointwise vector ops are fused (one pass over memory, as fused kernels do); a fused op
+lists the traced nodes it contains, reads only what enters the chain and writes only what leaves it
+(including tensors the backward pass keeps). Chains of no-ops are merged the same way.
+
+The bytes of activations a layer keeps for its backward pass are read off the same trace: every
+forward value (or layer input) that a backward op consumes, counted once per underlying storage
+(views of one tensor share it), excluding parameters and constants.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten
+
+from . import collectives  # noqa: F401  (registers phaze::allreduce)
+from .ops import NET, NONE, TC, VC, Op, OpGraph
+
+
+@torch.library.custom_op("phaze::pass_boundary", mutates_args=())
+def _pass_boundary(x: torch.Tensor) -> torch.Tensor:
+    """A marker traced between the forward and the backward pass; never costed."""
+    return x.clone()
+
+
+@_pass_boundary.register_fake
+def _pass_boundary_fake(x):
+    return torch.empty_like(x)
+
+
+# Approximate operations per element of each vector-op kind (our assumption, used for FLOP counts only;
+# the hardware model keeps its own cycles-per-element table keyed by the same names).
+VECTOR_OP_FLOPS = {
+    "add": 1, "sub": 1, "mul": 1, "div": 1, "neg": 1, "where": 1, "masked_fill": 1, "compare": 1,
+    "exp": 1, "log": 1, "rsqrt": 1, "sqrt": 1, "pow": 1, "tanh": 1, "sigmoid": 1, "cast": 1,
+    "gelu": 8, "gelu_bwd": 12, "relu": 1, "relu_bwd": 1, "silu": 4, "silu_bwd": 6,
+    "dropout": 2, "dropout_bwd": 2, "layernorm": 8, "layernorm_bwd": 16,
+    "softmax": 5, "softmax_bwd": 4, "log_softmax": 5, "log_softmax_bwd": 4,
+    "sum": 1, "mean": 1, "amax": 1, "embedding": 0, "embedding_bwd": 1, "gather": 0, "scatter": 1,
+    "nll_loss": 1, "nll_loss_bwd": 1, "copy": 0,
+}
+
+# aten op name -> (op kind, vector-op kind). Anything pointwise is fusable.
+_VECTOR = {
+    "add": ("elementwise", "add"), "add_": ("elementwise", "add"), "sub": ("elementwise", "sub"),
+    "rsub": ("elementwise", "sub"), "mul": ("elementwise", "mul"), "mul_": ("elementwise", "mul"),
+    "div": ("elementwise", "div"), "div_": ("elementwise", "div"), "neg": ("elementwise", "neg"),
+    "where": ("elementwise", "where"), "masked_fill": ("elementwise", "masked_fill"),
+    "masked_fill_": ("elementwise", "masked_fill"), "exp": ("elementwise", "exp"), "log": ("elementwise", "log"),
+    "rsqrt": ("elementwise", "rsqrt"), "sqrt": ("elementwise", "sqrt"), "pow": ("elementwise", "pow"),
+    "tanh": ("activation", "tanh"), "sigmoid": ("activation", "sigmoid"), "_to_copy": ("elementwise", "cast"),
+    "eq": ("elementwise", "compare"), "ne": ("elementwise", "compare"), "lt": ("elementwise", "compare"),
+    "le": ("elementwise", "compare"), "gt": ("elementwise", "compare"), "ge": ("elementwise", "compare"),
+    "logical_or": ("elementwise", "compare"), "logical_and": ("elementwise", "compare"),
+    "bitwise_or": ("elementwise", "compare"), "bitwise_and": ("elementwise", "compare"),
+    "logical_not": ("elementwise", "compare"), "bitwise_not": ("elementwise", "compare"),
+    "gelu": ("activation", "gelu"), "gelu_backward": ("activation", "gelu_bwd"),
+    "relu": ("activation", "relu"), "threshold_backward": ("activation", "relu_bwd"),
+    "silu": ("activation", "silu"), "silu_backward": ("activation", "silu_bwd"),
+    "tanh_backward": ("activation", "tanh"), "sigmoid_backward": ("activation", "sigmoid"),
+    "native_dropout": ("dropout", "dropout"), "native_dropout_backward": ("dropout", "dropout_bwd"),
+}
+_POINTWISE = frozenset(_VECTOR)
+_OTHER_VECTOR = {
+    "native_layer_norm": ("norm", "layernorm"), "native_layer_norm_backward": ("norm", "layernorm_bwd"),
+    "_softmax": ("softmax", "softmax"), "_safe_softmax": ("softmax", "softmax"),
+    "_softmax_backward_data": ("softmax", "softmax_bwd"), "_log_softmax": ("softmax", "log_softmax"),
+    "_log_softmax_backward_data": ("softmax", "log_softmax_bwd"),
+    "sum": ("reduction", "sum"), "mean": ("reduction", "mean"), "amax": ("reduction", "amax"),
+    "max": ("reduction", "amax"),
+    "embedding": ("embedding", "embedding"), "embedding_dense_backward": ("embedding", "embedding_bwd"),
+    "gather": ("gather", "gather"), "scatter": ("gather", "scatter"), "scatter_add": ("gather", "scatter"),
+    "scatter_": ("gather", "scatter"), "scatter_add_": ("gather", "scatter"),
+    "nll_loss_forward": ("loss", "nll_loss"), "nll_loss_backward": ("loss", "nll_loss_bwd"),
+    "cat": ("elementwise", "copy"), "stack": ("elementwise", "copy"), "slice_backward": ("elementwise", "copy"),
+    "select_backward": ("elementwise", "copy"), "slice_scatter": ("elementwise", "copy"),
+    "select_scatter": ("elementwise", "copy"), "constant_pad_nd": ("elementwise", "copy"),
+    "index_select": ("gather", "gather"), "repeat": ("elementwise", "copy"), "copy": ("elementwise", "copy"),
+    "copy_": ("elementwise", "copy"),
+}
+_GEMMS = {"mm": "gemm", "addmm": "gemm", "bmm": "bgemm", "baddbmm": "bgemm"}
+# Ops whose output is (a view of) an input: no work, and the same storage when saved for backward.
+_ALIASES = frozenset({
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+    "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "as_strided",
+    "narrow", "diagonal", "view_as", "unfold", "_reshape_alias",
+})
+# Layout copies: real copies, but folded into addressing like transposes (zero cost, own storage).
+_LAYOUT_COPIES = frozenset({"clone", "contiguous", "lift_fresh_copy", "_unsafe_index"})
+# Ops that only read their arguments' shapes: their results are constants.
+_FACTORIES = frozenset({
+    "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
+    "full_like", "arange", "scalar_tensor", "new_zeros", "new_ones", "new_empty", "new_full",
+    "new_empty_strided", "rand", "rand_like", "randn", "randn_like", "eye", "linspace", "tensor",
+})
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """One layer traced at one shape: its op graphs and the memory facts the placement needs.
+
+    `activation_bytes` is what the backward pass keeps alive per microbatch (no recompute);
+    `saved` lists those tensors as (traced name, shape, dtype, bytes). `input_grad_ops` and
+    `param_grad_ops` index the backward ops producing the input and parameter gradients.
+    """
+
+    fwd: OpGraph
+    bwd: OpGraph
+    params: int
+    param_bytes: int
+    activation_bytes: int
+    input_bytes: int  # every tensor the layer receives: activations, token ids, labels
+    output_bytes: int
+    saved: tuple[tuple[str, tuple[int, ...], str, int], ...]
+    input_grad_ops: tuple[int, ...]
+    param_grad_ops: tuple[int, ...]
+    unmapped_ops: tuple[str, ...] = ()  # aten ops without a rule, costed as generic vector ops
+    trace_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
+    """Trace a user's own `nn.Module` layer: (forward OpGraph, backward OpGraph) for one device."""
+    result = trace_layer_details(module, example_inputs, name=name, fuse=fuse)
+    return result.fwd, result.bwd
+
+
+def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> LayerTrace:
+    """Trace `module(*example_inputs)` and its backward on meta tensors; see the module docstring.
+
+    The module is not changed: its parameters are replaced by meta tensors of the same shape and
+    dtype for the trace (`torch.func.functional_call`), and the inputs are copied to meta. Floating
+    inputs and parameters that require grad get gradients; integer inputs (token ids) do not.
+    """
+    start = time.perf_counter()
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    frozen = {n: _to_meta(p, False) for n, p in module.named_parameters() if not p.requires_grad}
+    buffers = {n: _to_meta(b, False) for n, b in module.named_buffers()}
+    params = [_to_meta(p, True) for _, p in named]
+    names = [n for n, _ in named]
+    inputs = [_to_meta(x, x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    grad_inputs = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def forward(ps, xs):
+        state = {**dict(zip(names, ps)), **frozen, **buffers}
+        out = torch.func.functional_call(module, state, tuple(xs))
+        leaves, _ = tree_flatten(out)
+        return [o for o in leaves if isinstance(o, torch.Tensor) and o.requires_grad]
+
+    outs0 = forward(params, inputs)  # output shapes, so that the incoming gradients are trace inputs
+    if not outs0:
+        raise ValueError(f"{name}: the module returns no tensor that depends on its parameters or inputs")
+    grads_in = [torch.empty_like(o, device="meta") for o in outs0]
+
+    def joint(ps, xs, gs):
+        outs = forward(ps, xs)
+        _pass_boundary(outs[0])
+        wrt = [xs[i] for i in grad_inputs] + list(ps)
+        grads = torch.autograd.grad(outs, wrt, gs, allow_unused=True)
+        return (*outs, *grads)
+
+    gm = make_fx(joint)(params, inputs, grads_in)
+    mapped = _Mapper(gm, n_params=len(params), n_inputs=len(inputs), n_outs=len(outs0),
+                     n_grad_inputs=len(grad_inputs), name=name, fuse=fuse).run()
+
+    param_count = sum(p.numel() for p in module.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return LayerTrace(
+        fwd=mapped["fwd"], bwd=mapped["bwd"], params=param_count, param_bytes=param_bytes,
+        activation_bytes=mapped["activation_bytes"],
+        input_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor)),
+        output_bytes=sum(_nbytes(o) for o in outs0),
+        saved=mapped["saved"], input_grad_ops=mapped["input_grad_ops"], param_grad_ops=mapped["param_grad_ops"],
+        unmapped_ops=mapped["unmapped"], trace_s=time.perf_counter() - start,
+    )
+
+
+def _to_meta(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return t.requires_grad_(requires_grad and (x.is_floating_point() or x.is_complex()))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _op_name(node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    packet = getattr(target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+
+
+def _namespace(node) -> str:
+    return getattr(node.target, "namespace", "")
+
+
+def _vals(node):
+    """The tensors a node produces (tuple outputs flattened)."""
+    val = node.meta.get("val")
+    leaves, _ = tree_flatten(val)
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def _arg_nodes(node):
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    seen, out = set(), []
+    for a in leaves:
+        if isinstance(a, torch.fx.Node) and a not in seen:
+            seen.add(a)
+            out.append(a)
+    return out
+
+
+class _Mapper:
+    """Turns the joint fx graph into forward/backward OpGraphs and the saved-activation bytes."""
+
+    def __init__(self, gm, *, n_params, n_inputs, n_outs, n_grad_inputs, name, fuse):
+        self.graph = gm.graph
+        self.name, self.fuse = name, fuse
+        self.nodes = list(self.graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.param_ph = set(placeholders[:n_params])
+        self.input_ph = set(placeholders[n_params:n_params + n_inputs])
+        self.grad_ph = set(placeholders[n_params + n_inputs:])
+        out_node = next(n for n in self.nodes if n.op == "output")
+        flat, _ = tree_flatten(out_node.args)
+        self.outputs = flat
+        self.n_outs, self.n_grad_inputs = n_outs, n_grad_inputs
+        self.boundary = next(n for n in self.nodes if n.op == "call_function" and _op_name(n) == "pass_boundary")
+        self.unmapped: list[str] = []
+
+    # --- classification -------------------------------------------------------------------------
+    def _classify(self):
+        const, act_dep, param_only = set(), set(), set()
+        for n in self.nodes:
+            if n.op == "get_attr":
+                const.add(n)
+            elif n.op == "call_function":
+                args = _arg_nodes(n)
+                if _op_name(n) in _FACTORIES or all(a in const for a in args):
+                    const.add(n)
+                    continue
+                if any(a in act_dep or a in self.input_ph for a in args):
+                    act_dep.add(n)
+                elif all(a in const or a in self.param_ph or a in param_only for a in args):
+                    param_only.add(n)
+        self.const, self.act_dep, self.param_only = const, act_dep, param_only
+
+    def _producer(self, node):
+        """The op node that computes a value: getitems stand for their multi-output parent."""
+        while node.op == "call_function" and node.target is operator.getitem:
+            node = node.args[0]
+        return node
+
+    def _alias_base(self, node):
+        while node.op == "call_function":
+            name = _op_name(node)
+            if name in _ALIASES:
+                node = node.args[0]
+            elif name == "getitem" and _op_name(node.args[0]) in _ALIASES:
+                node = node.args[0].args[0]
+            else:
+                break
+        return node
+
+    def _saved(self):
+        """Forward values (or layer inputs) that backward ops read, one entry per storage."""
+        bpos = self.pos[self.boundary]
+        bases = {}
+        for n in self.nodes[bpos + 1:]:
+            if n.op != "call_function":
+                continue
+            for a in _arg_nodes(n):
+                if not (a in self.input_ph or (a.op == "call_function" and self.pos[a] < bpos)):
+                    continue
+                base = self._alias_base(a)
+                if base in self.param_ph or base in self.const or base in self.param_only:
+                    continue
+                if not (base in self.input_ph or base in self.act_dep):
+                    continue
+                bases[base] = None
+        saved = []
+        for base in bases:
+            vals = _vals(base)
+            if len(vals) != 1:
+                continue
+            v = vals[0]
+            saved.append((base.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v)))
+        return tuple(saved)
+
+    # --- op construction ------------------------------------------------------------------------
+    def _describe(self, n) -> "_Cost":
+        """What one traced node costs on its own (fusion combines these)."""
+        name = _op_name(n)
+        vals = _vals(n)
+        if _namespace(n) == "phaze" and name == "allreduce":
+            return _Cost(NET, "collective")
+        if name in _ALIASES or name in _LAYOUT_COPIES:
+            return _Cost(NONE, "noop")
+        if name in _GEMMS:
+            a, b = n.args[-2].meta["val"], n.args[-1].meta["val"]
+            if a.dim() == 2:
+                dims = (1, a.shape[0], a.shape[1], b.shape[1])
+            else:
+                dims = (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
+            bt, m, k, cols = (int(x) for x in dims)
+            epilogue = bt * m * cols if name in ("addmm", "baddbmm") else 0  # bias add into the accumulators
+            return _Cost(TC, _GEMMS[name], gemm=(bt, m, k, cols), flops=2.0 * bt * m * k * cols + epilogue)
+        kind, vkind = _VECTOR.get(name) or _OTHER_VECTOR.get(name) or (None, None)
+        if kind is None:
+            self.unmapped.append(str(n.target))
+            kind, vkind = "elementwise", name
+        reads = writes = None
+        if name == "embedding":  # reads only the looked-up rows, not the whole table
+            elements = vals[0].numel()
+            reads = _nbytes(vals[0]) + _nbytes(n.args[1].meta["val"])
+        elif name == "embedding_dense_backward":
+            elements = n.args[0].meta["val"].numel()
+            reads = _nbytes(n.args[0].meta["val"]) + _nbytes(n.args[1].meta["val"])
+        elif name == "gather":
+            elements = vals[0].numel()
+            reads = 2 * _nbytes(vals[0]) + _nbytes(n.args[2].meta["val"])
+        elif name in ("scatter", "scatter_add", "scatter_", "scatter_add_"):
+            src = n.args[3].meta["val"] if len(n.args) > 3 and isinstance(n.args[3], torch.fx.Node) else vals[0]
+            elements = src.numel()
+            reads = _nbytes(src) + _nbytes(n.args[2].meta["val"])
+            if name.endswith("_"):  # in place: only the scattered elements are written
+                writes = _nbytes(src)
+        else:
+            arg_vals = [v for a in _arg_nodes(n) for v in _vals(a)]
+            elements = max([v.numel() for v in vals + arg_vals] or [0])
+        flops = float(elements * VECTOR_OP_FLOPS.get(vkind, 1))
+        return _Cost(VC, kind, vkind, flops=flops, elements=int(elements), reads=reads, writes=writes)
+
+    def run(self):
+        self._classify()
+        saved = self._saved()
+        bpos = self.pos[self.boundary]
+        passes = {"fwd": [], "bwd": []}
+        for n in self.nodes:
+            if n.op != "call_function" or n in self.const or n is self.boundary or n.target is operator.getitem:
+                continue
+            passes["fwd" if self.pos[n] < bpos else "bwd"].append(n)
+        activation_bytes = sum(s[3] for s in saved)
+
+        # users of each op node's values (getitems resolved), across the whole graph
+        users = defaultdict(set)
+        for n in self.nodes:
+            for a in _arg_nodes(n):
+                users[self._producer(a)].add(n)
+
+        graphs = {}
+        extra = {}
+        for pname, pnodes in passes.items():
+            graphs[pname], extra[pname] = self._build_pass(pname, pnodes, users)
+
+        n_in = self.n_grad_inputs
+        grad_vals = self.outputs[self.n_outs:]
+        in_nodes = [g for g in grad_vals[:n_in] if isinstance(g, torch.fx.Node)]
+        par_nodes = [g for g in grad_vals[n_in:] if isinstance(g, torch.fx.Node)]
+        op_of = extra["bwd"]
+        return {
+            "fwd": graphs["fwd"], "bwd": graphs["bwd"], "activation_bytes": activation_bytes, "saved": saved,
+            "input_grad_ops": tuple(sorted({i for g in in_nodes if (i := op_of(g)) is not None})),
+            "param_grad_ops": tuple(sorted({i for g in par_nodes if (i := op_of(g)) is not None})),
+            "unmapped": tuple(dict.fromkeys(self.unmapped)),
+        }
+
+    def _build_pass(self, pname, pnodes, users):
+        in_pass = set(pnodes)
+        desc = {n: self._describe(n) for n in pnodes}
+        preds = {n: {p for a in _arg_nodes(n) if (p := self._producer(a)) in in_pass and p is not n} for n in pnodes}
+
+        # Drop no-ops that start from nothing computed in this pass (views of weights, inputs, saved
+        # tensors) or lead to nothing computed in it (views of results): they order nothing and cost
+        # nothing.
+        dropped = set()
+        for n in pnodes:
+            if desc[n].unit == NONE and all(p in dropped for p in preds[n]):
+                dropped.add(n)
+        succ = defaultdict(set)
+        for n in pnodes:
+            for p in preds[n]:
+                succ[p].add(n)
+        for n in reversed(pnodes):
+            if desc[n].unit == NONE and all(u in dropped for u in succ[n]):
+                dropped.add(n)
+        live = [n for n in pnodes if n not in dropped]
+        succ = defaultdict(set)
+        for n in live:
+            preds[n] -= dropped
+            for p in preds[n]:
+                succ[p].add(n)
+
+        # Fusion: union a producer into its only consumer when both are pointwise vector ops of the
+        # same size, or both are no-ops.
+        group = {n: n for n in live}
+
+        def find(x):
+            while group[x] is not x:
+                group[x] = group[group[x]]
+                x = group[x]
+            return x
+
+        def fusable(a, b):
+            da, db = desc[a], desc[b]
+            if da.unit == NONE and db.unit == NONE:
+                return True
+            if not self.fuse:
+                return False
+            return (da.unit == VC and db.unit == VC and _op_name(a) in _POINTWISE and _op_name(b) in _POINTWISE
+                    and da.elements == db.elements)
+
+        for n in live:
+            if len(succ[n]) == 1:
+                (b,) = succ[n]
+                if fusable(n, b):
+                    group[find(n)] = find(b)
+        members = defaultdict(list)
+        for n in live:
+            members[find(n)].append(n)
+        order = sorted(members, key=lambda r: max(self.pos[m] for m in members[r]))
+        index = {r: i for i, r in enumerate(order)}
+
+        ops, edges = [], set()
+        for r in order:
+            ms = sorted(members[r], key=self.pos.get)
+            ops.append(self._make_op(ms, desc, users))
+            for m in ms:
+                for p in preds[m]:
+                    pr = find(p)
+                    if pr is not r:
+                        edges.add((index[pr], index[r]))
+        graph = OpGraph(layer=self.name, pass_name=pname, ops=tuple(ops), edges=tuple(sorted(edges)))
+
+        def op_index(node):
+            """The op computing a traced value, looking through views; None if not in this pass."""
+            node = self._producer(node)
+            while node in dropped or (node.op == "call_function" and _op_name(node) in _ALIASES):
+                node = self._producer(node.args[0])
+            return index[find(node)] if node in group else None
+
+        return graph, op_index
+
+    def _read_bytes(self, node) -> int:
+        """Bytes an op reads from an argument: a broadcast view reads only its source."""
+        size = sum(_nbytes(v) for v in _vals(node))
+        base = self._alias_base(node)
+        if base is not node:
+            size = min(size, sum(_nbytes(v) for v in _vals(base)) or size)
+        return size
+
+    def _make_op(self, ms, desc, users):
+        mset = set(ms)
+        last = desc[ms[-1]]
+        name = ms[-1].name if len(ms) == 1 else "+".join(m.name for m in ms)
+        contains = tuple(m.name for m in ms) if len(ms) > 1 else ()
+        out_vals = [v for m in ms for v in _vals(m)]
+        shape = tuple(int(x) for x in out_vals[-1].shape) if out_vals else ()
+        if last.unit == NONE:
+            return Op(name=name, kind="noop", unit=NONE, contains=contains, shape=shape)
+        if last.unit == NET:
+            n = ms[0]
+            payload = float(_nbytes(n.args[0].meta["val"]))
+            return Op(name=name, kind="collective", unit=NET, bytes_read=payload, bytes_written=payload,
+                      collective="allreduce", comm_bytes=payload, group=int(n.args[1]), shape=shape)
+        # A group reads what enters it and writes what leaves it (to later ops, to the backward pass
+        # or as a result); values passed between its members stay on chip.
+        reads, seen = 0, set()
+        for m in ms:
+            if desc[m].reads is not None:
+                reads += desc[m].reads
+                continue
+            for a in _arg_nodes(m):
+                if self._producer(a) in mset or a in seen:
+                    continue
+                seen.add(a)
+                reads += self._read_bytes(a)
+        writes = 0
+        for m in ms:
+            leaves_group = any(u not in mset for u in users[m]) or not any(u in mset for u in users[m])
+            if leaves_group:
+                writes += desc[m].writes if desc[m].writes is not None else sum(_nbytes(v) for v in _vals(m))
+        flops = float(sum(desc[m].flops for m in ms))
+        if last.unit == TC:
+            return Op(name=name, kind=last.kind, unit=TC, flops=flops, bytes_read=float(reads),
+                      bytes_written=float(writes), gemm=last.gemm, shape=shape)
+        return Op(name=name, kind="fused" if len(ms) > 1 else last.kind, unit=VC, flops=flops,
+                  bytes_read=float(reads), bytes_written=float(writes), elements=max(desc[m].elements for m in ms),
+                  vector_ops=tuple(desc[m].vkind for m in ms), contains=contains, shape=shape)
+
+
+@dataclass(frozen=True)
+class _Cost:
+    unit: str
+    kind: str
+    vkind: str = ""
+    gemm: tuple = ()
+    flops: float = 0.0
+    elements: int = 0
+    reads: int | None = None  # overrides the sum of argument sizes (look-ups touch only some rows)
+    writes: int | None = None  # overrides the output size (in-place scatters)

@@ -1,0 +1,307 @@
+"""The placement DP against independent oracles.
+
+- brute force over every placement (every TP width, stage split, stage count and data-parallel
+  degree), each scored by the independent evaluator, on small chains and small DAGs;
+- the general downset DP against the chain DP on chains;
+- the smallest memory reported for infeasible designs against brute force;
+- the DP never worse than any random valid placement, and equal to the evaluator on its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phaze_opt.solve.placement import min_memory_needed, optimal_placement
+from phaze_opt.solve.placement_eval import evaluate_placement
+from phaze_opt.solve.placement_types import Placement, PlacementProblem
+from placement_helpers import (
+    brute_force,
+    brute_min_memory,
+    chain_splits,
+    dag_splits,
+    make_costs,
+    make_system,
+)
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+@st.composite
+def problems(draw, max_layers=8, max_devices=16, dag=False, flavour="any"):
+    """A random small placement problem; memory ranges from roomy to too small for anything.
+
+    flavour "tight" makes memory scarce and the network slow, so pipelines and capped in-flight
+    counts come up often; "allreduce" makes the gradient all-reduce dear and layer parameters
+    similar, so that the least-bottleneck split is often not the best and the DP needs several
+    epsilon-constraint sweeps.
+    """
+    tight = flavour == "tight"
+    heavy = flavour == "allreduce"
+    n = draw(st.integers(3 if heavy else 1, max_layers))
+    widths = sorted(draw(st.sets(st.sampled_from([1, 2] if heavy else [1, 2, 4, 8]), min_size=1, max_size=3)))
+    edges = None
+    if dag:
+        edges = set()
+        for v in range(1, n):
+            edges.add((draw(st.integers(0, v - 1)), v))
+            for u in range(v):
+                if draw(st.booleans()) and draw(st.booleans()):
+                    edges.add((u, v))
+        edges = tuple(sorted(edges))
+    fwd = draw(st.lists(st.floats(0.05, 2.0), min_size=n, max_size=n))
+    slow = draw(st.lists(st.floats(1.0, 3.0), min_size=n, max_size=n))
+    params = draw(st.lists(st.integers(10, 40) if heavy else st.integers(0, 60), min_size=n, max_size=n))
+    acts = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    boundary = draw(st.lists(st.integers(0, 30), min_size=n, max_size=n))
+    inputs = draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    costs = []
+    for t in widths:
+        overhead = draw(st.floats(0.0, 0.3))
+        costs.append(
+            make_costs(
+                t,
+                [f / t + overhead for f in fwd],
+                [f * s / t + overhead for f, s in zip(fwd, slow)],
+                [math.ceil(p / t) for p in params],
+                [math.ceil(a / t) for a in acts],
+                boundary,
+                inputs,
+                edges,
+            )
+        )
+    intra_bw = draw(st.floats(20.0, 200.0))
+    inter_bw = draw(st.floats(0.5, 3.0 if tight else intra_bw))
+    inter_lat = draw(st.floats(0.0, 0.05 if heavy else 1.0))
+    system = make_system(
+        accelerators=draw(st.integers(6, max_devices) if heavy else st.integers(1, max_devices)),
+        devices_per_node=1 if heavy else draw(st.sampled_from([1, 2, 4, 8])),
+        global_batch=draw(st.integers(16, 64) if heavy else st.integers(4, 64) if tight else st.integers(1, 40)),
+        intra=(intra_bw, draw(st.floats(0.0, inter_lat))),
+        inter=(inter_bw, inter_lat),
+        optimizer=draw(st.sampled_from(["adam", "sgd"])),
+        optimizer_memory=draw(st.sampled_from(["mixed_precision", "phaze"])),
+    )
+    state = sum(params) * system.state_bytes_per_param + 4 * sum(acts)
+    share = st.floats(0.15, 0.7) if heavy else st.floats(0.03, 0.5) if tight else st.floats(0.05, 1.3)
+    hbm = draw(share) * state + 1
+    return PlacementProblem(
+        costs=tuple(costs),
+        system=system,
+        hbm_bytes=hbm,
+        peak_flops=1e3,
+        mbs=draw(st.integers(1, 4) if heavy else st.integers(1, 8)),
+        recompute=draw(st.booleans()),
+        seq_len=8,
+        model_flops_per_sequence=100.0,
+    )
+
+
+def assert_matches_oracle(problem, splits, force_dag=False):
+    splits = list(splits)
+    result = optimal_placement(problem, force_dag=force_dag)
+    best_time, best_placement = brute_force(problem, splits)
+    if math.isinf(best_time):
+        assert not result.feasible and result.reason
+        assert math.isinf(result.time_per_batch_s) and result.throughput == 0.0
+        need = brute_min_memory(problem, splits)
+        assert result.min_memory_bytes == need
+        if math.isfinite(need):
+            assert need > problem.hbm_bytes
+    else:
+        assert result.feasible, (result.reason, best_placement)
+        assert result.time_per_batch_s == pytest.approx(best_time, rel=1e-9), best_placement
+        # the returned placement is what the evaluator scored
+        again = evaluate_placement(problem, result.placement())
+        assert again.time_per_batch_s == pytest.approx(result.time_per_batch_s, rel=1e-12)
+        assert result.devices_used <= problem.system.accelerators
+        assert result.peak_memory_bytes <= problem.hbm_bytes
+    return result
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(problems())
+def test_chain_dp_equals_brute_force(problem):
+    assert_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(problems(flavour="tight"))
+def test_chain_dp_equals_brute_force_when_memory_is_scarce(problem):
+    assert_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(problems(flavour="allreduce"))
+def test_chain_dp_equals_brute_force_when_the_allreduce_is_dear(problem):
+    assert_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(max_layers=6, flavour=f)))
+def test_downset_dp_on_chains_equals_brute_force(problem):
+    result = assert_matches_oracle(problem, chain_splits(problem.n_layers), force_dag=True)
+    assert result.method == "dp-dag"
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(max_layers=5, max_devices=12, dag=True, flavour=f)))
+def test_dag_dp_equals_brute_force(problem):
+    costs = problem.costs[0]
+    assert_matches_oracle(problem, dag_splits(costs.n_layers, costs.edges))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(flavour=f)), st.randoms(use_true_random=False))
+def test_dp_never_worse_than_random_valid_placements(problem, rnd):
+    result = optimal_placement(problem)
+    n = problem.n_layers
+    N = problem.system.accelerators
+    for _ in range(25):
+        c = rnd.choice(problem.costs)
+        S = rnd.randint(1, n)
+        cuts = sorted(rnd.sample(range(1, n), S - 1))
+        bounds = [0] + cuts + [n]
+        stages = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(S))
+        d = rnd.randint(1, max(1, N))
+        other = evaluate_placement(problem, Placement(c.tp, d, stages))
+        if other.feasible:
+            assert result.feasible
+            assert result.time_per_batch_s <= other.time_per_batch_s * (1 + 1e-9)
+
+
+def test_two_max_terms_the_least_bottleneck_is_not_optimal():
+    """A witness that minimising the bottleneck alone would be wrong.
+
+    With 6 replicas the gradient all-reduce over the 5 GB/s link is costly, and the split that
+    minimises the slowest stage puts the two parameter-heavy layers together. The optimum accepts
+    a slower bottleneck for a smaller largest stage.
+    """
+    costs = make_costs(
+        1,
+        fwd=[1.4, 0.3, 1.2],
+        bwd=[3.8, 0.5, 3.0],
+        params=[8, 17, 54],
+        acts=[24, 14, 11],
+        boundary=[11, 6, 7],
+        inputs=[5, 6, 7],
+    )
+    system = make_system(accelerators=12, devices_per_node=4, global_batch=34, intra=(130, 0.2), inter=(5, 0.5),
+                         optimizer="sgd", optimizer_memory="mixed_precision")
+    problem = PlacementProblem((costs,), system, 877.0, 1e3, 1, False, 8, 100.0)
+    result = optimal_placement(problem)
+    assert result.time_per_batch_s == pytest.approx(brute_force(problem, chain_splits(3))[0], rel=1e-12)
+    assert (result.pp, result.dp) == (2, 6)
+    same_shape = [evaluate_placement(problem, Placement(1, 6, s)) for s in chain_splits(3) if len(s) == 2]
+    least_bottleneck = min((r for r in same_shape if r.feasible), key=lambda r: r.bottleneck_s)
+    assert least_bottleneck.bottleneck_s < result.bottleneck_s
+    assert least_bottleneck.time_per_batch_s > result.time_per_batch_s * 1.05
+
+
+def test_memory_position_matters():
+    """Stages nearer the front hold more microbatches in flight (1F1B); the DP must account for it.
+
+    Two stages, m = 8 microbatches: the first stage holds 2, the last 1. With 20 bytes of HBM only
+    (0)(1,2,3) fits (2 x 10 = 20 and 12), although (0,1)(2,3) would be faster and would fit if every
+    stage held one microbatch.
+    """
+    costs = make_costs(1, fwd=[1, 1, 1, 1], bwd=[1, 1, 1, 1], params=[0, 0, 0, 0], acts=[10, 1, 1, 10],
+                       boundary=[0, 0, 0, 0])
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=8)
+    problem = PlacementProblem((costs,), system, 20.0, 1e3, 1, False)
+    result = optimal_placement(problem)
+    assert result.feasible and (result.pp, result.dp, result.microbatches) == (2, 1, 8)
+    assert [s.layers for s in result.stages] == [[0], [1, 2, 3]]
+    assert [s.inflight_microbatches for s in result.stages] == [2, 1]
+    assert [s.memory_bytes for s in result.stages] == [20.0, 12.0]
+    balanced = evaluate_placement(problem, Placement(1, 1, ((0, 1), (2, 3))))
+    assert not balanced.feasible and balanced.bottleneck_s < result.bottleneck_s
+
+
+def test_infeasible_reports_the_least_memory_and_never_raises():
+    costs = make_costs(1, fwd=[1, 1], bwd=[1, 1], params=[10, 10], acts=[5, 5], boundary=[1, 1])
+    system = make_system(accelerators=4, global_batch=4)
+    problem = PlacementProblem((costs,), system, 100.0, 1e3, 1, False)
+    result = optimal_placement(problem)
+    assert not result.feasible
+    # best: one layer per stage with d = 2, m = 2: the first stage holds 2 microbatches,
+    # 10 params x 16 B + 2 x 5 = 170 bytes; one stage would need 2 x 160 + 10 = 330
+    assert result.min_memory_bytes == 170.0
+    assert "smallest memory any placement needs is 170 B" in result.reason and "100 B of HBM" in result.reason
+    need, where = min_memory_needed(problem)
+    assert need == 170.0 and (where["pp"], where["dp"]) == (2, 2)
+
+
+def test_widths_wider_than_the_system_are_infeasible():
+    costs = make_costs(8, fwd=[1], bwd=[1], params=[1], acts=[1], boundary=[0])
+    problem = PlacementProblem((costs,), make_system(accelerators=4), 1e6, 1e3, 1, False)
+    result = optimal_placement(problem)
+    assert not result.feasible and "exceeds the 4 accelerators" in result.reason
+
+
+def test_result_fields_on_a_small_chain():
+    costs = make_costs(2, fwd=[1, 2, 1, 2], bwd=[2, 4, 2, 4], params=[4, 4, 4, 4], acts=[2, 2, 2, 2],
+                       boundary=[1, 1, 1, 0])
+    system = make_system(accelerators=8, devices_per_node=8, global_batch=16)
+    problem = PlacementProblem((costs,), system, 1e6, 10.0, 2, False, seq_len=32, model_flops_per_sequence=50.0)
+    r = optimal_placement(problem)
+    assert r.feasible and r.tp == 2 and r.method == "dp-chain"
+    assert r.microbatches == math.ceil(16 / (2 * r.dp))
+    assert r.throughput == pytest.approx(16 / r.time_per_batch_s)
+    assert r.tokens_per_s == pytest.approx(r.throughput * 32)
+    assert r.mfu == pytest.approx(50.0 * 16 / (r.devices_used * 10.0 * r.time_per_batch_s))
+    assert r.bubble_fraction == pytest.approx((r.pp - 1) / (r.microbatches + r.pp - 1))
+    covered = [v for s in r.stages for v in s.layers]
+    assert covered == list(range(4))
+    d = r.placement_dict()
+    assert set(d) >= {"tp", "pp", "dp", "microbatches", "stages"} and len(d["stages"]) == r.pp
+    assert all(s["headroom_bytes"] == problem.hbm_bytes - s["memory_bytes"] for s in d["stages"])
+
+
+def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
+    """With m = 2 microbatches no stage holds more than 2, however far from the end it sits.
+
+    Every two-layer stage needs 2 x 16 + 2 x 10 = 52 bytes > 40, so only one layer per stage
+    fits: 16 + 2 x 10 = 36 with the cap; without it the first stage would hold 4 (56 bytes).
+    """
+    costs = make_costs(1, fwd=[1, 1, 1, 1], bwd=[2, 2, 2, 2], params=[1, 1, 1, 1], acts=[10, 10, 10, 10],
+                       boundary=[1, 1, 1, 0])
+    system = make_system(accelerators=4, devices_per_node=4, global_batch=2)
+    problem = PlacementProblem((costs,), system, 40.0, 1e3, 1, False)
+    result = optimal_placement(problem)
+    assert result.feasible, result.reason
+    assert (result.pp, result.dp, result.microbatches) == (4, 1, 2)
+    assert [s.inflight_microbatches for s in result.stages] == [2, 2, 2, 1]
+    assert [s.memory_bytes for s in result.stages] == [36.0, 36.0, 36.0, 26.0]
+    assert result.time_per_batch_s == pytest.approx(brute_force(problem, chain_splits(4))[0], rel=1e-12)
+
+
+def test_kmax_is_exact_where_float_division_rounds():
+    """The number of in-flight microbatches that fit is settled with exact integer products."""
+    from phaze_opt.solve.placement import _kmax
+
+    big = float(2**51 + 1)
+    cases = [
+        (0.0, big, 3 * big - 1),  # 3 - 1/big rounds to 3.0 in float division; only 2 stashes fit
+        (0.0, big, 3 * big),
+        (5.0, 0.0, 5.0),  # nothing to stash per microbatch: any number fits
+        (6.0, 1.0, 5.0),  # not even one
+        (7.0, 3.0, 16.0),
+    ]
+    base, stash, hbm = (np.array([c[i] for c in cases]) for i in range(3))
+    got = [int(_kmax(np.array([b]), np.array([s]), h)[0]) for b, s, h in zip(base, stash, hbm)]
+    expected = []
+    for b, s, h in cases:
+        b, s, h = int(b), int(s), int(h)
+        if b > h:
+            expected.append(0)
+        elif s == 0:
+            expected.append(1 << 30)
+        else:
+            expected.append(1 + (h - b) // s)
+    assert got == expected
+    assert expected[0] == 3 and expected[1] == 4

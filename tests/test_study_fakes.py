@@ -1,0 +1,153 @@
+"""A tiny search space and a cheap deterministic evaluator that follow the real interfaces exactly.
+
+They let the study machinery (resume, constraints, failures, workers, MLflow, compare) be tested
+in seconds and without the workload/ILP/placement pipeline. Module-level so worker processes can
+unpickle them. No tests live here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.hardware.accelerator import Accelerator
+
+MIB, GIB = 2**20, 2**30
+CALLS: list = []  # (model, compute_key, hbm_bytes, mbs, recompute, placement) of every evaluation
+
+
+@dataclass
+class FakeResult:
+    feasible: bool
+    reason: str
+    throughput: float
+    tokens_per_s: float
+    time_per_batch_s: float
+    area_mm2: float
+    mfu: float
+    placement: dict
+    timings: dict
+    layers: list = field(default_factory=list)
+    model: str = ""
+    energy_j: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class FakeSpace:
+    """num_tc x tc_x (square PE arrays, vector width tied) x GLB x HBM x mbs x recompute."""
+
+    def __init__(self, budget: float = 100.0, params: dict | None = None, name: str = "fake"):
+        self.name = name
+        self.params = params if params is not None else {
+            "num_tc": [1, 2, 4, 8], "tc_x": [8, 16, 32], "glb_mib": [2, 4], "hbm_gib": [16, 32],
+            "mbs": [1, 2], "recompute": [False, True]}
+        self.area_budget_mm2 = budget
+
+    def accelerator(self, point: dict) -> Accelerator:
+        x = point["tc_x"]
+        return Accelerator(num_tc=point["num_tc"], tc_x=x, tc_y=x, num_vc=2, vc_width=x,
+                           glb_bytes=point["glb_mib"] * MIB, glb_bw=1e12, hbm_bytes=point["hbm_gib"] * GIB,
+                           hbm_bw=1e12 if point["hbm_gib"] == 16 else 2e12, clock_hz=1e9)
+
+    def area(self, point: dict) -> float:
+        return point["num_tc"] * point["tc_x"] ** 2 / 64 + 2 * point["glb_mib"]
+
+    def area_check(self, point: dict):
+        a = self.area(point)
+        if a > self.area_budget_mm2:
+            return False, a, f"area {a:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2"
+        return True, a, ""
+
+    def grid_points(self, order: str = "area") -> list[dict]:
+        names = list(self.params)
+        pts = [dict(zip(names, vals)) for vals in itertools.product(*(self.params[n] for n in names))]
+        pts = [p for p in pts if self.area_check(p)[0]]
+        if order == "area":
+            pts.sort(key=lambda p: -self.area(p))
+        return pts
+
+    def reference_point(self, arch="tpuv4", mbs=None, recompute=None) -> dict:
+        return {"num_tc": 4, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32,
+                "mbs": self.params["mbs"][0] if mbs is None else mbs,
+                "recompute": False if recompute is None else recompute}
+
+
+REFERENCE = Accelerator(num_tc=4, tc_x=16, tc_y=16, num_vc=2, vc_width=16, glb_bytes=4 * MIB, glb_bw=1e12,
+                        hbm_bytes=32 * GIB, hbm_bw=2e12, clock_hz=1e9, name="tpuv4")
+
+
+def model_factor(model: str) -> float:
+    return {"m-small": 1.0, "m-big": 0.25}.get(model, 0.5)
+
+
+def fake_throughput(model: str, arch: Accelerator, mbs: int, recompute: bool, placement: str = "optimal") -> float:
+    """A made-up but deterministic throughput with interactions, so samplers have something to learn."""
+    peak = arch.num_tc * arch.tc_x * arch.tc_y
+    glb = arch.glb_bytes / MIB
+    eff = (1.0 + 0.1 * glb) * (1.0 + 0.3 * (mbs - 1)) * (0.8 if recompute else 1.0) * (arch.hbm_bw / 2e12) ** 0.5
+    eff *= 0.7 if placement == "expert" else 1.0
+    return round(peak * eff * model_factor(model), 6)
+
+
+def fake_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
+    CALLS.append((model, arch.compute_key, arch.hbm_bytes, mbs, recompute, placement))
+    if arch.num_tc == 2 and arch.tc_x == 8 and mbs == 2 and placement == "optimal":
+        raise ValueError("solver exploded on this design")
+    area = arch.num_tc * arch.tc_x ** 2 / 64 + 2 * arch.glb_bytes / MIB
+    placement_dict = {"tp": 1, "pp": 2, "dp": 4, "microbatches": 8,
+                      "stages": [{"layers": [0, 3], "devices": 4}, {"layers": [4, 7], "devices": 4}]}
+    timings = {"graph_s": 0.001, "estimate_s": 0.002, "ilp_s": 0.003, "dp_s": 0.004}
+    if model == "m-big" and arch.hbm_bytes == 16 * GIB and not recompute:
+        return FakeResult(False, "needs at least 20.0 GiB per device, HBM has 16.0 GiB", 0.0, 0.0, float("inf"),
+                          area, 0.0, {}, timings, [], model, None)
+    thr = fake_throughput(model, arch, mbs, recompute, placement)
+    layers = [{"layer": i, "fwd_s": 0.001 * (i + 1), "bwd_s": 0.002 * (i + 1)} for i in range(8)]
+    return FakeResult(True, "", thr, thr * 1024, 4096 / thr, area, min(1.0, thr / 5000), placement_dict, timings,
+                      layers, model, energy_j=area * 10.0 + 1000.0 / thr)
+
+
+def fake_no_energy(model, arch, mbs, recompute, system="default", placement="optimal"):
+    r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    r.energy_j = None
+    return r
+
+
+class InterruptAfter:
+    """An evaluator that raises KeyboardInterrupt (as Ctrl-C would) on its n-th optimal-placement call."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.count = 0
+
+    def __call__(self, model, arch, mbs, recompute, system="default", placement="optimal"):
+        if placement == "optimal":
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt
+        return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+
+
+def check_model(name: str):
+    if name not in ("m-small", "m-big"):
+        raise PhazeError(f"unknown model '{name}': choose one of m-big, m-small, or give a path to a YAML file")
+    return name
+
+
+def backend(space=None, evaluator=fake_evaluate):
+    from phaze_opt.search.setup import Backend
+
+    return Backend(evaluator=evaluator, space=space or FakeSpace(), reference_arch=REFERENCE, check_model=check_model)
+
+
+def config(tmp_path, **kw):
+    from phaze_opt.search.setup import StudyConfig
+
+    base = dict(models=("m-small",), space="fake", sampler="tpe", seed=0, trials=12, tracking_uri="off",
+                output_dir=str(tmp_path / "studies"), progress=False)
+    base.update(kw)
+    if "storage" not in base:
+        base["storage"] = f"sqlite:///{tmp_path / 'studies' / 'optuna.db'}"
+    return StudyConfig(**base)

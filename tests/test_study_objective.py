@@ -1,0 +1,119 @@
+"""One trial's measurement: constraints, infeasibility, multi-model scores, baselines."""
+
+import math
+
+import pytest
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.search.objective import (
+    Baseline,
+    Context,
+    FatalStudyError,
+    compute_baselines,
+    evaluate_point,
+    parse_objectives,
+    recompute_flag,
+)
+from test_study_fakes import CALLS, REFERENCE, FakeSpace, fake_evaluate, fake_no_energy, fake_throughput
+
+
+def never_called(*args, **kwargs):
+    raise AssertionError("the evaluator must not run for a design over the area budget")
+
+
+def point(**kw):
+    p = {"num_tc": 4, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32, "mbs": 1, "recompute": False}
+    p.update(kw)
+    return p
+
+
+def test_objectives_parse_and_reject():
+    assert parse_objectives("throughput") == ("throughput",)
+    assert parse_objectives("throughput, area,energy") == ("throughput", "area", "energy")
+    assert parse_objectives(["throughput", "energy"]) == ("throughput", "energy")
+    for bad, msg in [("area", "throughput must come first"), ("throughput,speed", "unknown objective 'speed'"),
+                     ("throughput,,area", "empty"), ("throughput,area,area", "repeats"), ("", "empty")]:
+        with pytest.raises(PhazeError, match=msg) as info:
+            parse_objectives(bad)
+        assert "\n" not in str(info.value)
+
+
+def test_recompute_spellings():
+    assert recompute_flag(True) is True and recompute_flag("off") is False and recompute_flag("on") is True
+    with pytest.raises(ValueError):
+        recompute_flag("sometimes")
+
+
+def test_over_budget_is_infeasible_without_running_the_solvers():
+    space = FakeSpace(budget=50.0)
+    p = point(num_tc=8, tc_x=32)  # area 128 + 8 = 136 mm^2
+    out = evaluate_point(p, Context(("m-small",), "default", space, never_called, ("throughput", "area", "energy")))
+    assert not out.feasible and out.results == {}
+    assert out.constraints["area"] == pytest.approx((136 - 50) / 50)
+    assert out.constraints["memory"] == 0.0
+    assert out.values[0] == 0.0 and out.values[1] == 136 and math.isinf(out.values[2])
+    assert "budget" in out.reason and "136" in out.reason
+    assert out.result_attr()["feasible"] is False
+
+
+def test_feasible_design_has_negative_area_slack_and_its_throughput():
+    space = FakeSpace(budget=100.0)
+    p = point()
+    out = evaluate_point(p, Context(("m-small",), "default", space, fake_evaluate, ("throughput", "area")))
+    assert out.feasible and out.reason == ""
+    area = space.area(p)
+    assert out.constraints == {"area": pytest.approx((area - 100) / 100), "memory": 0.0}
+    expected = fake_throughput("m-small", space.accelerator(p), 1, False)
+    assert out.values == [pytest.approx(expected), area]
+    art = out.artifact()
+    assert art["models"]["m-small"]["placement"]["pp"] == 2 and len(art["models"]["m-small"]["layers"]) == 8
+    assert art["design"] == p
+
+
+def test_no_memory_feasible_placement_is_infeasible_with_the_reason():
+    space = FakeSpace()
+    p = point(hbm_gib=16, recompute=False)
+    ctx = Context(("m-big",), "default", space, fake_evaluate)
+    out = evaluate_point(p, ctx)
+    assert not out.feasible and out.values == [0.0]
+    assert out.constraints["memory"] == 1.0 and out.constraints["area"] <= 0
+    assert "16.0 GiB" in out.reason
+
+
+def test_several_models_score_the_mean_ratio_to_their_baselines():
+    space = FakeSpace()
+    baselines = {"m-small": Baseline("m-small", True, 1000.0), "m-big": Baseline("m-big", True, 100.0)}
+    p = point(tc_x=32)
+    out = evaluate_point(p, Context(("m-small", "m-big"), "default", space, fake_evaluate, baselines=baselines))
+    acc = space.accelerator(p)
+    expected = (fake_throughput("m-small", acc, 1, False) / 1000 + fake_throughput("m-big", acc, 1, False) / 100) / 2
+    assert out.score == pytest.approx(expected) and out.values == [pytest.approx(expected)]
+    # one model without a placement makes the common design infeasible, naming that model
+    out = evaluate_point(point(hbm_gib=16), Context(("m-small", "m-big"), "default", space, fake_evaluate,
+                                                    baselines=baselines))
+    assert not out.feasible and out.constraints["memory"] == 1.0 and out.reason.startswith("m-big:")
+
+
+def test_energy_objective_without_energy_stops_the_study():
+    ctx = Context(("m-small",), "default", FakeSpace(), fake_no_energy, ("throughput", "energy"))
+    with pytest.raises(FatalStudyError, match="energy"):
+        evaluate_point(point(), ctx)
+
+
+def test_baseline_is_the_best_expert_setting_and_falls_back_to_optimal():
+    CALLS.clear()
+    b = compute_baselines(["m-small"], fake_evaluate, REFERENCE, "default", [1, 2], [False, True])["m-small"]
+    # expert runs only (the fallback is not needed), best is mbs=2 without recompute
+    assert {c[5] for c in CALLS} == {"expert"} and len(CALLS) == 4
+    assert (b.feasible, b.mbs, b.recompute, b.placement) == (True, 2, False, "expert")
+    assert b.throughput == pytest.approx(fake_throughput("m-small", REFERENCE, 2, False, "expert"))
+
+    def expert_never_fits(model, arch, mbs, recompute, system="default", placement="optimal"):
+        r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+        if placement == "expert":
+            r.feasible, r.reason, r.throughput = False, "expert placement needs 40 GiB", 0.0
+        return r
+
+    b = compute_baselines(["m-small"], expert_never_fits, REFERENCE, "default", [1, 2], [False])["m-small"]
+    assert b.feasible and b.placement == "optimal" and b.mbs == 2
+    assert Baseline.from_json(b.to_json()) == b
