@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from phaze_opt.solve.placement import min_memory_needed, optimal_placement
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement, PlacementProblem
-from placement_helpers import (
+from test_placement_oracle import (
     brute_force,
     brute_min_memory,
     chain_splits,
@@ -29,6 +29,7 @@ from placement_helpers import (
 )
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+FLAVOURS = st.sampled_from(["any", "tight", "allreduce"])
 
 
 @st.composite
@@ -142,21 +143,21 @@ def test_chain_dp_equals_brute_force_when_the_allreduce_is_dear(problem):
 
 
 @settings(max_examples=60, **SETTINGS)
-@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(max_layers=6, flavour=f)))
+@given(FLAVOURS.flatmap(lambda f: problems(max_layers=6, flavour=f)))
 def test_downset_dp_on_chains_equals_brute_force(problem):
     result = assert_matches_oracle(problem, chain_splits(problem.n_layers), force_dag=True)
     assert result.method == "dp-dag"
 
 
 @settings(max_examples=80, **SETTINGS)
-@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(max_layers=5, max_devices=12, dag=True, flavour=f)))
+@given(FLAVOURS.flatmap(lambda f: problems(max_layers=5, max_devices=12, dag=True, flavour=f)))
 def test_dag_dp_equals_brute_force(problem):
     costs = problem.costs[0]
     assert_matches_oracle(problem, dag_splits(costs.n_layers, costs.edges))
 
 
 @settings(max_examples=60, **SETTINGS)
-@given(st.sampled_from(["any", "tight", "allreduce"]).flatmap(lambda f: problems(flavour=f)), st.randoms(use_true_random=False))
+@given(FLAVOURS.flatmap(lambda f: problems(flavour=f)), st.randoms(use_true_random=False))
 def test_dp_never_worse_than_random_valid_placements(problem, rnd):
     result = optimal_placement(problem)
     n = problem.n_layers
@@ -281,12 +282,12 @@ def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
 
 
 def test_kmax_is_exact_where_float_division_rounds():
-    """The number of in-flight microbatches that fit is settled with exact integer products."""
+    """The number of in-flight microbatches that fit, against exact integer arithmetic."""
     from phaze_opt.solve.placement import _kmax
 
     big = float(2**51 + 1)
     cases = [
-        (0.0, big, 3 * big - 1),  # 3 - 1/big rounds to 3.0 in float division; only 2 stashes fit
+        (0.0, big, 3 * big - 1),  # one byte short of 3 stashes
         (0.0, big, 3 * big),
         (5.0, 0.0, 5.0),  # nothing to stash per microbatch: any number fits
         (6.0, 1.0, 5.0),  # not even one

@@ -94,7 +94,7 @@ def fake_throughput(model: str, arch: Accelerator, mbs: int, recompute: bool, pl
 
 def fake_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
     CALLS.append((model, arch.compute_key, arch.hbm_bytes, mbs, recompute, placement))
-    if arch.num_tc == 2 and arch.tc_x == 8 and mbs == 2 and placement == "optimal":
+    if arch.num_tc == 2 and mbs == 2 and placement == "optimal":
         raise ValueError("solver exploded on this design")
     area = arch.num_tc * arch.tc_x ** 2 / 64 + 2 * arch.glb_bytes / MIB
     placement_dict = {"tp": 1, "pp": 2, "dp": 4, "microbatches": 8,
@@ -151,3 +151,35 @@ def config(tmp_path, **kw):
     if "storage" not in base:
         base["storage"] = f"sqlite:///{tmp_path / 'studies' / 'optuna.db'}"
     return StudyConfig(**base)
+
+
+SMALL_PARAMS = {"num_tc": [1, 2, 4, 8], "tc_x": [8, 16, 32], "glb_mib": [4], "hbm_gib": [16, 32],
+                "mbs": [1, 2], "recompute": [False, True]}  # 11 architectures in budget x 8 = 88 points
+
+
+def small_space() -> FakeSpace:
+    return FakeSpace(params={k: list(v) for k, v in SMALL_PARAMS.items()})
+
+
+_MLFLOW_TEMPLATE: dict = {}
+
+
+def mlflow_uri(directory) -> str:
+    """A fresh MLflow SQLite store in `directory`, copied from one initialised once per session.
+
+    Creating the MLflow schema takes seconds; copying an empty, already migrated database is instant.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if "path" not in _MLFLOW_TEMPLATE:
+        from phaze_opt.search.tracking import MlflowTracker
+
+        base = Path(tempfile.mkdtemp(prefix="mlflow-template-"))
+        MlflowTracker.prepare(f"sqlite:///{base / 'mlflow.db'}", "template")
+        _MLFLOW_TEMPLATE["path"] = base / "mlflow.db"
+    target = Path(directory) / "mlruns"
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(_MLFLOW_TEMPLATE["path"], target / "mlflow.db")
+    return f"sqlite:///{target / 'mlflow.db'}"

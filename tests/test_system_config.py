@@ -65,7 +65,8 @@ def test_phaze_preset_is_a_flat_4_gib_network():
     ],
 )
 def test_optimizer_memory_accounting(tmp_path, precision, optimizer, accounting, expected):
-    s = load_system(write(tmp_path, {**GOOD, "precision": precision, "optimizer": optimizer, "optimizer_memory": accounting}))
+    data = {**GOOD, "precision": precision, "optimizer": optimizer, "optimizer_memory": accounting}
+    s = load_system(write(tmp_path, data))
     assert s.state_bytes_per_param == expected
     assert s.grad_bytes_per_param == (4 if precision == "fp32" else 2)
 
@@ -86,10 +87,13 @@ def test_bandwidth_units(tmp_path, text, expected):
     assert math.isclose(s.inter_node.bandwidth, expected)
 
 
-@pytest.mark.parametrize("text, expected", [("1 us", 1e-6), ("1 µs", 1e-6), ("500 ns", 5e-7), ("2 ms", 2e-3), (0, 0.0), ("0 s", 0.0)])
+@pytest.mark.parametrize(
+    "text, expected", [("1 us", 1e-6), ("1 µs", 1e-6), ("500 ns", 5e-7), ("2 ms", 2e-3), (0, 0.0), ("0 s", 0.0)]
+)
 def test_latency_units(tmp_path, text, expected):
     slow = {"bandwidth": "1 GB/s", "latency": "1 s"}
-    s = load_system(write(tmp_path, {**GOOD, "intra_node": {"bandwidth": "300 GB/s", "latency": text}, "inter_node": slow}))
+    fast = {"bandwidth": "300 GB/s", "latency": text}
+    s = load_system(write(tmp_path, {**GOOD, "intra_node": fast, "inter_node": slow}))
     assert math.isclose(s.intra_node.latency, expected, abs_tol=1e-15)
 
 

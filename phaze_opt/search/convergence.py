@@ -82,7 +82,7 @@ def _storage(url: str):
 def _study_names(url: str) -> list[str]:
     quiet_optuna()
     try:
-        return [s.study_name for s in optuna.study.get_all_studies(_storage(url))]
+        return list(optuna.study.get_all_study_names(_storage(url)))
     except Exception as exc:  # noqa: BLE001 - the user's URL
         raise PhazeError(f"--storage {redact(url)}: cannot open: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
@@ -109,8 +109,12 @@ def load_curve(name: str, url: str) -> Curve:
     if name not in names:
         raise PhazeError(f"unknown study '{name}' in {redact(url)}; it holds {', '.join(names) or 'no study'}")
     study = optuna.load_study(study_name=name, storage=_storage(url))
-    trials = finished_trials(study.get_trials(deepcopy=False))
-    attrs = study.user_attrs
+    return curve_from_trials(name, url, study.get_trials(deepcopy=False), study.user_attrs)
+
+
+def curve_from_trials(name: str, url: str, trials, attrs: dict) -> Curve:
+    """The best-so-far curve of a study's finished trials, in wall-clock order."""
+    trials = finished_trials(trials)
     elapsed = _elapsed(trials)
     trials = sorted(trials, key=lambda t: (elapsed[t.number], t.number))
     steps, best, best_trial = [], None, None
@@ -120,10 +124,9 @@ def load_curve(name: str, url: str) -> Curve:
         steps.append((elapsed[t.number], i, best))
     wall = max((e for e in elapsed.values() if math.isfinite(e)), default=0.0)
     objectives = attrs.get("objectives") or ["throughput"]
-    curve = Curve(name=name, storage=url, mode=attrs.get("mode", "?"), sampler=str(attrs.get("sampler", "?")),
-                  models=attrs.get("models"), objective=objectives[0], trials=len(trials), wall_s=wall, steps=steps,
-                  best_trial=best_trial)
-    return curve
+    return Curve(name=name, storage=url, mode=attrs.get("mode", "?"), sampler=str(attrs.get("sampler", "?")),
+                 models=attrs.get("models"), objective=objectives[0], trials=len(trials), wall_s=wall, steps=steps,
+                 best_trial=best_trial)
 
 
 def table(curves: Sequence[Curve], threshold: float = 0.99) -> tuple[list[dict], float | None]:

@@ -37,7 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..errors import PhazeError
 from .encoding import SpaceCodec
-from .objective import FatalStudyError, evaluate_point, jsonable
+from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .runner import Progress, Session, WorkerSpec, finished_trials, is_feasible, make_storage, one_line, quiet_optuna, score_label
 
 RUN_PARAMS = ("mbs", "recompute")
@@ -103,13 +103,15 @@ def hysteresis_stop(group_best: Sequence[float], k: int | None) -> bool:
 
 
 def _frozen_trial(codec: SpaceCodec, point: dict, outcome, error: str | None, started: datetime,
-                  ended: datetime, result_extra: dict) -> FrozenTrial:
+                  ended: datetime, result_extra: dict, space=None) -> FrozenTrial:
     params = codec.encode(point)
     dists = {k: v for k, v in codec.distributions().items()}
     user_attrs = {"point": jsonable(point)}
     system_attrs = {}
     if error is not None:
         user_attrs["result"] = {"error": error, **result_extra}
+        if "accelerator" not in user_attrs["result"]:
+            user_attrs["result"]["accelerator"] = accelerator_fields(space, point) if space is not None else {}
         state, values = TrialState.FAIL, None
     else:
         user_attrs["result"] = {**outcome.result_attr(), **result_extra}
@@ -161,7 +163,8 @@ class _Sweeper:
             if outcome.feasible and (self.best is None or outcome.score > self.best):
                 self.best = outcome.score
                 extra["new_best"] = True
-        frozen = _add(self.study, _frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra))
+        frozen = _add(self.study, _frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra,
+                                                self.spec.backend.space))
         self.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
         if error is not None:
             from .runner import _say

@@ -184,6 +184,15 @@ class Outcome:
         })
 
 
+def accelerator_fields(space, point) -> dict:
+    """The accelerator of a point, for the records of a trial that failed before its outcome existed."""
+    try:
+        accel = space.accelerator(dict(point))
+        return jsonable(accel.fields()) if hasattr(accel, "fields") else {}
+    except Exception:  # noqa: BLE001 - best effort only
+        return {}
+
+
 def area_violation(ok: bool, area: float, budget: float) -> float:
     excess = (area - budget) / budget
     if ok:

@@ -40,7 +40,15 @@ from optuna.trial import TrialState
 
 from ..errors import PhazeError
 from .encoding import SpaceCodec
-from .objective import Baseline, Context, FatalStudyError, compute_baselines, evaluate_point, jsonable
+from .objective import (
+    Baseline,
+    Context,
+    FatalStudyError,
+    accelerator_fields,
+    compute_baselines,
+    evaluate_point,
+    jsonable,
+)
 from .setup import (
     Backend,
     StudyConfig,
@@ -255,7 +263,8 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
             message = one_line(exc)
             trial.set_user_attr("result", {"error": message, "elapsed_s": spec.elapsed(),
-                                           "trial_s": time.perf_counter() - start})
+                                           "trial_s": time.perf_counter() - start,
+                                           "accelerator": accelerator_fields(spec.backend.space, point)})
             raise TrialError(message) from exc
         for key, value in outcome.constraints.items():
             trial.set_constraint(key, value)

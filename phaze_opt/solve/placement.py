@@ -121,7 +121,11 @@ class _Stack:
 
 
 def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
-    """Largest q with base + (q - 1) * stash <= hbm, in exact arithmetic on whole-byte floats."""
+    """Largest q with base + (q - 1) * stash <= hbm (0 if even q = 1 does not fit).
+
+    Inputs are whole bytes below 2**53, where the division cannot round across an integer; the
+    products below re-check that exactly anyway, as the evaluator compares the same sums.
+    """
     finite = np.isfinite(base)
     base = np.where(finite, base, 0.0)
     stash = np.where(np.isfinite(stash), stash, 0.0)
@@ -129,7 +133,6 @@ def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
         q = np.floor((hbm - base) / stash) + 1.0
     q = np.where(stash > 0, q, _KMAX_CAP)
     q = np.clip(np.nan_to_num(q, nan=0.0, posinf=_KMAX_CAP, neginf=0.0), 0, _KMAX_CAP)
-    # The division may round across an integer; settle it with exact products (q is capped).
     small = np.minimum(q, 1 << 20)
     q = np.where((small >= 1) & (base + (small - 1) * stash > hbm), q - 1, q)
     q = np.where((q < (1 << 20)) & (base + q * stash <= hbm), q + 1, q)
@@ -335,7 +338,7 @@ class _Sweep:
 
 
 def _start(st: _Stack, blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    f0 = np.full((blocks, st.rows + 1), INF)
+    f0 = np.full((blocks, st.rows + 1 + st.dst.shape[1]), INF)
     f0[:, st.rows - 1] = 0.0
     return f0, f0.copy()
 
@@ -345,27 +348,41 @@ def _sweep(st: _Stack, blocks: np.ndarray, cost_at, k_from: int, k_to: int, f_pr
 
     cost_at(k, cut, cols) gives the [blocks, cut, cols] stage costs at position k for the first
     `cut` rows and `cols` columns (the others cannot leave room for k stages). f_prev, g_prev:
-    [blocks, R + 1], row R the sentinel.
+    [blocks, R + 1 + W]: row R is the sentinel and the W rows after it pad the chain's windows,
+    all infinite.
     """
     B = len(blocks)
     R = st.rows
+    width = R + 1 + st.dst.shape[1]
     steps = max(0, k_to - k_from + 1)
-    F = np.full((steps, B, R + 1), INF)
-    G = np.full((steps, B, R + 1), INF)
+    F = np.full((steps, B, width), INF)
+    G = np.full((steps, B, width), INF)
     A = np.full((steps, B, R), -1, dtype=np.int64)
     grad = st.grad[blocks]
     bi = np.arange(B)[:, None]
     rows = np.arange(R)[None, :]
+    chain = st.masks is None
     for s, k in enumerate(range(k_from, k_to + 1)):
         cut = st.cuts[k] if k < len(st.cuts) else 0
         if cut > 0:
             cols = st.colcuts[k]
-            dst = st.dst[:cut, :cols]
-            vals = np.maximum(cost_at(k, cut, cols), f_prev[:, dst])
-            a = np.argmin(vals, axis=2)
             ri = rows[:, :cut]
+            if chain:
+                # dst[i, a] = i + a + 1: the next rows are a sliding window, no gather needed.
+                step = f_prev.strides[1]
+                ahead = np.lib.stride_tricks.as_strided(
+                    f_prev[:, 1:], shape=(B, cut, cols), strides=(f_prev.strides[0], step, step), writeable=False
+                )
+                vals = np.maximum(cost_at(k, cut, cols), ahead)
+                a = np.argmin(vals, axis=2)
+                nxt = ri + a + 1
+            else:
+                dst = st.dst[:cut, :cols]
+                vals = np.maximum(cost_at(k, cut, cols), f_prev[:, dst])
+                a = np.argmin(vals, axis=2)
+                nxt = dst[ri, a]
             F[s, :, :cut] = vals[bi, ri, a]
-            G[s, :, :cut] = np.maximum(grad[bi, ri, a], g_prev[bi, dst[ri, a]])
+            G[s, :, :cut] = np.maximum(grad[bi, ri, a], g_prev[bi, nxt])
             A[s, :, :cut] = a
         f_prev, g_prev = F[s], G[s]
     return _Sweep(k_from, np.asarray(blocks), F, G, A)

@@ -31,8 +31,6 @@ disagreement in the tests. The model it implements (the definition the DP must o
 
 from __future__ import annotations
 
-import math
-
 from .placement_types import (
     Placement,
     PlacementProblem,
@@ -41,6 +39,7 @@ from .placement_types import (
     check_placement_shape,
     infeasible_result,
 )
+
 
 def format_bytes(n: float) -> str:
     """Bytes for a reason line: '170 B', '1.500 MiB', '29.789 GiB'."""
@@ -57,7 +56,9 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float, latency: fl
     return steps * latency + steps / replicas * nbytes / bandwidth
 
 
-def evaluate_placement(problem: PlacementProblem, placement: Placement, *, method: str = "evaluated") -> PlacementResult:
+def evaluate_placement(
+    problem: PlacementProblem, placement: Placement, *, method: str = "evaluated"
+) -> PlacementResult:
     """Time, memory and throughput of `placement`. Never raises for running out of memory or
     devices (the result is infeasible with the reason); raises PhazeError for a malformed placement."""
     check_placement_shape(problem, placement)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
@@ -93,6 +93,24 @@ class LayerCosts:
             raise ValueError(f"LayerCosts.names: expected {n} names, got {len(names)}")
         object.__setattr__(self, "names", names)
 
+    @classmethod
+    def from_layer_graph(cls, graph, fwd_s, bwd_s) -> "LayerCosts":
+        """Per-layer arrays of a workload `LayerGraph` at its TP width, with each layer's forward
+        and backward time (seconds per microbatch, e.g. from its kind's schedules)."""
+        layers = graph.layers
+        return cls(
+            tp=graph.tp,
+            fwd_s=fwd_s,
+            bwd_s=bwd_s,
+            params=[layer.params for layer in layers],
+            activation_bytes=[layer.activation_bytes for layer in layers],
+            boundary_bytes=[layer.boundary_bytes for layer in layers],
+            input_bytes=[layer.input_bytes for layer in layers],
+            edges=tuple(graph.edges),
+            names=tuple(layer.name for layer in layers),
+            flops=[layer.fwd_flops + layer.bwd_flops for layer in layers],
+        )
+
     @property
     def n_layers(self) -> int:
         return int(self.fwd_s.shape[0])
@@ -161,7 +179,8 @@ class PlacementProblem:
         for c in self.costs:
             if c.tp == tp:
                 return c
-        raise PhazeError(f"no layer costs for TP width {tp}; available widths are {', '.join(map(str, self.tp_widths))}")
+        widths = ", ".join(map(str, self.tp_widths))
+        raise PhazeError(f"no layer costs for TP width {tp}; available widths are {widths}")
 
     def microbatches(self, dp: int) -> int:
         """Microbatches per pipeline per step: ceil(global batch / (microbatch * replicas))."""

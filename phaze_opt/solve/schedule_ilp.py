@@ -54,6 +54,7 @@ import heapq
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pulp
@@ -140,8 +141,11 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict
         for var in prob.variables():
             if var.name in warm:
                 var.setInitialValue(warm[var.name])
-        s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, warmStart=bool(warm), threads=1)
-        prob.solve(s)
+        with warnings.catch_warnings():  # PuLP 3.3 marks its bundled CBC as deprecated for 4.0
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, warmStart=bool(warm),
+                                  threads=1)
+            prob.solve(s)
         optimal = prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal
         has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
         return optimal, has, (pulp.value(prob.objective) if optimal else None), -1
@@ -291,12 +295,12 @@ class BlockModel:
         ops = view.ops
         prob = pulp.LpProblem("block", pulp.LpMinimize)
         self.prob = prob
-        self.C = pulp.LpVariable("C", lowBound=min(lb_scaled, self.ub), upBound=self.ub)
+        self.C = self.prob.add_variable("C", lowBound=min(lb_scaled, self.ub), upBound=self.ub)
         prob += self.C
-        self.S = {i: pulp.LpVariable(f"S_{i}", lowBound=self.head[i],
+        self.S = {i: self.prob.add_variable(f"S_{i}", lowBound=self.head[i],
                                      upBound=max(self.head[i], self.ub - self.tail[i] - self.dmin[i]))
                   for i in ops}
-        self.x = {i: pulp.LpVariable(f"x_{i}", cat="Binary") for i in sorted(self.free_mode)}
+        self.x = {i: self.prob.add_variable(f"x_{i}", cat="Binary") for i in sorted(self.free_mode)}
         self.y: dict[tuple[int, int], pulp.LpVariable] = {}
         self.n_cuts = 0
         for j in ops:
@@ -324,7 +328,7 @@ class BlockModel:
                     prob += self.S[second] >= self.S[first] + self.d(first)
                     forced += 1
                     continue
-                z = pulp.LpVariable(f"z_{a}_{b}", cat="Binary")
+                z = self.prob.add_variable(f"z_{a}_{b}", cat="Binary")
                 self.y[(a, b)] = z
                 self.y[(b, a)] = 1 - z
                 prob += self.S[b] >= self.S[a] + self.d(a) - m_ab * (1 - z)
@@ -342,7 +346,7 @@ class BlockModel:
         # Timeline cut (see bounds.py): C >= sum split_i x_i + T, T >= work / cores, T >= chains.
         compute = [i for i in ops if inst.compute[i]]
         if compute:
-            T = pulp.LpVariable("T", lowBound=0)
+            T = self.prob.add_variable("T", lowBound=0)
             split_time = pulp.lpSum(self.s2[i] * self.x[i] for i in compute if i in self.free_mode) + \
                 sum(self.s2[i] for i in compute if i in self.fixed_split)
 
@@ -363,7 +367,7 @@ class BlockModel:
                 covered = 0
                 for p in _bits(a):
                     covered |= inst.anc[p]
-                L[i] = pulp.LpVariable(f"L_{i}", lowBound=0)
+                L[i] = self.prob.add_variable(f"L_{i}", lowBound=0)
                 prob += L[i] >= single_part(i)
                 for p in _bits(a & ~covered):
                     prob += L[i] >= L[p] + single_part(i)
@@ -378,7 +382,7 @@ class BlockModel:
         if fixed_zero:
             self.y[(a, b)] = 0
             return 0
-        v = pulp.LpVariable(f"y_{a}_{b}", cat="Binary")
+        v = self.prob.add_variable(f"y_{a}_{b}", cat="Binary")
         self.y[(a, b)] = v
         self.prob += self.S[b] >= self.S[a] + self.d(a) - m_ab * (1 - v)
         return v

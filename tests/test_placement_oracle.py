@@ -1,4 +1,4 @@
-"""Shared builders and the brute-force oracle for the placement tests.
+"""Shared builders and the brute-force oracle for the placement tests, and tests of the oracle.
 
 The oracle enumerates every placement (every TP width, stage split, stage count and data-parallel
 degree) and scores each with the independent evaluator; it shares no code with the DP.
@@ -124,7 +124,9 @@ def random_problem(rng: np.random.Generator, n_layers: int, widths, edges=None, 
     for t in widths:
         slow = rng.uniform(0.0, 0.3)
         costs.append(
-            make_costs(t, fwd / t + slow, bwd / t + slow, np.ceil(params / t), np.ceil(acts / t), boundary, inputs, edges)
+            make_costs(
+                t, fwd / t + slow, bwd / t + slow, np.ceil(params / t), np.ceil(acts / t), boundary, inputs, edges
+            )
         )
     system = make_system(
         accelerators=int(overrides.get("accelerators", rng.integers(1, 17))),
@@ -158,3 +160,32 @@ def random_dag(rng: np.random.Generator, n: int, density: float):
             if rng.random() < density:
                 edges.add((u, v))
     return tuple(sorted(edges))
+
+
+# ---- the oracle's own enumerations -------------------------------------------------------------
+
+
+def test_chain_splits_are_every_composition():
+    for n in range(1, 8):
+        splits = list(chain_splits(n))
+        assert len(splits) == 2 ** (n - 1) and len(set(splits)) == len(splits)
+        assert all([v for s in split for v in s] == list(range(n)) for split in splits)
+
+
+def test_dag_splits_of_a_chain_are_its_compositions():
+    for n in range(1, 7):
+        chain = tuple((i, i + 1) for i in range(n - 1))
+        assert sorted(dag_splits(n, chain)) == sorted(chain_splits(n))
+
+
+def test_dag_splits_of_independent_layers_are_ordered_set_partitions():
+    # Fubini numbers: ordered partitions of n labelled items
+    assert [len(list(dag_splits(n, ()))) for n in range(1, 6)] == [1, 3, 13, 75, 541]
+    assert len(downsets(4, ())) == 16
+
+
+def test_dag_splits_respect_edges():
+    edges = ((0, 2), (1, 2), (2, 3))
+    for split in dag_splits(4, edges):
+        stage_of = {v: s for s, stage in enumerate(split) for v in stage}
+        assert all(stage_of[u] <= stage_of[v] for u, v in edges)

@@ -1,0 +1,186 @@
+"""Exact per-layer operator scheduling: the fastest schedule of one layer pass on one chip.
+
+Semantics (the verifier in `verify.py` checks exactly these):
+
+- Each compute op runs either on ONE core of its type ("tc": one tensor core, "vc": one vector
+  core, "tc+vc": one of each together) with latency `single[i]`, or SPLIT across all cores of its
+  type with latency `split[i]`. A split op runs alone: no other compute op overlaps it.
+  A split mode exists only when the type has more than one core; with one core the op runs on it
+  with `single[i]` (the hardware model gives split == single then).
+- "net" ops (collectives) use the interconnect, not cores: they overlap compute freely but are
+  serialised among themselves (one link). They take `single[i]`.
+- "none" ops take zero time.
+- At every instant, single-mode ops using TCs <= num_tc and using VCs <= num_vc.
+- An op starts after all its predecessors finish. Objective: the makespan.
+
+How it is solved exactly (each step is argued where it is implemented):
+
+1. `schedule_instance.prepare`: drop dominated split modes, contract zero-time ops, compute the
+   transitive closure and cut the graph into series blocks, each solved on its own.
+2. `bounds`: a lower bound per block (critical path at fastest latencies, link serialisation, and
+   a timeline bound that mixes split time with TC and VC work over cores).
+3. `schedule_heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
+   bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
+   (method "bound").
+4. Otherwise `schedule_ilp.solve_block`: the MIP with the heuristic as warm start and upper bound,
+   zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"). A run
+   that stops at the time limit returns its best schedule as status "time_limit" with the proven
+   bound, never as "optimal".
+5. Every result is replayed by `verify.verify_schedule` before it is returned, and memoised by
+   content (`schedule_cache`, method "cache" on a hit).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .bounds import block_bounds
+from .schedule_cache import get as cache_get
+from .schedule_cache import problem_key
+from .schedule_cache import put as cache_put
+from .schedule_heuristic import list_schedule
+from .schedule_ilp import solve_block
+from .schedule_instance import block_view, prepare
+from .types import Schedule, ScheduleProblem
+from .verify import assign_cores, expected_duration, verify_schedule
+
+SOLVERS = ("highs", "cbc")
+BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
+
+
+def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool = True) -> dict:
+    bounds = block_bounds(inst, view)
+    lb = max(bounds.values())
+    info = {"ops": len(view.ops), "lower_bound_comb": lb}
+    if len(view.ops) == 1:
+        i = view.ops[0]
+        mode = inst.can_split[i]
+        info.update(method="trivial", status="optimal", makespan=inst.best(i), lower_bound=inst.best(i),
+                    start={i: 0.0}, modes={i: mode}, unordered_pairs=0, binaries=0)
+        return info
+    target = lb * (1.0 + BOUND_REL_TOL) if skip_by_bound else 0.0
+    ms, start, modes = list_schedule(inst, view, target=target)
+    info["heuristic"] = ms
+    unordered = sum(1 for k, a in enumerate(view.ops) for b in view.ops[k + 1:] if inst.unordered(a, b))
+    info["unordered_pairs"] = unordered
+    if skip_by_bound and ms <= lb * (1.0 + BOUND_REL_TOL):
+        info.update(method="bound", status="optimal", makespan=ms, lower_bound=min(lb, ms), start=start,
+                    modes=modes, binaries=0)
+        return info
+    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver,
+                      time_limit_s=max(deadline - time.perf_counter(), 0.0))
+    info.update(method="ilp", status=res.status, makespan=res.makespan, lower_bound=min(res.lower_bound, res.makespan),
+                start=res.start, modes=res.modes, binaries=res.stats.get("binaries", 0), ilp=res.stats)
+    return info
+
+
+def _utilisation(problem: ScheduleProblem, split, duration, makespan: float) -> dict:
+    if makespan <= 0:
+        return {"tc": 0.0, "vc": 0.0}
+    tc = vc = 0.0
+    for i, u in enumerate(problem.units):
+        d = duration[i]
+        if u in ("tc", "tc+vc"):
+            tc += d * (problem.num_tc if split[i] else 1)
+        if u in ("vc", "tc+vc"):
+            vc += d * (problem.num_vc if split[i] else 1)
+    return {"tc": tc / (problem.num_tc * makespan) if problem.num_tc else 0.0,
+            "vc": vc / (problem.num_vc * makespan) if problem.num_vc else 0.0}
+
+
+def solve_schedule(problem: ScheduleProblem, *, solver: str = "highs", time_limit_s: float = 60.0,
+                   cache: bool = True, skip_by_bound: bool = True) -> Schedule:
+    """The minimum-makespan schedule of `problem`, proven optimal unless `status` says otherwise.
+
+    `solver` is "highs" (in-process, default) or "cbc"; `time_limit_s` bounds the whole call.
+    With `cache`, results are memoised by content in memory and under `$PHAZE_OPT_CACHE`.
+    `skip_by_bound=False` runs the ILP on every block even when the list schedule already meets
+    the lower bound (for tests and measurements; results are the same, only slower).
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
+    t0 = time.perf_counter()
+    key = problem_key(problem) if cache else None
+    if cache:
+        hit = cache_get(key, solver, time_limit_s)
+        if hit is not None:
+            extra = dict(hit.extra, solved_by=hit.method, original_solve_s=hit.solve_s)
+            return Schedule(makespan=hit.makespan, lower_bound=hit.lower_bound, status=hit.status, method="cache",
+                            solve_s=time.perf_counter() - t0, start=hit.start, split=hit.split, cores=hit.cores,
+                            duration=hit.duration, extra=extra)
+    sched = _solve(problem, solver, time_limit_s, t0, skip_by_bound)
+    if cache:
+        cache_put(key, sched, solver, time_limit_s)
+    return sched
+
+
+def _solve(problem: ScheduleProblem, solver: str, time_limit_s: float, t0: float, skip_by_bound: bool) -> Schedule:
+    inst = prepare(problem)
+    deadline = t0 + time_limit_s
+    n = inst.n
+    start = [0.0] * n
+    split = [False] * n
+    offset = 0.0
+    lower = 0.0
+    blocks = []
+    for b in inst.blocks:
+        info = _block_solve(inst, block_view(inst, b), solver, deadline, skip_by_bound)
+        for i in b:
+            start[i] = offset + info["start"][i]
+            split[i] = bool(info["modes"][i])
+        offset += info["makespan"]
+        lower += info["lower_bound"]
+        blocks.append(info)
+    for i in range(n):
+        if inst.zero[i]:
+            split[i] = inst.zero_split[i]
+    duration = [expected_duration(problem, i, split[i]) for i in range(n)]
+    for i in inst.topo:  # zero-time ops at the latest finish of their predecessors
+        if inst.zero[i]:
+            start[i] = max((start[p] + duration[p] for p in inst.preds[i]), default=0.0)
+    makespan = max((start[i] + duration[i] for i in range(n)), default=0.0)
+    statuses = {blk["status"] for blk in blocks}
+    status = "error" if "error" in statuses else ("time_limit" if "time_limit" in statuses else "optimal")
+    methods = [blk["method"] for blk in blocks]
+    method = "ilp" if "ilp" in methods else "bound"
+    cores = assign_cores(problem, start, duration, split)
+    extra = {
+        "solver": solver,
+        "ops": n,
+        "real_ops": len(inst.real),
+        "blocks": len(blocks),
+        "largest_block": max((blk["ops"] for blk in blocks), default=0),
+        "unordered_pairs": sum(blk["unordered_pairs"] for blk in blocks),
+        "binaries": sum(blk["binaries"] for blk in blocks),
+        "blocks_by_method": {m: methods.count(m) for m in sorted(set(methods))},
+        "ilp_blocks": [dict(blk["ilp"], heuristic_s=blk["heuristic"], lower_bound_comb_s=blk["lower_bound_comb"])
+                       for blk in blocks if blk["method"] == "ilp"],
+        "lower_bound_comb": sum(blk["lower_bound_comb"] for blk in blocks),
+        "heuristic_makespan": sum(blk.get("heuristic", blk["makespan"]) for blk in blocks),
+        "utilisation": _utilisation(problem, split, duration, makespan),
+    }
+    sched = Schedule(makespan=makespan, lower_bound=min(lower, makespan), status=status, method=method,
+                     solve_s=time.perf_counter() - t0, start=tuple(start), split=tuple(split), cores=cores,
+                     duration=tuple(duration), extra=extra)
+    verify_schedule(problem, sched)
+    return sched
+
+
+def problem_from_graph(op_graph, single_row, split_row, num_tc: int, num_vc: int) -> ScheduleProblem:
+    """The scheduling problem of an `OpGraph` with per-op latency rows (seconds) on a chip."""
+    ops = op_graph.ops
+    if len(single_row) != len(ops) or len(split_row) != len(ops):
+        raise ValueError(f"{op_graph.layer}/{op_graph.pass_name}: {len(ops)} ops but latency rows of "
+                         f"{len(single_row)} and {len(split_row)}")
+    return ScheduleProblem(
+        units=tuple(op.unit for op in ops), single=tuple(float(v) for v in single_row),
+        split=tuple(float(v) for v in split_row), edges=tuple(tuple(e) for e in op_graph.edges),
+        num_tc=int(num_tc), num_vc=int(num_vc), names=tuple(op.name for op in ops),
+    )
+
+
+def schedule_graph(op_graph, single_row, split_row, accel, *, solver: str = "highs", time_limit_s: float = 60.0,
+                   cache: bool = True) -> Schedule:
+    """Schedule one layer pass on an `Accelerator`; memoised by content (memory and disk)."""
+    problem = problem_from_graph(op_graph, single_row, split_row, accel.num_tc, accel.num_vc)
+    return solve_schedule(problem, solver=solver, time_limit_s=time_limit_s, cache=cache)

@@ -1,0 +1,150 @@
+"""`compare`: best-so-far curves, the 99% table, outputs and MLflow logging."""
+
+import csv
+import io
+from datetime import datetime, timedelta
+
+import optuna
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from optuna.trial import TrialState
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.search.convergence import compare, curve_from_trials, resolve_study, rows_csv, table
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.setup import default_study_name
+from test_study_fakes import backend, config, mlflow_uri, small_space
+
+
+class T:
+    """The parts of a FrozenTrial the comparison reads."""
+
+    def __init__(self, number, value, elapsed, feasible=True, failed=False):
+        self.number = number
+        self.state = TrialState.FAIL if failed else TrialState.COMPLETE
+        self.values = None if failed else [value]
+        self.constraints = {"area": -0.5 if feasible else 0.5, "memory": 0.0}
+        self.user_attrs = {"result": {"elapsed_s": elapsed}}
+        self.system_attrs = {}
+        self.datetime_start = self.datetime_complete = None
+
+
+def test_table_by_hand():
+    a = curve_from_trials("a", "", [T(0, 10, 1.0), T(1, 50, 2.0), T(2, 99, 3.0, feasible=False), T(3, 98, 5.0)], {})
+    b = curve_from_trials("b", "", [T(0, 100, 10.0), T(1, 1, 20.0, failed=True)], {"mode": "exhaustive"})
+    rows, target = table([a, b], 0.99)
+    assert target == pytest.approx(99.0)
+    ra, rb = rows
+    # a's best is 98 (the 99 was infeasible): it never reaches 99% of b's 100
+    assert (ra["best_score"], ra["best_trial"], ra["trials"], ra["wall_s"]) == (98, 3, 4, 5.0)
+    assert ra["trials_to_target"] is None and ra["time_to_target_s"] is None
+    assert ra["best_vs_overall"] == pytest.approx(0.98)
+    assert (rb["best_score"], rb["trials"], rb["trials_to_target"], rb["time_to_target_s"]) == (100, 2, 1, 10.0)
+    rows, target = table([a, b], 0.95)
+    assert (rows[0]["trials_to_target"], rows[0]["time_to_target_s"]) == (4, 5.0)
+    text = rows_csv(rows, 0.95)
+    parsed = list(csv.DictReader(io.StringIO(text)))
+    assert parsed[0]["trials_to_95pct"] == "4" and parsed[1]["time_to_95pct_s"] == "10.0"
+
+
+def test_out_of_order_completion_is_sorted_by_wall_clock():
+    c = curve_from_trials("w", "", [T(0, 5, 9.0), T(1, 7, 1.0), T(2, 6, 2.0)], {})
+    assert c.steps == [(1.0, 1, 7), (2.0, 2, 7), (9.0, 3, 7)] and c.best_trial == 1
+
+
+runs = st.lists(st.tuples(st.floats(0, 1000, allow_nan=False), st.floats(0, 100, allow_nan=False), st.booleans()),
+                min_size=0, max_size=15)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(runs, min_size=2, max_size=3), st.sampled_from([0.5, 0.9, 0.99, 1.0]))
+def test_reach_matches_brute_force(studies, threshold):
+    curves = []
+    for i, rows in enumerate(studies):
+        trials = [T(n, v, e, feasible=ok) for n, (e, v, ok) in enumerate(rows)]
+        curves.append(curve_from_trials(f"s{i}", "", trials, {}))
+    out, target = table(curves, threshold)
+    bests = [max([v for e, v, ok in rows if ok], default=None) for rows in studies]
+    top = max([b for b in bests if b is not None], default=None)
+    expected_target = threshold * top if top else None
+    assert target == expected_target
+    for rows, row, best in zip(studies, out, bests):
+        assert row["best_score"] == best and row["trials"] == len(rows)
+        order = sorted(range(len(rows)), key=lambda n: (rows[n][0], n))
+        hit = None
+        if target is not None:
+            for rank, n in enumerate(order, 1):
+                seen = [rows[m][1] for m in order[:rank] if rows[m][2]]
+                if seen and max(seen) >= target:
+                    hit = (rank, rows[n][0])
+                    break
+        assert (row["trials_to_target"], row["time_to_target_s"]) == (hit if hit else (None, None))
+
+
+@pytest.fixture(scope="module")
+def two_studies(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cmp")
+    uri = mlflow_uri(tmp)
+    sampled = config(tmp, trials=12, storage=None, tracking_uri=uri)
+    exhaustive = config(tmp, exhaustive=True, storage=None, tracking_uri=uri)
+    run_study(sampled, backend(small_space()))
+    run_study(exhaustive, backend(small_space()))
+    return tmp, uri, default_study_name(sampled), default_study_name(exhaustive)
+
+
+def test_compare_writes_table_plot_and_logs_to_mlflow(two_studies):
+    tmp, uri, a, b = two_studies
+    out = str(tmp / "studies")
+    result = compare([a, b], out_dir=out, tracking_uri=uri)
+    rows = list(csv.DictReader(open(result["csv"])))
+    assert [r["study"] for r in rows] == [a, b]
+    ex = optuna.load_study(study_name=b, storage=f"sqlite:///{out}/{b}.db")
+    best = max(t.values[0] for t in ex.trials if t.state == TrialState.COMPLETE and t.constraints["area"] <= 0
+               and t.constraints["memory"] <= 0)
+    assert float(rows[1]["best_score"]) == pytest.approx(best)  # the exhaustive study has the true optimum
+    assert rows[1]["trials"] == str(len(ex.trials)) and rows[1]["mode"] == "exhaustive"
+    assert float(rows[0]["best_score"]) <= best
+    assert open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    md = open(result["markdown"]).read()
+    assert a in md and "trials to 99%" in md
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(result["mlflow"]["run_id"])
+    names = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {p.split("/")[-1] for p in (result["csv"], result["markdown"], result["plot"])} <= names
+    assert run.data.metrics[f"{b}.best_score"] == pytest.approx(best)
+
+
+def test_compare_bad_input(two_studies, tmp_path):
+    tmp, _, a, b = two_studies
+    out = str(tmp / "studies")
+    for args, msg in [([a], "at least two"), ([a, "nope"], "unknown study 'nope'"), ([a, a], "named twice")]:
+        with pytest.raises(PhazeError, match=msg) as info:
+            compare(args, out_dir=out, tracking_uri="off")
+        assert "\n" not in str(info.value)
+    with pytest.raises(PhazeError, match="threshold"):
+        compare([a, b], out_dir=out, tracking_uri="off", threshold=1.5)
+    # a study of other models is not comparable
+    other = config(tmp_path, trials=3, storage=None, models=("m-big",))
+    run_study(other, backend(small_space()))
+    other_url = f"sqlite:///{tmp_path / 'studies' / default_study_name(other)}.db"
+    assert resolve_study(str(tmp_path / "studies" / f"{default_study_name(other)}.db"), None) == (
+        default_study_name(other), other_url)
+    with pytest.raises(PhazeError, match="different models"):
+        compare([str(tmp / "studies" / f"{a}.db"), str(tmp_path / "studies" / f"{default_study_name(other)}.db")],
+                out_dir=str(tmp_path), tracking_uri="off")
+
+
+def test_elapsed_falls_back_to_optuna_timestamps(tmp_path):
+    url = f"sqlite:///{tmp_path}/x.db"
+    study = optuna.create_study(study_name="foreign", storage=url, direction="maximize")
+    t0 = datetime(2024, 1, 1)
+    for i, v in enumerate([3.0, 1.0, 8.0]):
+        study.add_trial(optuna.trial.create_trial(value=v, params={}, distributions={}))
+    trials = study.get_trials()
+    for t, s in zip(trials, [0, 10, 30]):
+        t.datetime_start, t.datetime_complete = t0 + timedelta(seconds=s), t0 + timedelta(seconds=s + 5)
+    c = curve_from_trials("foreign", url, trials, {})
+    assert [s[0] for s in c.steps] == [5.0, 15.0, 35.0] and c.best == 8.0

@@ -1,0 +1,92 @@
+"""One design end to end: graphs -> latencies -> ILP -> placement DP, and the `evaluate` CLI."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.hardware.arch import load_arch
+from phaze_opt.search.evaluate import evaluate_design, placement_problem
+from phaze_opt.solve.placement_eval import evaluate_placement
+from phaze_opt.solve.placement_types import Placement
+
+TPU = load_arch("tpuv4")
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "phaze_opt", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def gpt3_both():
+    # The expert placement (tp 4, pp 32, dp 8) needs recompute to fit 32 GiB of HBM.
+    return {p: evaluate_design("gpt3-175b", TPU, 1, True, "default", p) for p in ("optimal", "expert")}
+
+
+def test_gpt3_on_tpuv4_optimal_is_feasible_and_never_slower_than_expert(gpt3_both):
+    opt, exp = gpt3_both["optimal"], gpt3_both["expert"]
+    assert opt.feasible and exp.feasible, (opt.reason, exp.reason)
+    assert opt.throughput >= exp.throughput * (1 - 1e-9)
+    assert (exp.placement["tp"], exp.placement["pp"], exp.placement["dp"]) == (4, 32, 8)
+    # Throughput is the global batch over the time per batch; MFU is a fraction of peak.
+    assert opt.throughput == pytest.approx(4096 / opt.time_per_batch_s, rel=1e-9)
+    assert opt.tokens_per_s == pytest.approx(opt.throughput * 2048, rel=1e-9)
+    assert 0 < opt.mfu < 1 and 0 < exp.mfu <= opt.mfu * (1 + 1e-9)
+    assert len(opt.layers) == 98 and {"fwd_s", "bwd_s", "param_bytes", "activation_bytes", "boundary_bytes"} <= set(opt.layers[1])
+    assert all(st["memory_bytes"] <= TPU.hbm_bytes for st in opt.placement["stages"])
+
+
+def test_reported_placement_recomputes_to_the_same_time_with_the_evaluator(gpt3_both):
+    opt = gpt3_both["optimal"]
+    _, _, problem, _ = placement_problem("gpt3-175b", TPU, 1, True, "default")
+    stages = tuple(tuple(s["layers"]) for s in opt.placement["stages"])
+    again = evaluate_placement(problem, Placement(opt.placement["tp"], opt.placement["dp"], stages))
+    assert again.feasible and again.time_per_batch_s == pytest.approx(opt.time_per_batch_s, rel=1e-12)
+
+
+def test_every_layer_schedule_was_proven_optimal(gpt3_both):
+    for statuses in gpt3_both["optimal"].schedules.values():
+        assert set(statuses) <= {"bound", "ilp", "cache"}
+
+
+def test_repeat_evaluation_reuses_the_layer_costs():
+    first = evaluate_design("gpt2-xl", TPU, 2, True)
+    again = evaluate_design("gpt2-xl", TPU, 2, True)
+    assert again.throughput == first.throughput
+    assert again.timings["ilp_s"] == 0.0 and again.timings["graph_s"] == 0.0
+
+
+def test_hbm_too_small_is_an_infeasible_result_not_an_error():
+    tiny = dataclasses.replace(TPU, hbm_bytes=2**30)
+    r = evaluate_design("gpt3-175b", tiny, 1, False)
+    assert not r.feasible and r.throughput == 0.0 and math.isinf(r.time_per_batch_s)
+    assert "GiB" in r.reason and "HBM" in r.reason
+
+
+def test_explicit_placement_and_bad_specs():
+    r = evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4,dp=64")
+    assert (r.placement["tp"], r.placement["pp"], r.placement["dp"]) == (2, 4, 64)
+    best = evaluate_design("gpt2-xl", TPU, 1, False)
+    assert best.throughput >= r.throughput * (1 - 1e-9)
+    with pytest.raises(PhazeError, match="tp=T,pp=P,dp=D"):
+        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4")
+    with pytest.raises(PhazeError, match="TP width not allowed"):
+        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=3,pp=4,dp=2")
+
+
+def test_cli_evaluate_json_and_errors():
+    out = _run_cli("evaluate", "--model", "gpt2-xl", "--arch", "tpuv4", "--mbs", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("throughput", "tokens_per_s", "time_per_batch_s", "area_mm2", "mfu", "feasible", "reason",
+                "placement", "timings", "layers"):
+        assert key in data
+    assert {"tp", "pp", "dp", "microbatches", "stages"} <= set(data["placement"])
+    assert {"graph_s", "estimate_s", "ilp_s", "dp_s"} <= set(data["timings"])
+    bad = _run_cli("evaluate", "--model", "no-such-model", "--json")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model 'no-such-model'")
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,236 @@
+"""The independent evaluator by hand, malformed placements, even splits and placement specs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.solve.placement import even_placement, optimal_placement
+from phaze_opt.solve.placement_eval import evaluate_placement, format_bytes, ring_allreduce_s
+from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
+from test_placement_oracle import make_costs, make_system
+
+
+def three_layer_problem(recompute=False, hbm=1e6, accelerators=16, devices_per_node=1):
+    costs = make_costs(
+        2,
+        fwd=[1.0, 2.0, 3.0],
+        bwd=[2.0, 4.0, 6.0],
+        params=[10, 20, 30],
+        acts=[100, 200, 300],
+        boundary=[8, 16, 0],
+        inputs=[4, 8, 16],
+    )
+    system = make_system(accelerators=accelerators, devices_per_node=devices_per_node, global_batch=24,
+                         intra=(100.0, 0.5), inter=(8.0, 1.0))
+    return PlacementProblem((costs,), system, hbm, peak_flops=1.0, mbs=2, recompute=recompute, seq_len=10,
+                            model_flops_per_sequence=3.0)
+
+
+def test_evaluator_by_hand_without_recompute():
+    problem = three_layer_problem()
+    r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0, 1), (2,))))
+    assert r.feasible and (r.tp, r.pp, r.dp, r.devices_used) == (2, 2, 3, 12)
+    assert r.microbatches == 4  # ceil(24 / (2 * 3))
+    first, last = r.stages
+    # one device per node: every hop takes the inter-node link (8 B/s, 1 s)
+    assert first.compute_s == 9.0 and first.recompute_s == 0.0
+    assert first.comm_s == 1.0 + 16 / 8.0  # gradient of layer 1's output, back from stage 1
+    assert last.comm_s == 1.0 + 16 / 8.0  # layer 1's output, received
+    assert first.time_s == 12.0 and last.time_s == 9.0 + 3.0
+    # memory: 16 bytes/param (mixed-precision Adam); first stage holds min(2, 4) microbatches
+    assert first.inflight_microbatches == 2 and last.inflight_microbatches == 1
+    assert first.memory_bytes == 30 * 16 + 2 * 300 and last.memory_bytes == 30 * 16 + 300
+    assert first.headroom_bytes == 1e6 - first.memory_bytes
+    # all-reduce over 3 replicas (12 devices > 1 per node: inter-node): 4 steps
+    grad = 30 * 2
+    assert first.allreduce_s == pytest.approx(4 * 1.0 + 4 / 3 * grad / 8.0)
+    assert r.allreduce_s == pytest.approx(first.allreduce_s)
+    assert r.bottleneck_s == 12.0 and r.pipeline_s == 12.0 * (4 + 2 - 1)
+    assert r.time_per_batch_s == pytest.approx(60.0 + 4 + 4 / 3 * 60 / 8)
+    assert r.throughput == pytest.approx(24 / r.time_per_batch_s)
+    assert r.tokens_per_s == pytest.approx(240 / r.time_per_batch_s)
+    assert r.bubble_fraction == pytest.approx(1 / 5)
+    assert r.mfu == pytest.approx(3.0 * 24 / (12 * 1.0 * r.time_per_batch_s))
+    assert first.ranks == [0, 1] and last.ranks == [2, 3]
+    assert (first.first_layer, first.last_layer) == ("layer0", "layer1")
+
+
+def test_evaluator_by_hand_with_recompute():
+    problem = three_layer_problem(recompute=True)
+    r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0,), (1, 2))))
+    first, last = r.stages
+    assert first.recompute_s == 1.0 and last.recompute_s == 0.0  # the last stage does not recompute
+    assert first.time_s == 3.0 + 1.0 + (1.0 + 8 / 8.0)
+    # recompute: full activations once + (in flight - 1) stage inputs; layer 0's input is the model's
+    assert first.memory_bytes == 10 * 16 + 100 + (2 - 1) * 4
+    assert last.memory_bytes == 50 * 16 + 500 + 0 * 8
+
+
+def test_pipeline_inside_a_node_uses_the_fast_link():
+    problem = three_layer_problem(devices_per_node=4)
+    r = evaluate_placement(problem, Placement(tp=2, dp=1, stages=((0, 1), (2,))))  # 4 devices: one node
+    assert r.stages[0].comm_s == 0.5 + 16 / 100.0
+    assert r.allreduce_s == 0.0
+
+
+def test_ring_allreduce_formula():
+    assert ring_allreduce_s(100.0, 1, 10.0, 1.0) == 0.0
+    assert ring_allreduce_s(100.0, 4, 10.0, 1.0) == pytest.approx(6 * 1.0 + 6 / 4 * 100 / 10.0)
+
+
+def test_memory_over_hbm_is_infeasible_with_a_reason():
+    problem = three_layer_problem(hbm=1000.0)
+    r = evaluate_placement(problem, Placement(tp=2, dp=1, stages=((0, 1, 2),)))
+    assert not r.feasible and math.isinf(r.time_per_batch_s) and r.throughput == 0.0
+    # 60 params x 16 B + 600 B of activations = 1560 B
+    assert "stage 0 needs 1.523 KiB per device, more than the 1000 B of HBM" in r.reason
+    assert r.stages[0].headroom_bytes < 0  # the per-stage table is still there
+
+
+def test_too_many_devices_is_infeasible_with_a_reason():
+    r = evaluate_placement(three_layer_problem(accelerators=8), Placement(tp=2, dp=3, stages=((0, 1), (2,))))
+    assert not r.feasible and "needs 12 accelerators (tp 2 x pp 2 x dp 3) but the system has 8" in r.reason
+
+
+@pytest.mark.parametrize(
+    "placement, words",
+    [
+        (Placement(2, 1, ((0, 1), (1, 2))), "in stages 0 and 1"),
+        (Placement(2, 1, ((0,), (2,))), "in no stage"),
+        (Placement(2, 1, ((2,), (0, 1))), "feeds layer 2"),
+        (Placement(2, 1, ((0, 1, 5),)), "layers are 0..2"),
+        (Placement(2, 1, ((0,), ())), "no layers"),
+        (Placement(2, 0, ((0, 1, 2),)), "dp must be a positive integer"),
+        (Placement(4, 1, ((0, 1, 2),)), "no layer costs for TP width 4"),
+        (Placement(2, 1, ()), "at least one stage"),
+    ],
+)
+def test_malformed_placements_are_one_line_errors(placement, words):
+    with pytest.raises(PhazeError) as info:
+        evaluate_placement(three_layer_problem(), placement)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def gpt_like(pp_layers=12):
+    """Embedding, identical decoders, a head a third of a decoder."""
+    n = pp_layers + 2
+    fwd = [0.01] + [1.0] * pp_layers + [0.33]
+    costs = make_costs(1, fwd=fwd, bwd=[2 * f for f in fwd], params=[5] * n, acts=[1] * n, boundary=[1] * n)
+    return PlacementProblem((costs,), make_system(accelerators=64), 1e9, 1.0, 1, False)
+
+
+def test_even_split_by_time_matches_megatron_on_a_transformer():
+    problem = gpt_like(12)
+    placement = even_placement(problem, tp=1, pp=4, dp=2)
+    assert (placement.tp, placement.pp, placement.dp) == (1, 4, 2)
+    assert placement.stages == ((0, 1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12, 13))
+    # embedding with the first three decoders, the head with the last three
+
+
+def test_even_split_by_layers():
+    placement = even_placement(gpt_like(12), tp=1, pp=4, dp=1, balance="layers")
+    assert [len(s) for s in placement.stages] == [4, 4, 3, 3]
+    assert [v for s in placement.stages for v in s] == list(range(14))
+
+
+def test_even_split_is_no_better_than_the_optimum():
+    problem = gpt_like(12)
+    best = optimal_placement(problem)
+    for pp in (1, 2, 3, 4, 7):
+        r = evaluate_placement(problem, even_placement(problem, 1, pp, 64 // pp))
+        assert r.feasible and best.time_per_batch_s <= r.time_per_batch_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(tp=1, pp=15, dp=1), "more than the 14 layers"),
+        (dict(tp=1, pp=0, dp=1), "pp must be a positive integer"),
+        (dict(tp=3, pp=2, dp=1), "no layer costs for TP width 3"),
+        (dict(tp=1, pp=2, dp=1, balance="vibes"), "balance must be"),
+    ],
+)
+def test_even_split_errors(kwargs, words):
+    with pytest.raises(PhazeError, match=words):
+        even_placement(gpt_like(12), **kwargs)
+
+
+def test_parse_placement_spec():
+    assert parse_placement_spec("tp=8,pp=16,dp=8") == {"tp": 8, "pp": 16, "dp": 8}
+    assert parse_placement_spec(" PP=2 , tp=1,dp=4 ") == {"tp": 1, "pp": 2, "dp": 4}
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("tp=8,pp=16", "missing dp"), ("tp=8,pp=0,dp=1", "positive integer"), ("tp=x,pp=1,dp=1", "positive integer"),
+     ("tp=1,pp=1,dp=1,ep=2", "expected tp=T,pp=P,dp=D"), ("tp=1,tp=2,pp=1,dp=1", "given twice"),
+     ("optimal", "expected")],
+)
+def test_bad_placement_specs(text, words):
+    with pytest.raises(PhazeError, match=words):
+        parse_placement_spec(text)
+
+
+def test_layer_costs_validation():
+    ok = dict(tp=1, fwd_s=[1, 1], bwd_s=[1, 1], params=[1, 1], activation_bytes=[1, 1], boundary_bytes=[1, 1],
+              input_bytes=[1, 1])
+    LayerCosts(**ok)
+    with pytest.raises(ValueError, match="expected 2 entries"):
+        LayerCosts(**{**ok, "bwd_s": [1]})
+    with pytest.raises(ValueError, match="non-negative"):
+        LayerCosts(**{**ok, "params": [1, -1]})
+    with pytest.raises(ValueError, match="producer < consumer"):
+        LayerCosts(**ok, edges=((1, 0),))
+    with pytest.raises(ValueError, match="positive integer"):
+        LayerCosts(**{**ok, "tp": 0})
+    rounded = LayerCosts(**{**ok, "activation_bytes": [1.2, 3.0]})
+    assert list(rounded.activation_bytes) == [2.0, 3.0]  # whole bytes, rounded up
+    assert LayerCosts(**ok).is_chain() and not LayerCosts(**ok, edges=()).is_chain()
+
+
+def test_problem_validation():
+    a = make_costs(1, [1, 1], [1, 1], [1, 1], [1, 1], [1, 1])
+    b = make_costs(2, [1], [1], [1], [1], [1])
+    with pytest.raises(ValueError, match="different layer graph"):
+        PlacementProblem((a, b), make_system(), 10.0, 1.0, 1, False)
+    with pytest.raises(ValueError, match="duplicate TP widths"):
+        PlacementProblem((a, a), make_system(), 10.0, 1.0, 1, False)
+    problem = PlacementProblem({2: make_costs(2, [1, 1], [1, 1], [1, 1], [1, 1], [1, 1]), 1: a}, make_system(),
+                               10.7, 1.0, 1, False)
+    assert problem.tp_widths == (1, 2) and problem.hbm_bytes == 10.0
+
+
+def test_format_bytes():
+    assert format_bytes(170) == "170 B"
+    assert format_bytes(1536) == "1.500 KiB"
+    assert format_bytes(32 * 2**30) == "32.000 GiB"
+
+
+def test_result_dict_is_json_ready():
+    import json
+
+    r = optimal_placement(three_layer_problem())
+    text = json.dumps(r.to_dict())
+    assert '"stages"' in text and json.loads(text)["tp"] == 2
+    assert isinstance(r.placement_dict()["stages"][0]["layers"], list)
+    assert np.isfinite(r.time_per_batch_s)
+
+
+def test_layer_costs_from_a_layer_graph():
+    from phaze_opt.workload.ops import Layer, LayerGraph
+
+    layers = tuple(
+        Layer(name=f"l{i}", kind="k", params=10 + i, param_bytes=2.0 * (10 + i), activation_bytes=100.0 + i,
+              boundary_bytes=8.0, input_bytes=4.0 + i, fwd_flops=1e3, bwd_flops=2e3)
+        for i in range(3)
+    )
+    graph = LayerGraph(model="m", tp=2, mbs=1, seq=16, bytes_per_element=2, layers=layers,
+                       edges=((0, 1), (1, 2)), op_graphs={}, total_params=99, train_flops_per_sequence=9e3)
+    costs = LayerCosts.from_layer_graph(graph, [1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    assert costs.tp == 2 and costs.names == ("l0", "l1", "l2") and costs.is_chain()
+    assert list(costs.params) == [10, 11, 12] and list(costs.activation_bytes) == [100, 101, 102]
+    assert list(costs.input_bytes) == [4, 5, 6] and list(costs.flops) == [3e3] * 3

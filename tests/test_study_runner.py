@@ -1,0 +1,232 @@
+"""The sampled study: reference first, constraints, failures, resume, determinism, bad input."""
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.search.encoding import SpaceCodec
+from phaze_opt.search.objective import FatalStudyError
+from phaze_opt.search.report import pareto_front
+from phaze_opt.search.runner import finished_trials, is_feasible, run_study, split_quota
+from phaze_opt.search.setup import StudyConfig, default_study_name, validate
+from test_study_fakes import CALLS, FakeSpace, InterruptAfter, backend, config, fake_no_energy, fake_throughput, mlflow_uri
+
+
+def load(cfg):
+    return optuna.load_study(study_name=default_study_name(cfg) if cfg.study_name is None else cfg.study_name,
+                             storage=cfg.storage)
+
+
+def optimal_calls():
+    return [c for c in CALLS if c[5] == "optimal"]
+
+
+def test_study_runs_reference_first_and_records_every_kind_of_trial(tmp_path):
+    space = FakeSpace(budget=60.0)  # several sampled designs will be over budget
+    cfg = config(tmp_path, trials=30, models=("m-big",), sampler="random")
+    CALLS.clear()
+    summary = run_study(cfg, backend(space))
+    study = load(cfg)
+    trials = study.get_trials()
+    assert len(trials) == 30 and all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+    codec = SpaceCodec(space.params)
+    # the reference design at every microbatch x recompute choice comes first
+    refs = [codec.decode(t.params) for t in trials[:4]]
+    assert refs == [space.reference_point(mbs=m, recompute=r) for m in (1, 2) for r in (False, True)]
+    assert all(t.user_attrs.get("reference") == "tpuv4" for t in trials[:4])
+    by_kind = {"area": 0, "memory": 0, "fail": 0, "ok": 0}
+    for t in trials:
+        point = t.user_attrs["point"]
+        assert codec.decode(t.params) == point
+        res = t.user_attrs["result"]
+        if t.state == TrialState.FAIL:
+            by_kind["fail"] += 1
+            assert res["error"] == "ValueError: solver exploded on this design"
+            continue
+        ok, area, _ = space.area_check(point)
+        if not ok:
+            by_kind["area"] += 1
+            assert t.constraints["area"] > 0 and t.values == [0.0] and "budget" in res["reason"]
+            assert res["models"] == {}
+        elif point["hbm_gib"] == 16 and not point["recompute"]:
+            by_kind["memory"] += 1
+            assert t.constraints["memory"] == 1 and t.values == [0.0] and "GiB" in res["reason"]
+        else:
+            by_kind["ok"] += 1
+            assert is_feasible(t)
+            assert t.values[0] == pytest.approx(fake_throughput("m-big", space.accelerator(point), point["mbs"],
+                                                                point["recompute"]))
+    assert min(by_kind.values()) > 0, by_kind  # every case happened at least once
+    # designs over the area budget never reached the evaluator
+    evaluated = {(c[1], c[2], c[3], c[4]) for c in optimal_calls()}
+    for t in trials:
+        p = t.user_attrs["point"]
+        if not space.area_check(p)[0]:
+            a = space.accelerator(p)
+            assert (a.compute_key, a.hbm_bytes, p["mbs"], p["recompute"]) not in evaluated
+    s = summary["trials"]
+    assert (s["finished"], s["failed"]) == (30, by_kind["fail"])
+    assert s["infeasible"] == by_kind["area"] + by_kind["memory"]
+    best = max((t for t in trials if is_feasible(t)), key=lambda t: t.values[0])
+    assert summary["best"]["trial"] == best.number and summary["best"]["design"] == best.user_attrs["point"]
+    ratio = summary["best"]["models"]["m-big"]["ratio_to_tpuv4_expert"]
+    assert ratio == pytest.approx(best.values[0] / summary["baselines"]["m-big"]["throughput"])
+
+
+def test_same_seed_same_study(tmp_path):
+    runs = []
+    for i in range(2):
+        cfg = config(tmp_path / str(i), trials=14, seed=3)
+        run_study(cfg, backend())
+        runs.append([t.params for t in load(cfg).get_trials()])
+    assert runs[0] == runs[1]
+    cfg = config(tmp_path / "other", trials=14, seed=4)
+    run_study(cfg, backend())
+    assert [t.params for t in load(cfg).get_trials()] != runs[0]
+
+
+def test_resume_continues_and_repeats_nothing(tmp_path):
+    cfg = config(tmp_path, trials=7)
+    CALLS.clear()
+    run_study(cfg, backend())
+    first = {t.number: (t.params, t.values, t.state) for t in load(cfg).get_trials()}
+    calls_first = len(optimal_calls())
+    assert len(first) == 7
+    summary = run_study(config(tmp_path, trials=12), backend())
+    trials = load(cfg).get_trials()
+    assert len(trials) == 12 and len(finished_trials(trials)) == 12
+    for t in trials[:7]:  # finished trials are untouched
+        assert (t.params, t.values, t.state) == first[t.number]
+    # only the new trials were evaluated (those within the area budget reach the evaluator)
+    new = [t.user_attrs["point"] for t in trials[7:]]
+    assert len(optimal_calls()) - calls_first == sum(FakeSpace().area_check(p)[0] for p in new)
+    assert summary["resumed"] and summary["trials"]["this_run"] == 5
+    # a study already at its target does nothing
+    CALLS.clear()
+    run_study(config(tmp_path, trials=12), backend())
+    assert optimal_calls() == [] and len(load(cfg).get_trials()) == 12
+
+
+def test_interrupted_trial_is_retried_on_resume_and_not_counted(tmp_path):
+    cfg = config(tmp_path, trials=9)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(cfg, backend(evaluator=InterruptAfter(6)))
+    trials = load(cfg).get_trials()
+    cut = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert len(cut) == 1 and cut[0].state == TrialState.FAIL
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    retry = [t for t in waiting if t.user_attrs.get("retry_of") == cut[0].number]
+    assert len(retry) == 1 and retry[0].system_attrs["fixed_params"] == cut[0].params
+    done_before = {t.number for t in finished_trials(trials)}
+    assert done_before == set(range(cut[0].number))  # everything before the cut finished
+    CALLS.clear()
+    run_study(cfg, backend())
+    trials = load(cfg).get_trials()
+    assert len(finished_trials(trials)) == 9
+    assert not [t for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)]
+    assert trials[retry[0].number].state == TrialState.COMPLETE
+    assert trials[retry[0].number].user_attrs["point"] == cut[0].user_attrs["point"]
+    # the retried point and three new ones ran; nothing finished re-ran
+    ran = [t.user_attrs["point"] for t in trials if t.number not in done_before and t.number != cut[0].number]
+    assert len(ran) == 9 - len(done_before)
+    assert len(optimal_calls()) == sum(FakeSpace().area_check(p)[0] for p in ran)
+
+
+def test_several_models_search_one_common_design(tmp_path):
+    cfg = config(tmp_path, trials=10, models=("m-small", "m-big"))
+    summary = run_study(cfg, backend())
+    base = summary["baselines"]
+    assert set(base) == {"m-small", "m-big"} and all(b["placement"] == "expert" for b in base.values())
+    for t in load(cfg).get_trials():
+        if not is_feasible(t):
+            continue
+        models = t.user_attrs["result"]["models"]
+        expected = sum(models[m]["throughput"] / base[m]["throughput"] for m in models) / 2
+        assert t.values[0] == pytest.approx(expected)
+    best = summary["best"]
+    assert best["ratio_to_tpuv4_expert"] == pytest.approx(best["score"])
+    # the baselines are stored with the study, so a resumed study normalises by the same numbers
+    assert load(cfg).user_attrs["baselines"]["m-big"]["throughput"] == base["m-big"]["throughput"]
+
+
+def test_multi_objective_saves_a_pareto_plot(tmp_path):
+    cfg = config(tmp_path, trials=16, objectives=("throughput", "area", "energy"), sampler="nsga2")
+    summary = run_study(cfg, backend())
+    trials = load(cfg).get_trials()
+    front = {t.number for t in pareto_front(trials, ["maximize", "minimize", "minimize"])}
+    assert {p["trial"] for p in summary["pareto"]["trials"]} == front
+    feasible = [t for t in trials if is_feasible(t)]
+    # brute force: a front member is dominated by nobody, every other feasible trial by someone
+    def dominates(a, b):
+        ka, kb = (a.values[0], -a.values[1], -a.values[2]), (b.values[0], -b.values[1], -b.values[2])
+        return all(x >= y for x, y in zip(ka, kb)) and ka != kb
+    for t in feasible:
+        assert (t.number in front) == (not any(dominates(u, t) for u in feasible))
+    png = summary["pareto"]["plot"]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_energy_without_energy_model_is_one_line_error(tmp_path):
+    cfg = config(tmp_path, trials=3, objectives=("throughput", "energy"))
+    with pytest.raises(FatalStudyError, match="energy"):
+        run_study(cfg, backend(evaluator=fake_no_energy))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"sampler": "annealing"}, "unknown sampler 'annealing'"),
+    ({"objectives": "throughput,speed"}, "unknown objective 'speed'"),
+    ({"objectives": "area"}, "throughput must come first"),
+    ({"sampler": "cmaes", "objectives": "throughput,area"}, "optimises one objective"),
+    ({"models": ("m-small", "gpt5")}, "unknown model 'gpt5'"),
+    ({"models": ()}, "at least one model"),
+    ({"trials": 0}, "--trials"),
+    ({"workers": 0}, "--workers"),
+    ({"order": "random"}, "unknown order"),
+    ({"hysteresis": "soon"}, "--hysteresis"),
+    ({"exhaustive": True, "hysteresis": 5, "order": "grid"}, "needs --order area"),
+    ({"storage": "studies/x.db"}, "database URL"),
+    ({"system": "no-such-system"}, "unknown system 'no-such-system'"),
+])
+def test_bad_settings_are_one_line_errors(tmp_path, changes, message):
+    cfg = config(tmp_path, **changes)
+    with pytest.raises(PhazeError, match=message) as info:
+        run_study(cfg, backend())
+    assert "\n" not in str(info.value)
+
+
+def test_empty_space_is_a_one_line_error(tmp_path):
+    space = FakeSpace(params={"num_tc": [], "tc_x": [8], "glb_mib": [2], "hbm_gib": [16], "mbs": [1],
+                              "recompute": [False]})
+    with pytest.raises(PhazeError, match="'num_tc' has no choices"):
+        run_study(config(tmp_path), backend(space))
+    with pytest.raises(PhazeError, match="no grid point"):
+        run_study(config(tmp_path, exhaustive=True), backend(FakeSpace(budget=1.0)))
+
+
+def test_reusing_a_study_name_with_other_settings_is_refused(tmp_path):
+    run_study(config(tmp_path, trials=2, study_name="s"), backend())
+    with pytest.raises(PhazeError, match="was run with models"):
+        run_study(config(tmp_path, trials=2, study_name="s", models=("m-big",)), backend())
+
+
+def test_default_names_and_quota():
+    cfg = validate(StudyConfig(models=("m-small",), space="fake"), backend())
+    assert default_study_name(cfg) == "m-small-fake-tpe-seed0"
+    ex = validate(StudyConfig(models=("m-small", "m-big"), space="fake", exhaustive=True, hysteresis="5",
+                              objectives="throughput,area"), backend())
+    assert ex.hysteresis == 5 and default_study_name(ex) == "m-small+m-big-fake-exhaustive-area-h5-throughput+area"
+    assert split_quota(10, 3) == [4, 3, 3] and sum(split_quota(7, 4)) == 7
+
+
+def test_summary_is_json_and_saved(tmp_path):
+    cfg = config(tmp_path, trials=5, tracking_uri=mlflow_uri(tmp_path))
+    summary = run_study(cfg, backend())
+    saved = json.loads((tmp_path / "studies" / f"{default_study_name(cfg)}-summary.json").read_text())
+    assert saved["best"]["trial"] == summary["best"]["trial"]
+    from phaze_opt.search.report import render
+    text = render(summary)
+    assert "best design" in text and "TPUv4 with the expert placement" in text and "mlflow ui" in text
