@@ -68,14 +68,21 @@ def test_hbm_too_small_is_an_infeasible_result_not_an_error():
 
 
 def test_explicit_placement_and_bad_specs():
-    r = evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4,dp=64")
+    r = evaluate_design("opt-1.3b", TPU, 1, False, "default", "tp=2,pp=4,dp=64")
+    assert r.feasible, r.reason
     assert (r.placement["tp"], r.placement["pp"], r.placement["dp"]) == (2, 4, 64)
-    best = evaluate_design("gpt2-xl", TPU, 1, False)
+    assert len(r.placement["stages"]) == 4
+    best = evaluate_design("opt-1.3b", TPU, 1, False)
     assert best.throughput >= r.throughput * (1 - 1e-9)
     with pytest.raises(PhazeError, match="tp=T,pp=P,dp=D"):
-        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4")
+        evaluate_design("opt-1.3b", TPU, 1, False, "default", "tp=2,pp=4")
     with pytest.raises(PhazeError, match="TP width not allowed"):
-        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=3,pp=4,dp=2")
+        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4,dp=2")
+
+
+def test_expert_placement_without_recompute_does_not_fit_tpuv4_and_says_why():
+    r = evaluate_design("gpt3-175b", TPU, 1, False, "default", "expert")
+    assert not r.feasible and "GiB" in r.reason and "32.000 GiB of HBM" in r.reason
 
 
 def test_cli_evaluate_json_and_errors():

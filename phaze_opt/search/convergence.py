@@ -25,7 +25,7 @@ import optuna
 from ..errors import PhazeError
 from .runner import finished_trials, is_feasible, quiet_optuna
 from .setup import clean_name, default_storage
-from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
+from .tracking import MlflowTracker, driver_url, redact, tracking_enabled
 
 
 @dataclass
@@ -75,7 +75,7 @@ _STORAGES: dict = {}
 
 def _storage(url: str):
     if url not in _STORAGES:
-        _STORAGES[url] = optuna.storages.RDBStorage(url)
+        _STORAGES[url] = optuna.storages.RDBStorage(driver_url(url))
     return _STORAGES[url]
 
 

@@ -263,13 +263,14 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
             message = one_line(exc)
             trial.set_user_attr("result", {"error": message, "elapsed_s": spec.elapsed(),
-                                           "trial_s": time.perf_counter() - start,
+                                           "trial_s": time.perf_counter() - start, "worker": index,
                                            "accelerator": accelerator_fields(spec.backend.space, point)})
             raise TrialError(message) from exc
         for key, value in outcome.constraints.items():
             trial.set_constraint(key, value)
         result = outcome.result_attr()
         result["elapsed_s"] = spec.elapsed()
+        result["worker"] = index
         trial.set_user_attr("result", result)
         artifacts[trial.number] = outcome.artifact()
         return outcome.values if len(outcome.values) > 1 else outcome.values[0]

@@ -16,7 +16,7 @@ import optuna
 
 from ..errors import PhazeError
 from .objective import directions, parse_objectives
-from .tracking import DEFAULT_TRACKING_URI, redact
+from .tracking import DEFAULT_TRACKING_URI, driver_url, redact
 
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
 SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
@@ -228,7 +228,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     else:
         kwargs["engine_kwargs"] = {"pool_pre_ping": True}
     try:
-        storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+        storage = RDBStorage(driver_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3), **kwargs)
     except Exception as exc:  # noqa: BLE001 - a bad URL or unreachable server is user input
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

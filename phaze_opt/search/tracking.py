@@ -47,6 +47,21 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", str(url))
 
 
+def driver_url(url: str) -> str:
+    """`postgresql://` with the driver that is installed.
+
+    SQLAlchemy 2.1 maps a bare `postgresql://` to psycopg 3; we ship psycopg2, so name it unless
+    psycopg 3 is there. Other URLs pass unchanged.
+    """
+    text = str(url)
+    if text.startswith(("postgresql://", "postgres://")):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + text.split("://", 1)[1]
+    return text
+
+
 def sqlite_path(uri: str) -> Path | None:
     if not str(uri).startswith("sqlite:///"):
         return None
@@ -203,7 +218,7 @@ class MlflowTracker:
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        self.client = MlflowClient(driver_url(tracking_uri))
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id
         self.context = dict(context)  # study_name, sampler, models, mode, objectives
@@ -227,7 +242,7 @@ class MlflowTracker:
         from mlflow import MlflowClient
 
         try:
-            client = MlflowClient(tracking_uri)
+            client = MlflowClient(driver_url(tracking_uri))
             exp = client.get_experiment_by_name(experiment_name)
             if exp is not None:
                 if exp.lifecycle_stage == "deleted":
@@ -253,7 +268,7 @@ class MlflowTracker:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        client = MlflowClient(tracking_uri)
+        client = MlflowClient(driver_url(tracking_uri))
         run = _retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
         if params:
             _retrying(lambda: client.log_batch(run.info.run_id, params=[

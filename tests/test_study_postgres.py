@@ -1,0 +1,121 @@
+"""Optuna's distributed mode on a real PostgreSQL server on loopback: `--workers N` share one study.
+
+The server is created in a temporary directory, listens on 127.0.0.1 only, and is stopped at the end.
+`make test` (and so `.ci/run`) installs PostgreSQL when it is missing. Without it this test fails
+with a hint; set PHAZE_OPT_SKIP_POSTGRES=1 to skip it on a machine that cannot have it.
+"""
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections import Counter
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from phaze_opt.search.encoding import SpaceCodec
+from phaze_opt.search.runner import finished_trials, run_study
+from phaze_opt.search.setup import default_study_name
+from phaze_opt.search.tracking import driver_url
+from test_study_fakes import backend, config, mlflow_uri, small_space
+
+
+def pg_binary(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+                        key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    return candidates[-1] if candidates else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    initdb, pg_ctl = pg_binary("initdb"), pg_binary("pg_ctl")
+    if not (initdb and pg_ctl):
+        if os.environ.get("PHAZE_OPT_SKIP_POSTGRES") == "1":
+            pytest.skip("PostgreSQL is not installed and PHAZE_OPT_SKIP_POSTGRES=1")
+        pytest.fail("PostgreSQL (initdb, pg_ctl) not found: `make test` installs it (apt-get install postgresql); "
+                    "or set PHAZE_OPT_SKIP_POSTGRES=1 to skip this test")
+    root = tempfile.mkdtemp(prefix="phaze-pg-")
+    data, sock = os.path.join(root, "data"), os.path.join(root, "sock")
+    os.makedirs(sock)
+    run_as = []
+    if os.geteuid() == 0:  # the server refuses to run as root: run it as the postgres user
+        user = pwd.getpwnam("postgres")
+        for d in (root, sock):
+            os.chown(d, user.pw_uid, user.pw_gid)
+        run_as = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    subprocess.run(run_as + [initdb, "-D", data, "-U", "phaze", "--auth=trust", "-E", "UTF8", "--no-sync"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {sock} -c fsync=off -c max_connections=200"
+    subprocess.run(run_as + [pg_ctl, "-D", data, "-l", os.path.join(root, "server.log"), "-w", "-t", "60",
+                             "-o", options, "start"], check=True, stdout=subprocess.DEVNULL, timeout=90)
+    try:
+        import psycopg2
+
+        conn = psycopg2.connect(host="127.0.0.1", port=port, user="phaze", dbname="postgres")
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            for db in ("optuna", "optuna_ex"):
+                cur.execute(f"CREATE DATABASE {db}")
+        conn.close()
+        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in ("optuna", "optuna_ex")}
+    finally:
+        subprocess.run(run_as + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_workers_share_one_study_on_postgres(tmp_path, postgres):
+    # MLflow in the default kind of store, SQLite, written by both workers at once (locks are retried)
+    uri = mlflow_uri(tmp_path)
+    cfg = config(tmp_path, trials=16, workers=2, storage=postgres["optuna"], tracking_uri=uri)
+    summary = run_study(cfg, backend(small_space()))
+    name = default_study_name(cfg)
+    trials = optuna.load_study(study_name=name, storage=driver_url(postgres["optuna"])).get_trials()
+    # unique and complete: exactly the requested trials, numbered once each, none left running or waiting
+    assert len(trials) == 16 and sorted(t.number for t in trials) == list(range(16))
+    assert len({t._trial_id for t in trials}) == 16
+    assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+    assert len(finished_trials(trials)) == 16 == summary["trials"]["finished"]
+    # both processes took part, and the enqueued reference points ran once each, not once per worker
+    assert {t.user_attrs["result"]["worker"] for t in trials} == {0, 1}
+    codec = SpaceCodec(small_space().params)
+    refs = Counter(tuple(sorted(codec.decode(t.params).items())) for t in trials if t.user_attrs.get("reference"))
+    assert len(refs) == 4 and set(refs.values()) == {1}
+    # MLflow: one parent, one nested run per trial
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    numbers = Counter(int(r.data.tags["optuna.trial_number"]) for r in children)
+    assert numbers == Counter(range(16))
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+
+
+def test_exhaustive_workers_split_the_grid_on_postgres(tmp_path, postgres):
+    cfg = config(tmp_path, exhaustive=True, workers=2, storage=postgres["optuna_ex"], tracking_uri="off")
+    summary = run_study(cfg, backend(small_space()))
+    trials = optuna.load_study(study_name=default_study_name(cfg), storage=driver_url(postgres["optuna_ex"])).get_trials()
+    points = Counter(tuple(sorted(t.user_attrs["point"].items())) for t in trials)
+    grid = small_space().grid_points("grid")
+    assert set(points.values()) == {1} and len(points) == len(grid) == summary["exhaustive"]["evaluated"]
+    assert summary["best"]["score"] == max(t.values[0] for t in trials
+                                           if t.state == TrialState.COMPLETE and max(t.constraints.values()) <= 0)
