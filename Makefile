@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TRIALS ?= 500
 
-.PHONY: setup study test
+.PHONY: setup study test postgres
 
 setup: $(STAMP)
 
@@ -20,5 +20,15 @@ $(STAMP): pyproject.toml
 study: $(STAMP)
 	$(BIN)/python -m phaze_opt.study --trials $(TRIALS)
 
-test: $(STAMP)
+# tests/test_study_postgres.py starts its own PostgreSQL server (127.0.0.1 only, in a temporary
+# directory) to test Optuna's distributed mode; install the server binaries when they are missing.
+postgres:
+	@if command -v pg_ctl >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; \
+	elif command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; \
+	else echo "PostgreSQL is needed by tests/test_study_postgres.py: install it (apt-get install postgresql)" >&2; exit 1; fi
+
+test: $(STAMP) postgres
 	$(BIN)/python -m pytest -q

@@ -52,11 +52,14 @@ def postgres():
     data, sock = os.path.join(root, "data"), os.path.join(root, "sock")
     os.makedirs(sock)
     run_as = []
-    if os.geteuid() == 0:  # the server refuses to run as root: run it as the postgres user
-        user = pwd.getpwnam("postgres")
+    if os.geteuid() == 0:  # the server refuses to run as root: run it as the postgres user (or nobody)
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            user = pwd.getpwnam("nobody")
         for d in (root, sock):
             os.chown(d, user.pw_uid, user.pw_gid)
-        run_as = ["runuser", "-u", "postgres", "--"]
+        run_as = ["runuser", "-u", user.pw_name, "--"]
     port = free_port()
     subprocess.run(run_as + [initdb, "-D", data, "-U", "phaze", "--auth=trust", "-E", "UTF8", "--no-sync"],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)

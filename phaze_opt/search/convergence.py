@@ -186,7 +186,7 @@ def rows_markdown(rows: list[dict], threshold: float, target: float | None, obje
             f"trials to {pct}", f"time to {pct} (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["study"], f"{r['mode']} ({r['sampler']})",
+        cells = [r["study"], r["mode"] if r["sampler"] in (r["mode"], "?") else f"{r['mode']} ({r['sampler']})",
                  "n/a" if r["best_score"] is None else f"{r['best_score']:.6g}",
                  "n/a" if r["best_vs_overall"] is None else f"{r['best_vs_overall'] * 100:.2f}%",
                  str(r["trials"]), f"{r['wall_s']:.1f}",
@@ -197,7 +197,8 @@ def rows_markdown(rows: list[dict], threshold: float, target: float | None, obje
     return "\n".join(lines) + "\n" + tail + "\n"
 
 
-def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str) -> Path:
+def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str,
+         ylabel: str = "best feasible score so far") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,7 +223,7 @@ def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str) 
     if finite and max(finite) / max(min(finite), 1e-9) > 100:
         ax.set_xscale("log")
     ax.set_xlabel("wall-clock (s)")
-    ax.set_ylabel("best feasible score so far")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
@@ -262,9 +263,11 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path, png_path = out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.png"
     csv_path.write_text(rows_csv(rows, threshold))
-    objective = "throughput" if not curves[0].models or len(curves[0].models) == 1 else "score"
+    single = not curves[0].models or len(curves[0].models) == 1
+    objective = "throughput (seq/s)" if single else "mean ratio to TPUv4"
+    ylabel = "best throughput so far (sequences/s)" if single else "best mean throughput / TPUv4 so far"
     md_path.write_text(f"# {stem}\n\n" + rows_markdown(rows, threshold, target, objective))
-    plot(curves, target, png_path, f"best-so-far vs wall-clock: {', '.join(c.name for c in curves)}")
+    plot(curves, target, png_path, f"best-so-far vs wall-clock: {', '.join(c.name for c in curves)}", ylabel)
     result = {"studies": [{"name": c.name, "storage": redact(c.storage)} for c in curves], "threshold": threshold,
               "target": target, "rows": rows, "csv": str(csv_path), "markdown": str(md_path), "plot": str(png_path),
               "mlflow": None}

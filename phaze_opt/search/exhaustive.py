@@ -26,9 +26,8 @@ wholly to one process so its cache reuse stays intact.
 from __future__ import annotations
 
 import math
-import multiprocessing
+import tempfile
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
@@ -38,7 +37,20 @@ from optuna.trial import FrozenTrial, TrialState
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
-from .runner import Progress, Session, WorkerSpec, finished_trials, is_feasible, make_storage, one_line, quiet_optuna, score_label
+from .runner import (
+    Progress,
+    Session,
+    SpoolLogger,
+    WorkerSpec,
+    finished_trials,
+    is_feasible,
+    make_storage,
+    one_line,
+    quiet_optuna,
+    run_pool,
+    score_label,
+)
+from .tracking import NullTracker
 
 RUN_PARAMS = ("mbs", "recompute")
 
@@ -165,7 +177,11 @@ class _Sweeper:
                 extra["new_best"] = True
         frozen = _add(self.study, _frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra,
                                                 self.spec.backend.space))
-        self.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
+        artifact = outcome.artifact() if outcome is not None else None
+        if self.spec.spool_dir:
+            self.spec.spool(frozen.number, artifact)
+        else:
+            self.tracker.log_trial(frozen, artifact)
         if error is not None:
             from .runner import _say
 
@@ -206,13 +222,13 @@ def run_exhaustive(config, backend=None) -> dict:
         progress = Progress(n_points, min(len(done), n_points), session.name, "point", config.progress,
                             score_label(config))
         progress.update(0, best0)
-        spec = session.worker_spec()
         groups_total = len({c["area_group"] for c in clusters}) if config.order == "area" else None
         stopped, groups_done = False, 0
         if config.workers == 1:
-            sweeper = _Sweeper(spec, session.study, spec.tracker(), done, best0)
+            sweeper = _Sweeper(session.worker_spec(), session.study, session.tracker, done, best0)
             group_best: list[float] = []
             current, current_best = object(), None
+            logged_best = best0
             for cluster in clusters:
                 if config.order == "area" and cluster["area_group"] != current:
                     if current_best is not None:
@@ -230,13 +246,19 @@ def run_exhaustive(config, backend=None) -> dict:
                     progress.update(sweeper.evaluated - before, score if score else None)
                     if sweeper.best is not None and (progress.best is None or sweeper.best > progress.best):
                         progress.update(0, sweeper.best)
+                    if sweeper.best is not None and sweeper.best != logged_best:
+                        logged_best = sweeper.best
+                        session.tracker.log_parent(metrics={"best_score": logged_best}, step=sweeper.evaluated)
             else:
                 if config.order == "area" and current_best is not None:
                     group_best.append(current_best)
                     groups_done += 1
-            sweeper.tracker.stop()
         else:
-            _run_pool(session, spec, len(clusters), progress)
+            workers = min(config.workers, len(clusters))
+            with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+                spec = session.worker_spec(spool if session.tracker.enabled else None)
+                run_pool(session, progress, SpoolLogger(session, spool),
+                         [(_exhaustive_worker, (spec, i, workers)) for i in range(workers)])
             groups_done = groups_total
         progress.close()
         progress = None
@@ -282,40 +304,19 @@ def best_history(trials: Iterable) -> list[dict]:
 
 
 def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
+    """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
     try:
         storage = make_storage(spec.storage_url)
         study = optuna.load_study(study_name=spec.study_name, storage=storage)
         clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
         codec = SpaceCodec(spec.backend.space.params)
-        tracker = spec.tracker()
-        sweeper = _Sweeper(spec, study, tracker, _existing(study, codec), None)
-        try:
-            for i, cluster in enumerate(clusters):
-                if i % workers != index:
-                    continue
-                for point in cluster["points"]:
-                    sweeper.run_point(point)
-        finally:
-            tracker.stop()
-        return {"evaluated": sweeper.evaluated, "tracking_errors": list(tracker.errors)}
+        sweeper = _Sweeper(spec, study, NullTracker(), _existing(study, codec), None)
+        for i, cluster in enumerate(clusters):
+            if i % workers != index:
+                continue
+            for point in cluster["points"]:
+                sweeper.run_point(point)
+        return {"evaluated": sweeper.evaluated}
     except KeyboardInterrupt:
         return {"interrupted": True}
-
-
-def _run_pool(session: Session, spec: WorkerSpec, n_clusters: int, progress: Progress) -> None:
-    workers = min(session.config.workers, max(1, n_clusters))
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_exhaustive_worker, spec, i, workers) for i in range(workers)]
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
-            trials = session.all_trials()
-            feasible = [t.values[0] for t in trials if is_feasible(t)]
-            progress.set_done(len(finished_trials(trials)), max(feasible) if feasible else None)
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()
-        if any(f.result().get("interrupted") for f in futures):
-            raise KeyboardInterrupt

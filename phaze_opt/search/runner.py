@@ -24,10 +24,12 @@ convergence comparison sees search time, not the idle time between two runs.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -70,6 +72,8 @@ class TrialError(Exception):
 def quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Said once in the summary's notes instead of at every trial: CMA-ES learns from the 0 throughput.
+    warnings.filterwarnings("ignore", message="Constraints have been set, but CmaEsSampler")
 
 
 def one_line(exc: BaseException) -> str:
@@ -116,9 +120,9 @@ class WorkerSpec:
     storage_url: str
     study_name: str
     baselines: dict
-    tracking: dict | None  # {"uri", "experiment_id", "parent_run_id", "context"}
     clock_start: float  # time.time() when this invocation began
     offset_s: float
+    spool_dir: str | None = None  # worker processes leave each trial's placement.json here for the parent
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
@@ -128,11 +132,39 @@ class WorkerSpec:
                        evaluator=self.backend.evaluator, objectives=self.config.objectives,
                        baselines=self.baselines)
 
-    def tracker(self):
-        if not self.tracking:
-            return NullTracker()
-        t = self.tracking
-        return MlflowTracker.attach(t["uri"], t["experiment_id"], t["parent_run_id"], context=t["context"])
+    def spool(self, number: int, artifact: dict | None) -> None:
+        if self.spool_dir and artifact is not None:
+            path = os.path.join(self.spool_dir, f"{number}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(artifact, f)
+            os.replace(path + ".tmp", path)
+
+
+class SpoolLogger:
+    """The parent's side of worker logging: one MLflow writer for every trial the workers finish.
+
+    Workers do not open MLflow at all (each client costs seconds to start, and several writers on
+    one SQLite store contend for its lock). The parent polls the storage and logs each newly
+    finished trial once, with the artifact its worker spooled; `trial_record` needs nothing else.
+    """
+
+    def __init__(self, session: "Session", spool_dir: str):
+        self.session = session
+        self.spool_dir = spool_dir
+        self.seen = set(session.finished_at_start)
+
+    def poll(self, trials) -> None:
+        for t in finished_trials(trials):
+            if t.number in self.seen:
+                continue
+            self.seen.add(t.number)
+            path = os.path.join(self.spool_dir, f"{t.number}.json")
+            artifact = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    artifact = json.load(f)
+                os.remove(path)
+            self.session.tracker.log_trial(t, artifact)
 
 
 class Session:
@@ -155,8 +187,11 @@ class Session:
         self.study, self.resumed = open_study(config, self.storage, self.space, sampler)
         trials = self.study.get_trials(deepcopy=False)
         self.offset_s = max([e for e in map(elapsed_of, trials) if e is not None], default=0.0)
-        self.trials_before = len(finished_trials(trials))
+        self.finished_at_start = {t.number for t in finished_trials(trials)}
+        self.trials_before = len(self.finished_at_start)
         self.notes: list[str] = []
+        if config.sampler == "cmaes" and not config.exhaustive:
+            self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
         self.baselines = self._baselines()
         self.tracker = self._start_tracker()
 
@@ -199,13 +234,9 @@ class Session:
         return MlflowTracker.start(c.tracking_uri, self.name, run_name=f"{self.name} {c.mode} {stamp}",
                                    params=params, tags=tags, context=context)
 
-    def worker_spec(self) -> WorkerSpec:
-        tracking = None
-        if self.tracker.enabled:
-            tracking = {"uri": self.config.tracking_uri, "experiment_id": self.tracker.experiment_id,
-                        "parent_run_id": self.tracker.parent_run_id, "context": self.tracker.context}
-        return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, tracking,
-                          self.clock_start, self.offset_s)
+    def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
+        return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
+                          self.offset_s, spool_dir)
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
@@ -235,8 +266,13 @@ class Session:
 
 # -- the trial loop (in this process or a worker) ---------------------------------------------------
 
-def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable | None = None) -> dict:
-    """Run `quota` trials of the study in this process; returns counts and tracking errors."""
+def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable | None = None,
+               tracker=None) -> dict:
+    """Run `quota` trials of the study in this process; returns the counts of each outcome.
+
+    In the parent process trials are logged with its `tracker`; a worker process spools each
+    trial's artifact for the parent instead (see `SpoolLogger`).
+    """
     quiet_optuna()
     config = spec.config
     storage = make_storage(spec.storage_url)
@@ -244,7 +280,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     study = optuna.load_study(study_name=spec.study_name, storage=storage, sampler=sampler)
     ctx = spec.context()
     codec = SpaceCodec(spec.backend.space.params)
-    tracker = spec.tracker()
+    tracker = tracker or NullTracker()
     artifacts: dict[int, dict] = {}
     counts = {"complete": 0, "infeasible": 0, "failed": 0}
 
@@ -255,6 +291,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         try:
             outcome = evaluate_point(point, ctx)
         except FatalStudyError:
+            trial.set_user_attr("interrupted", True)  # a set-up problem, not this design's: do not count it
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -272,7 +309,10 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         result["elapsed_s"] = spec.elapsed()
         result["worker"] = index
         trial.set_user_attr("result", result)
-        artifacts[trial.number] = outcome.artifact()
+        if spec.spool_dir:
+            spec.spool(trial.number, outcome.artifact())
+        else:
+            artifacts[trial.number] = outcome.artifact()
         return outcome.values if len(outcome.values) > 1 else outcome.values[0]
 
     def callback(_study, frozen):
@@ -288,11 +328,8 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         if on_trial is not None:
             on_trial(frozen)
 
-    try:
-        study.optimize(objective, n_trials=quota, catch=(TrialError,), callbacks=[callback], gc_after_trial=False)
-    finally:
-        tracker.stop()
-    return {**counts, "tracking_errors": list(tracker.errors)}
+    study.optimize(objective, n_trials=quota, catch=(TrialError,), callbacks=[callback], gc_after_trial=False)
+    return counts
 
 
 def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
@@ -369,18 +406,18 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
         progress = Progress(session.config.trials, min(done, session.config.trials), session.name, "trial",
                             session.config.progress, score_label(session.config))
         progress.update(0, best_score(session.all_trials()))
-        spec = session.worker_spec()
         worker_stats = []
         if remaining and session.config.workers == 1:
+            spec = session.worker_spec()
             def on_trial(frozen):
                 improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
                 progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
                 if improved:
                     session.tracker.log_parent(metrics={"best_score": frozen.values[0]}, step=frozen.number)
 
-            worker_stats.append(run_worker(spec, remaining, 0, on_trial))
+            worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
         elif remaining:
-            worker_stats = _run_pool(session, spec, remaining, progress)
+            worker_stats = _run_pool(session, remaining, progress)
         progress.close()
         progress = None
         summary = finish(session, worker_stats)
@@ -397,25 +434,40 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
         session.close(status)
 
 
-def _run_pool(session: Session, spec: WorkerSpec, remaining: int, progress: Progress) -> list[dict]:
+def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
     quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+    with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+        spec = session.worker_spec(spool if session.tracker.enabled else None)
+        logger = SpoolLogger(session, spool)
+        return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+
+
+def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
+    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    stats = []
-    with ProcessPoolExecutor(max_workers=len(quotas), mp_context=context) as pool:
-        futures = [pool.submit(_worker_entry, spec, q, i) for i, q in enumerate(quotas)]
+    best = None
+    with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
+        futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
-        while pending:
+        while True:
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
             trials = session.all_trials()
-            progress.set_done(len(finished_trials(trials)), best_score(trials))
+            logger.poll(trials)
+            score = best_score(trials)
+            n = len(finished_trials(trials))
+            progress.set_done(n, score)
+            if score is not None and (best is None or score > best):
+                best = score
+                session.tracker.log_parent(metrics={"best_score": score}, step=n)
             for f in done:
                 exc = f.exception()
                 if exc is not None:
                     for other in pending:
                         other.cancel()
                     raise exc
-        for f in futures:
-            stats.append(f.result())
+            if not pending:
+                break
+        stats = [f.result() for f in futures]
     if any(s.get("interrupted") for s in stats):
         raise KeyboardInterrupt
     return stats

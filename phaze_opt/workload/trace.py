@@ -301,7 +301,7 @@ class _Mapper:
             for a in _arg_nodes(n):
                 if not (a in self.input_ph or (a.op == "call_function" and self.pos[a] < bpos)):
                     continue
-                base = a
+                base = self._alias_base(a)
                 if base in self.param_ph or base in self.const or base in self.param_only:
                     continue
                 if not (base in self.input_ph or base in self.act_dep):
