@@ -14,7 +14,7 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.search.convergence import compare, curve_from_trials, resolve_study, rows_csv, table
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import default_study_name
-from test_study_fakes import backend, config, mlflow_uri, small_space
+from test_study_fakes import FakeSpace, backend, config, mlflow_uri
 
 
 class T:
@@ -82,14 +82,19 @@ def test_reach_matches_brute_force(studies, threshold):
         assert (row["trials_to_target"], row["time_to_target_s"]) == (hit if hit else (None, None))
 
 
+def tiny_space():
+    return FakeSpace(params={"num_tc": [2, 4], "tc_x": [8, 16], "glb_mib": [4], "hbm_gib": [32], "mbs": [1, 2],
+                             "recompute": [False, True]})  # 16 points
+
+
 @pytest.fixture(scope="module")
 def two_studies(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cmp")
     uri = mlflow_uri(tmp)
-    sampled = config(tmp, trials=12, storage=None, tracking_uri=uri)
+    sampled = config(tmp, trials=8, storage=None, tracking_uri=uri)
     exhaustive = config(tmp, exhaustive=True, storage=None, tracking_uri=uri)
-    run_study(sampled, backend(small_space()))
-    run_study(exhaustive, backend(small_space()))
+    run_study(sampled, backend(tiny_space()))
+    run_study(exhaustive, backend(tiny_space()))
     return tmp, uri, default_study_name(sampled), default_study_name(exhaustive)
 
 
@@ -128,7 +133,7 @@ def test_compare_bad_input(two_studies, tmp_path):
         compare([a, b], out_dir=out, tracking_uri="off", threshold=1.5)
     # a study of other models is not comparable
     other = config(tmp_path, trials=3, storage=None, models=("m-big",))
-    run_study(other, backend(small_space()))
+    run_study(other, backend(tiny_space()))
     other_url = f"sqlite:///{tmp_path / 'studies' / default_study_name(other)}.db"
     assert resolve_study(str(tmp_path / "studies" / f"{default_study_name(other)}.db"), None) == (
         default_study_name(other), other_url)

@@ -161,7 +161,7 @@ def test_mlflow_server_serves_runs_params_metrics_and_artifact(logged_study):
     tmp, uri, cfg = logged_study
     port = free_port()
     mlflow_bin = Path(sys.executable).with_name("mlflow")
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen([str(mlflow_bin), "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], cwd=tmp, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -21,7 +21,7 @@ from phaze_opt.workload.trace import trace_layer_details
 
 MODELS = ("gpt3-175b", "gpt2-xl", "bert-large", "opt-1.3b", "llama2-7b", "llama2-70b", "megatron-8.3b")
 GPT_STYLE = ("gpt3-175b", "gpt2-xl", "megatron-8.3b", "opt-1.3b")
-HYP = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(autouse=True)

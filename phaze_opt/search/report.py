@@ -144,6 +144,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         summary.update(extra)
     tracker = session.tracker
     summary["mlflow"] = None
+    out = Path(config.output_dir) / f"{session.name}-summary.json"
+    summary["summary_file"] = str(out)
     if tracker.enabled:
         summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri), "experiment": session.name,
                              "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
@@ -161,9 +163,9 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                     if isinstance(s.get(k), (int, float)):
                         metrics[f"best_{prefix}{k}"] = s[k]
         tracker.log_parent(metrics=metrics, tags={"best_trial": str(best.number) if best else "none"})
-        out = Path(config.output_dir) / f"{session.name}-summary.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1, default=str))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1, default=str))
+    if tracker.enabled:
         tracker.log_parent_file(out)
         tracker.flush()
         errors += list(tracker.errors)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import operator
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -139,7 +139,6 @@ class LayerTrace:
     param_grad_ops: tuple[int, ...]
     unmapped_ops: tuple[str, ...] = ()  # aten ops without a rule, costed as generic vector ops
     trace_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
@@ -249,7 +248,6 @@ class _Mapper:
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.param_ph = set(placeholders[:n_params])
         self.input_ph = set(placeholders[n_params:n_params + n_inputs])
-        self.grad_ph = set(placeholders[n_params + n_inputs:])
         out_node = next(n for n in self.nodes if n.op == "output")
         flat, _ = tree_flatten(out_node.args)
         self.outputs = flat
@@ -371,16 +369,10 @@ class _Mapper:
             passes["fwd" if self.pos[n] < bpos else "bwd"].append(n)
         activation_bytes = sum(s[3] for s in saved)
 
-        # users of each op node's values (getitems resolved), across the whole graph
-        users = defaultdict(set)
-        for n in self.nodes:
-            for a in _arg_nodes(n):
-                users[self._producer(a)].add(n)
-
         graphs = {}
         extra = {}
         for pname, pnodes in passes.items():
-            graphs[pname], extra[pname] = self._build_pass(pname, pnodes, users)
+            graphs[pname], extra[pname] = self._build_pass(pname, pnodes)
 
         n_in = self.n_grad_inputs
         grad_vals = self.outputs[self.n_outs:]
@@ -394,7 +386,7 @@ class _Mapper:
             "unmapped": tuple(dict.fromkeys(self.unmapped)),
         }
 
-    def _build_pass(self, pname, pnodes, users):
+    def _build_pass(self, pname, pnodes):
         in_pass = set(pnodes)
         desc = {n: self._describe(n) for n in pnodes}
         preds = {n: {p for a in _arg_nodes(n) if (p := self._producer(a)) in in_pass and p is not n} for n in pnodes}
@@ -453,7 +445,7 @@ class _Mapper:
         ops, edges = [], set()
         for r in order:
             ms = sorted(members[r], key=self.pos.get)
-            ops.append(self._make_op(ms, desc, users))
+            ops.append(self._make_op(ms, desc))
             for m in ms:
                 for p in preds[m]:
                     pr = find(p)
@@ -478,7 +470,7 @@ class _Mapper:
             size = min(size, sum(_nbytes(v) for v in _vals(base)) or size)
         return size
 
-    def _make_op(self, ms, desc, users):
+    def _make_op(self, ms, desc):
         mset = set(ms)
         last = desc[ms[-1]]
         name = ms[-1].name if len(ms) == 1 else "+".join(m.name for m in ms)
@@ -506,9 +498,12 @@ class _Mapper:
                 reads += self._read_bytes(a)
         writes = 0
         for m in ms:
-            leaves_group = any(u not in mset for u in users[m]) or not any(u in mset for u in users[m])
-            if leaves_group:
-                writes += desc[m].writes if desc[m].writes is not None else sum(_nbytes(v) for v in _vals(m))
+            if desc[m].writes is not None:
+                writes += desc[m].writes
+                continue
+            for users, size in _outputs(m):
+                if not users or any(u not in mset for u in users):
+                    writes += size
         flops = float(sum(desc[m].flops for m in ms))
         if last.unit == TC:
             return Op(name=name, kind=last.kind, unit=TC, flops=flops, bytes_read=float(reads),
@@ -516,6 +511,16 @@ class _Mapper:
         return Op(name=name, kind="fused" if len(ms) > 1 else last.kind, unit=VC, flops=flops,
                   bytes_read=float(reads), bytes_written=float(writes), elements=max(desc[m].elements for m in ms),
                   vector_ops=tuple(desc[m].vkind for m in ms), contains=contains, shape=shape)
+
+
+def _outputs(node):
+    """(users, bytes) per tensor a node produces; a multi-output node's users are its getitems'."""
+    val = node.meta.get("val")
+    if not isinstance(val, (tuple, list)):
+        return [(set(node.users), _nbytes(val))] if isinstance(val, torch.Tensor) else []
+    items = {g.args[1]: g for g in node.users if g.target is operator.getitem}
+    return [(set(items[i].users) if i in items else set(), _nbytes(v))
+            for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
 
 
 @dataclass(frozen=True)
