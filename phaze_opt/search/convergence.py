@@ -224,7 +224,7 @@ def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str,
         ax.set_xscale("log")
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -267,7 +267,7 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
     objective = "throughput (seq/s)" if single else "mean ratio to TPUv4"
     ylabel = "best throughput so far (sequences/s)" if single else "best mean throughput / TPUv4 so far"
     md_path.write_text(f"# {stem}\n\n" + rows_markdown(rows, threshold, target, objective))
-    plot(curves, target, png_path, f"best-so-far vs wall-clock: {', '.join(c.name for c in curves)}", ylabel)
+    plot(curves, target, png_path, "best-so-far vs wall-clock\n" + ", ".join(c.name for c in curves), ylabel)
     result = {"studies": [{"name": c.name, "storage": redact(c.storage)} for c in curves], "threshold": threshold,
               "target": target, "rows": rows, "csv": str(csv_path), "markdown": str(md_path), "plot": str(png_path),
               "mlflow": None}

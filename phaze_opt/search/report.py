@@ -93,7 +93,7 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
         ax.set_ylabel(labels.get(objectives[i], objectives[i]))
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -136,7 +136,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         summary["pareto"] = {"trials": [describe_trial(t, session.baselines) for t in front]}
         path = plot_pareto(done, config.objectives, config.directions,
                            Path(config.output_dir) / f"{session.name}-pareto.png",
-                           f"{session.name}: {len(front)} Pareto-optimal of {len(feasible)} feasible designs")
+                           f"{session.name}\n{len(front)} Pareto-optimal of {len(feasible)} feasible designs")
         summary["pareto"]["plot"] = str(path) if path else None
         if path:
             session.tracker.log_parent_file(path)

@@ -108,6 +108,55 @@ def serial_sgs(inst: Instance, view: BlockView, priority: dict, modes: dict | No
     return start, chosen
 
 
+def parallel_sgs(inst: Instance, view: BlockView, priority: dict, modes: dict):
+    """The parallel scheme: step through time, and at each instant start every ready op (in
+    priority order) whose resources are free now. It never leaves a core idle when some ready op
+    could use it, which fills the idle time around collectives that the serial scheme can miss."""
+    caps = (inst.num_tc, inst.num_vc, 1)
+    prof = Profile(caps)
+    remaining = {i: len(view.preds[i]) for i in view.ops}
+    ready_at: dict[int, float] = {i: 0.0 for i in view.ops if remaining[i] == 0}
+    start: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    events = [0.0]
+    t = 0.0
+    while ready_at:
+        for i in sorted((i for i, r in ready_at.items() if r <= t), key=priority.__getitem__):
+            d = duration(inst, i, modes[i])
+            dem = demand(inst, i, modes[i])
+            if prof.earliest(t, d, dem) == t:
+                prof.add(t, t + d, dem)
+                start[i], finish[i] = t, t + d
+                del ready_at[i]
+                heapq.heappush(events, t + d)
+                for j in view.succs[i]:
+                    remaining[j] -= 1
+                    if remaining[j] == 0:
+                        ready_at[j] = max(finish[p] for p in view.preds[j])
+                        heapq.heappush(events, ready_at[j])
+        while events and events[0] <= t:
+            heapq.heappop(events)
+        if not events:
+            break
+        t = heapq.heappop(events)
+    return start, dict(modes)
+
+
+def justify(inst: Instance, view: BlockView, start: dict, modes: dict):
+    """Forward-backward improvement (Valls, Ballestin and Quintanilla, EJOR 2005): schedule the
+    reversed problem with ops taken by latest finish, then the forward one with ops taken by the
+    resulting earliest start. Neither pass can end later than the schedule it starts from."""
+    fin = {i: start[i] + duration(inst, i, modes[i]) for i in view.ops}
+    rev = BlockView(ops=tuple(reversed(view.ops)), mask=view.mask, preds=view.succs, succs=view.preds)
+    pos = {i: k for k, i in enumerate(view.ops)}
+    back, _ = serial_sgs(inst, rev, {i: (-fin[i], -pos[i]) for i in view.ops}, modes)
+    back_fin = {i: back[i] + duration(inst, i, modes[i]) for i in view.ops}
+    horizon = max(back_fin.values(), default=0.0)
+    # In the reversed schedule op i occupies [back_i, back_fin_i); in forward time it starts at horizon - back_fin_i.
+    fwd, _ = serial_sgs(inst, view, {i: (horizon - back_fin[i], pos[i]) for i in view.ops}, modes)
+    return fwd
+
+
 def makespan_of(inst: Instance, start: dict, modes: dict) -> float:
     return max((start[i] + duration(inst, i, modes[i]) for i in start), default=0.0)
 
@@ -129,16 +178,27 @@ def list_schedule(inst: Instance, view: BlockView, target: float = 0.0, improve:
     fastest = {i: inst.can_split[i] for i in view.ops}
     singles = {i: False for i in view.ops}
     best = None
+
+    def consider(start, chosen, prio):
+        nonlocal best
+        ms = makespan_of(inst, start, chosen)
+        if best is None or ms < best[0]:
+            best = (ms, start, chosen, prio)
+        return best[0] <= target
+
     for prio in priorities:
         for modes, greedy in ((fastest, False), (None, True), (singles, False)):
             start, chosen = serial_sgs(inst, view, prio, modes, greedy)
-            ms = makespan_of(inst, start, chosen)
-            if best is None or ms < best[0]:
-                best = (ms, start, chosen, prio)
-            if best[0] <= target:
+            if consider(start, chosen, prio):
+                return best[:3]
+            start, chosen = parallel_sgs(inst, view, prio, chosen)
+            if consider(start, chosen, prio):
                 return best[:3]
     if improve:
         best = _flip_modes(inst, view, best, target)
+        if best[0] > target:
+            start = justify(inst, view, best[1], best[2])
+            consider(start, best[2], best[3])
     return best[:3]
 
 
