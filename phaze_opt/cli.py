@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 
 from .errors import PhazeError
+from .jsonable import jsonable
 
 COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare")
 
@@ -46,21 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _jsonable(value):
-    """Make results printable as strict JSON (no NaN/inf, no tuples or numpy scalars)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def dumps(result) -> str:
-    return json.dumps(_jsonable(result), indent=2)
+    return json.dumps(jsonable(result), indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from ..search.tracking import DEFAULT_TRACKING_URI
 HELP = "compare how fast studies converge: a table and a best-so-far vs wall-clock plot, logged to MLflow"
 DESCRIPTION = (
     "Compare two or more studies (typically one sampled and one exhaustive study of the same model and space): "
-    "best throughput, trials, wall time, and the trials and time each needed to reach 99%% of the best value "
+    "best throughput, trials, wall time, and the trials and time each needed to reach 99% of the best value "
     "any of them found. Writes <output-dir>/<name>.csv, .md and .png and logs them to MLflow."
 )
 

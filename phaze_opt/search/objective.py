@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..jsonable import jsonable  # noqa: F401  (re-exported for the runner and the sweep)
+
 from ..errors import PhazeError
 
 OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
@@ -73,23 +75,6 @@ def recompute_flag(value: Any) -> bool:
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     raise ValueError(f"recompute value {value!r} is not on/off")
-
-
-def jsonable(value):
-    """Strict-JSON form of results (no NaN/inf, tuples or numpy scalars), for Optuna attrs and files."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "to_json") and callable(value.to_json):
-        return jsonable(value.to_json())
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 @dataclass(frozen=True)
