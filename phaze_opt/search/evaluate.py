@@ -12,6 +12,10 @@ Reuse. The per-layer costs depend only on the model, the compute part of the arc
 They are memoised in-process under that content key, so grid points that differ only in HBM
 capacity or recompute pay for the placement DP alone; below that, layer graphs are cached on disk
 by the workload module and schedules on disk by content by the scheduler.
+
+Energy per batch (`energy_j`, hardware/energy.py) is filled for feasible designs: per-layer energies
+(each op in the mode its schedule chose) are memoised under the same content key plus the energy
+constants; only the cheap per-placement sum runs on every call.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from ..errors import PhazeError
 from ..hardware.accelerator import Accelerator
 from ..hardware.area import area_mm2
+from ..hardware.energy import batch_energy, layer_energies, load_constants as load_energy_constants, op_energy
 from ..hardware.latency import estimate
 from ..solve.placement import even_placement, optimal_placement
 from ..solve.placement_eval import evaluate_placement
@@ -62,9 +67,12 @@ class _TpCosts:
     table: list  # per-layer rows for reports
     statuses: dict  # schedule status -> count
     timings: dict
+    modes: dict = field(default_factory=dict)  # (kind, pass) -> per op: ran split (schedule), for energy
+    key: tuple = ()  # the memo key (content) of these costs
 
 
 _COSTS_MEMO: dict = {}
+_ENERGY_MEMO: dict = {}  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
 
 
 def _link_key(link) -> tuple:
@@ -84,6 +92,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
     statuses: dict[str, int] = {}
+    modes: dict[tuple[str, str], tuple[bool, ...]] = {}
     for kind in graph.kinds:
         for pass_name in PASSES:
             op_graph = graph.op_graphs[kind][pass_name]
@@ -100,6 +109,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
                 )
             statuses[sched.method] = statuses.get(sched.method, 0) + 1
             times[(kind, pass_name)] = sched.makespan
+            modes[(kind, pass_name)] = tuple(sched.split)
     layers = graph.layers
     costs = LayerCosts(
         tp=tp,
@@ -125,9 +135,38 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
         }
         for l in layers
     ]
-    out = _TpCosts(costs=costs, table=table, statuses=statuses, timings=timings)
+    out = _TpCosts(costs=costs, table=table, statuses=statuses, timings=timings, modes=modes, key=key)
     _COSTS_MEMO[key] = out
     return out
+
+
+def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts):
+    """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
+    with every op in the mode its schedule chose; memoised by the costs' content key and the constants."""
+    constants = load_energy_constants()
+    key = (tp_costs.key, constants)
+    hit = _ENERGY_MEMO.get(key)
+    if hit is not None:
+        return hit
+    tp = tp_costs.costs.tp
+    graph = build_layer_graph(model, tp, mbs)
+    intra = system.tp_link(tp) is system.intra_node
+    passes = {}
+    for kind in graph.kinds:
+        for pass_name in PASSES:
+            e = op_energy(graph.op_graphs[kind][pass_name], [arch], split=tp_costs.modes.get((kind, pass_name)),
+                          intra_node=intra, constants=constants)
+            passes[(kind, pass_name)] = e.by_component()[0]
+    out = layer_energies(graph, passes)
+    _ENERGY_MEMO[key] = out
+    return out
+
+
+def _design_energy(model, arch, mbs, recompute, system, tp_costs: _TpCosts, result, area: float) -> float:
+    fwd, bwd = tp_layer_energies(model, arch, mbs, system, tp_costs)
+    stages = [st.layers for st in result.stages]
+    return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, recompute,
+                        result.time_per_batch_s, area, system).total_j
 
 
 def _tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
@@ -204,17 +243,20 @@ def evaluate_design(
             timings[k] += v.timings[k]
     timings["dp_s"] = dp_s
     chosen = per_tp.get(result.tp) if result.feasible else None
+    area = float(area_mm2(arch))
+    energy = _design_energy(model_cfg, arch, int(mbs), bool(recompute), system, chosen, result, area) if chosen else None
     return DesignResult(
         feasible=result.feasible,
         reason=result.reason,
         throughput=result.throughput,
         tokens_per_s=result.tokens_per_s,
         time_per_batch_s=result.time_per_batch_s,
-        area_mm2=float(area_mm2(arch)),
+        area_mm2=area,
         mfu=result.mfu,
         placement=result.placement_dict() if result.feasible else {"tp": 0, "pp": 0, "dp": 0, "microbatches": 0, "stages": []},
         timings=timings,
         layers=chosen.table if chosen else [],
         model=model_cfg.name,
+        energy_j=energy,
         schedules={t: v.statuses for t, v in per_tp.items()},
     )

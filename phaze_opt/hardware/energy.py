@@ -1,0 +1,368 @@
+"""Energy, in joules: per operator from the latency model's own counts, and per training batch.
+
+Per operator (one device, one microbatch), from the quantities `latency.estimate` already works with,
+each times a published per-event energy (constants and citations in `configs/energy.yaml`):
+
+- compute: tensor-core MACs (B x M x K x N per GEMM) x `mac`; vector lane operations (elements x
+  cycles-per-element, the same table and FLOP floor as the latency model; a fused GEMM's epilogue
+  too) x `vector_op`;
+- SRAM: the GLB bytes the latency model moves (GEMM: A once per column tile, B and the output once;
+  vector op: its inputs and outputs) x the GLB's energy per byte, which grows with the bank size;
+- HBM: the compulsory bytes plus the GEMM re-reads when the resident operand does not fit the GLB
+  share, which depends on whether the schedule ran the op on one core (1/n of the GLB) or split
+  across all cores (the whole GLB) x pJ/bit;
+- link: bytes a device sends in a collective (ring all-reduce 2(g-1)/g x bytes, all-gather /
+  reduce-scatter / all-to-all (g-1)/g x bytes, send/recv the bytes) x pJ/bit of the link used.
+
+Logic and SRAM energies are given at a reference node and scaled to the design's node by a factor per
+node step; HBM and link energies are per bit and not scaled.
+
+Per training batch for a placement (tp x pp stages x dp replicas, m microbatches per pipeline):
+
+    dynamic = dp x m x tp x sum over stages, layers (E_fwd + E_bwd [+ E_fwd recomputed])
+    pipeline = dp x m x tp x sum over stages (bytes received forward + gradient bytes received) x link
+    dp ring  = sum over stages tp x dp x 2 (dp - 1)/dp x gradient bytes per device x link
+    static   = W/mm^2 x area x devices used x time per batch
+
+The recomputed forward runs on every stage but the last, as in the placement evaluator
+(`solve/placement_eval.py`), and a stage's inputs and output gradients cross the pipeline link as
+there. Left out: the optimizer step (its time is not modelled either), HBM refresh/background power,
+on-chip wires beyond the GLB bank, the PE-array register traffic and the memory traffic of
+collectives.
+
+Everything is vectorised over designs like the latency model: arrays [n_designs, n_ops].
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import yaml
+
+from .. import configs
+from ..errors import PhazeError, config_error
+from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
+from .latency import BYTES_PER_ELEMENT, DesignArrays, cycles_per_element
+
+PJ = 1e-12
+NODES_NM = (45, 32, 22, 14, 10, 7, 5, 3)  # full node steps (16/14 nm counted as one)
+COMPONENTS = ("compute", "sram", "hbm", "link")  # per-op energy parts, in this order
+
+
+@dataclass(frozen=True)
+class EnergyConstants:
+    reference_node_nm: int
+    node_nm: int
+    energy_scale_per_node: float
+    mac_pj: float
+    vector_op_pj: float
+    sram_pj_per_64b: float
+    sram_ref_bytes: float
+    sram_size_exponent: float
+    sram_bank_bytes: float
+    hbm_pj_per_bit: float
+    intra_node_pj_per_bit: float
+    inter_node_pj_per_bit: float
+    static_w_per_mm2: float
+
+    @property
+    def node_scale(self) -> float:
+        """Factor from the reference node to the target node for logic and SRAM energies."""
+        steps = NODES_NM.index(self.node_nm) - NODES_NM.index(self.reference_node_nm)
+        return float(self.energy_scale_per_node**steps)
+
+    @property
+    def mac_j(self) -> float:
+        return self.mac_pj * PJ * self.node_scale
+
+    @property
+    def vector_op_j(self) -> float:
+        return self.vector_op_pj * PJ * self.node_scale
+
+    @property
+    def hbm_j_per_byte(self) -> float:
+        return self.hbm_pj_per_bit * 8.0 * PJ
+
+    def glb_j_per_byte(self, glb_bytes) -> np.ndarray:
+        """Energy per byte of a GLB access: a bank of min(GLB, bank size), size^exponent, at the node."""
+        bank = np.minimum(np.asarray(glb_bytes, dtype=float), self.sram_bank_bytes)
+        per_64b = self.sram_pj_per_64b * (np.maximum(bank, 1.0) / self.sram_ref_bytes) ** self.sram_size_exponent
+        return per_64b / 8.0 * PJ * self.node_scale
+
+    def link_j_per_byte(self, intra_node: bool) -> float:
+        return (self.intra_node_pj_per_bit if intra_node else self.inter_node_pj_per_bit) * 8.0 * PJ
+
+
+INT_FIELDS = ("reference_node_nm", "node_nm")
+FIELDS = tuple(f.name for f in fields(EnergyConstants))
+
+
+def constants_path() -> Path:
+    """`energy.yaml` in the configs folder in use, else the one shipped beside the package."""
+    p = configs.configs_dir() / "energy.yaml"
+    return p if p.is_file() else Path(__file__).resolve().parents[2] / "configs" / "energy.yaml"
+
+
+def load_constants(path: str | os.PathLike | None = None) -> EnergyConstants:
+    """Read and validate `configs/energy.yaml` (cached per file and modification time)."""
+    p = Path(path) if path is not None else constants_path()
+    try:
+        mtime = p.stat().st_mtime_ns
+    except OSError:
+        raise PhazeError(f"{p}: energy constants file not found") from None
+    return _load_constants(str(p), mtime)
+
+
+@lru_cache(maxsize=8)
+def _load_constants(path: str, _mtime: int) -> EnergyConstants:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise PhazeError(f"{path}: malformed YAML{where}") from None
+    if not isinstance(data, dict):
+        raise PhazeError(f"{path}: expected a mapping of energy constants at the top level")
+    configs.check_keys(data, path, FIELDS)
+    values = {}
+    for f in FIELDS:
+        v = data[f]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise config_error(path, f, f"must be a number, got {v!r}")
+        if f in INT_FIELDS:
+            if v not in NODES_NM:
+                raise config_error(path, f, f"must be one of {', '.join(map(str, NODES_NM))} (nm), got {v!r}")
+            values[f] = int(v)
+            continue
+        if v < 0:
+            raise config_error(path, f, f"must be >= 0, got {v!r}")
+        values[f] = float(v)
+    for f in ("energy_scale_per_node", "sram_ref_bytes", "sram_bank_bytes"):
+        if not values[f] > 0:
+            raise config_error(path, f, f"must be > 0, got {data[f]!r}")
+    return EnergyConstants(**values)
+
+
+# ---- per operator ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpEnergies:
+    """Joules per op on one device for one microbatch, [n_designs, n_ops] per component; ops in graph order.
+
+    Also the counts they come from (same shape), so callers and tests can check them by hand.
+    """
+
+    compute: np.ndarray
+    sram: np.ndarray
+    hbm: np.ndarray
+    link: np.ndarray
+    macs: np.ndarray  # tensor-core multiply-accumulates
+    lane_ops: np.ndarray  # vector-lane operations
+    glb_bytes: np.ndarray  # bytes moved through the GLB
+    hbm_bytes: np.ndarray  # bytes moved to/from HBM
+    link_bytes: np.ndarray  # bytes sent on the interconnect
+    names: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.compute + self.sram + self.hbm + self.link
+
+    def by_component(self) -> np.ndarray:
+        """[n_designs, 4] sums over ops in COMPONENTS order."""
+        return np.stack([getattr(self, c).sum(axis=1) for c in COMPONENTS], axis=1)
+
+
+def collective_bytes_sent(op) -> float:
+    """Bytes one device sends in a collective, by the same algorithms as the latency model."""
+    g = op.group
+    if g <= 1:
+        return 0.0
+    nbytes = op.comm_bytes or op.bytes_read
+    kind = op.collective.lower().replace("-", "").replace("_", "")
+    if kind in ("allreduce", ""):
+        return 2.0 * (g - 1) / g * nbytes
+    if kind in ("allgather", "reducescatter", "alltoall"):
+        return (g - 1) / g * nbytes
+    if kind in ("sendrecv", "p2p", "send", "recv"):
+        return float(nbytes)
+    raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")
+
+
+def op_energy(
+    op_graph: OpGraph,
+    designs,
+    *,
+    split=None,
+    intra_node: bool = True,
+    constants: EnergyConstants | None = None,
+    bytes_per_element: int = BYTES_PER_ELEMENT,
+) -> OpEnergies:
+    """Energy of every op of `op_graph` on every design (see the module docstring).
+
+    `designs`: Accelerators or a DesignArrays. `split`: per op, whether it ran split across all cores
+    of its type (a schedule's `split`), shape [n_ops] or [n_designs, n_ops]; None means split (the
+    whole GLB, the fewest HBM re-reads). `intra_node`: whether the op graph's collectives use the
+    intra-node link (else the inter-node one).
+    """
+    c = constants or load_constants()
+    d = designs if isinstance(designs, DesignArrays) else DesignArrays.from_accelerators(list(designs))
+    ops = op_graph.ops
+    n_d, n_o = len(d), len(ops)
+    e = float(bytes_per_element)
+    z = lambda: np.zeros((n_d, n_o))  # noqa: E731
+    macs, lane_ops, glb, hbm, link = z(), z(), z(), z(), z()
+    if split is None:
+        split_mask = np.ones((1, n_o), dtype=bool)
+    else:
+        s = np.asarray(split, dtype=bool)
+        split_mask = s.reshape(1, n_o) if s.ndim == 1 else np.broadcast_to(s, (n_d, n_o))
+
+    gemm_idx, gemm_rows, vec_idx, vec_rows = [], [], [], []
+    for i, op in enumerate(ops):
+        if op.unit in (TC, TCVC):
+            if len(op.gemm) != 4:
+                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
+            b, m, kk, n = (float(x) for x in op.gemm)
+            nbytes = op.bytes_read + op.bytes_written or b * (m * kk + kk * n + m * n) * e
+            cpe = cycles_per_element(op)[0] if op.unit == TCVC else 0.0
+            elements = float(op.elements or b * m * n)
+            if op.unit == TCVC and op.flops > 0:
+                cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
+            gemm_idx.append(i)
+            gemm_rows.append((b, m, kk, n, nbytes, elements * cpe))
+        elif op.unit == VC:
+            cpe = cycles_per_element(op)[0]
+            elements = float(op.elements or max(op.bytes_written / e, 1.0))
+            if op.flops > 0:
+                cpe = max(cpe, op.flops / elements)
+            nbytes = op.bytes_read + op.bytes_written or 2.0 * elements * e
+            vec_idx.append(i)
+            vec_rows.append((elements * cpe, nbytes))
+        elif op.unit == NET:
+            link[:, i] = collective_bytes_sent(op)
+        elif op.unit != NONE:
+            raise ValueError(f"op {op.name}: no energy model for unit {op.unit!r}")
+
+    if gemm_idx:
+        B, M, K, N, nbytes, epi = (col[None, :] for col in np.array(gemm_rows, dtype=float).T)
+        macs[:, gemm_idx] = B * M * K * N
+        lane_ops[:, gemm_idx] = epi
+        a_b, w_b = M * K * e, K * N * e
+        col = np.ceil(N / d.tc_x)
+        glb[:, gemm_idx] = B * (a_b * col + w_b + M * N * e)
+        share = np.where(split_mask[:, gemm_idx], 1.0, 1.0 / d.num_tc)  # GLB share, as latency.estimate
+        cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
+        extra = np.minimum((np.ceil(w_b / cap) - 1.0) * B * a_b, (np.ceil(a_b / cap) - 1.0) * B * w_b)
+        hbm[:, gemm_idx] = nbytes + extra
+    if vec_idx:
+        ops_, nbytes = (col[None, :] for col in np.array(vec_rows, dtype=float).T)
+        lane_ops[:, vec_idx] = ops_
+        glb[:, vec_idx] = nbytes
+        hbm[:, vec_idx] = nbytes
+
+    return OpEnergies(
+        compute=macs * c.mac_j + lane_ops * c.vector_op_j,
+        sram=glb * c.glb_j_per_byte(d.glb_bytes),
+        hbm=hbm * c.hbm_j_per_byte,
+        link=link * c.link_j_per_byte(intra_node),
+        macs=macs, lane_ops=lane_ops, glb_bytes=glb, hbm_bytes=hbm, link_bytes=link,
+        names=tuple(op.name for op in ops),
+    )
+
+
+# ---- per training batch ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchEnergy:
+    """Joules per training batch (one optimizer step over the global batch), all devices."""
+
+    compute_j: float
+    sram_j: float
+    hbm_j: float
+    tp_link_j: float
+    pipeline_link_j: float
+    dp_link_j: float
+    static_j: float
+    recompute_j: float  # part of compute/sram/hbm/tp_link spent on recomputed forwards (already included)
+
+    @property
+    def dynamic_j(self) -> float:
+        return self.compute_j + self.sram_j + self.hbm_j + self.tp_link_j + self.pipeline_link_j + self.dp_link_j
+
+    @property
+    def total_j(self) -> float:
+        return self.dynamic_j + self.static_j
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "dynamic_j": self.dynamic_j, "total_j": self.total_j}
+
+
+def batch_energy(
+    layer_fwd_j: np.ndarray,
+    layer_bwd_j: np.ndarray,
+    costs,
+    stages: Sequence[Sequence[int]],
+    dp: int,
+    microbatches: int,
+    recompute: bool,
+    time_per_batch_s: float,
+    area_mm2: float,
+    system,
+    constants: EnergyConstants | None = None,
+) -> BatchEnergy:
+    """Energy per batch of a placement.
+
+    `layer_fwd_j`, `layer_bwd_j`: [n_layers, 4] per layer, device and microbatch, in COMPONENTS order
+    (`layer_energies`); `costs`: the LayerCosts at the placement's TP width (edges, boundary bytes,
+    params); `stages`: layer indices per stage, first to last; `system`: the System (links, precision).
+    """
+    c = constants or load_constants()
+    fwd = np.asarray(layer_fwd_j, dtype=float)
+    bwd = np.asarray(layer_bwd_j, dtype=float)
+    t, S, d, m = int(costs.tp), len(stages), int(dp), int(microbatches)
+    stage_of = np.empty(costs.n_layers, dtype=int)
+    for s, stage in enumerate(stages):
+        stage_of[list(stage)] = s
+    recomputed = np.zeros(costs.n_layers, dtype=bool)
+    if recompute:
+        recomputed = stage_of < S - 1  # every stage but the last runs its forward again
+    per_mb = fwd.sum(axis=0) + bwd.sum(axis=0) + fwd[recomputed].sum(axis=0)  # one replica's TP rank, [4]
+    scale = float(d * m * t)
+    compute, sram, hbm, tp_link = per_mb * scale
+    recompute_j = float(fwd[recomputed].sum() * scale)
+
+    # pipeline: each stage receives its inputs forward and its outputs' gradients backward (placement_eval)
+    boundary = np.asarray(costs.boundary_bytes, dtype=float)
+    crossing = [(u, v) for u, v in costs.edges if stage_of[u] != stage_of[v]]
+    inputs = {(u, int(stage_of[v])) for u, v in crossing}  # each producer once per consuming stage
+    outputs = {u for u, _ in crossing}  # each producer's output gradient once, to its own stage
+    received = float(sum(boundary[u] for u, _ in inputs) + sum(boundary[u] for u in outputs))
+    hop_intra = system.pipeline_link(t, S) is system.intra_node
+    pipeline_link = received * t * d * m * c.link_j_per_byte(hop_intra)
+
+    # data-parallel gradient ring of every stage
+    params = np.asarray(costs.params, dtype=float)
+    dp_link = 0.0
+    if d > 1:
+        ring_intra = system.dp_link(t, S, d) is system.intra_node
+        grad_bytes = np.array([params[list(stage)].sum() for stage in stages]) * system.grad_bytes_per_param
+        dp_link = float((t * d * 2.0 * (d - 1) / d * grad_bytes).sum()) * c.link_j_per_byte(ring_intra)
+
+    static = c.static_w_per_mm2 * float(area_mm2) * t * S * d * float(time_per_batch_s)
+    return BatchEnergy(float(compute), float(sram), float(hbm), float(tp_link), float(pipeline_link),
+                       float(dp_link), float(static), recompute_j)
+
+
+def layer_energies(graph, pass_energies: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer [n_layers, 4] forward and backward energies of a LayerGraph, from each layer kind's
+    pass totals `{(kind, "fwd"|"bwd"): array[4]}` (one device, one microbatch)."""
+    fwd = np.array([pass_energies[(l.kind, "fwd")] for l in graph.layers], dtype=float).reshape(-1, len(COMPONENTS))
+    bwd = np.array([pass_energies[(l.kind, "bwd")] for l in graph.layers], dtype=float).reshape(-1, len(COMPONENTS))
+    return fwd, bwd
