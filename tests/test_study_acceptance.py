@@ -38,7 +38,8 @@ def test_sampled_exhaustive_compare_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     start = time.perf_counter()
     sampled = run_cli(["study", "--model", "gpt2-xl", "--space", "small", "--trials", "20", "--no-progress"], capsys)
-    exhaustive = run_cli(["study", "--model", "gpt2-xl", "--space", "small", "--exhaustive", "--no-progress"], capsys)
+    exhaustive = run_cli(["study", "--model", "gpt2-xl", "--space", "small", "--exhaustive", "--prune", "off",
+                          "--no-progress"], capsys)
     compared = run_cli(["compare", SAMPLED, EXHAUSTIVE], capsys)
     wall = time.perf_counter() - start
     assert wall < LIMIT_S, f"end to end took {wall:.0f} s"

@@ -39,6 +39,11 @@ def add_arguments(p) -> None:
                    help="evaluate every grid point of the space instead of sampling (--trials is ignored)")
     p.add_argument("--order", default="area", metavar="area|grid",
                    help="exhaustive order: area (decreasing area, the published sweep; default) or grid")
+    p.add_argument("--prune", default="auto", metavar="bound|off|auto",
+                   help="exhaustive: settle points whose proven throughput upper bound cannot beat the best "
+                        "evaluated design without evaluating them (exact; they are listed in "
+                        "<output-dir>/<study>-points.csv.gz); auto (default) uses it with --hysteresis off, "
+                        "one model and the throughput objective")
     p.add_argument("--hysteresis", default="off", metavar="K|off",
                    help="exhaustive: stop once the best throughput of the last K area groups stops improving "
                         "(the published rule uses 5); off evaluates every point (default off)")
@@ -66,6 +71,7 @@ def config_from_args(args) -> StudyConfig:
         exhaustive=args.exhaustive,
         order=args.order,
         hysteresis=args.hysteresis,
+        prune=args.prune,
         area_group_mm2=args.area_group_mm2,
         output_dir=args.output_dir,
         progress=args.progress,

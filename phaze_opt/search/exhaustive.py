@@ -213,6 +213,8 @@ def run_exhaustive(config, backend=None) -> dict:
     status = "FINISHED"
     progress = None
     try:
+        if config.prune == "bound":
+            return _run_pruned(session)
         clusters = plan(session.space, config.order, config.area_group_mm2)
         n_points = sum(len(c["points"]) for c in clusters)
         if n_points == 0:
@@ -284,6 +286,28 @@ def run_exhaustive(config, backend=None) -> dict:
         if progress is not None:
             progress.close()
         session.close(status)
+
+
+def _run_pruned(session) -> dict:
+    """Every point settled by evaluation or by a proven bound (see `branch_bound`)."""
+    from .branch_bound import Grid, run_branch_bound
+    from .report import finish
+
+    config = session.config
+    total = Grid(session.space).size
+    if total == 0:
+        raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
+    progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
+    try:
+        stats = run_branch_bound(session, progress)
+    finally:
+        progress.close()
+    history = best_history(session.all_trials())
+    session.study.set_user_attr("best_history", history)
+    info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}
+    session.study.set_user_attr("exhaustive_status", info)
+    return finish(session, [], {"exhaustive": {**info, "evaluated": stats["settled"]["evaluated"],
+                                               "best_history": history}})
 
 
 def best_history(trials: Iterable) -> list[dict]:

@@ -194,7 +194,14 @@ def render(summary: dict) -> str:
     if ex:
         stop = (f"stopped by hysteresis after {ex['groups_done']} of {ex['groups']} area groups"
                 if ex.get("stopped_early") else "every point")
-        lines.append(f"  exhaustive: {ex['evaluated']} of {ex['points']} grid points evaluated ({stop})")
+        if ex.get("prune") == "bound":
+            c = ex["settled"]
+            lines.append(f"  exhaustive: all {ex['points']:,} grid points settled: {c['evaluated']:,} evaluated, "
+                         f"{ex['evaluated_by_bound']:,} by a proven bound ({c['bound-ideal']:,} ideal-scaling, "
+                         f"{c['bound-placement']:,} placement DP on lower-bound layer times)")
+            lines.append(f"    every point and how it was settled: {ex['points_file']}")
+        else:
+            lines.append(f"  exhaustive: {ex['evaluated']} of {ex['points']} grid points evaluated ({stop})")
         for h in ex.get("best_history", [])[-5:]:
             lines.append(f"    new best at {h['elapsed_s']:.1f} s (trial {h['trial']}): {h['score']:.6g}")
     best = summary.get("best")

@@ -45,6 +45,7 @@ class StudyConfig:
     exhaustive: bool = False
     order: str = "area"
     hysteresis: int | None = None  # None: evaluate every grid point
+    prune: str = "auto"  # exhaustive: bound | off | auto (bound where it applies, see validate)
     area_group_mm2: float = PHAZE_AREA_GROUP_MM2
     output_dir: str = "studies"
     reference_arch: str = "tpuv4"
@@ -110,7 +111,9 @@ def default_study_name(config: StudyConfig) -> str:
     parts = [models, _stem(config.space)]
     if _stem(config.system) != "default":
         parts.append(_stem(config.system))
-    if config.exhaustive:
+    if config.exhaustive and config.prune == "bound":
+        parts += ["exhaustive", "bound"]
+    elif config.exhaustive:
         hyst = "off" if config.hysteresis is None else str(config.hysteresis)
         parts += ["exhaustive", config.order, f"h{hyst}"]
     else:
@@ -191,7 +194,45 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     from ..system import load_system
 
     load_system(config.system)
-    return replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
+    config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
+    return replace(config, prune=_resolve_prune(config, backend))
+
+
+PRUNES = ("auto", "bound", "off")
+
+
+def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
+    """`auto` becomes `bound` where the proven throughput bounds apply, else `off`.
+
+    They bound one model's throughput under the real hardware model and placement DP, so they need
+    an exhaustive sweep without hysteresis (which depends on the visiting order), one model, the
+    throughput objective alone, the real evaluator and a space with HBM capacities.
+    """
+    prune = str(config.prune).strip().lower()
+    if prune not in PRUNES:
+        raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
+    if prune == "off" or not config.exhaustive:
+        return "off"
+    from . import evaluate
+
+    evaluator = backend.evaluator if backend else None
+    space = backend.space if backend else None
+    why = None
+    if config.hysteresis is not None:
+        why = "--hysteresis stops by area order; bound pruning visits best-first (use --hysteresis off)"
+    elif len(config.models) != 1:
+        why = "it bounds one model's throughput; a common design over several models is not bounded"
+    elif tuple(config.objectives) != ("throughput",):
+        why = "it bounds throughput only; other objectives need every point evaluated"
+    elif evaluator is not None and evaluator is not getattr(evaluate, "evaluate_design", None):
+        why = "a custom evaluator has no throughput bound"
+    elif space is not None and not (hasattr(space, "architectures") and "hbm_gib" in getattr(space, "params", {})):
+        why = "the space has no architecture grid with HBM capacities"
+    if why is None:
+        return "bound"
+    if prune == "bound":
+        raise PhazeError(f"--prune bound: {why}")
+    return "off"
 
 
 def _check_model(name: str):

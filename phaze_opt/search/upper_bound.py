@@ -1,0 +1,167 @@
+"""Proven upper bounds on a design's throughput, so the exhaustive sweep can skip what cannot win.
+
+A grid point may be skipped only if no schedule and no placement could make it beat the best
+design already evaluated. Both bounds below are built from *lower* bounds on every layer pass's
+makespan, and the placement cost model (`solve.placement_eval`) is non-decreasing in every layer
+time (stage times are sums of layer times; time per batch is (m + S - 1) x bottleneck + all-reduce),
+so shorter layer times can only raise throughput. Everything is vectorised over designs.
+
+Per layer pass, on each design (`pass_lower_bounds`), the largest of three sound bounds for the
+scheduling semantics of `solve.schedule` (the scheduler's own `solve.bounds`, restated on arrays
+of designs, whole graph at once):
+
+- critical path with every op at its faster mode;
+- the link: collectives are serialised, so the earliest any can start + all of them + the least
+  time after the last one;
+- the timeline bound: split ops run alone and single-mode work shares the cores, so for any
+  lam in [0, 1], makespan >= sum_i min(split_i, lam * tc_work_i / num_tc + (1 - lam) *
+  vc_work_i / num_vc) over compute ops. We take the best of a fixed grid of lam values, each of
+  which is valid on its own.
+
+Level 0, `ideal_throughput`: with S stages, TP width t and d replicas (S t d <= N devices) and
+m = ceil(B / (mbs d)) microbatches, time per batch >= m x bottleneck >= B / (mbs d) x W_t / S,
+with W_t the per-microbatch sum of all layers' forward + backward lower bounds at width t. So
+throughput <= mbs N / min_t (t W_t): perfect scaling with no bubble, no communication and no
+memory limit. It holds for every HBM capacity and recompute setting of a design whose latencies
+are no lower (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
+bandwidth), which lets one bound cover a whole architecture.
+
+Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
+point (its HBM capacity and recompute setting). The DP is exact for its costs, and its optimum
+can only fall with longer layer times, so its throughput bounds the point's; it also proves
+points with no memory-feasible placement (a placement's memory does not depend on time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..hardware.latency import DesignArrays, estimate
+from ..solve.placement import optimal_placement
+from ..solve.placement_types import LayerCosts, PlacementProblem
+from ..workload.graphs import build_layer_graph
+from ..workload.ops import NET, NONE, TC, TCVC, VC
+
+PASSES = ("fwd", "bwd")
+LAMBDAS = np.linspace(0.0, 1.0, 21)
+ROUNDING = 1e-9  # relative slack taken off every lower bound against floating-point rounding
+CHUNK = 16384  # designs per estimate call, to keep [designs, ops] arrays small
+
+
+def pass_lower_bounds(op_graph, single: np.ndarray, split: np.ndarray, num_tc: np.ndarray,
+                      num_vc: np.ndarray) -> np.ndarray:
+    """A lower bound on the optimal makespan of one layer pass on each design, seconds [n_designs]."""
+    ops = op_graph.ops
+    n_d = single.shape[0]
+    if not ops:
+        return np.zeros(n_d)
+    units = [op.unit for op in ops]
+    compute = np.array([u in (TC, VC, TCVC) for u in units])
+    uses_tc = np.array([u in (TC, TCVC) for u in units])
+    uses_vc = np.array([u in (VC, TCVC) for u in units])
+    zero = np.array([u == NONE for u in units])
+    # A split mode exists only with more than one core of the type; with one core split == single.
+    fast = np.where(compute[None, :], np.minimum(single, split), single)
+    fast[:, zero] = 0.0
+
+    preds: list[list[int]] = [[] for _ in ops]
+    succs: list[list[int]] = [[] for _ in ops]
+    for a, b in op_graph.edges:
+        preds[b].append(a)
+        succs[a].append(b)
+    head = np.zeros((n_d, len(ops)))
+    for j in range(len(ops)):  # ops are in topological order
+        for p in preds[j]:
+            np.maximum(head[:, j], head[:, p] + fast[:, p], out=head[:, j])
+    tail = np.zeros((n_d, len(ops)))
+    for j in reversed(range(len(ops))):
+        for s in succs[j]:
+            np.maximum(tail[:, j], tail[:, s] + fast[:, s], out=tail[:, j])
+    bound = (head + fast).max(axis=1)
+
+    nets = [i for i, u in enumerate(units) if u == NET]
+    if nets:
+        link = head[:, nets].min(axis=1) + fast[:, nets].sum(axis=1) + tail[:, nets].min(axis=1)
+        np.maximum(bound, link, out=bound)
+
+    if compute.any():
+        cols = np.flatnonzero(compute)
+        s1, s2 = single[:, cols], split[:, cols]
+        a = np.where(uses_tc[cols][None, :], s1 / num_tc.reshape(-1, 1), 0.0)
+        b = np.where(uses_vc[cols][None, :], s1 / num_vc.reshape(-1, 1), 0.0)
+        for lam in LAMBDAS:
+            np.maximum(bound, np.minimum(s2, lam * a + (1.0 - lam) * b).sum(axis=1), out=bound)
+    return bound * (1.0 - ROUNDING)
+
+
+@dataclass(frozen=True)
+class WidthBounds:
+    """Lower-bound times of each layer kind at one TP width, per design ([n_designs, n_kinds] s).
+
+    Layers of one kind share op graphs, so a model's ~100 layers are a handful of kinds; the
+    per-layer rows are expanded only for the design whose placement is bounded.
+    """
+
+    tp: int
+    kind_fwd: np.ndarray
+    kind_bwd: np.ndarray
+    layer_kind: np.ndarray  # [n_layers] index into the kinds
+
+    @property
+    def work(self) -> np.ndarray:
+        """Per-microbatch forward + backward time of all layers on one device group, [n_designs]."""
+        counts = np.bincount(self.layer_kind, minlength=self.kind_fwd.shape[1]).astype(float)
+        return (self.kind_fwd + self.kind_bwd) @ counts
+
+    def layer_rows(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.kind_fwd[row, self.layer_kind], self.kind_bwd[row, self.layer_kind]
+
+    def take(self, rows) -> "WidthBounds":
+        return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind)
+
+
+def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int) -> WidthBounds:
+    """Lower bounds on every layer kind's forward and backward time at TP width `tp`, per design."""
+    graph = build_layer_graph(model, tp, mbs)
+    link = system.tp_link(tp)
+    num_tc, num_vc = designs.num_tc[:, 0], designs.num_vc[:, 0]
+    out = {p: np.empty((len(designs), len(graph.kinds))) for p in PASSES}
+    for k, kind in enumerate(graph.kinds):
+        for pass_name in PASSES:
+            og = graph.op_graphs[kind][pass_name]
+            for lo in range(0, len(designs), CHUNK):
+                hi = min(lo + CHUNK, len(designs))
+                lat = estimate(og, _slice(designs, lo, hi), interconnect=link)
+                out[pass_name][lo:hi, k] = pass_lower_bounds(og, lat.single, lat.split, num_tc[lo:hi], num_vc[lo:hi])
+    layer_kind = np.array([graph.kinds.index(layer.kind) for layer in graph.layers], dtype=int)
+    return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind)
+
+
+def _slice(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
+    return DesignArrays(*(getattr(designs, f)[lo:hi] for f in DesignArrays.FIELDS))
+
+
+def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> np.ndarray:
+    """Level 0: sequences/s no placement of any HBM or recompute setting can exceed, [n_designs]."""
+    device_seconds = np.min(np.stack([w.tp * w.work for w in widths]), axis=0)
+    with np.errstate(divide="ignore"):
+        return np.where(device_seconds > 0, mbs * accelerators / device_seconds, np.inf)
+
+
+def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, mbs: int, recompute: bool,
+                         hbm_bytes: float, peak_flops: float) -> float:
+    """Level 1: the optimal placement's throughput on design `row`'s lower-bound layer times.
+
+    The memory facts (HBM capacity, recompute, microbatch) are the point's own; only the layer
+    times are bounds. 0.0 when no placement fits memory (then no schedule can make one fit).
+    """
+    graphs = [build_layer_graph(model, w.tp, mbs) for w in widths]
+    problem = PlacementProblem(
+        costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row)) for g, w in zip(graphs, widths)),
+        system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
+        seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
+    )
+    result = optimal_placement(problem)
+    return float(result.throughput) if result.feasible else 0.0

@@ -1,0 +1,131 @@
+"""The pruning bounds are sound (never below what an exact method reaches) and the pruned sweep is exact."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from phaze_opt.hardware.latency import DesignArrays
+from phaze_opt.hardware.space import load_space
+from phaze_opt.search.evaluate import _tp_widths, evaluate_design, layer_costs
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.setup import StudyConfig
+from phaze_opt.search.upper_bound import (ideal_throughput, layer_lower_bounds, pass_lower_bounds,
+                                          placement_throughput)
+from phaze_opt.system import load_system
+from phaze_opt.workload.models import load_model
+
+from schedule_oracle import oracle_makespan
+from test_schedule_oracle import small_problems
+
+
+def _fake_graph(p):
+    return SimpleNamespace(ops=[SimpleNamespace(unit=u) for u in p.units], edges=p.edges)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems())
+def test_pass_bound_never_exceeds_the_exact_optimum(p):
+    lb = pass_lower_bounds(_fake_graph(p), np.array([p.single]), np.array([p.split]), np.array([p.num_tc]),
+                           np.array([p.num_vc]))
+    assert lb.shape == (1,)
+    assert lb[0] <= oracle_makespan(p.units, p.single, p.split, p.edges, p.num_tc, p.num_vc) + 1e-9
+
+
+def test_pass_bound_is_tight_where_it_must_be():
+    """A chain is its critical path; independent single-core TC ops are their work over the cores."""
+    chain = SimpleNamespace(ops=[SimpleNamespace(unit=u) for u in ("tc", "vc", "net", "none")],
+                            edges=((0, 1), (1, 2), (2, 3)))
+    lb = pass_lower_bounds(chain, np.array([[4.0, 2.0, 1.0, 0.0]]), np.array([[3.0, 2.0, 1.0, 0.0]]),
+                           np.array([2.0]), np.array([2.0]))
+    assert lb[0] == pytest.approx(3.0 + 2.0 + 1.0)
+    wide = SimpleNamespace(ops=[SimpleNamespace(unit="tc") for _ in range(4)], edges=())
+    lb = pass_lower_bounds(wide, np.array([[2.0] * 4]), np.array([[2.0] * 4]), np.array([2.0]), np.array([1.0]))
+    assert lb[0] == pytest.approx(4.0)  # 8 s of TC work on 2 cores (split gives no gain)
+
+
+def _random_points(space, n, seed):
+    rng = random.Random(seed)
+    archs = space.architectures(order="grid")
+    out = []
+    for k in rng.sample(range(len(archs)), n):
+        p = {name: v for name, v in archs[k].items() if name != "area_mm2"}
+        p.update(hbm_gib=rng.choice(space.params["hbm_gib"]), mbs=1, recompute=rng.choice([False, True]))
+        out.append(p)
+    return out
+
+
+@pytest.mark.slow
+def test_bounds_hold_on_real_layers_and_placements():
+    """Per layer pass: bound <= proven-optimal schedule; per point: ideal >= placement bound >= throughput."""
+    space = load_space("phaze")
+    model, system = load_model("gpt2-xl"), load_system("default")
+    points = _random_points(space, 6, seed=5)
+    accels = [space.accelerator(p) for p in points]
+    designs = DesignArrays.from_accelerators(accels)
+    widths = [layer_lower_bounds(model, designs, 1, system, tp) for tp in _tp_widths(model, system)]
+    ideal = ideal_throughput(widths, 1, system.accelerators)
+    for i, (p, a) in enumerate(zip(points, accels)):
+        for w in widths:
+            exact = layer_costs(model, a, 1, system, w.tp).costs
+            fwd, bwd = w.layer_rows(i)
+            assert np.all(fwd <= np.asarray(exact.fwd_s) + 1e-15) and np.all(bwd <= np.asarray(exact.bwd_s) + 1e-15)
+            assert fwd.sum() >= 0.5 * np.sum(exact.fwd_s)  # a bound of 0 would prune nothing
+        ub1 = placement_throughput(model, widths, i, system=system, mbs=1, recompute=p["recompute"],
+                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
+        actual = evaluate_design(model, a, 1, p["recompute"]).throughput
+        assert ideal[i] >= ub1 >= actual, (a.name, ideal[i], ub1, actual)
+
+
+TINY_SPACE = """
+name: tiny
+params:
+  num_tc: [4, 16]
+  num_vc: [8]
+  tc_x: [64, 128]
+  tc_y: [128]
+  glb_mib: [32]
+  hbm_gib: [32, 80]
+  mbs: [1, 2]
+  recompute: [false, true]
+tied:
+  vc_width: tc_x
+fixed:
+  clock_ghz: 1.05
+hbm_bw_gbps: {32: 1200, 80: 2048}
+area:
+  budget: tpuv4
+  min_fraction: 0.05
+  floor_exempt_if_one: [num_tc, num_vc]
+"""
+
+
+@pytest.mark.slow
+def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
+    space_file = tmp_path / "tiny.yaml"
+    space_file.write_text(TINY_SPACE)
+    base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
+                output_dir=str(tmp_path), progress=False)
+    full = run_study(StudyConfig(**base, prune="off"))
+    pruned = run_study(StudyConfig(**base, prune="bound"))
+    points = load_space(str(space_file)).grid_points("grid")
+    ex = pruned["exhaustive"]
+    assert full["exhaustive"]["evaluated"] == len(points) == ex["points"]
+    assert pruned["best"]["score"] == pytest.approx(full["best"]["score"], rel=1e-12)
+    assert ex["settled"]["evaluated"] + ex["evaluated_by_bound"] == len(points)
+    assert ex["evaluated_by_bound"] > 0  # the bound did prune here
+    with gzip.open(ex["points_file"], "rt") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(points)
+    # every pruned point's bound is no better than the optimum, and no point beats it
+    best = full["best"]["score"]
+    for r in rows:
+        if r["settled"] != "evaluated":
+            assert float(r["upper_bound"]) <= best * (1 + 1e-6)
+    assert pruned["trials"]["finished"] == ex["settled"]["evaluated"]
