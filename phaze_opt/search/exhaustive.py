@@ -210,9 +210,7 @@ def run_exhaustive(config, backend=None) -> dict:
 
     session = Session(config, backend)
     config = session.config
-    status = "FINISHED"
-    progress = None
-    try:
+    with session.running():
         if config.prune == "bound":
             return _run_pruned(session)
         clusters = plan(session.space, config.order, config.area_group_mm2)
@@ -276,16 +274,6 @@ def run_exhaustive(config, backend=None) -> dict:
         session.study.set_user_attr("exhaustive_status", {k: v for k, v in extra["exhaustive"].items()
                                                           if k != "best_history"})
         return finish(session, [], extra)
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    except BaseException:
-        status = "FAILED"
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-        session.close(status)
 
 
 def _run_pruned(session) -> dict:
@@ -298,10 +286,8 @@ def _run_pruned(session) -> dict:
     if total == 0:
         raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
     progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
-    try:
-        stats = run_branch_bound(session, progress)
-    finally:
-        progress.close()
+    stats = run_branch_bound(session, progress)
+    progress.close()
     history = best_history(session.all_trials())
     session.study.set_user_attr("best_history", history)
     info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}

@@ -24,6 +24,8 @@ convergence comparison sees search time, not the idle time between two runs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import json
 import math
 import multiprocessing
@@ -263,6 +265,25 @@ class Session:
     def close(self, status: str = "FINISHED") -> None:
         self.tracker.close(status)
 
+    @contextmanager
+    def running(self):
+        """The body of an invocation: on the way out, close any progress bar and end the MLflow
+        parent run as FINISHED, KILLED (Ctrl-C) or FAILED, so an interrupted study is marked as such."""
+        status = "FINISHED"
+        try:
+            yield self
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            if _PROGRESS.get("bar") is not None:
+                _PROGRESS["bar"].close()
+                _PROGRESS["bar"] = None
+            self.close(status)
+
 
 # -- the trial loop (in this process or a worker) ---------------------------------------------------
 
@@ -397,9 +418,7 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
     from .report import finish
 
     session = Session(config, backend)
-    status = "FINISHED"
-    progress = None
-    try:
+    with session.running():
         session.enqueue_references()
         done = len(finished_trials(session.all_trials()))
         remaining = max(0, session.config.trials - done)
@@ -409,6 +428,7 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
         worker_stats = []
         if remaining and session.config.workers == 1:
             spec = session.worker_spec()
+
             def on_trial(frozen):
                 improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
                 progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
@@ -419,19 +439,7 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
         elif remaining:
             worker_stats = _run_pool(session, remaining, progress)
         progress.close()
-        progress = None
-        summary = finish(session, worker_stats)
-        return summary
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    except BaseException:
-        status = "FAILED"
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-        session.close(status)
+        return finish(session, worker_stats)
 
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
