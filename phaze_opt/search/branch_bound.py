@@ -87,8 +87,10 @@ def _level0(space, mbs: int) -> tuple[np.ndarray, list]:
     from .evaluate import _tp_widths
 
     model, system = _W["model"], _W["system"]
-    grid = Grid(space)
-    designs = DesignArrays.from_accelerators(grid.accelerators())
+    key = ("designs", getattr(space, "name", None), id(space))
+    if key not in _W:  # 88k designs take seconds to build; a worker keeps them for every microbatch
+        _W[key] = DesignArrays.from_accelerators(Grid(space).accelerators())
+    designs = _W[key]
     widths = [layer_lower_bounds(model, designs, mbs, system, tp) for tp in _tp_widths(model, system)]
     return ideal_throughput(widths, mbs, system.accelerators), widths
 

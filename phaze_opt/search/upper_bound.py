@@ -71,28 +71,30 @@ def pass_lower_bounds(op_graph, single: np.ndarray, split: np.ndarray, num_tc: n
     for a, b in op_graph.edges:
         preds[b].append(a)
         succs[a].append(b)
-    head = np.zeros((n_d, len(ops)))
+    # Ops on the first axis, designs contiguous on the second: each step below is one vector op.
+    fast_t = np.ascontiguousarray(fast.T)
+    head = np.zeros_like(fast_t)
     for j in range(len(ops)):  # ops are in topological order
         for p in preds[j]:
-            np.maximum(head[:, j], head[:, p] + fast[:, p], out=head[:, j])
-    tail = np.zeros((n_d, len(ops)))
+            np.maximum(head[j], head[p] + fast_t[p], out=head[j])
+    tail = np.zeros_like(fast_t)
     for j in reversed(range(len(ops))):
         for s in succs[j]:
-            np.maximum(tail[:, j], tail[:, s] + fast[:, s], out=tail[:, j])
-    bound = (head + fast).max(axis=1)
+            np.maximum(tail[j], tail[s] + fast_t[s], out=tail[j])
+    bound = (head + fast_t).max(axis=0)
 
     nets = [i for i, u in enumerate(units) if u == NET]
     if nets:
-        link = head[:, nets].min(axis=1) + fast[:, nets].sum(axis=1) + tail[:, nets].min(axis=1)
+        link = head[nets].min(axis=0) + fast_t[nets].sum(axis=0) + tail[nets].min(axis=0)
         np.maximum(bound, link, out=bound)
 
     if compute.any():
         cols = np.flatnonzero(compute)
-        s1, s2 = single[:, cols], split[:, cols]
-        a = np.where(uses_tc[cols][None, :], s1 / num_tc.reshape(-1, 1), 0.0)
-        b = np.where(uses_vc[cols][None, :], s1 / num_vc.reshape(-1, 1), 0.0)
+        s1, s2 = single[:, cols].T, split[:, cols].T
+        a = np.where(uses_tc[cols][:, None], s1 / num_tc.reshape(1, -1), 0.0)
+        b = np.where(uses_vc[cols][:, None], s1 / num_vc.reshape(1, -1), 0.0)
         for lam in LAMBDAS:
-            np.maximum(bound, np.minimum(s2, lam * a + (1.0 - lam) * b).sum(axis=1), out=bound)
+            np.maximum(bound, np.minimum(s2, lam * a + (1.0 - lam) * b).sum(axis=0), out=bound)
     return bound * (1.0 - ROUNDING)
 
 
