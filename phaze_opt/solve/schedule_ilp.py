@@ -27,7 +27,12 @@ Valid inequalities that make the relaxation strong (see `bounds`): with T the ti
 runs, C >= sum_i split_i x_i + T; T >= single-mode TC work / num_tc; T >= single-mode VC work /
 num_vc; T >= L_i where L_i >= (1 - x_i) single_i + L_p along compute precedence (the longest chain
 of single-mode ops, which run one after another and only while no split op runs); and C >= the
-link bound. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
+link bound. Anchored at every op j (relaxation only, see `relaxation_bound`): the compute ops
+after j run inside [S_j + d_j, C], so C >= S_j + d_j + their split time + T_post_j, where T_post_j
+is bounded like T by their single-mode work over cores and by the longest chain of single-mode
+ops among them (R_i, the chain starting at i); likewise the ops before j run inside [0, S_j]. They
+see idle time that precedence forces, e.g. a core waiting on a collective, which the unanchored
+cuts cannot. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
 so S_a <= S_b for a before b in index order, and y_ba = 0 (symmetry breaking).
 
 Core limits. Capacity is only at stake for a resource whose largest antichain of users in the block
@@ -42,10 +47,13 @@ instant has k+1 users). We re-solve until the schedule fits; each relaxation's o
 bound, so the last one, which fits, is optimal. Then greedy interval colouring names the cores.
 
 Realisation. The solver's start times carry its tolerances, so we never report them directly: we
-keep its modes, order every pair that it left non-overlapping (in a linear extension that follows
-its start times), and recompute exact earliest starts by longest path. That schedule keeps every
-non-overlap the solver found and overlaps only pairs it overlapped, so it obeys every rule exactly
-and ends no later than the solver's, up to rounding.
+keep its modes, keep every order its binaries (or a forced order) decide, order every other
+interacting pair that its start times leave non-overlapping, all along one linear extension that
+follows its start times, and recompute exact earliest starts by longest path. Orders come from
+the binaries, not the times, because a binary at 1 within the integrality tolerance still lets
+the pair overlap by M * tol, and CBC's values come back as text with 8 significant digits. The
+schedule overlaps only pairs the model lets overlap, so it obeys every rule exactly (capacity is
+re-checked) and ends no later than the solver's, up to rounding.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from .schedule_instance import BlockView, Instance, _bits, longest_heads, longes
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
 ORDER_TOL = 1e-6  # in scaled units: "a ends before b starts" in the solver's answer
+CBC_ORDER_TOL = 1e-4  # CBC's values come back as text with 8 significant digits (1e-5 at 1000)
 PROVEN_REL_GAP = 1e-6  # realised makespan vs. the solver's bound when it says "optimal"
 MAX_CUT_SUBSETS = 20
 RELAXATION_REL_TOL = 1e-9  # incumbent == relaxation bound up to rounding (times are scaled to 1000)
@@ -144,12 +153,19 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict
         return optimal, has, bound, max(int(info.mip_node_count), 0)
     if solver == "cbc":
         for var in prob.variables():
-            if var.name in warm:
-                var.setInitialValue(warm[var.name])
+            if var.name in warm:  # into the bounds: the incumbent's scaled starts can miss them by rounding
+                val = warm[var.name]
+                if var.lowBound is not None:
+                    val = max(val, var.lowBound)
+                if var.upBound is not None:
+                    val = min(val, var.upBound)
+                var.setInitialValue(val)
         with warnings.catch_warnings():  # PuLP 3.3 marks its bundled CBC as deprecated for 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
+            # CBC's integrality tolerance (1e-6 by default) times a big-M of ~1000 would let an
+            # "ordered" pair overlap by 1e-3; tighten it and the primal tolerance like HiGHS's.
             s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, warmStart=bool(warm),
-                                  threads=1)
+                                  threads=1, options=["integerTolerance 1e-9", "primalTolerance 1e-9"])
             prob.solve(s)
         optimal = prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal
         has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -157,9 +173,14 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict
     raise ValueError(f"unknown solver {solver!r}: choose highs or cbc")
 
 
-def _linear_order(view: BlockView, key: dict) -> list[int]:
-    """A topological order of the block that follows `key` (start times) where precedence allows."""
+def _linear_order(view: BlockView, key: dict, before=()) -> list[int] | None:
+    """A topological order of the block plus the pairs `before` ((a, b): a first) that follows
+    `key` (start times) where they allow; None when `before` closes a cycle."""
+    succs = {i: list(view.succs[i]) for i in view.ops}
     remaining = {i: len(view.preds[i]) for i in view.ops}
+    for a, b in before:
+        succs[a].append(b)
+        remaining[b] += 1
     pos = {i: k for k, i in enumerate(view.ops)}
     heap = [(key[i], pos[i], i) for i in view.ops if remaining[i] == 0]
     heapq.heapify(heap)
@@ -167,23 +188,37 @@ def _linear_order(view: BlockView, key: dict) -> list[int]:
     while heap:
         _, _, i = heapq.heappop(heap)
         order.append(i)
-        for j in view.succs[i]:
+        for j in succs[i]:
             remaining[j] -= 1
             if remaining[j] == 0:
                 heapq.heappush(heap, (key[j], pos[j], j))
-    return order
+    return order if len(order) == len(view.ops) else None
 
 
-def realise(inst: Instance, view: BlockView, modes: dict, approx_start: dict, interacting: list, tol: float) -> dict:
-    """Exact earliest starts that keep every non-overlap of an approximate schedule (see module doc)."""
-    order = _linear_order(view, approx_start)
+def realise(inst: Instance, view: BlockView, modes: dict, approx_start: dict, interacting: list, tol: float,
+            before=()) -> dict:
+    """Exact earliest starts that keep every non-overlap of the solver's answer (see module doc).
+
+    `before` holds the pairs (a, b) that the model orders a first: its order binaries at 1 and the
+    orders it forced without a variable. They are kept as given. Every other interacting pair is
+    kept apart when the start times say it does not overlap (to `tol`). The binaries are what
+    makes this exact: a binary at 1 (up to the solver's integrality tolerance eps) still allows
+    S_b >= S_a + d_a - M * eps, and a solver that returns its values as text (CBC: 8 significant
+    digits) loses more than any sensible `tol`, so reading an ordered pair from start times alone
+    can see an overlap the model forbids (a split op overlapped, a capacity cut undone).
+    """
+    before = list(before)
+    order = _linear_order(view, approx_start, before)
+    if order is None:  # only with durations below the solver's tolerances; orient by start time
+        order = _linear_order(view, approx_start)
     pos = {i: k for k, i in enumerate(order)}
+    ordered = {(a, b) for a, b in before} | {(b, a) for a, b in before}
     approx_end = {i: approx_start[i] + duration(inst, i, modes[i]) for i in view.ops}
     extra: dict[int, list[int]] = {i: [] for i in view.ops}
     for a, b in interacting:
         if pos[a] > pos[b]:
             a, b = b, a
-        if approx_end[a] <= approx_start[b] + tol:
+        if (a, b) in ordered or approx_end[a] <= approx_start[b] + tol:
             extra[b].append(a)
     start: dict[int, float] = {}
     for i in order:
@@ -212,9 +247,11 @@ def capacity_violations(inst: Instance, view: BlockView, start: dict, modes: dic
 class BlockModel:
     """The MIP of one block, kept between lazy capacity rounds."""
 
-    def __init__(self, inst: Instance, view: BlockView, incumbent, lower_bound: float, with_pairs: bool = True):
+    def __init__(self, inst: Instance, view: BlockView, incumbent, lower_bound: float, with_pairs: bool = True,
+                 anchored: bool = False):
         self.inst, self.view = inst, view
         self.with_pairs = with_pairs
+        self.anchored = anchored
         ub_s, inc_start, inc_modes = incumbent
         self.scale = ub_s / SCALE_TARGET
         sc = self.scale
@@ -309,6 +346,7 @@ class BlockModel:
         self.x = {i: self.prob.add_variable(f"x_{i}", cat="Binary") for i in sorted(self.free_mode)}
         self.y: dict[tuple[int, int], pulp.LpVariable] = {}
         self.n_cuts = 0
+        self.cut_subsets: set[tuple[int, ...]] = set()
         for j in ops:
             for p in view.preds[j]:
                 prob += self.S[j] >= self.S[p] + self.d(p)
@@ -327,11 +365,14 @@ class BlockModel:
             b_first_impossible = self.head[b] + self.dmin[b] + self.dmin[a] + self.tail[a] > self.ub or (a, b) in twins
             if m_ab <= 0 or m_ba <= 0:  # the order is forced by the windows: they never overlap
                 forced += 1
+                self.y[(a, b)] = 1 if m_ab <= 0 else 0
+                self.y[(b, a)] = 1 - self.y[(a, b)]
                 continue
             if kind == DISJ:
                 if a_first_impossible or b_first_impossible:
                     first, second = (b, a) if a_first_impossible else (a, b)
                     prob += self.S[second] >= self.S[first] + self.d(first)
+                    self.y[(first, second)], self.y[(second, first)] = 1, 0
                     forced += 1
                     continue
                 z = self.prob.add_variable(f"z_{a}_{b}", cat="Binary")
@@ -380,9 +421,55 @@ class BlockModel:
                 if not (inst.desc[i] & cmask):
                     prob += T >= L[i]
             self.T, self.L, self.cmask = T, L, cmask
+            if self.anchored:
+                self._anchored_cuts(compute, single_part)
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
             prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
+
+    def _anchored_cuts(self, compute: list[int], single_part) -> None:
+        """The timeline cut anchored at every op j (see the module docstring): the compute ops after
+        j run inside [S_j + d_j, C] and those before it inside [0, S_j], each set with its split time
+        plus the non-split time its single-mode ops need (work over cores, chains of single ops)."""
+        inst, prob = self.inst, self.prob
+        cm = self.cmask
+
+        def split_part(i):
+            if i in self.free_mode:
+                return self.s2[i] * self.x[i]
+            return self.s2[i] if i in self.fixed_split else 0.0
+
+        def extremes(mask: int, rel) -> list[int]:  # the elements of mask not above (rel) another one
+            covered = 0
+            for k in _bits(mask):
+                covered |= rel[k]
+            return list(_bits(mask & ~covered))
+
+        R = {}  # R_i >= the longest chain of single-mode compute ops starting at i
+        for i in reversed(compute):
+            R[i] = prob.add_variable(f"R_{i}", lowBound=0)
+            prob += R[i] >= single_part(i)
+            for s in extremes(inst.desc[i] & cm, inst.desc):
+                prob += R[i] >= R[s] + single_part(i)
+        cores = [(inst.num_tc, inst.uses_tc), (inst.num_vc, inst.uses_vc)]
+        for j in self.view.ops:
+            d_j = self.d(j) if inst.compute[j] else self.s1[j]
+            for mask, rel, chains, after in ((inst.desc[j] & cm, inst.desc, R, True),
+                                             (inst.anc[j] & cm, inst.anc, self.L, False)):
+                if not mask:
+                    continue
+                group = list(_bits(mask))
+                t = prob.add_variable(f"{'Tpost' if after else 'Tpre'}_{j}", lowBound=0)
+                if after:
+                    prob += self.C >= self.S[j] + d_j + pulp.lpSum(split_part(k) for k in group) + t
+                else:
+                    prob += self.S[j] >= pulp.lpSum(split_part(k) for k in group) + t
+                for k, uses in cores:
+                    work = [single_part(i) for i in group if uses[i]]
+                    if k and work:
+                        prob += t >= pulp.lpSum(work) * (1.0 / k)
+                for e in extremes(mask, rel):  # minimal descendants / maximal ancestors
+                    prob += t >= chains[e]
 
     def _order_var(self, a: int, b: int, m_ab: float, fixed_zero: bool = False):
         if fixed_zero:
@@ -407,8 +494,14 @@ class BlockModel:
         return self.y[(a, b)]
 
     def add_capacity_cut(self, group: list[int], cap: int) -> int:
+        """Cut up to MAX_CUT_SUBSETS (cap+1)-subsets of `group` not cut before; return how many."""
         added = 0
-        for subset in itertools.islice(itertools.combinations(group, cap + 1), MAX_CUT_SUBSETS):
+        for subset in itertools.combinations(sorted(group), cap + 1):
+            if added >= MAX_CUT_SUBSETS:
+                break
+            if subset in self.cut_subsets:
+                continue
+            self.cut_subsets.add(subset)
             terms = []
             for a, b in itertools.combinations(subset, 2):
                 terms.append(self._pair_var(a, b))
@@ -444,6 +537,15 @@ class BlockModel:
             vals["T"] = max([tc, vc, *chain.values()])
         return vals
 
+    def before(self) -> list[tuple[int, int]]:
+        """Pairs (a, b) the current solution orders a first: binaries at 1 and forced orders."""
+        out = []
+        for (a, b), v in self.y.items():
+            val = v if isinstance(v, (int, float)) else pulp.value(v)
+            if val is not None and val > 0.5:
+                out.append((a, b))
+        return out
+
     def solution(self) -> tuple[dict, dict]:
         modes = {}
         for i in self.view.ops:
@@ -457,12 +559,14 @@ class BlockModel:
 
 def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
                      time_limit_s: float = 60.0) -> tuple[float, bool, dict]:
-    """Lower bound from the model without any order variable: modes, precedence and the timeline
-    cuts only. It is a relaxation of the block's MIP (a subset of its constraints), so its optimum
-    is a valid bound; it has one binary per op and solves in a fraction of the full model's time.
+    """Lower bound from the model without any order variable: modes, precedence, the timeline
+    cuts and the anchored timeline cuts. Every constraint of it is valid for every schedule no
+    longer than the incumbent, so its optimum is a valid bound; it has one binary per op and solves
+    in a fraction of the full model's time. (The anchored cuts are left out of the full MIP, where
+    their size slows the search more than their strength helps.)
     Returns (bound in seconds, whether it was solved to optimality, stats)."""
     t0 = time.perf_counter()
-    model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False)
+    model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False, anchored=True)
     proven, has, dual, nodes = _run_solver(model.prob, solver, time_limit_s, model.warm)
     bound = max(lower_bound, dual * model.scale) if dual is not None else lower_bound
     return bound, proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": nodes,
@@ -486,7 +590,7 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     status = "time_limit"
     rounds = 0
     nodes = 0
-    tol_s = ORDER_TOL * model.scale
+    tol_s = (ORDER_TOL if solver == "highs" else CBC_ORDER_TOL) * model.scale
     while True:
         rounds += 1
         left = time_limit_s - (time.perf_counter() - t0)
@@ -501,11 +605,16 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
                 status = "error"
             break
         approx_start, modes = model.solution()
-        start = realise(inst, view, modes, approx_start, model.interacting, tol_s)
+        start = realise(inst, view, modes, approx_start, model.interacting, tol_s, model.before())
         violations = capacity_violations(inst, view, start, modes, 1e-10 * best_ms)
         if violations:
-            for resource, group in violations:
-                model.add_capacity_cut(group, inst.num_tc if resource == "tc" else inst.num_vc)
+            added = sum(model.add_capacity_cut(group, inst.num_tc if resource == "tc" else inst.num_vc)
+                        for resource, group in violations)
+            if not added:
+                # Cannot happen: a cut subset has an order binary at 1, which realise() keeps, so
+                # it never runs pairwise overlapping again. Stop rather than loop on a bug.
+                status = "error"
+                break
             continue
         ms = max(start[i] + duration(inst, i, modes[i]) for i in view.ops)
         if ms < best_ms:

@@ -1,0 +1,68 @@
+"""Unit tests of the ILP layer: the bounds the solver wrappers report, and realisation."""
+
+from __future__ import annotations
+
+import pulp
+import pytest
+
+from phaze_opt.solve.schedule_ilp import _run_solver, realise, relaxation_bound
+from phaze_opt.solve.schedule_instance import block_view, prepare
+from phaze_opt.solve.types import ScheduleProblem
+
+
+def _lp() -> pulp.LpProblem:
+    prob = pulp.LpProblem("lp", pulp.LpMinimize)
+    c = prob.add_variable("C", lowBound=0)
+    s = prob.add_variable("S", lowBound=0)
+    prob += c
+    prob += s >= 3
+    prob += c >= s + 4
+    return prob
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_proven_lp_reports_its_optimum_as_bound(solver):
+    # HiGHS reports mip_dual_bound = 0 (finite) for a model without integer variables, so a
+    # wrapper that read it would call 0 the bound of a proven optimum of 7.
+    proven, has, bound, _ = _run_solver(_lp(), solver, 10.0, {})
+    assert proven and has
+    assert bound == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_proven_mip_reports_its_optimum_as_bound(solver):
+    prob = _lp()
+    x = prob.add_variable("x", cat="Binary")
+    c = next(v for v in prob.variables() if v.name == "C")
+    prob += c >= 9.5 - 2 * x
+    prob += c >= 1 + 7 * x
+    proven, has, bound, _ = _run_solver(prob, solver, 10.0, {})
+    assert proven and has
+    assert bound == pytest.approx(8.0)  # x = 1: max(7, 7.5, 8) = 8; x = 0: 9.5
+
+
+def test_relaxation_bound_of_a_model_without_binaries():
+    # One TC, nothing can split: the relaxation is a pure LP whose optimum (TC work 2 + 3) is the bound.
+    p = ScheduleProblem(units=("tc", "tc", "vc"), single=(2.0, 3.0, 1.0), split=(2.0, 3.0, 1.0),
+                        edges=((0, 2),), num_tc=1, num_vc=1)
+    inst = prepare(p)
+    assert len(inst.blocks) == 1
+    view = block_view(inst, inst.blocks[0])
+    incumbent = (5.0, {0: 0.0, 1: 2.0, 2: 2.0}, {0: False, 1: False, 2: False})
+    bound, proven, _ = relaxation_bound(inst, view, incumbent, 0.0)
+    assert proven
+    assert bound == pytest.approx(5.0)
+
+
+def test_realise_keeps_orders_from_binaries_despite_rounded_times():
+    # The solver put op 0 before op 1 (binary at 1) but its start times, read back rounded, show a
+    # tiny overlap. The order must come from the binary: op 1 starts when op 0 ends.
+    p = ScheduleProblem(units=("tc", "tc"), single=(1.0, 1.0), split=(0.5, 0.5), edges=(), num_tc=2, num_vc=1)
+    inst = prepare(p)
+    view = block_view(inst, inst.blocks[0])
+    modes = {0: True, 1: False}
+    approx = {0: 0.0, 1: 0.5 - 3e-6}
+    start = realise(inst, view, modes, approx, [(0, 1)], tol=1e-9)
+    assert start[1] == 0.0  # from times alone the pair reads as overlapping: a split op overlapped
+    start = realise(inst, view, modes, approx, [(0, 1)], tol=1e-9, before=[(0, 1)])
+    assert start == {0: 0.0, 1: 0.5}
