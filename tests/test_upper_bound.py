@@ -129,3 +129,25 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
         if r["settled"] != "evaluated":
             assert float(r["upper_bound"]) <= best * (1 + 1e-6)
     assert pruned["trials"]["finished"] == ex["settled"]["evaluated"]
+
+
+@pytest.mark.slow
+def test_pruned_sweep_does_not_claim_an_optimum_when_a_contender_fails(tmp_path, monkeypatch):
+    """A point whose bound beats the best but whose evaluation failed leaves the optimum unproven."""
+    from phaze_opt.search import objective
+
+    space_file = tmp_path / "tiny.yaml"
+    space_file.write_text(TINY_SPACE)
+    real = objective.evaluate_point
+
+    def flaky(point, ctx):
+        if point["num_tc"] == 16 and point["tc_x"] == 128:  # the strongest chips of the tiny space
+            raise RuntimeError("schedule not proven optimal: time_limit")
+        return real(point, ctx)
+
+    monkeypatch.setattr(objective, "evaluate_point", flaky)
+    out = run_study(StudyConfig(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off",
+                                tracking_uri="off", output_dir=str(tmp_path), progress=False, prune="bound"))
+    ex = out["exhaustive"]
+    assert ex["failed"] and ex["optimum_proven"] is False
+    assert all(f["bound"] > out["best"]["score"] for f in ex["failed"])

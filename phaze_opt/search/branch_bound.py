@@ -160,7 +160,7 @@ def run_branch_bound(session, progress) -> dict:
     bound = np.zeros((n_m, grid.n_rows, n_r))
     score = np.full((n_m, grid.n_rows, n_r), np.nan)
     spec = session.worker_spec()
-    stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0}
+    stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0, "failed": []}
 
     pool = _executor(config.workers, (model_name, config.system, spec))
     try:
@@ -200,6 +200,9 @@ def run_branch_bound(session, progress) -> dict:
                 m, row, r = grid.mbss.index(int(point["mbs"])), _row_of(grid, point), grid.rcs.index(point["recompute"])
                 score[m, row, r] = value
                 stats["evaluated_this_run"] += 1
+                if error is not None:  # its throughput is unknown, so it may have beaten the optimum
+                    stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[m, row, r]),
+                                            "error": error})
                 progress.update(1, incumbent if incumbent > 0 else None)
                 if extra.get("new_best"):
                     session.tracker.log_parent(metrics={"best_score": incumbent}, step=int(np.sum(~np.isnan(score))))
@@ -256,6 +259,13 @@ def run_branch_bound(session, progress) -> dict:
 
     stats["wall_s"] = time.perf_counter() - t_start
     counts = {name: int(np.sum(status == code)) for code, name in enumerate(SETTLED)}
+    # The optimum is proven only if no point that could beat it failed to evaluate (an ILP that hit its
+    # time limit, say); resumed failures count too.
+    stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
+                        for k, v in done.items() if v is None and not any(f["point"] is not None and
+                                                                         point_key(session.codec, f["point"]) == k
+                                                                         for f in stats["failed"])]
+    stats["optimum_proven"] = not any(f["bound"] is None or f["bound"] > incumbent for f in stats["failed"])
     stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
                  optimum=incumbent)
     path = _write_points(grid, status, bound, score, Path(config.output_dir) / f"{session.name}-points.csv.gz")

@@ -200,6 +200,9 @@ def render(summary: dict) -> str:
                          f"{ex['evaluated_by_bound']:,} by a proven bound ({c['bound-ideal']:,} ideal-scaling, "
                          f"{c['bound-placement']:,} placement DP on lower-bound layer times)")
             lines.append(f"    every point and how it was settled: {ex['points_file']}")
+            if not ex.get("optimum_proven", True):
+                lines.append(f"    NOT proven optimal: {len(ex['failed'])} point(s) whose bound beats the best failed to "
+                             f"evaluate (see the failed trials); the best below is the best evaluated")
         else:
             lines.append(f"  exhaustive: {ex['evaluated']} of {ex['points']} grid points evaluated ({stop})")
         for h in ex.get("best_history", [])[-5:]:
