@@ -46,11 +46,11 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
     return path
 
 
-def load(kind: str, name_or_path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
-    """Read a config as a mapping; returns (data, path). Malformed YAML is a one-line error."""
-    path = resolve(kind, name_or_path)
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Parse one YAML file; malformed YAML or an unreadable file is a one-line error naming it."""
+    path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -58,6 +58,12 @@ def load(kind: str, name_or_path: str | os.PathLike) -> tuple[dict[str, Any], Pa
         raise PhazeError(f"{path}: malformed YAML{where}: {problem}") from None
     except OSError as exc:
         raise PhazeError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def load(kind: str, name_or_path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
+    """Read a config as a mapping; returns (data, path). Malformed YAML is a one-line error."""
+    path = resolve(kind, name_or_path)
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise PhazeError(f"{path}: expected a mapping of fields at the top level, got {type(data).__name__}")
     return data, path

@@ -104,10 +104,7 @@ def load_constants(path: str | os.PathLike | None = None) -> AreaConstants:
 
 @lru_cache(maxsize=8)
 def _load_constants(path: str, _mtime: int) -> AreaConstants:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError:
-        raise PhazeError(f"{path}: malformed YAML") from None
+    data = configs.read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("constants"), dict):
         raise config_error(path, "constants", "missing mapping of fitted constants")
     c = data["constants"]

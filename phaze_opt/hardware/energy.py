@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import yaml
 
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
-from .latency import BYTES_PER_ELEMENT, DesignArrays, cycles_per_element
+from .latency import BYTES_PER_ELEMENT, DesignArrays, collective_traffic, cycles_per_element
 
 PJ = 1e-12
 NODES_NM = (45, 32, 22, 14, 10, 7, 5, 3)  # full node steps (16/14 nm counted as one)
@@ -120,12 +119,7 @@ def load_constants(path: str | os.PathLike | None = None) -> EnergyConstants:
 
 @lru_cache(maxsize=8)
 def _load_constants(path: str, _mtime: int) -> EnergyConstants:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise PhazeError(f"{path}: malformed YAML{where}") from None
+    data = configs.read_yaml(path)
     if not isinstance(data, dict):
         raise PhazeError(f"{path}: expected a mapping of energy constants at the top level")
     configs.check_keys(data, path, FIELDS)
@@ -176,22 +170,6 @@ class OpEnergies:
     def by_component(self) -> np.ndarray:
         """[n_designs, 4] sums over ops in COMPONENTS order."""
         return np.stack([getattr(self, c).sum(axis=1) for c in COMPONENTS], axis=1)
-
-
-def collective_bytes_sent(op) -> float:
-    """Bytes one device sends in a collective, by the same algorithms as the latency model."""
-    g = op.group
-    if g <= 1:
-        return 0.0
-    nbytes = op.comm_bytes or op.bytes_read
-    kind = op.collective.lower().replace("-", "").replace("_", "")
-    if kind in ("allreduce", ""):
-        return 2.0 * (g - 1) / g * nbytes
-    if kind in ("allgather", "reducescatter", "alltoall"):
-        return (g - 1) / g * nbytes
-    if kind in ("sendrecv", "p2p", "send", "recv"):
-        return float(nbytes)
-    raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")
 
 
 def op_energy(
@@ -245,7 +223,7 @@ def op_energy(
             vec_idx.append(i)
             vec_rows.append((elements * cpe, nbytes))
         elif op.unit == NET:
-            link[:, i] = collective_bytes_sent(op)
+            link[:, i] = collective_traffic(op)[0]
         elif op.unit != NONE:
             raise ValueError(f"op {op.name}: no energy model for unit {op.unit!r}")
 

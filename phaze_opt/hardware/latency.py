@@ -198,19 +198,27 @@ def _vector_seconds(elements, cpe, nbytes, d: DesignArrays, k, share):
     return np.maximum(cycles / d.clock_hz, mem_s)
 
 
-def _collective_seconds(op, bw: float, lat: float) -> float:
+def collective_traffic(op) -> tuple[float, int]:
+    """(bytes one device sends, message steps) of a collective, by its algorithm: ring all-reduce
+    2(g-1)/g x bytes in 2(g-1) steps; all-gather / reduce-scatter / all-to-all (g-1)/g x bytes in
+    g-1 steps; point to point the bytes in one step. The latency and the energy model share it."""
     g = op.group
     if g <= 1:
-        return 0.0
+        return 0.0, 0
     nbytes = op.comm_bytes or op.bytes_read
     kind = op.collective.lower().replace("-", "").replace("_", "")
     if kind in ("allreduce", ""):
-        return 2.0 * (g - 1) / g * nbytes / bw + 2.0 * (g - 1) * lat
+        return 2.0 * (g - 1) / g * nbytes, 2 * (g - 1)
     if kind in ("allgather", "reducescatter", "alltoall"):
-        return (g - 1) / g * nbytes / bw + (g - 1) * lat
+        return (g - 1) / g * nbytes, g - 1
     if kind in ("sendrecv", "p2p", "send", "recv"):
-        return nbytes / bw + lat
+        return float(nbytes), 1
     raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")
+
+
+def _collective_seconds(op, bw: float, lat: float) -> float:
+    nbytes, steps = collective_traffic(op)
+    return nbytes / bw + steps * lat
 
 
 def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: int = BYTES_PER_ELEMENT) -> OpLatencies:
