@@ -182,10 +182,11 @@ def run_branch_bound(session, progress) -> dict:
         heap: list = []  # (-bound, seq, m, row, {r: ub1})
         seq = itertools.count()
         inflight: dict[Future, tuple] = {}
+        failed_keys: set = set()
 
-        def record(results):
+        def record(cells, results):
             nonlocal incumbent
-            for point, outcome, error, started, ended, trial_s in results:
+            for (m, row, r), (point, outcome, error, started, ended, trial_s) in zip(cells, results):
                 extra = {"elapsed_s": session.elapsed(), "trial_s": trial_s, "settled": "evaluated"}
                 value = 0.0
                 if outcome is not None and outcome.feasible:
@@ -197,10 +198,10 @@ def run_branch_bound(session, progress) -> dict:
                                                            extra, session.space))
                 session.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
                 done[point_key(session.codec, point)] = value if error is None else None
-                m, row, r = grid.mbss.index(int(point["mbs"])), _row_of(grid, point), grid.rcs.index(point["recompute"])
                 score[m, row, r] = value
                 stats["evaluated_this_run"] += 1
                 if error is not None:  # its throughput is unknown, so it may have beaten the optimum
+                    failed_keys.add(point_key(session.codec, point))
                     stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[m, row, r]),
                                             "error": error})
                 progress.update(1, incumbent if incumbent > 0 else None)
@@ -215,7 +216,7 @@ def run_branch_bound(session, progress) -> dict:
                     break
                 if top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
                     _, _, m, row, ub1 = heapq.heappop(heap)
-                    todo = []
+                    todo, cells = [], []
                     for r, b in ub1.items():
                         if b <= incumbent:
                             continue
@@ -227,8 +228,9 @@ def run_branch_bound(session, progress) -> dict:
                             stats["resumed"] += 1
                         else:
                             todo.append(point)
+                            cells.append((m, row, r))
                     if todo:
-                        inflight[pool.submit(_evaluate, todo)] = ("eval",)
+                        inflight[pool.submit(_evaluate, todo)] = ("eval", cells)
                 else:
                     flat = int(order[pos])
                     pos += 1
@@ -244,7 +246,7 @@ def run_branch_bound(session, progress) -> dict:
             for f in finished:
                 tag = inflight.pop(f)
                 if tag[0] == "eval":
-                    record(f.result())
+                    record(tag[1], f.result())
                     continue
                 _, m, row = tag
                 ub1 = dict(enumerate(f.result()))
@@ -262,9 +264,7 @@ def run_branch_bound(session, progress) -> dict:
     # The optimum is proven only if no point that could beat it failed to evaluate (an ILP that hit its
     # time limit, say); resumed failures count too.
     stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
-                        for k, v in done.items() if v is None and not any(f["point"] is not None and
-                                                                         point_key(session.codec, f["point"]) == k
-                                                                         for f in stats["failed"])]
+                        for k, v in done.items() if v is None and k not in failed_keys]
     stats["optimum_proven"] = not any(f["bound"] is None or f["bound"] > incumbent for f in stats["failed"])
     stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
                  optimum=incumbent)
@@ -277,13 +277,6 @@ def run_branch_bound(session, progress) -> dict:
     session.tracker.log_parent_file(path)
     progress.set_done(grid.size, incumbent if incumbent > 0 else None)
     return stats
-
-
-def _row_of(grid: Grid, point: dict) -> int:
-    arch = {k: point[k] for k in grid.archs[0]}
-    if not hasattr(grid, "_arch_index"):
-        grid._arch_index = {tuple(sorted(a.items())): i for i, a in enumerate(grid.archs)}
-    return grid._arch_index[tuple(sorted(arch.items()))] * len(grid.hbms) + grid.hbms.index(point["hbm_gib"])
 
 
 def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
