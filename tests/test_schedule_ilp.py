@@ -66,3 +66,44 @@ def test_realise_keeps_orders_from_binaries_despite_rounded_times():
     assert start[1] == 0.0  # from times alone the pair reads as overlapping: a split op overlapped
     start = realise(inst, view, modes, approx, [(0, 1)], tol=1e-9, before=[(0, 1)])
     assert start == {0: 0.0, 1: 0.5}
+
+
+# Found by a random search: the idle-chain cut raises the order-free relaxation to the optimum
+# (the oracle's) where the timeline and anchored cuts alone stop lower (25 vs 27, 12 vs 13). In the
+# first, the TC is the only core and nothing may run beside the collectives on the chain 0 -> 1/4
+# -> 5 -> 6 except ops that depend on them; in the second, three TCs but at most one TC op can run
+# beside op 2 or op 3.
+IDLE_CHAIN_CASES = [
+    (ScheduleProblem(units=("net", "tc", "vc", "net", "tc", "tc", "net"), single=(8.0, 2.0, 8.0, 2.0, 8.0, 3.0, 6.0),
+                     split=(2.0, 1.0, 8.0, 2.0, 2.0, 1.0, 3.0),
+                     edges=((0, 1), (0, 3), (0, 4), (0, 6), (1, 3), (1, 5), (2, 3), (4, 5), (5, 6)), num_tc=1, num_vc=1),
+     27.0, 25.0),
+    (ScheduleProblem(units=("tc", "net", "tc", "tc", "net", "vc", "vc"), single=(3.0, 3.0, 6.0, 3.0, 1.0, 6.0, 1.0),
+                     split=(3.0, 1.0, 3.0, 3.0, 1.0, 3.0, 1.0),
+                     edges=((0, 5), (0, 6), (1, 5), (2, 5), (2, 6), (3, 4), (4, 5)), num_tc=3, num_vc=1),
+     13.0, 12.0),
+]
+
+
+@pytest.mark.parametrize("p, optimum, without_cut", IDLE_CHAIN_CASES)
+def test_idle_chain_cut_lifts_the_relaxation_to_the_optimum(p, optimum, without_cut, monkeypatch):
+    from schedule_oracle import oracle_makespan
+
+    from phaze_opt.solve.bounds import block_lower_bound
+    from phaze_opt.solve.schedule_heuristic import list_schedule
+    from phaze_opt.solve.schedule_ilp import BlockModel
+
+    assert oracle_makespan(p.units, p.single, p.split, p.edges, p.num_tc, p.num_vc) == pytest.approx(optimum)
+    inst = prepare(p)
+    assert len(inst.blocks) == 1
+    view = block_view(inst, inst.blocks[0])
+    incumbent = list_schedule(inst, view)
+    lb = block_lower_bound(inst, view)
+    assert lb <= optimum + 1e-9
+    bound, proven, _ = relaxation_bound(inst, view, incumbent, lb)
+    assert proven and bound == pytest.approx(optimum)
+    monkeypatch.setattr(BlockModel, "_idle_chain_cuts", lambda *args: None)
+    from phaze_opt.solve import bounds
+    monkeypatch.setattr(bounds, "idle_chain_bound", lambda *args: 0.0)
+    bound, proven, _ = relaxation_bound(inst, view, incumbent, block_lower_bound(inst, view))
+    assert proven and bound == pytest.approx(without_cut)

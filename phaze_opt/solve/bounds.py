@@ -17,11 +17,15 @@ the sum of its blocks' bounds, which is never below the bound of the whole graph
   0); the minimum picks the cheaper mode of each op and stays valid whatever modes the optimum
   uses. The right side is concave in lam, so its maximum lies at lam = 0, 1 or a point where some
   op's two terms are equal; we evaluate all of them. (lam = 1 alone is "TC work over TC cores".)
+- the idle-chain bound (`idle_chain_bound`): core time over cores plus the idle time that a chain
+  of ops forces when too few ops can run beside them.
 """
 
 from __future__ import annotations
 
-from .schedule_instance import BlockView, Instance, block_view, longest_heads, longest_tails, prepare
+import math
+
+from .schedule_instance import BlockView, Instance, block_view, longest_heads, longest_tails, max_antichain, prepare
 from .types import ScheduleProblem
 
 
@@ -71,6 +75,55 @@ def timeline_bound(inst: Instance, view: BlockView) -> float:
     return max(value(lam) for lam in sorted(lams))
 
 
+def idle_width(inst: Instance, i: int, uses, cap: int) -> int:
+    """Cores of one resource (num `cap`, users `uses`) that must idle while op i runs in single
+    mode: only users incomparable with i can run beside it, and at one instant those form an
+    antichain. A collective overlaps split ops, which occupy every core, so it counts only when no
+    op incomparable with it can split. 0 when nothing is forced."""
+    if inst.net[i]:
+        if any(inst.compute[j] and inst.can_split[j] and inst.unordered(i, j) for j in range(inst.n)
+               if not inst.zero[j]):
+            return 0
+        u = 0
+    elif inst.compute[i]:
+        u = int(uses[i])
+    else:
+        return 0
+    others = [j for j in inst.real if inst.compute[j] and uses[j] and inst.unordered(i, j)]
+    width = max_antichain(others, inst.desc) if len(others) > cap - u else len(others)
+    return max(0, cap - u - width)
+
+
+def idle_chain_bound(inst: Instance, view: BlockView) -> float:
+    """Core time over cores, plus the idle time a chain of ops forces (see `idle_width`): for each
+    resource with k cores, k C >= sum_i min over modes of (core time of i [+ forced idle if i is
+    on the chain P]); ops of a chain run at disjoint times, so their idle times add. P is the
+    chain with the largest gain, found by a longest-path pass."""
+    best = 0.0
+    for cap, uses in ((inst.num_tc, inst.uses_tc), (inst.num_vc, inst.uses_vc)):
+        if cap < 1 or not any(inst.compute[i] and uses[i] for i in view.ops):
+            continue
+        base, gain = 0.0, {}
+        for i in view.ops:
+            if not (inst.compute[i] or inst.net[i]):
+                continue
+            split_cost = inst.split[i] if inst.compute[i] and inst.can_split[i] else math.inf
+            u = int(inst.compute[i] and uses[i])
+            plain = min(split_cost, u * inst.single[i] / cap) if inst.compute[i] else 0.0
+            base += plain
+            g = idle_width(inst, i, uses, cap)
+            if g:
+                gain[i] = min(split_cost, (u + g) * inst.single[i] / cap) - plain
+        if not gain:
+            best = max(best, base)
+            continue
+        chain = {}
+        for i in view.ops:
+            chain[i] = gain.get(i, 0.0) + max((chain[p] for p in view.preds[i]), default=0.0)
+        best = max(best, base + max(chain.values()))
+    return best
+
+
 def block_bounds(inst: Instance, view: BlockView) -> dict:
     """Every bound of one block, by name, in seconds."""
     dur = _best_durations(inst)
@@ -78,6 +131,7 @@ def block_bounds(inst: Instance, view: BlockView) -> dict:
         "critical_path": critical_path(inst, view, dur),
         "link": link_bound(inst, view, dur),
         "timeline": timeline_bound(inst, view),
+        "idle_chain": idle_chain_bound(inst, view),
     }
 
 

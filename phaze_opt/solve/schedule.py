@@ -17,8 +17,9 @@ How it is solved exactly (each step is argued where it is implemented):
 
 1. `schedule_instance.prepare`: drop dominated split modes, contract zero-time ops, compute the
    transitive closure and cut the graph into series blocks, each solved on its own.
-2. `bounds`: a lower bound per block (critical path at fastest latencies, link serialisation, and
-   a timeline bound that mixes split time with TC and VC work over cores).
+2. `bounds`: a lower bound per block (critical path at fastest latencies, link serialisation, a
+   timeline bound that mixes split time with TC and VC work over cores, and the idle time a chain
+   of ops forces when too few ops can run beside them).
 3. `schedule_heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
    bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
    (method "bound").

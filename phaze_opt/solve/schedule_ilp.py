@@ -27,7 +27,12 @@ Valid inequalities that make the relaxation strong (see `bounds`): with T the ti
 runs, C >= sum_i split_i x_i + T; T >= single-mode TC work / num_tc; T >= single-mode VC work /
 num_vc; T >= L_i where L_i >= (1 - x_i) single_i + L_p along compute precedence (the longest chain
 of single-mode ops, which run one after another and only while no split op runs); and C >= the
-link bound. Anchored at every op j (relaxation only, see `relaxation_bound`): the compute ops
+link bound. Idle-chain cuts (also `bounds.idle_chain_bound`): while op i runs in single mode only
+users of a resource incomparable with i can run beside it, at most the width W_i of that set, so
+g_i = cores - u_i - W_i cores idle along i; ops of a chain P run at disjoint times, so
+cores * C >= busy core time + sum_{i in P} g_i (1 - x_i) single_i, added for the heaviest chain
+through each op. They see a TC waiting while a vector op or a collective runs with too few
+independent TC ops beside it. Anchored at every op j (relaxation only, see `relaxation_bound`): the compute ops
 after j run inside [S_j + d_j, C], so C >= S_j + d_j + their split time + T_post_j, where T_post_j
 is bounded like T by their single-mode work over cores and by the longest chain of single-mode
 ops among them (R_i, the chain starting at i); likewise the ops before j run inside [0, S_j]. They
@@ -68,7 +73,8 @@ from dataclasses import dataclass, field
 import pulp
 
 from .schedule_heuristic import duration
-from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails
+from .bounds import idle_width
+from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
 
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
@@ -89,25 +95,6 @@ class IlpResult:
     start: dict
     modes: dict
     stats: dict = field(default_factory=dict)
-
-
-def max_antichain(ops: list[int], desc) -> int:
-    """Width of the poset on `ops` (Dilworth): |ops| minus a maximum matching of a < b pairs."""
-    idx = {o: k for k, o in enumerate(ops)}
-    adj = [[idx[b] for b in ops if (desc[a] >> b) & 1] for a in ops]
-    match_right = [-1] * len(ops)
-
-    def augment(u: int, seen: list[bool]) -> bool:
-        for v in adj[u]:
-            if not seen[v]:
-                seen[v] = True
-                if match_right[v] == -1 or augment(match_right[v], seen):
-                    match_right[v] = u
-                    return True
-        return False
-
-    matched = sum(augment(u, [False] * len(ops)) for u in range(len(ops)))
-    return len(ops) - matched
 
 
 class _WarmHiGHS(pulp.HiGHS):
@@ -421,11 +408,68 @@ class BlockModel:
                 if not (inst.desc[i] & cmask):
                     prob += T >= L[i]
             self.T, self.L, self.cmask = T, L, cmask
+            self._idle_chain_cuts(compute, split_time, single_part)
             if self.anchored:
                 self._anchored_cuts(compute, single_part)
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
             prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
+
+    def _idle_chain_cuts(self, compute: list[int], split_time, single_part) -> None:
+        """Core time a resource must leave idle along a chain (see the module docstring).
+
+        While op i runs in single mode (or, for a collective, while no split op runs beside it),
+        the only other users of resource r that can run are users incomparable with i, and those
+        running at one instant pairwise overlap, so they form an antichain: at most W_i of them
+        (the width of that set). So at least g_i = num_r - u_i - W_i cores of r idle all along i.
+        Ops of a chain run at disjoint times, their idle time is disjoint from every op's busy
+        time, so for any chain P:  num_r C >= busy core time + sum_{i in P} g_i d_i,  with busy
+        core time = sum split_i x_i num_r + sum single-mode core time. We add it for the heaviest
+        chain through each op with g_i > 0 (weights g_i single_i)."""
+        inst, view, prob = self.inst, self.view, self.prob
+        ops = view.ops
+        added = 0
+        for cap, uses in ((inst.num_tc, inst.uses_tc), (inst.num_vc, inst.uses_vc)):
+            if cap < 1:
+                continue
+            users = [j for j in compute if uses[j]]
+            if not users:
+                continue
+            weight, term = {}, {}
+            for i in ops:
+                g = idle_width(inst, i, uses, cap)
+                if g <= 0:
+                    continue
+                weight[i] = g * self.s1[i]
+                term[i] = g * (single_part(i) if inst.compute[i] else self.s1[i])
+            if not weight:
+                continue
+            fwd, bwd, via_f, via_b = {}, {}, {}, {}
+            for i in ops:
+                p = max(view.preds[i], key=lambda q: fwd[q], default=None)
+                fwd[i] = weight.get(i, 0.0) + (fwd[p] if p is not None else 0.0)
+                via_f[i] = p
+            for i in reversed(ops):
+                s = max(view.succs[i], key=lambda q: bwd[q], default=None)
+                bwd[i] = weight.get(i, 0.0) + (bwd[s] if s is not None else 0.0)
+                via_b[i] = s
+            chains = set()
+            for i in weight:
+                chain = []
+                k = i
+                while k is not None:
+                    chain.append(k)
+                    k = via_f[k]
+                k = via_b[i]
+                while k is not None:
+                    chain.append(k)
+                    k = via_b[k]
+                chains.add(frozenset(k for k in chain if k in term))
+            busy = pulp.lpSum(single_part(i) for i in users) * (1.0 / cap)
+            for chain in chains:
+                prob += self.C >= split_time + busy + pulp.lpSum(term[i] for i in sorted(chain)) * (1.0 / cap)
+                added += 1
+        self.stats["idle_chain_cuts"] = added
 
     def _anchored_cuts(self, compute: list[int], single_part) -> None:
         """The timeline cut anchored at every op j (see the module docstring): the compute ops after

@@ -188,6 +188,25 @@ def prepare(problem: ScheduleProblem) -> Instance:
     )
 
 
+def max_antichain(ops: list[int], desc) -> int:
+    """Width of the poset on `ops` (Dilworth): |ops| minus a maximum matching of a < b pairs."""
+    idx = {o: k for k, o in enumerate(ops)}
+    adj = [[idx[b] for b in ops if (desc[a] >> b) & 1] for a in ops]
+    match_right = [-1] * len(ops)
+
+    def augment(u: int, seen: list[bool]) -> bool:
+        for v in adj[u]:
+            if not seen[v]:
+                seen[v] = True
+                if match_right[v] == -1 or augment(match_right[v], seen):
+                    match_right[v] = u
+                    return True
+        return False
+
+    matched = sum(augment(u, [False] * len(ops)) for u in range(len(ops)))
+    return len(ops) - matched
+
+
 @dataclass(frozen=True)
 class BlockView:
     """One series block with its precedence restricted to itself.
