@@ -25,6 +25,21 @@ def configs_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
 
 
+def constants_file(name: str) -> Path:
+    """`name` in the configs folder in use, else the one shipped beside the package: a copied
+    configs folder need not carry the fitted or cited constants."""
+    p = configs_dir() / name
+    return p if p.is_file() else Path(__file__).resolve().parents[1] / "configs" / name
+
+
+def file_version(path: Path, missing: str) -> int:
+    """The file's modification time, so a cache keyed on it sees edits; `missing` is the message."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        raise PhazeError(f"{path}: {missing}") from None
+
+
 def available(kind: str) -> list[str]:
     return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
 

@@ -87,19 +87,14 @@ def reference_path() -> Path:
 
 
 def constants_path() -> Path:
-    """`area.yaml` in the configs folder in use, else the one shipped beside the package."""
-    p = configs.configs_dir() / "area.yaml"
-    return p if p.is_file() else _repo_root() / "configs" / "area.yaml"
+    return configs.constants_file("area.yaml")
 
 
 def load_constants(path: str | os.PathLike | None = None) -> AreaConstants:
     """Read and validate the fitted constants (cached per file and modification time)."""
     p = Path(path) if path is not None else constants_path()
-    try:
-        mtime = p.stat().st_mtime_ns
-    except OSError:
-        raise PhazeError(f"{p}: area constants file not found (refit with `python -m phaze_opt.hardware.area --fit --write`)") from None
-    return _load_constants(str(p), mtime)
+    return _load_constants(str(p), configs.file_version(
+        p, "area constants file not found (refit with `python -m phaze_opt.hardware.area --fit --write`)"))
 
 
 @lru_cache(maxsize=8)

@@ -102,19 +102,13 @@ FIELDS = tuple(f.name for f in fields(EnergyConstants))
 
 
 def constants_path() -> Path:
-    """`energy.yaml` in the configs folder in use, else the one shipped beside the package."""
-    p = configs.configs_dir() / "energy.yaml"
-    return p if p.is_file() else Path(__file__).resolve().parents[2] / "configs" / "energy.yaml"
+    return configs.constants_file("energy.yaml")
 
 
 def load_constants(path: str | os.PathLike | None = None) -> EnergyConstants:
     """Read and validate `configs/energy.yaml` (cached per file and modification time)."""
     p = Path(path) if path is not None else constants_path()
-    try:
-        mtime = p.stat().st_mtime_ns
-    except OSError:
-        raise PhazeError(f"{p}: energy constants file not found") from None
-    return _load_constants(str(p), mtime)
+    return _load_constants(str(p), configs.file_version(p, "energy constants file not found"))
 
 
 @lru_cache(maxsize=8)

@@ -81,8 +81,7 @@ def idle_width(inst: Instance, i: int, uses, cap: int) -> int:
     antichain. A collective overlaps split ops, which occupy every core, so it counts only when no
     op incomparable with it can split. 0 when nothing is forced."""
     if inst.net[i]:
-        if any(inst.compute[j] and inst.can_split[j] and inst.unordered(i, j) for j in range(inst.n)
-               if not inst.zero[j]):
+        if any(inst.compute[j] and inst.can_split[j] and inst.unordered(i, j) for j in inst.real):
             return 0
         u = 0
     elif inst.compute[i]:
@@ -98,7 +97,7 @@ def idle_chain_bound(inst: Instance, view: BlockView) -> float:
     """Core time over cores, plus the idle time a chain of ops forces (see `idle_width`): for each
     resource with k cores, k C >= sum_i min over modes of (core time of i [+ forced idle if i is
     on the chain P]); ops of a chain run at disjoint times, so their idle times add. P is the
-    chain with the largest gain, found by a longest-path pass."""
+    chain with the largest gain: the critical path with the gains as durations."""
     best = 0.0
     for cap, uses in ((inst.num_tc, inst.uses_tc), (inst.num_vc, inst.uses_vc)):
         if cap < 1 or not any(inst.compute[i] and uses[i] for i in view.ops):
@@ -114,13 +113,7 @@ def idle_chain_bound(inst: Instance, view: BlockView) -> float:
             g = idle_width(inst, i, uses, cap)
             if g:
                 gain[i] = min(split_cost, (u + g) * inst.single[i] / cap) - plain
-        if not gain:
-            best = max(best, base)
-            continue
-        chain = {}
-        for i in view.ops:
-            chain[i] = gain.get(i, 0.0) + max((chain[p] for p in view.preds[i]), default=0.0)
-        best = max(best, base + max(chain.values()))
+        best = max(best, base + critical_path(inst, view, {i: gain.get(i, 0.0) for i in view.ops}))
     return best
 
 
