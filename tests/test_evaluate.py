@@ -97,3 +97,46 @@ def test_cli_evaluate_json_and_errors():
     bad = _run_cli("evaluate", "--model", "no-such-model", "--json")
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model 'no-such-model'")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def _stretch_block_backward(monkeypatch, factor: float, status: str):
+    """Make every block/bwd schedule `factor` x longer, reported with `status` and the true optimum as bound."""
+    from phaze_opt.search import evaluate as ev
+
+    real = ev.schedule_graph
+
+    def schedule(op_graph, single, split, accel, **kw):
+        s = real(op_graph, single, split, accel, **kw)
+        if op_graph.layer == "block" and op_graph.pass_name == "bwd":
+            s = dataclasses.replace(s, makespan=s.makespan * factor, lower_bound=s.makespan, status=status)
+        return s
+
+    monkeypatch.setattr(ev, "_COSTS_MEMO", {})
+    monkeypatch.setattr(ev, "_ENERGY_MEMO", {})
+    monkeypatch.setattr(ev, "schedule_graph", schedule)
+
+
+@pytest.mark.parametrize("placement", ["optimal", "expert"])
+def test_time_limited_layer_schedule_gives_reached_throughput_and_proven_bound(monkeypatch, placement):
+    """An unproven layer schedule is a result: throughput from the incumbent, bound from the lower bound.
+
+    Checked against two independent evaluations: the same stretched times reported as proven (the
+    throughput must match) and the untouched exact times (the bound must match, as the lower bound
+    handed over is the exact optimum)."""
+    args = ("gpt2-xl", TPU, 2, True, "default", placement)
+    with monkeypatch.context() as m:
+        _stretch_block_backward(m, 1.05, "optimal")
+        stretched = evaluate_design(*args)
+    with monkeypatch.context() as m:
+        _stretch_block_backward(m, 1.0, "optimal")
+        exact = evaluate_design(*args)
+    with monkeypatch.context() as m:
+        _stretch_block_backward(m, 1.05, "time_limit")
+        open_ = evaluate_design(*args)
+    assert stretched.proven and exact.proven and stretched.throughput_bound == stretched.throughput
+    assert open_.feasible and not open_.proven
+    assert open_.unproven and all("block/bwd" in u for u in open_.unproven)
+    assert open_.throughput == pytest.approx(stretched.throughput, rel=1e-12)
+    assert open_.throughput_bound == pytest.approx(exact.throughput, rel=1e-12)
+    assert open_.throughput < open_.throughput_bound
+    assert all("time_limit" in s for s in open_.schedules.values())

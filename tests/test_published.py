@@ -240,3 +240,22 @@ def test_model_without_baseline_is_left_out_of_the_common_objective(tmp_path):
     assert big["co_optimised"].throughput >= common.throughput
     assert sys_result["checks"] == []
     assert "| m-big * | infeasible | infeasible |" in render(result)
+
+
+def test_unproven_throughputs_are_kept_and_flagged_with_their_bound(tmp_path):
+    """A TPUv4 setting whose layer schedules hit the ILP time limit still counts, with a dagger and its bound."""
+
+    def open_on_tpuv4(model, arch, mbs, recompute, system="default", placement="optimal"):
+        r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+        if model == "m-small" and arch.compute_key == REFERENCE.compute_key and r.feasible:
+            r.proven, r.throughput_bound, r.unproven = False, r.throughput * 1.25, ["tp1 block/bwd: gap 2.5e-01"]
+        return r
+
+    result = run_published(cfg(tmp_path), backend(evaluator=open_on_tpuv4))
+    rows = result["systems"]["default"]["rows"]
+    r1 = rows["m-small"]["tpuv4_expert"]
+    assert r1.feasible and r1.throughput == best_fake("m-small", "expert")
+    assert r1.bound == pytest.approx(r1.throughput * 1.25) and "block/bwd" in r1.reason and "at most" in r1.reason
+    assert rows["m-big"]["tpuv4_expert"].bound is None and not rows["m-big"]["tpuv4_expert"].reason
+    text = render(result)
+    assert " †" in text and "not proven optimal" in text

@@ -31,6 +31,13 @@ class FakeResult:
     layers: list = field(default_factory=list)
     model: str = ""
     energy_j: float | None = None
+    proven: bool = True
+    throughput_bound: float | None = None  # None: equal to throughput
+    unproven: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.throughput_bound is None:
+            self.throughput_bound = self.throughput
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import random
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.hardware.space import load_space
 from phaze_opt.search.evaluate import _tp_widths, evaluate_design, layer_costs
+from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import StudyConfig
 from phaze_opt.search.upper_bound import (ideal_throughput, layer_lower_bounds, pass_lower_bounds,
@@ -151,3 +153,51 @@ def test_pruned_sweep_does_not_claim_an_optimum_when_a_contender_fails(tmp_path,
     ex = out["exhaustive"]
     assert ex["failed"] and ex["optimum_proven"] is False
     assert all(f["bound"] > out["best"]["score"] for f in ex["failed"])
+
+
+def _unproven(outcome, keep: float):
+    """The outcome as if a layer schedule had hit its time limit: `keep` x the score reached, true score as bound."""
+    results = {m: dataclasses.replace(r, proven=False, throughput=r.throughput * keep, throughput_bound=r.throughput,
+                                      unproven=["tp1 block/bwd: gap 1e-03"])
+               for m, r in outcome.results.items()}
+    return dataclasses.replace(outcome, score=outcome.score * keep, score_bound=outcome.score,
+                               values=[outcome.values[0] * keep, *outcome.values[1:]], results=results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strongest_open", [True, False])
+def test_pruned_sweep_with_unproven_points_proves_the_optimum_only_when_their_bounds_allow(tmp_path, monkeypatch,
+                                                                                            strongest_open):
+    """Unproven points count with the score they reach; the optimum is proven only if no unproven
+    point's bound beats it, and otherwise the largest such bound is reported as the optimum's bound."""
+    from phaze_opt.search import objective
+
+    space_file = tmp_path / "tiny.yaml"
+    space_file.write_text(TINY_SPACE)
+    base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
+                progress=False, prune="bound")
+    exact = run_study(StudyConfig(**base, output_dir=str(tmp_path / "exact")))
+    assert exact["exhaustive"]["optimum_proven"] and not exact["exhaustive"]["unproven"]
+    optimum = exact["best"]["score"]
+    real = objective.evaluate_point
+
+    def open_schedules(point, ctx):
+        out = real(point, ctx)
+        strongest = out.feasible and out.score == pytest.approx(optimum, rel=1e-12)
+        return _unproven(out, 0.9) if out.feasible and strongest == strongest_open else out
+
+    monkeypatch.setattr(objective, "evaluate_point", open_schedules)
+    out = run_study(StudyConfig(**base, output_dir=str(tmp_path / "open")))
+    ex = out["exhaustive"]
+    assert ex["unproven"] and out["trials"]["unproven"] == len(ex["unproven"])
+    assert all(u["bound"] == pytest.approx(u["score"] / 0.9, rel=1e-12) for u in ex["unproven"])
+    if strongest_open:  # the optimum's own point is open: reached 0.9 x, bound = the true optimum
+        assert ex["optimum_proven"] is False
+        assert ex["optimum_upper_bound"] == pytest.approx(optimum, rel=1e-12)
+        assert out["best"]["score"] < optimum
+        text = render(out)
+        assert "NOT proven optimal" in text and f"the optimum is at most {optimum:.6g}" in text
+        assert "rest on layer schedules not proven optimal" in text
+    else:  # every other evaluated point is open but none can beat the proven optimum
+        assert ex["optimum_proven"] is True and "optimum_upper_bound" not in ex
+        assert out["best"]["score"] == pytest.approx(optimum, rel=1e-12) and out["best"]["proven"]

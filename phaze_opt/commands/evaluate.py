@@ -50,6 +50,10 @@ def render(r: dict) -> str:
         f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu'] * 100:.1f}%",
         "stages (layers, memory per device, HBM headroom):",
     ]
+    if not r.get("proven", True):
+        lines.insert(3, f"NOT proven optimal: layer schedules hit the ILP time limit ({', '.join(r['unproven'])}); "
+                        f"the throughput above is reached by verified schedules, the proven bound is "
+                        f"{r['throughput_bound']:.2f} sequences/s")
     for s in p["stages"]:
         lines.append(
             f"  {s['index']:3d}  {s['first_layer']} .. {s['last_layer']}  ({len(s['layers'])} layers)  "

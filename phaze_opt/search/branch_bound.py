@@ -13,7 +13,9 @@ Best-first branch and bound: candidates are taken in decreasing order of their c
 the best designs are evaluated first and the incumbent is strong early; a candidate whose bound is
 not above the incumbent is settled "by bound" (and so is every candidate after it). The optimum is
 therefore exact: a point is only skipped when its proven upper bound cannot beat a throughput that
-some evaluated design reaches. With `--workers N` the candidates are handed to N processes, up to
+some evaluated design reaches. A point that failed, or whose layer schedules were not all proven
+optimal (its score is reached, its proven bound is higher), leaves the optimum proven only when its
+bound cannot beat the best; otherwise the summary gives the best and the largest open bound. With `--workers N` the candidates are handed to N processes, up to
 N at a time; a worker may start on a candidate that a result still in flight would have pruned,
 which costs time, never exactness.
 
@@ -145,7 +147,7 @@ def _executor(workers: int, initargs):
 
 def run_branch_bound(session, progress) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
-    from .exhaustive import _add, _existing, _frozen_trial, point_key
+    from .exhaustive import _add, _existing, _frozen_trial, point_key, unproven_points
 
     config = session.config
     model_name = config.models[0]
@@ -265,7 +267,14 @@ def run_branch_bound(session, progress) -> dict:
     # time limit, say); resumed failures count too.
     stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
                         for k, v in done.items() if v is None and k not in failed_keys]
-    stats["optimum_proven"] = not any(f["bound"] is None or f["bound"] > incumbent for f in stats["failed"])
+    # Likewise a point evaluated on unproven layer schedules: its score is reached, but its proven bound
+    # may lie above the best; the optimum then lies between the best and the largest such bound.
+    stats["unproven"] = unproven_points(session.study.get_trials(deepcopy=False))
+    open_bounds = [f["bound"] for f in stats["failed"]] + [u["bound"] for u in stats["unproven"]]
+    stats["optimum_proven"] = not any(b is None or b > incumbent for b in open_bounds)
+    if not stats["optimum_proven"]:
+        stats["optimum_upper_bound"] = (None if None in open_bounds
+                                        else max([incumbent] + [b for b in open_bounds if b is not None]))
     stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
                  optimum=incumbent)
     path = _write_points(grid, status, bound, score, Path(config.output_dir) / f"{session.name}-points.csv.gz")

@@ -13,6 +13,14 @@ They are memoised in-process under that content key, so grid points that differ 
 capacity or recompute pay for the placement DP alone; below that, layer graphs are cached on disk
 by the workload module and schedules on disk by content by the scheduler.
 
+A layer pass whose ILP stops at its time limit does not fail the design. Its verified incumbent
+schedule gives the layer time (an achievable schedule, so the throughput is one this chip really
+reaches) and the solver's proven lower bound gives a second, optimistic set of layer times. The
+placement run on those lower bounds is an upper bound on the design's throughput, because a
+placement's time per batch never falls when a layer time rises and memory does not depend on time.
+Such a result has `proven=False`, `throughput_bound` > `throughput` and the unproven passes listed;
+a proven result has `throughput_bound == throughput`. Only a solver error still raises.
+
 Energy per batch (`energy_j`, hardware/energy.py) is filled for feasible designs: per-layer energies
 (each op in the mode its schedule chose) are memoised under the same content key plus the energy
 constants; only the cheap per-placement sum runs on every call.
@@ -56,6 +64,9 @@ class DesignResult:
     model: str = ""
     energy_j: float | None = None  # per batch, when the hardware model provides it
     schedules: dict = field(default_factory=dict)  # per TP width: solve status counts
+    proven: bool = True  # every layer schedule behind `throughput` proven optimal
+    throughput_bound: float = 0.0  # proven upper bound on the throughput (== throughput when proven)
+    unproven: list = field(default_factory=list)  # "tp{t} {kind}/{pass}: gap g" per pass not proven
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -69,6 +80,8 @@ class _TpCosts:
     timings: dict
     modes: dict = field(default_factory=dict)  # (kind, pass) -> per op: ran split (schedule), for energy
     key: tuple = ()  # the memo key (content) of these costs
+    bound_costs: LayerCosts | None = None  # the same with proven lower-bound layer times; None: all proven
+    unproven: tuple = ()  # "{kind}/{pass}: gap g" of each pass whose schedule is not proven optimal
 
 
 _COSTS_MEMO: dict = {}
@@ -80,7 +93,11 @@ def _link_key(link) -> tuple:
 
 
 def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int) -> _TpCosts:
-    """Per-layer forward/backward time (proven-optimal schedules) and memory facts at TP width tp."""
+    """Per-layer forward/backward time and memory facts at TP width tp.
+
+    Times are proven-optimal schedules, or incumbents of passes that hit the ILP time limit (then
+    `bound_costs` holds the proven lower bounds as well; see the module docstring).
+    """
     link = system.tp_link(tp)
     key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision)
     hit = _COSTS_MEMO.get(key)
@@ -91,6 +108,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
     graph = build_layer_graph(model, tp, mbs)
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
+    lower: dict[tuple[str, str], float] = {}
+    unproven = []
     statuses: dict[str, int] = {}
     modes: dict[tuple[str, str], tuple[bool, ...]] = {}
     for kind in graph.kinds:
@@ -103,12 +122,14 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
             t2 = time.perf_counter()
             timings["estimate_s"] += t1 - t0
             timings["ilp_s"] += t2 - t1
-            if sched.status != "optimal":
-                raise RuntimeError(
-                    f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) not proven optimal: {sched.status}"
-                )
-            statuses[sched.method] = statuses.get(sched.method, 0) + 1
+            if sched.status not in ("optimal", "time_limit"):
+                raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
+            label = sched.method if sched.status == "optimal" else "time_limit"
+            statuses[label] = statuses.get(label, 0) + 1
             times[(kind, pass_name)] = sched.makespan
+            lower[(kind, pass_name)] = sched.makespan if sched.status == "optimal" else sched.lower_bound
+            if sched.status != "optimal":
+                unproven.append(f"{kind}/{pass_name}: gap {sched.makespan / sched.lower_bound - 1:.1e}")
             modes[(kind, pass_name)] = tuple(sched.split)
     layers = graph.layers
     costs = LayerCosts(
@@ -123,6 +144,10 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
         names=tuple(l.name for l in layers),
         flops=[l.fwd_flops + l.bwd_flops for l in layers],
     )
+    bound_costs = None
+    if unproven:
+        bound_costs = replace(costs, fwd_s=[lower[(l.kind, "fwd")] for l in layers],
+                              bwd_s=[lower[(l.kind, "bwd")] for l in layers])
     table = [
         {
             "name": l.name,
@@ -135,7 +160,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
         }
         for l in layers
     ]
-    out = _TpCosts(costs=costs, table=table, statuses=statuses, timings=timings, modes=modes, key=key)
+    out = _TpCosts(costs=costs, table=table, statuses=statuses, timings=timings, modes=modes, key=key,
+                   bound_costs=bound_costs, unproven=tuple(unproven))
     _COSTS_MEMO[key] = out
     return out
 
@@ -235,7 +261,14 @@ def evaluate_design(
     if fixed is None:
         result = optimal_placement(problem)
     else:
-        result = evaluate_placement(problem, _fixed_placement(problem, model_cfg, placement))
+        chosen_placement = _fixed_placement(problem, model_cfg, placement)
+        result = evaluate_placement(problem, chosen_placement)
+    unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
+    bound = result.throughput
+    if unproven and result.feasible:  # the same placement search on proven lower-bound layer times
+        optimistic = replace(problem, costs=tuple(v.bound_costs or v.costs for v in per_tp.values()))
+        bound = (optimal_placement(optimistic) if fixed is None
+                 else evaluate_placement(optimistic, chosen_placement)).throughput
     dp_s = time.perf_counter() - t0
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     for v in per_tp.values():
@@ -259,4 +292,7 @@ def evaluate_design(
         model=model_cfg.name,
         energy_j=energy,
         schedules={t: v.statuses for t, v in per_tp.items()},
+        proven=not unproven,
+        throughput_bound=max(bound, result.throughput),
+        unproven=unproven,
     )

@@ -13,6 +13,10 @@ How an infeasible design is reported (so samplers learn from it and reports neve
   summed violation, so a design 3% over budget counts as closer than one 50% over.
 - Objective values of an infeasible trial: throughput 0 (an infeasible design trains nothing),
   area its real area, energy +inf.
+- A design whose layer schedules were not all proven optimal in the ILP time limit is a result,
+  not a failure: its score comes from the verified incumbent schedules (a throughput the chip
+  reaches), `score_bound` from the proven lower bounds (see search/evaluate.py), and `proven` is
+  False. Records and reports carry both, so no unproven number passes for an optimum.
 - A design over the area budget is rejected from the space's `area_check` alone, before any
   workload graph, ILP or placement is computed.
 
@@ -123,6 +127,11 @@ class Outcome:
     results: dict = field(default_factory=dict)  # model -> DesignResult
     accelerator: dict = field(default_factory=dict)
     trial_s: float = 0.0
+    score_bound: float = 0.0  # proven upper bound on the score (== score when every schedule is proven)
+
+    @property
+    def proven(self) -> bool:
+        return all(r.proven for r in self.results.values())
 
     def model_summary(self, model: str) -> dict:
         r = self.results[model]
@@ -134,6 +143,9 @@ class Outcome:
             "time_per_batch_s": r.time_per_batch_s,
             "mfu": r.mfu,
             "energy_j": r.energy_j,
+            "proven": r.proven,
+            "throughput_bound": r.throughput_bound,
+            "unproven": list(r.unproven),
             "placement": r.placement,
             "timings": r.timings,
         })
@@ -148,6 +160,8 @@ class Outcome:
             "reason": self.reason,
             "area_mm2": self.area_mm2,
             "score": self.score,
+            "score_bound": self.score_bound,
+            "proven": self.proven,
             "trial_s": self.trial_s,
             "accelerator": self.accelerator,
             "models": {m: self.model_summary(m) for m in self.results},
@@ -165,6 +179,8 @@ class Outcome:
             "reason": self.reason,
             "area_mm2": self.area_mm2,
             "score": self.score,
+            "score_bound": self.score_bound,
+            "proven": self.proven,
             "models": models,
         })
 
@@ -215,10 +231,11 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
         reason = "; ".join(f"{m}: {results[m].reason}" for m in infeasible)
     feasible = not infeasible
     score = _score(ctx, results) if feasible else 0.0
+    score_bound = _score(ctx, results, "throughput_bound") if feasible else 0.0
     energy = _energy(ctx, results) if feasible and "energy" in ctx.objectives else math.inf
     values = _values(ctx.objectives, score, area, energy)
     return Outcome(point, feasible, reason, area, score, values, constraints, results, accel_fields,
-                   time.perf_counter() - start)
+                   time.perf_counter() - start, max(score_bound, score))
 
 
 def _values(objectives, score: float, area: float, energy: float) -> list[float]:
@@ -226,15 +243,16 @@ def _values(objectives, score: float, area: float, energy: float) -> list[float]
     return [float(table[o]) for o in objectives]
 
 
-def _score(ctx: Context, results: Mapping) -> float:
+def _score(ctx: Context, results: Mapping, field_name: str = "throughput") -> float:
+    """The score from each model's `field_name` (throughput, or its proven upper bound)."""
     if len(ctx.models) == 1:
-        return float(results[ctx.models[0]].throughput)
+        return float(getattr(results[ctx.models[0]], field_name))
     ratios = []
     for m in ctx.models:
         base = ctx.baselines.get(m)
         if base is None or not base.feasible or not base.throughput > 0:
             raise FatalStudyError(f"model '{m}' has no TPUv4 baseline throughput to normalise by")
-        ratios.append(results[m].throughput / base.throughput)
+        ratios.append(getattr(results[m], field_name) / base.throughput)
     return float(sum(ratios) / len(ratios))
 
 

@@ -92,6 +92,16 @@ class Row:
     area_mm2: float | None = None
     source: str = ""  # "tpuv4" or the study that found it
     trial: int | None = None
+    bound: float | None = None  # proven upper bound when a layer schedule was not proven optimal
+
+    def mark_unproven(self, proven, bound, unproven) -> "Row":
+        """Flag a throughput that rests on layer schedules not proven optimal (reached, not proven best)."""
+        if proven is False:
+            self.bound = float(bound)
+            note = (f"layer schedules not proven optimal in the ILP time limit ({', '.join(unproven or [])}): "
+                    f"{_num(self.throughput)} seq/s is reached, at most {_num(self.bound)}")
+            self.reason = f"{self.reason}; {note}" if self.reason else note
+        return self
 
     def to_json(self) -> dict:
         return jsonable(asdict(self))
@@ -126,9 +136,11 @@ def _tpuv4_row(model, baseline: Baseline, evaluator, reference_arch, system, pla
     """Row 1 or 2 from a `Baseline`, re-evaluated once at its setting for the placement details."""
     r = evaluator(model, reference_arch, int(baseline.mbs), recompute_flag(baseline.recompute), system=system,
                   placement=placement)
-    return Row(True, float(baseline.throughput), "", None, _accel_fields(reference_arch), baseline.mbs,
-               baseline.recompute, _placement_brief(getattr(r, "placement", None)),
-               float(getattr(r, "area_mm2", 0.0) or 0.0) or None, getattr(reference_arch, "name", "") or "tpuv4")
+    row = Row(True, float(baseline.throughput), "", None, _accel_fields(reference_arch), baseline.mbs,
+              baseline.recompute, _placement_brief(getattr(r, "placement", None)),
+              float(getattr(r, "area_mm2", 0.0) or 0.0) or None, getattr(reference_arch, "name", "") or "tpuv4")
+    return row.mark_unproven(getattr(r, "proven", True), getattr(r, "throughput_bound", None),
+                             getattr(r, "unproven", ()))
 
 
 class _Recorder:
@@ -160,8 +172,9 @@ def tpuv4_rows(models: Sequence[str], evaluator: Callable, reference_arch, syste
                recompute_choices: Sequence) -> tuple[dict, dict, dict]:
     """Rows 1 and 2 per model, and the baselines (row 1 or its stand-in) the ratios divide by.
 
-    A setting whose evaluation raises (e.g. a schedule not proven optimal in time) is left out of the
-    best-of-settings, as the study's baseline does; the row then carries a note saying so.
+    A setting whose evaluation raises (a solver error) is left out of the best-of-settings, as the
+    study's baseline does; the row then carries a note saying so. A setting whose layer schedules
+    were not all proven optimal counts with the throughput it reaches, flagged (`Row.mark_unproven`).
     """
     settings = len(mbs_choices) * len(recompute_choices)
     rec, rec_opt = _Recorder(evaluator), _Recorder(evaluator)
@@ -174,7 +187,7 @@ def tpuv4_rows(models: Sequence[str], evaluator: Callable, reference_arch, syste
         expert_errors = rec.errors.get((m, "expert"), [])
         if b.feasible and b.placement == "expert":
             row1[m] = _tpuv4_row(m, b, evaluator, reference_arch, system, "expert")
-            row1[m].reason = _errors_note(expert_errors, settings)
+            row1[m].reason = "; ".join(x for x in (_errors_note(expert_errors, settings), row1[m].reason) if x)
         elif len(expert_errors) >= settings:
             row1[m] = Row(False, 0.0, f"TPUv4 with the expert placement could not be evaluated at any microbatch/"
                                       f"recompute setting ({expert_errors[0]})",
@@ -197,7 +210,7 @@ def tpuv4_rows(models: Sequence[str], evaluator: Callable, reference_arch, syste
         optimal_errors = rec_opt.errors.get((m, "optimal"), [])
         if o.feasible:
             row2[m] = _tpuv4_row(m, o, evaluator, reference_arch, system, "optimal")
-            row2[m].reason = _errors_note(optimal_errors, settings)
+            row2[m].reason = "; ".join(x for x in (_errors_note(optimal_errors, settings), row2[m].reason) if x)
         else:
             why = (f"could not be evaluated at any setting ({optimal_errors[0]})" if len(optimal_errors) >= settings
                    else (o.reason or "no placement fits TPUv4"))
@@ -213,10 +226,11 @@ def row_from_summary(summary: dict | None, model: str, reason_if_none: str) -> R
     s = (best.get("models") or {}).get(model) or {}
     design = best.get("design") or {}
     feasible = bool(s.get("feasible", True)) and s.get("throughput") is not None
-    return Row(feasible, float(s.get("throughput") or 0.0), s.get("reason", "") or "", None,
-               best.get("accelerator") or {}, design.get("mbs"), design.get("recompute"),
-               _placement_brief(s.get("placement")), best.get("area_mm2"), summary.get("study", ""),
-               best.get("trial"))
+    row = Row(feasible, float(s.get("throughput") or 0.0), s.get("reason", "") or "", None,
+              best.get("accelerator") or {}, design.get("mbs"), design.get("recompute"),
+              _placement_brief(s.get("placement")), best.get("area_mm2"), summary.get("study", ""),
+              best.get("trial"))
+    return row.mark_unproven(s.get("proven", True), s.get("throughput_bound"), s.get("unproven"))
 
 
 def common_design_row(summary: dict | None, model: str, evaluator: Callable, space, system: str,
@@ -236,9 +250,11 @@ def common_design_row(summary: dict | None, model: str, evaluator: Callable, spa
         return Row(False, 0.0, f"{note}: {type(exc).__name__}: {exc}", source=summary.get("study", ""))
     if not r.feasible:
         return Row(False, 0.0, f"{note}: {r.reason}", source=summary.get("study", ""))
-    return Row(True, float(r.throughput), note, None, best.get("accelerator") or {}, design.get("mbs"),
-               design.get("recompute"), _placement_brief(r.placement), best.get("area_mm2"), summary.get("study", ""),
-               best.get("trial"))
+    row = Row(True, float(r.throughput), note, None, best.get("accelerator") or {}, design.get("mbs"),
+              design.get("recompute"), _placement_brief(r.placement), best.get("area_mm2"), summary.get("study", ""),
+              best.get("trial"))
+    return row.mark_unproven(getattr(r, "proven", True), getattr(r, "throughput_bound", None),
+                             getattr(r, "unproven", ()))
 
 
 def apply_ratios(rows: dict, baselines: dict) -> None:
@@ -481,7 +497,7 @@ def _ratio(v: float | None) -> str:
 def _cell(row: Row) -> str:
     if not row.feasible:
         return "infeasible"
-    return f"{_num(row.throughput)} ({_ratio(row.ratio)})"
+    return f"{_num(row.throughput)} ({_ratio(row.ratio)})" + (" †" if row.bound is not None else "")
 
 
 def design_brief(row: Row) -> str:
@@ -525,7 +541,10 @@ def render_system(result: dict, trials: int | None = None) -> str:
     lines.append("| mean ratio | " + " | ".join(_ratio(means[k]["mean"]) for k in ROWS) + " |")
     lines.append("| Phaze (published) | 1x | | | " + f"{PUBLISHED['co_optimised']}x | {PUBLISHED['common']}x |")
     lines.append("")
-    lines.append("Throughput in sequences/s (ratio to row 1)." + (f" {trials} trials per study." if trials else ""))
+    lines.append("Throughput in sequences/s (ratio to row 1)." + (f" {trials} trials per study." if trials else "")
+                 + (" †: a layer schedule behind it was not proven optimal in the ILP time limit; the throughput "
+                    "is reached by verified schedules, its proven bound is in the note below."
+                    if any(r.bound is not None for by_row in rows.values() for r in by_row.values()) else ""))
     for n in notes:
         lines.append("")
         lines.append(n)

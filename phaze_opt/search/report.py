@@ -58,6 +58,8 @@ def describe_trial(trial, baselines: dict) -> dict:
         "design": trial.user_attrs.get("point"),
         "accelerator": result.get("accelerator"),
         "score": trial.values[0] if trial.values else None,
+        "proven": result.get("proven", True),
+        "score_bound": result.get("score_bound"),
         "values": list(trial.values or []),
         "area_mm2": result.get("area_mm2"),
         "elapsed_s": result.get("elapsed_s"),
@@ -108,6 +110,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     done = finished_trials(trials)
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
+    unproven = [t for t in feasible if (t.user_attrs.get("result") or {}).get("proven") is False]
     best = best_trial(done, config.objectives)
     summary: dict[str, Any] = {
         "study": session.name,
@@ -123,7 +126,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
-                   "failed": len(failed), "this_run": len(done) - session.trials_before},
+                   "failed": len(failed), "unproven": len(unproven), "this_run": len(done) - session.trials_before},
         "wall_s": session.elapsed() - session.offset_s,
         "elapsed_s": session.elapsed(),
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
@@ -190,6 +193,9 @@ def render(summary: dict) -> str:
     lines.append(f"  storage {summary['storage']}")
     lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
                  f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run")
+    if t.get("unproven"):
+        lines.append(f"  {t['unproven']} feasible trial(s) rest on layer schedules not proven optimal in the ILP time "
+                     f"limit: their score is reached by a verified schedule, their proven bound is higher")
     ex = summary.get("exhaustive")
     if ex:
         stop = (f"stopped by hysteresis after {ex['groups_done']} of {ex['groups']} area groups"
@@ -201,8 +207,12 @@ def render(summary: dict) -> str:
                          f"{c['bound-placement']:,} placement DP on lower-bound layer times)")
             lines.append(f"    every point and how it was settled: {ex['points_file']}")
             if not ex.get("optimum_proven", True):
-                lines.append(f"    NOT proven optimal: {len(ex['failed'])} point(s) whose bound beats the best failed to "
-                             f"evaluate (see the failed trials); the best below is the best evaluated")
+                bound = ex.get("optimum_upper_bound")
+                open_points = [f for f in ex["failed"] if f["bound"] is None or f["bound"] > ex["optimum"]]
+                open_points += [u for u in ex.get("unproven", []) if u["bound"] > ex["optimum"]]
+                lines.append(f"    NOT proven optimal: {len(open_points)} point(s) failed or rest on unproven layer "
+                             f"schedules with a bound above the best; the best below is the best reached"
+                             + (f", the optimum is at most {bound:.6g}" if bound is not None else ""))
         else:
             lines.append(f"  exhaustive: {ex['evaluated']} of {ex['points']} grid points evaluated ({stop})")
         for h in ex.get("best_history", [])[-5:]:
@@ -214,6 +224,9 @@ def render(summary: dict) -> str:
         lines.append(f"  best design (trial {best['trial']}): " +
                      ", ".join(f"{k}={v}" for k, v in (best["design"] or {}).items()))
         lines.append(f"    area {_fmt(best['area_mm2'], ' mm2', 4)}")
+        if best.get("proven") is False:
+            lines.append(f"    score {best['score']:.6g} from verified schedules not all proven optimal; "
+                         f"proven bound {best['score_bound']:.6g}")
         for m, s in best["models"].items():
             p = s.get("placement") or {}
             stages = p.get("stages") or []
@@ -221,6 +234,9 @@ def render(summary: dict) -> str:
                          f"MFU {_fmt(s.get('mfu'), '', 3)}, time/batch {_fmt(s.get('time_per_batch_s'), ' s', 4)}")
             lines.append(f"      placement TP={p.get('tp')} PP={p.get('pp')} DP={p.get('dp')}, "
                          f"{p.get('microbatches')} microbatches, {len(stages)} stages")
+            if s.get("proven") is False:
+                lines.append(f"      not proven: at most {_fmt(s.get('throughput_bound'), ' seq/s', 5)}; "
+                             f"open layer schedules: {', '.join(s.get('unproven') or [])}")
             ratio = s.get("ratio_to_tpuv4_expert")
             base = summary["baselines"].get(m, {})
             if ratio is not None:

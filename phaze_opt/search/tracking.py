@@ -33,7 +33,7 @@ OFF = ("off", "none", "")
 MAX_PARAM = 6000
 MAX_TAG = 5000
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
-MODEL_METRICS = ("throughput", "tokens_per_s", "time_per_batch_s", "mfu", "energy_j")
+MODEL_METRICS = ("throughput", "throughput_bound", "tokens_per_s", "time_per_batch_s", "mfu", "energy_j")
 PLACEMENT_METRICS = ("tp", "pp", "dp", "microbatches")
 TIMINGS = ("graph_s", "estimate_s", "ilp_s", "dp_s")
 
@@ -132,12 +132,14 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
         rec.tags["retry_of"] = str(ua["retry_of"])
     if res.get("new_best"):
         rec.tags["new_best"] = "true"
+    if "proven" in res:  # false: a layer schedule hit the ILP time limit (score reached, bound higher)
+        rec.tags["proven"] = "true" if res["proven"] else "false"
     metrics = rec.metrics
     if trial.values is not None:
         for name, value in zip(objectives, trial.values):
             if _finite(value) is not None:
                 metrics[f"objective.{name}"] = float(value)
-    for k in ("score", "area_mm2", "trial_s", "elapsed_s"):
+    for k in ("score", "score_bound", "area_mm2", "trial_s", "elapsed_s"):
         if _finite(res.get(k)) is not None:
             metrics[k] = float(res[k])
     per_model = res.get("models") or {}
