@@ -140,3 +140,7 @@ def test_time_limited_layer_schedule_gives_reached_throughput_and_proven_bound(m
     assert open_.throughput_bound == pytest.approx(exact.throughput, rel=1e-12)
     assert open_.throughput < open_.throughput_bound
     assert all("time_limit" in s for s in open_.schedules.values())
+    from phaze_opt.commands.evaluate import render as render_evaluate
+
+    text = render_evaluate({**open_.to_json(), "arch": "tpuv4", "mbs": 2, "recompute": True})
+    assert "NOT proven optimal" in text and "block/bwd" in text and f"{open_.throughput_bound:.6g}" in text

@@ -53,7 +53,7 @@ def render(r: dict) -> str:
     if not r.get("proven", True):
         lines.insert(3, f"NOT proven optimal: layer schedules hit the ILP time limit ({', '.join(r['unproven'])}); "
                         f"the throughput above is reached by verified schedules, the proven bound is "
-                        f"{r['throughput_bound']:.2f} sequences/s")
+                        f"{r['throughput_bound']:.6g} sequences/s (+{(r['throughput_bound'] / r['throughput'] - 1) * 100:.3g}%)")
     for s in p["stages"]:
         lines.append(
             f"  {s['index']:3d}  {s['first_layer']} .. {s['last_layer']}  ({len(s['layers'])} layers)  "
