@@ -144,3 +144,48 @@ def test_time_limited_layer_schedule_gives_reached_throughput_and_proven_bound(m
 
     text = render_evaluate({**open_.to_json(), "arch": "tpuv4", "mbs": 2, "recompute": True})
     assert "NOT proven optimal" in text and "block/bwd" in text and f"{open_.throughput_bound:.6g}" in text
+
+
+def test_ilp_time_limit_reaches_every_layer_solve_and_keys_the_memo(monkeypatch):
+    from phaze_opt.search import evaluate as ev
+
+    seen = []
+    real = ev.schedule_graph
+
+    def schedule(*a, **kw):
+        seen.append(kw.get("time_limit_s"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ev, "schedule_graph", schedule)
+    monkeypatch.setattr(ev, "_COSTS_MEMO", {})
+    ev.evaluate_design("gpt2-xl", TPU, 2, True, ilp_time_limit_s=7.5)
+    assert seen and set(seen) == {7.5}
+    seen.clear()
+    ev.evaluate_design("gpt2-xl", TPU, 2, True)  # another limit: not served from the first call's memo
+    assert seen and set(seen) == {ev.DEFAULT_ILP_TIME_LIMIT_S}
+    with pytest.raises(PhazeError, match="--ilp-time-limit"):
+        ev.evaluate_design("gpt2-xl", TPU, 2, True, ilp_time_limit_s=0)
+
+
+def test_study_config_time_limit_gives_a_prunable_design_evaluator():
+    from phaze_opt.search import evaluate as ev
+    from phaze_opt.search.setup import Backend, StudyConfig, validate
+
+    assert ev.design_evaluator(None) is ev.evaluate_design
+    partial = ev.design_evaluator(5)
+    assert partial.keywords == {"ilp_time_limit_s": 5.0} and ev.is_design_evaluator(partial)
+    config = validate(StudyConfig(exhaustive=True, hysteresis="off", ilp_time_limit_s=5, tracking_uri="off"))
+    assert config.prune == "bound"
+    assert Backend().resolved(config).evaluator.keywords == {"ilp_time_limit_s": 5.0}
+    with pytest.raises(PhazeError, match="--ilp-time-limit"):
+        validate(StudyConfig(ilp_time_limit_s=-1.0))
+
+
+def test_a_short_ilp_time_limit_leaves_a_hard_design_unproven_with_a_sound_bound():
+    """Real solves: backward blocks on 2 TCs / 512 VCs do not close in 0.2 s (nor in 60 s, BENCHMARKS.md)."""
+    arch = dataclasses.replace(TPU, num_tc=2, tc_x=8, tc_y=16, num_vc=512, vc_width=8, name="tc2x8x16-vc512x8")
+    r = evaluate_design("bert-large", arch, 1, False, ilp_time_limit_s=0.2)
+    assert r.feasible and not r.proven
+    assert any("block/bwd" in u for u in r.unproven)
+    assert 0 < r.throughput < r.throughput_bound
+    assert all("time_limit" in s for s in r.schedules.values())

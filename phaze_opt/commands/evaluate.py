@@ -20,6 +20,8 @@ def add_arguments(p):
         default="optimal",
         help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D (layers split evenly)",
     )
+    p.add_argument("--ilp-time-limit", type=float, default=60.0, metavar="SECONDS",
+                   help="per layer-pass schedule solve limit in seconds (default 60); a pass not proven optimal by then leaves the design unproven, with its throughput bound")
 
 
 def run(args) -> dict:
@@ -28,7 +30,8 @@ def run(args) -> dict:
     from ..search.evaluate import evaluate_design
 
     arch = load_arch(args.arch)
-    result = evaluate_design(args.model, arch, args.mbs, args.recompute, args.system, args.placement).to_json()
+    result = evaluate_design(args.model, arch, args.mbs, args.recompute, args.system, args.placement,
+                             ilp_time_limit_s=args.ilp_time_limit).to_json()
     result["arch"] = arch.name or args.arch
     result["mbs"] = args.mbs
     result["recompute"] = bool(args.recompute)

@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
                    help="MLflow tracking URI for the studies, or 'off' (default off)")
     p.add_argument("--output-dir", default="studies/published",
                    help="study storages, published.json and published.md (default studies/published)")
+    p.add_argument("--ilp-time-limit", type=float, default=None, metavar="SECONDS",
+                   help="per layer-pass schedule solve limit in seconds (default 60); a pass not proven optimal by then leaves the design unproven, with its throughput bound")
     p.add_argument("--resume", action="store_true",
                    help="reuse this table's studies in --output-dir instead of starting them afresh")
 
@@ -37,7 +39,7 @@ def config_from_args(args):
     return PublishedConfig(
         models=tuple(args.model or MODELS), systems=tuple(args.system or SYSTEMS), space=args.space,
         trials=args.trials, seed=args.seed, workers=args.workers, tracking_uri=args.tracking_uri,
-        output_dir=args.output_dir, fresh=not args.resume,
+        output_dir=args.output_dir, fresh=not args.resume, ilp_time_limit_s=args.ilp_time_limit,
     )
 
 

@@ -28,6 +28,7 @@ constants; only the cheap per-placement sum runs on every call.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -47,6 +48,7 @@ from ..workload.graphs import build_layer_graph
 from ..workload.models import ModelConfig, load_model
 
 PASSES = ("fwd", "bwd")
+DEFAULT_ILP_TIME_LIMIT_S = 60.0  # per layer pass; a pass not proven optimal by then counts as unproven
 
 
 @dataclass
@@ -92,14 +94,15 @@ def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
 
-def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int) -> _TpCosts:
+def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int,
+                ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> _TpCosts:
     """Per-layer forward/backward time and memory facts at TP width tp.
 
     Times are proven-optimal schedules, or incumbents of passes that hit the ILP time limit (then
     `bound_costs` holds the proven lower bounds as well; see the module docstring).
     """
     link = system.tp_link(tp)
-    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision)
+    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision, float(ilp_time_limit_s))
     hit = _COSTS_MEMO.get(key)
     if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
@@ -118,7 +121,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
             t0 = time.perf_counter()
             lat = estimate(op_graph, [arch], interconnect=link)
             t1 = time.perf_counter()
-            sched = schedule_graph(op_graph, lat.single[0], lat.split[0], arch)
+            sched = schedule_graph(op_graph, lat.single[0], lat.split[0], arch, time_limit_s=ilp_time_limit_s)
             t2 = time.perf_counter()
             timings["estimate_s"] += t1 - t0
             timings["ilp_s"] += t2 - t1
@@ -195,16 +198,37 @@ def _design_energy(model, arch, mbs, recompute, system, tp_costs: _TpCosts, resu
                         result.time_per_batch_s, area, system).total_j
 
 
+def check_ilp_time_limit(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0 \
+            or not np.isfinite(value):
+        raise PhazeError(f"--ilp-time-limit: must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def design_evaluator(ilp_time_limit_s: float | None = None):
+    """`evaluate_design`, with a per-pass ILP time limit other than the default when one is given
+    (a picklable partial, so study workers get it too)."""
+    if ilp_time_limit_s is None:
+        return evaluate_design
+    return functools.partial(evaluate_design, ilp_time_limit_s=check_ilp_time_limit(ilp_time_limit_s))
+
+
+def is_design_evaluator(evaluator) -> bool:
+    """True for `evaluate_design` and for `design_evaluator`'s partials (the proven bounds apply to both)."""
+    return getattr(evaluator, "func", evaluator) is evaluate_design
+
+
 def _tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
     return tuple(t for t in model.tp_widths if t <= system.accelerators)
 
 
-def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None):
+def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None,
+                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
     """The PlacementProblem of a design, plus per-TP cost tables and the work timings."""
     model = load_model(model)
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(tp_widths) if tp_widths else _tp_widths(model, system)
-    per_tp = {t: layer_costs(model, arch, mbs, system, t) for t in widths}
+    per_tp = {t: layer_costs(model, arch, mbs, system, t, ilp_time_limit_s) for t in widths}
     flops_per_seq = build_layer_graph(model, widths[0], mbs).train_flops_per_sequence
     problem = PlacementProblem(
         costs=tuple(v.costs for v in per_tp.values()),
@@ -239,10 +263,15 @@ def evaluate_design(
     recompute: bool,
     system="default",
     placement: str = "optimal",
+    ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
 ) -> DesignResult:
-    """Throughput of one design (architecture, microbatch, recompute) with its best or a given placement."""
+    """Throughput of one design (architecture, microbatch, recompute) with its best or a given placement.
+
+    `ilp_time_limit_s` bounds each layer pass's schedule solve; a shorter limit trades proofs for
+    time (passes left open make the result unproven, with its bound; see the module docstring)."""
     if isinstance(mbs, bool) or not isinstance(mbs, (int, np.integer)) or mbs < 1:
         raise PhazeError(f"microbatch size must be a positive integer, got {mbs!r}")
+    check_ilp_time_limit(ilp_time_limit_s)
     fixed = None
     if placement != "optimal":
         fixed = placement if placement == "expert" else parse_placement_spec(placement)
@@ -256,7 +285,8 @@ def evaluate_design(
                 f"allowed: {', '.join(map(str, model_cfg.tp_widths))}"
             )
         widths = (tp,)
-    model_cfg, system, problem, per_tp = placement_problem(model_cfg, arch, int(mbs), bool(recompute), system, widths)
+    model_cfg, system, problem, per_tp = placement_problem(model_cfg, arch, int(mbs), bool(recompute), system, widths,
+                                                           float(ilp_time_limit_s))
     t0 = time.perf_counter()
     if fixed is None:
         result = optimal_placement(problem)

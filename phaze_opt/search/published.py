@@ -121,6 +121,7 @@ class PublishedConfig:
     reference_arch: str = "tpuv4"
     fresh: bool = True  # delete this table's study storages first (False: resume them)
     progress: bool | None = False
+    ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: the default (60 s)
 
 
 def _placement_brief(p: dict | None) -> dict:
@@ -317,7 +318,7 @@ def _study_config(cfg: PublishedConfig, system: str, models: tuple[str, ...], na
     return StudyConfig(models=models, space=cfg.space, system=system, sampler=cfg.sampler, seed=cfg.seed,
                        trials=cfg.trials, study_name=name, storage=default_storage(name, cfg.output_dir),
                        tracking_uri=cfg.tracking_uri, workers=cfg.workers, output_dir=cfg.output_dir,
-                       reference_arch=cfg.reference_arch, progress=cfg.progress)
+                       reference_arch=cfg.reference_arch, progress=cfg.progress, ilp_time_limit_s=cfg.ilp_time_limit_s)
 
 
 def _system_tag(system: str) -> str:
@@ -372,7 +373,8 @@ def min_trials(space) -> int:
 def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
     """The table of one system: rows per model, ratio means, the studies run, checks."""
     t0 = time.perf_counter()
-    base = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch))
+    base = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch,
+                                        ilp_time_limit_s=cfg.ilp_time_limit_s))
     space, evaluator, reference = base.space, base.evaluator, base.reference_arch
     mbs_choices, rc_choices = list(space.params["mbs"]), list(space.params["recompute"])
     names = study_names(cfg, system)
@@ -464,7 +466,8 @@ def run_published(cfg: PublishedConfig, backend: Backend | None = None) -> dict:
         raise PhazeError(f"--trials: expected a positive whole number, got {cfg.trials!r}")
     if not cfg.models or not cfg.systems:
         raise PhazeError("give at least one model and one system")
-    space = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch)).space
+    space = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch,
+                                         ilp_time_limit_s=cfg.ilp_time_limit_s)).space
     need = min_trials(space)
     if cfg.trials < need:
         raise PhazeError(f"--trials {cfg.trials}: each study first evaluates TPUv4 at every microbatch/recompute "

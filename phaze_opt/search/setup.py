@@ -50,6 +50,7 @@ class StudyConfig:
     output_dir: str = "studies"
     reference_arch: str = "tpuv4"
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: evaluate's default (60 s)
 
     @property
     def mode(self) -> str:
@@ -79,9 +80,9 @@ class Backend:
         if evaluator is None:
             from . import evaluate
 
-            evaluator = getattr(evaluate, "evaluate_design", None)
-            if evaluator is None:
+            if getattr(evaluate, "evaluate_design", None) is None:
                 raise PhazeError("phaze_opt.search.evaluate.evaluate_design is not available in this build")
+            evaluator = evaluate.design_evaluator(config.ilp_time_limit_s)
         space = self.space
         if space is None:
             from ..hardware.space import load_space
@@ -182,6 +183,10 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         raise PhazeError("--hysteresis needs the area groups in order; use --workers 1 or --hysteresis off")
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
         raise PhazeError(f"--area-group-mm2: expected a positive number, got {config.area_group_mm2!r}")
+    if config.ilp_time_limit_s is not None:
+        from .evaluate import check_ilp_time_limit
+
+        config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():
         raise PhazeError("--study-name: must not be empty")
     if config.storage is not None and "://" not in str(config.storage):
@@ -224,7 +229,7 @@ def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         why = "it bounds one model's throughput; a common design over several models is not bounded"
     elif tuple(config.objectives) != ("throughput",):
         why = "it bounds throughput only; other objectives need every point evaluated"
-    elif evaluator is not None and evaluator is not getattr(evaluate, "evaluate_design", None):
+    elif evaluator is not None and not evaluate.is_design_evaluator(evaluator):
         why = "a custom evaluator has no throughput bound"
     elif space is not None and not (hasattr(space, "architectures") and "hbm_gib" in getattr(space, "params", {})):
         why = "the space has no architecture grid with HBM capacities"
