@@ -27,6 +27,12 @@ How it is solved exactly (each step is argued where it is implemented):
    zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"). A run
    that stops at the time limit returns its best schedule as status "time_limit" with the proven
    bound, never as "optimal".
+   The MIP gets MIP_FIRST_S first. A block it has not closed by then goes to
+   `schedule_search.search_block`, an exact branch and bound over decision points started from the
+   MIP's incumbent, for half the time left; if that finishes, its schedule is optimal (it closes the
+   blocks whose optimum turns on which vector ops hide beside equal single-mode GEMMs, which the
+   MIP's relaxation cannot see). If not, the MIP runs again for the rest of the time, warm-started
+   with the better incumbent, and the best proven bound of the phases is reported.
 5. Every result is replayed by `verify.verify_schedule` before it is returned, and memoised by
    content (`schedule_cache`, method "cache" on a hit).
 """
@@ -40,13 +46,16 @@ from .schedule_cache import get as cache_get
 from .schedule_cache import problem_key
 from .schedule_cache import put as cache_put
 from .schedule_heuristic import list_schedule
-from .schedule_ilp import solve_block
+from .schedule_ilp import IlpResult, solve_block
+from .schedule_search import search_block
 from .schedule_instance import block_view, prepare
 from .types import Schedule, ScheduleProblem
 from .verify import assign_cores, expected_duration, verify_schedule
 
 SOLVERS = ("highs", "cbc")
 BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
+MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
+SEARCH_MAX_OPS = 64  # the search's forbidden-start set is a bitset of 2 bits per op; it is for small blocks
 
 
 def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool = True) -> dict:
@@ -68,11 +77,35 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
         info.update(method="bound", status="optimal", makespan=ms, lower_bound=min(lb, ms), start=start,
                     modes=modes, binaries=0)
         return info
-    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver,
-                      time_limit_s=max(deadline - time.perf_counter(), 0.0))
+    left = max(deadline - time.perf_counter(), 0.0)
+    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S))
+    stats = dict(res.stats)
+    if res.status == "time_limit" and len(view.ops) <= SEARCH_MAX_OPS and deadline > time.perf_counter():
+        res, stats = _search_then_mip(inst, view, res, stats, solver, deadline)
     info.update(method="ilp", status=res.status, makespan=res.makespan, lower_bound=min(res.lower_bound, res.makespan),
-                start=res.start, modes=res.modes, binaries=res.stats.get("binaries", 0), ilp=res.stats)
+                start=res.start, modes=res.modes, binaries=stats.get("binaries", 0), ilp=stats)
     return info
+
+
+def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
+    """The MIP did not close the block in MIP_FIRST_S: search (`schedule_search`) from its incumbent
+    for up to half the time left; if that does not finish, give the MIP the rest, warm-started with
+    the better incumbent. Every phase's bound is proven, so the best of them stands."""
+    now = time.perf_counter()
+    found = search_block(inst, view, (res.makespan, res.start, res.modes), now + (deadline - now) / 2)
+    stats["search"] = found.stats
+    if found.complete:
+        stats["proof"] = "search"
+        return IlpResult(found.makespan, found.makespan, "optimal", found.start, found.modes, stats), stats
+    incumbent = (found.makespan, found.start, found.modes)
+    again = solve_block(inst, view, incumbent, res.lower_bound, solver=solver,
+                        time_limit_s=max(deadline - time.perf_counter(), 0.0))
+    bound = max(res.lower_bound, again.lower_bound)
+    stats.update({k: v for k, v in again.stats.items() if k not in stats}, second_mip=again.stats)
+    if again.makespan <= found.makespan:
+        return IlpResult(again.makespan, min(bound, again.makespan), again.status, again.start, again.modes,
+                         stats), stats
+    return IlpResult(found.makespan, min(bound, found.makespan), "time_limit", found.start, found.modes, stats), stats
 
 
 def _utilisation(problem: ScheduleProblem, split, duration, makespan: float) -> dict:

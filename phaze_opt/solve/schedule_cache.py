@@ -3,8 +3,9 @@
 The key hashes everything a schedule depends on: op units, both latencies of every op (exact
 float bits), the edges, and the core counts. Op names are left out (they change no decision), and
 so is the solver: a proven optimum is the same makespan whichever solver proved it. A result that
-is not proven optimal is reused only when it was solved with the same solver and at least as
-much time as the caller now allows.
+is not proven optimal is reused only when it was solved with the same solver, at least as much
+time as the caller now allows, and the same exact methods (`METHODS_VERSION`: raised when a new
+method could close what an older one left open, e.g. the decision-point search).
 
 Disk: `$PHAZE_OPT_CACHE/schedules/<key[:2]>/<key>.json`, the cache root defaulting to `.cache/phaze_opt`
 beside the package. Writes go to a temporary file and are renamed into place, so concurrent
@@ -22,6 +23,7 @@ from pathlib import Path
 from .types import Schedule, ScheduleProblem
 
 CACHE_VERSION = 1
+METHODS_VERSION = 2  # 2: MIP, then the decision-point search (schedule_search), then the MIP again
 _memory: dict[str, dict] = {}
 
 
@@ -49,7 +51,7 @@ def _path(key: str) -> Path:
 
 def _to_record(schedule: Schedule, solver: str, time_limit_s: float) -> dict:
     return {
-        "version": CACHE_VERSION, "solver": solver, "time_limit_s": float(time_limit_s),
+        "version": CACHE_VERSION, "methods": METHODS_VERSION, "solver": solver, "time_limit_s": float(time_limit_s),
         "makespan": schedule.makespan, "lower_bound": schedule.lower_bound, "status": schedule.status,
         "method": schedule.method, "solve_s": schedule.solve_s, "start": list(schedule.start),
         "split": list(schedule.split), "cores": [list(c) for c in schedule.cores],
@@ -71,7 +73,8 @@ def _usable(rec: dict, solver: str, time_limit_s: float) -> bool:
         return False
     if rec.get("status") == "optimal":
         return True
-    return rec.get("solver") == solver and float(rec.get("time_limit_s", 0.0)) >= time_limit_s
+    return (rec.get("solver") == solver and float(rec.get("time_limit_s", 0.0)) >= time_limit_s
+            and rec.get("methods") == METHODS_VERSION)
 
 
 def get(key: str, solver: str, time_limit_s: float, disk: bool = True) -> Schedule | None:
