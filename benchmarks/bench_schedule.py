@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from phaze_opt.hardware.arch import load_arch  # noqa: E402
 from phaze_opt.hardware.latency import estimate  # noqa: E402
 from phaze_opt.hardware.space import load_space  # noqa: E402
-from phaze_opt.solve.schedule import problem_from_graph, solve_schedule  # noqa: E402
+from phaze_opt.solve.schedule import MIP_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
 from phaze_opt.solve.schedule_cache import problem_key  # noqa: E402
 from phaze_opt.solve.schedule_instance import prepare  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
@@ -121,6 +121,12 @@ def main(argv=None) -> int:
     print(f"problems settled without a solver (list schedule met the lower bound): "
           f"{methods.count('bound')}/{n} ({100.0 * methods.count('bound') / n:.0f}%)")
     print(f"series blocks by method: {blocks}")
+    searched = [b for s in results.values() for b in s.extra.get("ilp_blocks", []) if "search" in b]
+    if searched:
+        proved = [b for b in searched if b.get("proof") == "search"]
+        print(f"blocks the MIP left open after its first {MIP_FIRST_S:g} s: {len(searched)}; proven by the "
+              f"decision-point search: {len(proved)} (search time median "
+              f"{statistics.median(b['search']['search_s'] for b in proved) if proved else 0.0:.2f} s)")
     ilp_times = [per[k] for k in range(n) if methods[k] == "ilp"]
     if ilp_times:
         print(f"problems that ran the ILP: {len(ilp_times)}, their median {statistics.median(ilp_times) * 1e3:.1f} ms, "
@@ -130,8 +136,10 @@ def main(argv=None) -> int:
     print("\nslowest:")
     for k in sorted(range(n), key=lambda k: -per[k])[: args.slowest]:
         s = results[k]
-        print(f"  {per[k] * 1e3:8.1f} ms  {s.status:10s} {s.method:5s} binaries={s.extra['binaries']:4d} "
-              f"pairs={s.extra['unordered_pairs']:4d}  {problems[k][1]}")
+        gap = s.makespan / s.lower_bound - 1 if s.lower_bound > 0 else 0.0
+        proof = ",".join(sorted({b.get("proof", "") for b in s.extra.get("ilp_blocks", [])} - {""}))
+        print(f"  {per[k] * 1e3:8.1f} ms  {s.status:10s} {s.method:5s} gap={gap:.1e} proof={proof or '-':14s} "
+              f"binaries={s.extra['binaries']:4d} pairs={s.extra['unordered_pairs']:4d}  {problems[k][1]}")
     print("\ngraph sizes (ops / ops after contracting zero-time ops / unordered pairs / unordered pairs among them):")
     print("| layer pass | ops | timed ops | unordered pairs | unordered timed pairs |")
     print("|---|---:|---:|---:|---:|")

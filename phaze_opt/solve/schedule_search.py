@@ -22,7 +22,8 @@ Herroelen, Management Science 38(12), 1992, adapted to our two modes and the one
   not started in that mode at the next decision point. Nothing happens in between, so starting it
   now instead is legal and ends no later. An optimal schedule with the least sum of start times
   breaks no such rule, so the rule keeps an optimum.
-- Bounds at a node: the latest end of a running op plus the longest tail after it; now plus the
+- Bounds at a node (and, for the op alone, before trying a start: its end plus the longest tail
+  after it): the latest end of a running op plus the longest tail after it; now plus the
   longest tail (fastest modes) of every eligible op; for each resource, now plus the core time still
   to come (running ops' remainders, and per op its cheaper mode: single-mode work over cores, or
   the split time during which every core is taken) over the cores; the link's remaining
@@ -204,18 +205,20 @@ def search_block(inst: Instance, view: BlockView, incumbent, deadline: float) ->
                 return
             a = eligible[idx]
             if net[a]:
-                if not lk and not (forbid >> (2 * a)) & 1:
+                if not lk and not (forbid >> (2 * a)) & 1 and t + single[a] + tail_after[a] < cut[0]:
                     plan[a] = (t, False)
                     choose(idx + 1, chosen + [(a, False, t + single[a])], tcu, vcu, sp, cr, True,
                            r_tc, r_vc, r_net - single[a])
                     del plan[a]
             else:
-                if can_split[a] and not cr and not (forbid >> (2 * a + 1)) & 1:
+                if (can_split[a] and not cr and not (forbid >> (2 * a + 1)) & 1
+                        and t + split[a] + tail_after[a] < cut[0]):
                     plan[a] = (t, True)
                     choose(idx + 1, chosen + [(a, True, t + split[a])], tcu, vcu, True, True, lk,
                            r_tc - work_tc[a], r_vc - work_vc[a], r_net)
                     del plan[a]
-                if fits_single(a, tcu, vcu, sp) and not (forbid >> (2 * a)) & 1:
+                if (fits_single(a, tcu, vcu, sp) and not (forbid >> (2 * a)) & 1
+                        and t + single[a] + tail_after[a] < cut[0]):
                     plan[a] = (t, False)
                     choose(idx + 1, chosen + [(a, False, t + single[a])], tcu + uses_tc[a], vcu + uses_vc[a],
                            sp, True, lk, r_tc - work_tc[a], r_vc - work_vc[a], r_net)
