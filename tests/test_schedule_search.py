@@ -108,3 +108,20 @@ def test_search_closes_a_real_block_the_mip_leaves_open():
     searched = [b for b in s.extra["ilp_blocks"] if "search" in b]
     assert searched and searched[0]["proof"] == "search" and searched[0]["search"]["complete"]
     assert s.makespan < s.extra["heuristic_makespan"] * (1 - 1e-5)
+
+
+def test_a_full_memo_costs_speed_not_exactness(monkeypatch):
+    from phaze_opt.solve import schedule_search
+    from phaze_opt.solve.types import ScheduleProblem
+
+    monkeypatch.setattr(schedule_search, "MEMO_MAX_STATES", 3)
+    p = ScheduleProblem(units=("tc", "vc", "tc", "vc", "tc"), single=(3.0, 2.0, 2.0, 3.0, 4.0),
+                        split=(2.0, 1.0, 1.0, 1.0, 3.0), edges=((0, 1), (2, 3)), num_tc=2, num_vc=2)
+    inst = prepare(p)
+    total = 0.0
+    for b in inst.blocks:
+        view = block_view(inst, b)
+        res = search_block(inst, view, _serial(inst, view), deadline=float("inf"))
+        assert res.complete and res.stats["states"] <= 3
+        total += res.makespan
+    assert total == pytest.approx(oracle_makespan(p.units, p.single, p.split, p.edges, p.num_tc, p.num_vc), abs=1e-9)

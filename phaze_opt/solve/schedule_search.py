@@ -47,6 +47,7 @@ from .schedule_instance import BlockView, Instance
 
 REL_TOL = 1e-9  # a schedule must beat the incumbent by more than rounding to count
 _CHECK_EVERY = 1024  # nodes between deadline checks
+MEMO_MAX_STATES = 1_500_000  # ~0.5 GB; past it states are still looked up but no longer stored
 
 
 @dataclass
@@ -148,7 +149,7 @@ def search_block(inst: Instance, view: BlockView, incumbent, deadline: float) ->
                 if t_seen <= t and forbid_seen & ~forbid == 0:
                     return
             seen.append((t, forbid))
-        else:
+        elif len(memo) < MEMO_MAX_STATES:  # the memo only prunes; a full one costs speed, not exactness
             memo[key] = [(t, forbid)]
         started = done
         for a, _, _ in running:
