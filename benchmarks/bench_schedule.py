@@ -127,11 +127,11 @@ def main(argv=None) -> int:
         print(f"blocks the MIP left open after its first {MIP_FIRST_S:g} s: {len(searched)}; proven by the "
               f"decision-point search: {len(proved)} (search time median "
               f"{statistics.median(b['search']['search_s'] for b in proved) if proved else 0.0:.2f} s)")
-    ilp_times = [per[k] for k in range(n) if methods[k] == "ilp"]
+    ilp_times = [per[k] for k in range(n) if methods[k] in ("ilp", "search")]
     if ilp_times:
         print(f"problems that ran the ILP: {len(ilp_times)}, their median {statistics.median(ilp_times) * 1e3:.1f} ms, "
               f"max {max(ilp_times) * 1e3:.1f} ms; binaries median "
-              f"{statistics.median([results[k].extra['binaries'] for k in range(n) if methods[k] == 'ilp']):.0f}, max "
+              f"{statistics.median([results[k].extra['binaries'] for k in range(n) if methods[k] in ('ilp', 'search')]):.0f}, max "
               f"{max(results[k].extra['binaries'] for k in range(n))}")
     print("\nslowest:")
     for k in sorted(range(n), key=lambda k: -per[k])[: args.slowest]:

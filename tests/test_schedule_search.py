@@ -103,7 +103,7 @@ def test_search_closes_a_real_block_the_mip_leaves_open():
     7e-4 (BENCHMARKS.md); with the search it is proven, and the schedule found beats the MIP's incumbent."""
     p = _bert_bwd_block_on_two_tcs()
     s = schedule.solve_schedule(p, cache=False)
-    assert s.status == "optimal"
+    assert s.status == "optimal" and s.method == "search"
     assert verify_schedule(p, s) == pytest.approx(s.makespan, rel=1e-12)
     searched = [b for b in s.extra["ilp_blocks"] if "search" in b]
     assert searched and searched[0]["proof"] == "search" and searched[0]["search"]["complete"]

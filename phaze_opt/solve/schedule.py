@@ -24,7 +24,8 @@ How it is solved exactly (each step is argued where it is implemented):
    bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
    (method "bound").
 4. Otherwise `schedule_ilp.solve_block`: the MIP with the heuristic as warm start and upper bound,
-   zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"). A run
+   zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"; "search"
+   when the decision-point search below gave the proof). A run
    that stops at the time limit returns its best schedule as status "time_limit" with the proven
    bound, never as "optimal".
    The MIP gets MIP_FIRST_S first. A block it has not closed by then goes to
@@ -82,7 +83,8 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
     stats = dict(res.stats)
     if res.status == "time_limit" and len(view.ops) <= SEARCH_MAX_OPS and deadline > time.perf_counter():
         res, stats = _search_then_mip(inst, view, res, stats, solver, deadline)
-    info.update(method="ilp", status=res.status, makespan=res.makespan, lower_bound=min(res.lower_bound, res.makespan),
+    method = "search" if stats.get("proof") == "search" else "ilp"
+    info.update(method=method, status=res.status, makespan=res.makespan, lower_bound=min(res.lower_bound, res.makespan),
                 start=res.start, modes=res.modes, binaries=stats.get("binaries", 0), ilp=stats)
     return info
 
@@ -176,7 +178,7 @@ def _solve(problem: ScheduleProblem, solver: str, time_limit_s: float, t0: float
     statuses = {blk["status"] for blk in blocks}
     status = "error" if "error" in statuses else ("time_limit" if "time_limit" in statuses else "optimal")
     methods = [blk["method"] for blk in blocks]
-    method = "ilp" if "ilp" in methods else "bound"
+    method = next((m for m in ("search", "ilp") if m in methods), "bound")  # the strongest machinery used
     cores = assign_cores(problem, start, duration, split)
     extra = {
         "solver": solver,
@@ -188,7 +190,7 @@ def _solve(problem: ScheduleProblem, solver: str, time_limit_s: float, t0: float
         "binaries": sum(blk["binaries"] for blk in blocks),
         "blocks_by_method": {m: methods.count(m) for m in sorted(set(methods))},
         "ilp_blocks": [dict(blk["ilp"], heuristic_s=blk["heuristic"], lower_bound_comb_s=blk["lower_bound_comb"])
-                       for blk in blocks if blk["method"] == "ilp"],
+                       for blk in blocks if blk["method"] in ("ilp", "search")],
         "lower_bound_comb": sum(blk["lower_bound_comb"] for blk in blocks),
         "heuristic_makespan": sum(blk.get("heuristic", blk["makespan"]) for blk in blocks),
         "utilisation": _utilisation(problem, split, duration, makespan),
