@@ -189,3 +189,12 @@ def test_a_short_ilp_time_limit_leaves_a_hard_design_unproven_with_a_sound_bound
     assert any("block/bwd" in u for u in r.unproven)
     assert 0 < r.throughput < r.throughput_bound
     assert all("time_limit" in s for s in r.schedules.values())
+
+
+def test_open_passes_that_cannot_change_the_throughput_leave_it_proven(monkeypatch):
+    """A pass that hit its time limit with a bound equal to its incumbent changes nothing: the
+    placement on the lower bounds reaches exactly the throughput, which is therefore proven."""
+    with monkeypatch.context() as m:
+        _stretch_block_backward(m, 1.0, "time_limit")
+        r = evaluate_design("gpt2-xl", TPU, 2, True)
+    assert r.unproven and r.proven and r.throughput_bound == r.throughput

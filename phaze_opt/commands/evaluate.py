@@ -53,6 +53,9 @@ def render(r: dict) -> str:
         f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu'] * 100:.1f}%",
         "stages (layers, memory per device, HBM headroom):",
     ]
+    if r.get("proven", True) and r.get("unproven"):
+        lines.insert(3, f"proven: the layer passes left open ({', '.join(r['unproven'])}) cannot change this "
+                        f"throughput (the placement on their proven lower bounds reaches the same)")
     if not r.get("proven", True):
         lines.insert(3, f"NOT proven optimal: layer schedules hit the ILP time limit ({', '.join(r['unproven'])}); "
                         f"the throughput above is reached by verified schedules, the proven bound is "

@@ -18,8 +18,10 @@ schedule gives the layer time (an achievable schedule, so the throughput is one 
 reaches) and the solver's proven lower bound gives a second, optimistic set of layer times. The
 placement run on those lower bounds is an upper bound on the design's throughput, because a
 placement's time per batch never falls when a layer time rises and memory does not depend on time.
-Such a result has `proven=False`, `throughput_bound` > `throughput` and the unproven passes listed;
-a proven result has `throughput_bound == throughput`. Only a solver error still raises.
+Such a result has `proven=False`, `throughput_bound` > `throughput` and the unproven passes listed.
+When the bound equals the throughput (the open passes do not matter to the best placement, e.g.
+a TP width it does not use), the throughput is proven after all: `proven=True`, with the open
+passes still listed in `unproven`. Only a solver error raises.
 
 Energy per batch (`energy_j`, hardware/energy.py) is filled for feasible designs: per-layer energies
 (each op in the mode its schedule chose) are memoised under the same content key plus the energy
@@ -48,6 +50,7 @@ from ..workload.graphs import build_layer_graph
 from ..workload.models import ModelConfig, load_model
 
 PASSES = ("fwd", "bwd")
+PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it (rounding only)
 DEFAULT_ILP_TIME_LIMIT_S = 60.0  # per layer pass; a pass not proven optimal by then counts as unproven
 
 
@@ -66,7 +69,7 @@ class DesignResult:
     model: str = ""
     energy_j: float | None = None  # per batch, when the hardware model provides it
     schedules: dict = field(default_factory=dict)  # per TP width: solve status counts
-    proven: bool = True  # every layer schedule behind `throughput` proven optimal
+    proven: bool = True  # `throughput` is proven to be this design's best (see the module docstring)
     throughput_bound: float = 0.0  # proven upper bound on the throughput (== throughput when proven)
     unproven: list = field(default_factory=list)  # "tp{t} {kind}/{pass}: gap g" per pass not proven
 
@@ -322,7 +325,7 @@ def evaluate_design(
         model=model_cfg.name,
         energy_j=energy,
         schedules={t: v.statuses for t, v in per_tp.items()},
-        proven=not unproven,
+        proven=not unproven or bound <= result.throughput * (1.0 + PROVEN_REL_TOL),
         throughput_bound=max(bound, result.throughput),
         unproven=unproven,
     )

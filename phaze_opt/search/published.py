@@ -99,7 +99,7 @@ class Row:
         if proven is False:
             self.bound = float(bound)
             note = (f"layer schedules not proven optimal in the ILP time limit ({', '.join(unproven or [])}): "
-                    f"{_num(self.throughput)} seq/s is reached, at most {_num(self.bound)}")
+                    f"{_num(self.throughput)} seq/s is reached, at most {(self.bound / self.throughput - 1) * 100:.2g}% more")
             self.reason = f"{self.reason}; {note}" if self.reason else note
         return self
 
