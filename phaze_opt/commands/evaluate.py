@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import add_ilp_time_limit
+
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
 DESCRIPTION = (
     "Run workload graphs -> per-operator latencies -> exact per-layer schedules -> exact placement DP "
@@ -20,18 +22,17 @@ def add_arguments(p):
         default="optimal",
         help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D (layers split evenly)",
     )
-    p.add_argument("--ilp-time-limit", type=float, default=60.0, metavar="SECONDS",
-                   help="per layer-pass schedule solve limit in seconds (default 60); a pass not proven optimal by then leaves the design unproven, with its throughput bound")
+    add_ilp_time_limit(p)
 
 
 def run(args) -> dict:
     # Imported here so that `phaze-opt --help` and the other subcommands start without torch.
     from ..hardware.arch import load_arch
-    from ..search.evaluate import evaluate_design
+    from ..search.evaluate import design_evaluator
 
     arch = load_arch(args.arch)
-    result = evaluate_design(args.model, arch, args.mbs, args.recompute, args.system, args.placement,
-                             ilp_time_limit_s=args.ilp_time_limit).to_json()
+    evaluate = design_evaluator(args.ilp_time_limit)
+    result = evaluate(args.model, arch, args.mbs, args.recompute, args.system, args.placement).to_json()
     result["arch"] = arch.name or args.arch
     result["mbs"] = args.mbs
     result["recompute"] = bool(args.recompute)

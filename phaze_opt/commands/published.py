@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import add_ilp_time_limit
 from ..search.published import DEFAULT_TRIALS, MODELS, SYSTEMS
 
 HELP = "the published comparison: TPUv4 vs expert-placement search vs co-optimised vs common design"
@@ -27,8 +28,7 @@ def add_arguments(p) -> None:
                    help="MLflow tracking URI for the studies, or 'off' (default off)")
     p.add_argument("--output-dir", default="studies/published",
                    help="study storages, published.json and published.md (default studies/published)")
-    p.add_argument("--ilp-time-limit", type=float, default=None, metavar="SECONDS",
-                   help="per layer-pass schedule solve limit in seconds (default 60); a pass not proven optimal by then leaves the design unproven, with its throughput bound")
+    add_ilp_time_limit(p)
     p.add_argument("--resume", action="store_true",
                    help="reuse this table's studies in --output-dir instead of starting them afresh")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import add_ilp_time_limit
 from ..search.report import render as _render
 from ..search.setup import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig
 from ..search.tracking import DEFAULT_TRACKING_URI
@@ -50,8 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--area-group-mm2", type=float, default=PHAZE_AREA_GROUP_MM2,
                    help=f"exhaustive: width of an area group in mm^2 (default {PHAZE_AREA_GROUP_MM2}, the published 10,000 um^2)")
     p.add_argument("--output-dir", default="studies", help="where storages, plots and summaries go (default studies)")
-    p.add_argument("--ilp-time-limit", type=float, default=None, metavar="SECONDS",
-                   help="per layer-pass schedule solve limit in seconds (default 60); a pass not proven optimal by then leaves the design unproven, with its throughput bound")
+    add_ilp_time_limit(p)
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="always show the progress bar (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")

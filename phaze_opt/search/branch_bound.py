@@ -147,7 +147,8 @@ def _executor(workers: int, initargs):
 
 def run_branch_bound(session, progress) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
-    from .exhaustive import _add, _existing, _frozen_trial, point_key, unproven_points
+    from .exhaustive import _add, _existing, _frozen_trial, point_key
+    from .report import unproven_points
 
     config = session.config
     model_name = config.models[0]

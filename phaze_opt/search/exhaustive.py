@@ -205,17 +205,6 @@ def _existing(session_or_study, codec: SpaceCodec) -> dict:
     return done
 
 
-def unproven_points(trials: Iterable) -> list[dict]:
-    """Finished trials whose score rests on layer schedules not proven optimal, with their proven bound."""
-    out = []
-    for t in finished_trials(trials):
-        res = t.user_attrs.get("result") or {}
-        if t.state == TrialState.COMPLETE and res.get("feasible") and res.get("proven") is False:
-            out.append({"trial": t.number, "point": t.user_attrs.get("point"), "score": float(t.values[0]),
-                        "bound": float(res.get("score_bound", math.inf))})
-    return out
-
-
 def run_exhaustive(config, backend=None) -> dict:
     from .report import finish
 

@@ -6,8 +6,9 @@ Units: the summary keeps SI (sequences/s, s, mm^2); only `render` formats for pe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from .runner import finished_trials, is_feasible
 from .tracking import redact, ui_command
@@ -41,6 +42,17 @@ def pareto_front(trials, directions: Sequence[str]) -> list:
         if not dominated:
             front.append(t)
     return sorted(front, key=lambda t: -t.values[0])
+
+
+def unproven_points(trials: Iterable) -> list[dict]:
+    """Feasible finished trials whose score rests on layer schedules not proven optimal, with their bound."""
+    out = []
+    for t in finished_trials(trials):
+        res = t.user_attrs.get("result") or {}
+        if is_feasible(t) and res.get("proven") is False:
+            out.append({"trial": t.number, "point": t.user_attrs.get("point"), "score": float(t.values[0]),
+                        "bound": float(res.get("score_bound", math.inf))})
+    return out
 
 
 def describe_trial(trial, baselines: dict) -> dict:
@@ -110,7 +122,6 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     done = finished_trials(trials)
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
-    unproven = [t for t in feasible if (t.user_attrs.get("result") or {}).get("proven") is False]
     best = best_trial(done, config.objectives)
     summary: dict[str, Any] = {
         "study": session.name,
@@ -126,7 +137,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
-                   "failed": len(failed), "unproven": len(unproven), "this_run": len(done) - session.trials_before},
+                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": len(done) - session.trials_before},
         "wall_s": session.elapsed() - session.offset_s,
         "elapsed_s": session.elapsed(),
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},

@@ -104,12 +104,10 @@ def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
     incumbent = (found.makespan, found.start, found.modes)
     again = solve_block(inst, view, incumbent, res.lower_bound, solver=solver,
                         time_limit_s=max(deadline - time.perf_counter(), 0.0))
-    bound = max(res.lower_bound, again.lower_bound)
-    stats.update({k: v for k, v in again.stats.items() if k not in stats}, second_mip=again.stats)
-    if again.makespan <= found.makespan:
-        return IlpResult(again.makespan, min(bound, again.makespan), again.status, again.start, again.modes,
-                         stats), stats
-    return IlpResult(found.makespan, min(bound, found.makespan), "time_limit", found.start, found.modes, stats), stats
+    stats["second_mip"] = again.stats
+    # solve_block returns the better of its own schedule and the incumbent it was given.
+    bound = min(max(res.lower_bound, again.lower_bound), again.makespan)
+    return IlpResult(again.makespan, bound, again.status, again.start, again.modes, stats), stats
 
 
 def _utilisation(problem: ScheduleProblem, split, duration, makespan: float) -> dict:
