@@ -124,6 +124,11 @@ class PublishedConfig:
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: the default (60 s)
 
 
+def _proof(r) -> tuple:
+    """(proven, throughput bound, open passes) of an evaluator result, for `Row.mark_unproven`."""
+    return getattr(r, "proven", True), getattr(r, "throughput_bound", None), getattr(r, "unproven", ())
+
+
 def _placement_brief(p: dict | None) -> dict:
     p = p or {}
     return {k: p.get(k) for k in ("tp", "pp", "dp", "microbatches")}
@@ -140,8 +145,7 @@ def _tpuv4_row(model, baseline: Baseline, evaluator, reference_arch, system, pla
     row = Row(True, float(baseline.throughput), "", None, _accel_fields(reference_arch), baseline.mbs,
               baseline.recompute, _placement_brief(getattr(r, "placement", None)),
               float(getattr(r, "area_mm2", 0.0) or 0.0) or None, getattr(reference_arch, "name", "") or "tpuv4")
-    return row.mark_unproven(getattr(r, "proven", True), getattr(r, "throughput_bound", None),
-                             getattr(r, "unproven", ()))
+    return row.mark_unproven(*_proof(r))
 
 
 class _Recorder:
@@ -254,8 +258,7 @@ def common_design_row(summary: dict | None, model: str, evaluator: Callable, spa
     row = Row(True, float(r.throughput), note, None, best.get("accelerator") or {}, design.get("mbs"),
               design.get("recompute"), _placement_brief(r.placement), best.get("area_mm2"), summary.get("study", ""),
               best.get("trial"))
-    return row.mark_unproven(getattr(r, "proven", True), getattr(r, "throughput_bound", None),
-                             getattr(r, "unproven", ()))
+    return row.mark_unproven(*_proof(r))
 
 
 def apply_ratios(rows: dict, baselines: dict) -> None:
