@@ -31,6 +31,7 @@ from phaze_opt.hardware.space import load_space  # noqa: E402
 from phaze_opt.solve.schedule import MIP_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
 from phaze_opt.solve.schedule_cache import problem_key  # noqa: E402
 from phaze_opt.solve.schedule_instance import prepare  # noqa: E402
+from phaze_opt.solve.schedule_search import warm_up  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
 from phaze_opt.workload.graphs import build_layer_graph  # noqa: E402
 from phaze_opt.workload.models import load_model  # noqa: E402
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
     print(f"{len(problems)} distinct problems from {len(graphs)} layer passes x {len(designs)} designs "
           f"(built in {time.perf_counter() - t0:.1f} s)")
 
+    print(f"search kernel compiled or loaded from numba's disk cache in {warm_up():.1f} s (not in the times below)")
     times = {k: [] for k in range(len(problems))}
     results = {}
     for r in range(args.repeats):

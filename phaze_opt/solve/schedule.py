@@ -48,7 +48,7 @@ from .schedule_cache import problem_key
 from .schedule_cache import put as cache_put
 from .schedule_heuristic import list_schedule
 from .schedule_ilp import IlpResult, solve_block
-from .schedule_search import search_block
+from .schedule_search import SEARCH_MAX_OPS, search_block
 from .schedule_instance import block_view, prepare
 from .types import Schedule, ScheduleProblem
 from .verify import assign_cores, expected_duration, verify_schedule
@@ -57,7 +57,7 @@ SOLVERS = ("highs", "cbc")
 BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
-SEARCH_MAX_OPS = 64  # the search's forbidden-start set is a bitset of 2 bits per op; it is for small blocks
+
 
 
 def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool = True) -> dict:
