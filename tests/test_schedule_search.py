@@ -125,3 +125,33 @@ def test_a_full_memo_costs_speed_not_exactness(monkeypatch):
         assert res.complete and res.stats["states"] <= 3
         total += res.makespan
     assert total == pytest.approx(oracle_makespan(p.units, p.single, p.split, p.edges, p.num_tc, p.num_vc), abs=1e-9)
+
+
+def test_more_running_ops_than_memo_slots_stay_exact():
+    """Ten independent vector ops on twelve VCs all run at once, more than a memo key holds: such
+    nodes go unmemoised, and the search must still find the optimum (all ten side by side in single
+    mode: 1.9 s; one after another in split mode would take 7.25 s)."""
+    from phaze_opt.solve import schedule_search
+    from phaze_opt.solve.types import ScheduleProblem
+
+    n = schedule_search.MEMO_SLOTS + 2
+    single = tuple(1.0 + 0.1 * i for i in range(n))
+    p = ScheduleProblem(units=("vc",) * n, single=single, split=tuple(d / 2 for d in single), edges=(),
+                        num_tc=1, num_vc=12)
+    inst = prepare(p)
+    view = block_view(inst, inst.blocks[0])
+    res = search_block(inst, view, _serial(inst, view), deadline=float("inf"))
+    assert res.complete and res.makespan == pytest.approx(single[-1], abs=1e-12)
+    assert all(not res.modes[i] and res.start[i] == 0.0 for i in range(n))
+
+
+def test_a_block_too_large_for_the_search_is_refused():
+    from phaze_opt.solve import schedule_search
+    from phaze_opt.solve.types import ScheduleProblem
+
+    n = schedule_search.SEARCH_MAX_OPS + 1
+    p = ScheduleProblem(units=("tc",) * n, single=(1.0,) * n, split=(0.5,) * n, edges=(), num_tc=2, num_vc=1)
+    inst = prepare(p)
+    view = block_view(inst, inst.blocks[0])
+    with pytest.raises(ValueError, match="at most"):
+        search_block(inst, view, _serial(inst, view), deadline=float("inf"))
