@@ -53,7 +53,8 @@ import numpy as np
 from numba import njit, objmode, types
 from numba.typed import Dict
 
-from .schedule_instance import BlockView, Instance
+from .schedule_instance import BlockView, Instance, block_view, prepare
+from .types import ScheduleProblem
 
 REL_TOL = 1e-9  # a schedule must beat the incumbent by more than rounding to count
 _CHECK_EVERY = 1024  # nodes between deadline checks
@@ -133,9 +134,6 @@ def search_block(inst: Instance, view: BlockView, incumbent, deadline: float) ->
 def warm_up() -> float:
     """Compile the kernel (or load it from numba's on-disk cache) now, so that the first real search
     is timed without it; returns the seconds it took."""
-    from .schedule_instance import block_view, prepare
-    from .types import ScheduleProblem
-
     t0 = time.perf_counter()
     inst = prepare(ScheduleProblem(units=("tc", "vc"), single=(2.0, 1.0), split=(1.0, 0.5), edges=(), num_tc=2, num_vc=2))
     view = block_view(inst, inst.blocks[0])
@@ -183,6 +181,8 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
     stopped = False
     found = False
     levels = k + 2
+    # Frame d's running ops are run_*[d, :nrun[d]]; the ops its enumeration starts follow them, so
+    # the next decision point reads one list.
     run_op = np.zeros((levels, k + 1), dtype=np.int64)
     run_mode = np.zeros((levels, k + 1), dtype=np.int64)
     run_end = np.zeros((levels, k + 1))
@@ -190,9 +190,6 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
     elig = np.zeros((levels, k + 1), dtype=np.int64)
     lv_i = np.zeros((levels, k + 2, 7), dtype=np.int64)
     lv_f = np.zeros((levels, k + 2, 3))
-    ch_op = np.zeros((levels, k + 1), dtype=np.int64)
-    ch_mode = np.zeros((levels, k + 1), dtype=np.int64)
-    ch_end = np.zeros((levels, k + 1))
     fr_t = np.zeros(levels)
     fr_done = np.zeros(levels, dtype=np.int64)
     fr_flo = np.zeros(levels, dtype=np.int64)
@@ -337,8 +334,8 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                 if nr + nch == 0:
                     continue  # nothing runs and nothing starts: no later decision point
                 chosen_mask = 0
-                for c in range(nch):
-                    chosen_mask |= 1 << ch_op[depth, c]
+                for c in range(nr, nr + nch):
+                    chosen_mask |= 1 << run_op[depth, c]
                 nlo = 0  # the left-shift rule for the next decision point
                 nhi = 0
                 for jj in range(m):
@@ -354,27 +351,17 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                     if can_split[a] and not cr:
                         nhi |= 1 << a
                 t_next = np.inf
-                for r in range(nr):
+                for r in range(nr + nch):
                     if run_end[depth, r] < t_next:
                         t_next = run_end[depth, r]
-                for c in range(nch):
-                    if ch_end[depth, c] < t_next:
-                        t_next = ch_end[depth, c]
                 finished = done
                 n2 = 0
-                for r in range(nr):
+                for r in range(nr + nch):
                     if run_end[depth, r] == t_next:
                         finished |= 1 << run_op[depth, r]
                     else:
                         run_op[depth + 1, n2], run_mode[depth + 1, n2], run_end[depth + 1, n2] = (
                             run_op[depth, r], run_mode[depth, r], run_end[depth, r])
-                        n2 += 1
-                for c in range(nch):
-                    if ch_end[depth, c] == t_next:
-                        finished |= 1 << ch_op[depth, c]
-                    else:
-                        run_op[depth + 1, n2], run_mode[depth + 1, n2], run_end[depth + 1, n2] = (
-                            ch_op[depth, c], ch_mode[depth, c], ch_end[depth, c])
                         n2 += 1
                 if finished == full:
                     if t_next < cut:
@@ -409,7 +396,7 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
             lv_i[depth, j, _L_CHOICE] = o
             r_tc, r_vc, r_net = lv_f[depth, j, 0], lv_f[depth, j, 1], lv_f[depth, j, 2]
             if o == 0:
-                ch_op[depth, nch], ch_mode[depth, nch], ch_end[depth, nch] = a, 1, t + split[a]
+                run_op[depth, nr + nch], run_mode[depth, nr + nch], run_end[depth, nr + nch] = a, 1, t + split[a]
                 plan_t[a], plan_m[a] = t, 1
                 nch += 1
                 sp = 1
@@ -417,7 +404,7 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                 r_tc -= work_tc[a]
                 r_vc -= work_vc[a]
             elif o == 1:
-                ch_op[depth, nch], ch_mode[depth, nch], ch_end[depth, nch] = a, 0, t + single[a]
+                run_op[depth, nr + nch], run_mode[depth, nr + nch], run_end[depth, nr + nch] = a, 0, t + single[a]
                 plan_t[a], plan_m[a] = t, 0
                 nch += 1
                 if net[a]:
