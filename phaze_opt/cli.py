@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP))
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
     return parser
 
 
@@ -53,10 +53,14 @@ def dumps(result) -> str:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if not getattr(args, "command", None):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.print_help()
         return 2
+    if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = args._module
     try:
         result = module.run(args)

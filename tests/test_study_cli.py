@@ -71,3 +71,24 @@ def test_empty_user_space_is_one_line(tmp_path, monkeypatch, capsys):
     code = cli.main(["study", "--space", str(space), "--tracking-uri", "off"])
     err = capsys.readouterr().err
     assert code == 2 and "num_tc" in err and "no choices" in err and err.count("\n") == 1
+
+
+
+def test_a_subcommand_mistake_shows_that_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["study", "--trails", "50"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: phaze-opt study ")
+    assert err.strip().splitlines()[-1] == "phaze-opt study: error: unrecognized arguments: --trails 50"
+
+
+@pytest.mark.parametrize("argv", [
+    ["evaluate", "--model", "gpt2-xl", "--arch", "tpuv4", "--mbs", "0"],
+    ["workload", "--model", "gpt2-xl", "--mbs", "0"],
+    ["schedule", "--model", "gpt2-xl", "--arch", "tpuv4", "--mbs", "-2"],
+])
+def test_a_bad_microbatch_names_the_flag(capsys, argv):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --mbs must be a positive integer, got {argv[-1]}\n"

@@ -1,5 +1,19 @@
 """Subcommands of `phaze-opt`; see phaze_opt.cli for the contract each module follows."""
 
+from ..errors import PhazeError
+
+
+def add_mbs(p) -> None:
+    """`--mbs`, the same for every command that builds a layer graph at one microbatch size."""
+    p.add_argument("--mbs", type=int, default=1, help="microbatch size in sequences (default 1)")
+
+
+def check_mbs(args) -> int:
+    """The one-line error names the flag the user typed (the model layers below only know `mbs`)."""
+    if args.mbs < 1:
+        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
+    return args.mbs
+
 
 def add_ilp_time_limit(p) -> None:
     """`--ilp-time-limit`, the same for every command that schedules layers (None: the default 60 s)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import add_ilp_time_limit
+from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
 DESCRIPTION = (
@@ -14,7 +14,7 @@ DESCRIPTION = (
 def add_arguments(p):
     p.add_argument("--model", default="gpt3-175b", help="model config name or path to a YAML file (default gpt3-175b)")
     p.add_argument("--arch", default="tpuv4", help="architecture config name or path (default tpuv4)")
-    p.add_argument("--mbs", type=int, default=1, help="microbatch size in sequences (default 1)")
+    add_mbs(p)
     p.add_argument("--recompute", action="store_true", help="recompute activations instead of stashing them")
     p.add_argument("--system", default="default", help="system config name or path (default: default)")
     p.add_argument(
@@ -32,7 +32,7 @@ def run(args) -> dict:
 
     arch = load_arch(args.arch)
     evaluate = design_evaluator(args.ilp_time_limit)
-    result = evaluate(args.model, arch, args.mbs, args.recompute, args.system, args.placement).to_json()
+    result = evaluate(args.model, arch, check_mbs(args), args.recompute, args.system, args.placement).to_json()
     result["arch"] = arch.name or args.arch
     result["mbs"] = args.mbs
     result["recompute"] = bool(args.recompute)

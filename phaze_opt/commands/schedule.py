@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import add_mbs, check_mbs
+
 HELP = "schedule every distinct layer's forward and backward operators on a chip (exact ILP)"
 DESCRIPTION = (
     "Trace the model at one TP width and microbatch, estimate every operator's latency on the chip, "
@@ -14,7 +16,7 @@ def add_arguments(p):
     p.add_argument("--model", required=True, help="model config name or path to a YAML file")
     p.add_argument("--arch", default="tpuv4", help="architecture config name or path (default tpuv4)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel width (default 1)")
-    p.add_argument("--mbs", type=int, default=1, help="microbatch size in sequences (default 1)")
+    add_mbs(p)
     p.add_argument("--system", default="default", help="system config whose TP link the all-reduces use")
     p.add_argument("--solver", choices=("highs", "cbc"), default="highs", help="MILP solver (default highs)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per layer pass (default 60)")
@@ -33,11 +35,9 @@ def run(args) -> dict:
     model = load_model(args.model)
     if args.tp not in model.tp_widths:
         raise PhazeError(f"--tp {args.tp}: not a TP width of {model.name}; allowed: {', '.join(map(str, model.tp_widths))}")
-    if args.mbs < 1:
-        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
     arch = load_arch(args.arch)
     link = load_system(args.system).tp_link(args.tp)
-    graph = build_layer_graph(model, args.tp, args.mbs)
+    graph = build_layer_graph(model, args.tp, check_mbs(args))
     rows = []
     for kind in graph.kinds:
         for pass_name in ("fwd", "bwd"):

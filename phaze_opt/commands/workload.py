@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import PhazeError
+from . import add_mbs, check_mbs
 
 HELP = "summarise a model's workload graph: parameters, training FLOPs, per-layer memory and op counts"
 DESCRIPTION = (
@@ -17,7 +17,7 @@ DESCRIPTION = (
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="model name (configs/models) or path to a model YAML")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel width (default 1)")
-    parser.add_argument("--mbs", type=int, default=1, help="microbatch size in sequences (default 1)")
+    add_mbs(parser)
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     parser.add_argument("--no-cache", action="store_true", help="extract again instead of using the disk cache")
 
@@ -28,9 +28,7 @@ def run(args) -> dict:
 
     start = time.perf_counter()
     model = load_model(args.model)
-    if args.mbs <= 0:
-        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
-    graph = build_layer_graph(model, args.tp, args.mbs, args.seq, cache=not args.no_cache)
+    graph = build_layer_graph(model, args.tp, check_mbs(args), args.seq, cache=not args.no_cache)
     elapsed = time.perf_counter() - start
     layers = []
     for layer in graph.layers:

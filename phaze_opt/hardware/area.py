@@ -1,7 +1,7 @@
 """Silicon area of an accelerator, in mm^2, from an analytical model fitted to the published system.
 
 The published system (Phaze, ICML 2024) computed the area of each design with Accelergy/CACTI at the
-component level; `../shared/reference/phaze-cores.json` holds the result for its 29,360 designs. Its
+component level; `phaze_opt/data/phaze-cores.json.gz` holds the result for its 29,360 designs. Its
 generator builds a chip as (msr-fiddle/phaze, Estimator/architecture.py, `generate_area_of_acc`):
 
     area = tensor cores + vector cores + one global buffer
@@ -29,6 +29,7 @@ kept non-negative, and live in `configs/area.yaml` with their provenance. Refit 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -76,14 +77,50 @@ class AreaConstants:
         return np.array([getattr(self, f) for f in CONSTANT_FIELDS], dtype=float)
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+BUNDLED_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "phaze-cores.json.gz"
 
 
 def reference_path() -> Path:
-    """The published design set: `$PHAZE_OPT_REFERENCE`, else `../shared/reference/phaze-cores.json`."""
+    """The published design set: `$PHAZE_OPT_REFERENCE`, else the copy bundled with the package.
+
+    The bundled copy (provenance in `phaze_opt/data/README.md`) is what a user's clone has; the
+    variable lets a user calibrate against another design set without editing the repository.
+    """
     env = os.environ.get("PHAZE_OPT_REFERENCE")
-    return Path(env) if env else _repo_root().parent / "shared" / "reference" / "phaze-cores.json"
+    return Path(env) if env else BUNDLED_REFERENCE
+
+
+def reference_bytes(path: str | os.PathLike | None = None) -> bytes:
+    """The design set's JSON text as bytes, decompressed when the file is gzip (`.gz`).
+
+    The SHA-256 recorded in `configs/area.yaml` is of these bytes, so a compressed and a plain copy
+    of the same set have one digest.
+    """
+    p = Path(path) if path is not None else reference_path()
+    if not p.is_file():
+        raise PhazeError(f"{p}: reference design set not found (set PHAZE_OPT_REFERENCE to its path)")
+    raw = p.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise PhazeError(f"{p}: reference design set is not readable gzip ({exc})") from None
+    return raw
+
+
+def reference_rows(path: str | os.PathLike | None = None) -> list[dict]:
+    """The published designs as the file's records (fields as in the published `cores.json`)."""
+    p = Path(path) if path is not None else reference_path()
+    try:
+        rows = json.loads(reference_bytes(p))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PhazeError(f"{p}: reference design set is not JSON ({exc})") from None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise PhazeError(f"{p}: reference design set must be a non-empty JSON list of design records")
+    missing = [k for k in REFERENCE_KEYS if k not in rows[0]]
+    if missing:
+        raise PhazeError(f"{p}: design records lack field(s) {', '.join(missing)}; expected {', '.join(REFERENCE_KEYS)}")
+    return rows
 
 
 def constants_path() -> Path:
@@ -166,10 +203,7 @@ REFERENCE_KEYS = ("num_tc", "num_vc", "width", "depth", "width_vc", "GLB_Buffer"
 
 def reference_designs(path: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
     """The published designs as arrays; `area_mm2` converted from the file's um^2."""
-    p = Path(path) if path is not None else reference_path()
-    if not p.is_file():
-        raise PhazeError(f"{p}: reference design set not found (set PHAZE_OPT_REFERENCE to its path)")
-    rows = json.loads(p.read_text())
+    rows = reference_rows(path)
     out = {k: np.array([r[k] for r in rows]) for k in REFERENCE_KEYS}
     return {
         "num_tc": out["num_tc"], "num_vc": out["num_vc"], "tc_x": out["width"], "tc_y": out["depth"],
@@ -217,7 +251,7 @@ def write_constants(constants: AreaConstants, stats: dict, path=None, ref_path=N
         "constants": {k: round(v, 10) for k, v in asdict(constants).items()},
         "provenance": {
             "reference": "msr-fiddle/phaze Estimator/arch_configs/cores.json (MIT), Accelergy/CACTI areas in um^2",
-            "reference_sha256": hashlib.sha256(ref.read_bytes()).hexdigest(),
+            "reference_sha256": hashlib.sha256(reference_bytes(ref)).hexdigest(),
             "method": "bounded linear least squares on relative error (scipy lsq_linear, bvls); "
                       "python -m phaze_opt.hardware.area --fit --write",
             "designs": stats["designs"],
