@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phaze_opt.hardware.latency import DesignArrays, estimate  # noqa: E402
-from phaze_opt.hardware.space import load_space  # noqa: E402
+from phaze_opt.design.space import load_space  # noqa: E402
 from phaze_opt.workload.ops import NONE, TC, TCVC, VC, Op, OpGraph  # noqa: E402
 
 E = 2  # bytes per element

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from phaze_opt.hardware.arch import load_arch  # noqa: E402
-from phaze_opt.hardware.space import load_space  # noqa: E402
+from phaze_opt.design.space import load_space  # noqa: E402
 from phaze_opt.search.runner import run_study  # noqa: E402
 from phaze_opt.search.setup import Backend, StudyConfig  # noqa: E402
 

@@ -13,12 +13,12 @@ import sys, time, functools, statistics
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np, optuna
-from phaze_opt.hardware.space import load_space
+from phaze_opt.design.space import load_space
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.search.encoding import SpaceCodec
-from phaze_opt.search.evaluate import _tp_widths
+from phaze_opt.design.evaluate import _tp_widths
 from phaze_opt.search.objective import area_violation
-from phaze_opt.search.upper_bound import layer_lower_bounds, placement_throughput
+from phaze_opt.design.upper_bound import layer_lower_bounds, placement_throughput
 from phaze_opt.workload.models import load_model
 from phaze_opt.system import load_system
 optuna.logging.set_verbosity(optuna.logging.WARNING)

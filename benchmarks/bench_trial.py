@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["PHAZE_OPT_CACHE"] = os.environ.get("PHAZE_OPT_BENCH_GRAPHS") or tempfile.mkdtemp(prefix="phaze-trial-")
 
-from phaze_opt.hardware.space import load_space  # noqa: E402
-from phaze_opt.search.evaluate import _tp_widths, evaluate_design  # noqa: E402
+from phaze_opt.design.space import load_space  # noqa: E402
+from phaze_opt.design.evaluate import _tp_widths, evaluate_design  # noqa: E402
 from phaze_opt.search.objective import Context, evaluate_point  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
 from phaze_opt.workload.graphs import build_layer_graph  # noqa: E402

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from optuna.trial import TrialState
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.search.convergence import compare, curve_from_trials, resolve_study, rows_csv, table
+from phaze_opt.experiments.convergence import compare, curve_from_trials, resolve_study, rows_csv, table
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import default_study_name
 from test_study_fakes import FakeSpace, backend, config, mlflow_uri

@@ -10,7 +10,7 @@ import pytest
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
-from phaze_opt.search.evaluate import evaluate_design, placement_problem
+from phaze_opt.design.evaluate import evaluate_design, placement_problem
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement
 
@@ -101,7 +101,7 @@ def test_cli_evaluate_json_and_errors():
 
 def _stretch_block_backward(monkeypatch, factor: float, status: str):
     """Make every block/bwd schedule `factor` x longer, reported with `status` and the true optimum as bound."""
-    from phaze_opt.search import evaluate as ev
+    from phaze_opt.design import evaluate as ev
 
     real = ev.schedule_graph
 
@@ -147,7 +147,7 @@ def test_time_limited_layer_schedule_gives_reached_throughput_and_proven_bound(m
 
 
 def test_ilp_time_limit_reaches_every_layer_solve_and_keys_the_memo(monkeypatch):
-    from phaze_opt.search import evaluate as ev
+    from phaze_opt.design import evaluate as ev
 
     seen = []
     real = ev.schedule_graph
@@ -168,7 +168,7 @@ def test_ilp_time_limit_reaches_every_layer_solve_and_keys_the_memo(monkeypatch)
 
 
 def test_study_config_time_limit_gives_a_prunable_design_evaluator():
-    from phaze_opt.search import evaluate as ev
+    from phaze_opt.design import evaluate as ev
     from phaze_opt.search.setup import Backend, StudyConfig, validate
 
     assert ev.design_evaluator(None) is ev.evaluate_design
@@ -184,7 +184,7 @@ def test_study_config_time_limit_gives_a_prunable_design_evaluator():
 def test_a_short_ilp_time_limit_leaves_a_hard_design_unproven_with_a_sound_bound(tmp_path, monkeypatch):
     """Real solves: backward blocks on 2 TCs / 512 VCs take seconds to prove (BENCHMARKS.md), not 0.2 s.
     The schedule memo starts empty, so proofs from earlier runs cannot stand in for these solves."""
-    from phaze_opt.search import evaluate as ev
+    from phaze_opt.design import evaluate as ev
     from phaze_opt.solve import schedule_cache
 
     monkeypatch.setattr(schedule_cache, "cache_root", lambda: tmp_path)

@@ -16,7 +16,7 @@ from phaze_opt.hardware.arch import load_arch
 from phaze_opt.hardware.energy import (
     COMPONENTS, batch_energy, constants_path, load_constants, op_energy,
 )
-from phaze_opt.search.evaluate import evaluate_design, placement_problem, tp_layer_energies
+from phaze_opt.design.evaluate import evaluate_design, placement_problem, tp_layer_energies
 from phaze_opt.solve.placement_types import LayerCosts
 from phaze_opt.system import load_system
 from phaze_opt.workload.graphs import build_layer_graph

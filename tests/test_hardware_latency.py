@@ -269,7 +269,7 @@ def test_one_core_split_equals_single(acc, op):
 
 
 def test_latencies_are_finite_and_positive_on_the_phaze_grid_corners():
-    from phaze_opt.hardware.space import load_space
+    from phaze_opt.design.space import load_space
 
     space = load_space("phaze")
     archs = space.architectures()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware import area
 from phaze_opt.hardware.arch import load_arch
-from phaze_opt.hardware.space import load_space, space_from_mapping
+from phaze_opt.design.space import load_space, space_from_mapping
 
 
 @pytest.fixture(scope="module")

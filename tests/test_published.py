@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.search.published import (
+from phaze_opt.experiments.published import (
     ROWS,
     PublishedConfig,
     Row,
@@ -177,7 +177,7 @@ def test_too_few_trials_is_a_user_error(tmp_path):
 
 
 def test_seeds_are_queued_behind_tpuv4_in_a_new_study(tmp_path):
-    from phaze_opt.search.published import _run, _study_config
+    from phaze_opt.experiments.published import _run, _study_config
 
     config = cfg(tmp_path, trials=8)
     study_cfg = _study_config(config, "default", ("m-small",), "seeded")

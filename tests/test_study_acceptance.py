@@ -17,7 +17,7 @@ import pytest
 from optuna.trial import TrialState
 
 from phaze_opt import cli
-from phaze_opt.hardware.space import load_space
+from phaze_opt.design.space import load_space
 from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.runner import is_feasible
 

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from phaze_opt.hardware.latency import DesignArrays
-from phaze_opt.hardware.space import load_space
-from phaze_opt.search.evaluate import _tp_widths, evaluate_design, layer_costs
+from phaze_opt.design.space import load_space
+from phaze_opt.design.evaluate import _tp_widths, evaluate_design, layer_costs
 from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import StudyConfig
-from phaze_opt.search.upper_bound import (ideal_throughput, layer_lower_bounds, pass_lower_bounds,
+from phaze_opt.design.upper_bound import (ideal_throughput, layer_lower_bounds, pass_lower_bounds,
                                           placement_throughput)
 from phaze_opt.system import load_system
 from phaze_opt.workload.models import load_model

@@ -8,7 +8,7 @@ import io
 from ..errors import PhazeError
 from ..hardware.arch import load_arch
 from ..hardware.area import area_mm2, breakdown
-from ..hardware.space import load_space
+from ..design.space import load_space
 
 HELP = "show an accelerator (area, peak FLOP/s, fields) or count/list a search space's architectures"
 DESCRIPTION = (

@@ -26,13 +26,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    from ..search.convergence import compare
+    from ..experiments.convergence import compare
 
     return compare(args.studies, storage=args.storage, out_dir=args.output_dir, tracking_uri=args.tracking_uri,
                    threshold=args.threshold, name=args.name)
 
 
 def render(result: dict) -> str:
-    from ..search.convergence import render as _render
+    from ..experiments.convergence import render as _render
 
     return _render(result)

@@ -28,7 +28,7 @@ def add_arguments(p):
 def run(args) -> dict:
     # Imported here so that `phaze-opt --help` and the other subcommands start without torch.
     from ..hardware.arch import load_arch
-    from ..search.evaluate import design_evaluator
+    from ..design.evaluate import design_evaluator
 
     arch = load_arch(args.arch)
     evaluate = design_evaluator(args.ilp_time_limit)

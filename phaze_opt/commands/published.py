@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import add_ilp_time_limit
-from ..search.published import DEFAULT_TRIALS, MODELS, SYSTEMS
+from ..experiments.published import DEFAULT_TRIALS, MODELS, SYSTEMS
 
 HELP = "the published comparison: TPUv4 vs expert-placement search vs co-optimised vs common design"
 DESCRIPTION = (
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 
 def config_from_args(args):
-    from ..search.published import PublishedConfig
+    from ..experiments.published import PublishedConfig
 
     return PublishedConfig(
         models=tuple(args.model or MODELS), systems=tuple(args.system or SYSTEMS), space=args.space,
@@ -44,7 +44,7 @@ def config_from_args(args):
 
 
 def run(args) -> dict:
-    from ..search.published import run_published, write_outputs
+    from ..experiments.published import run_published, write_outputs
 
     result = run_published(config_from_args(args))
     result["files"] = write_outputs(result, args.output_dir)
@@ -52,7 +52,7 @@ def run(args) -> dict:
 
 
 def render(result: dict) -> str:
-    from ..search.published import render as _render
+    from ..experiments.published import render as _render
 
     files = result.get("files") or {}
     tail = f"\nwrote {files.get('json')} and {files.get('markdown')}" if files else ""

@@ -40,7 +40,7 @@ import numpy as np
 from ..hardware.latency import DesignArrays
 from ..system import load_system
 from ..workload.models import load_model
-from .upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from ..design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED = range(3)
@@ -86,7 +86,7 @@ def _init_worker(model: str, system: str, spec) -> None:
 
 def _level0(space, mbs: int) -> tuple[np.ndarray, list]:
     """Ideal bound and lower-bound layer times of every design row at one microbatch."""
-    from .evaluate import _tp_widths
+    from ..design.evaluate import _tp_widths
 
     model, system = _W["model"], _W["system"]
     key = ("designs", getattr(space, "name", None), id(space))

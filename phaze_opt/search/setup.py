@@ -78,14 +78,14 @@ class Backend:
     def resolved(self, config: StudyConfig) -> "Backend":
         evaluator = self.evaluator
         if evaluator is None:
-            from . import evaluate
+            from ..design import evaluate
 
             if getattr(evaluate, "evaluate_design", None) is None:
                 raise PhazeError("phaze_opt.search.evaluate.evaluate_design is not available in this build")
             evaluator = evaluate.design_evaluator(config.ilp_time_limit_s)
         space = self.space
         if space is None:
-            from ..hardware.space import load_space
+            from ..design.space import load_space
 
             space = load_space(config.space)
         reference = self.reference_arch
@@ -184,7 +184,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
         raise PhazeError(f"--area-group-mm2: expected a positive number, got {config.area_group_mm2!r}")
     if config.ilp_time_limit_s is not None:
-        from .evaluate import check_ilp_time_limit
+        from ..design.evaluate import check_ilp_time_limit
 
         config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():
@@ -218,7 +218,7 @@ def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
     if prune == "off" or not config.exhaustive:
         return "off"
-    from . import evaluate
+    from ..design import evaluate
 
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None

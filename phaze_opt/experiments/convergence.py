@@ -23,9 +23,9 @@ from typing import Sequence
 import optuna
 
 from ..errors import PhazeError
-from .runner import finished_trials, is_feasible, quiet_optuna
-from .setup import clean_name, default_storage
-from .tracking import MlflowTracker, driver_url, redact, tracking_enabled
+from ..search.runner import finished_trials, is_feasible, quiet_optuna
+from ..search.setup import clean_name, default_storage
+from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
 
 
 @dataclass

@@ -41,10 +41,10 @@ import numpy as np
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from .accelerator import Accelerator
-from .arch import GIB, MIB, load_arch
-from .area import area_mm2, area_mm2_arrays
-from .memory import HBM_BW_BY_GIB, glb_bandwidth
+from ..hardware.accelerator import Accelerator
+from ..hardware.arch import GIB, MIB, load_arch
+from ..hardware.area import area_mm2, area_mm2_arrays
+from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on

@@ -42,8 +42,8 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PhazeError
 from ..jsonable import jsonable
-from .objective import Baseline, compute_baselines, recompute_flag
-from .setup import Backend, StudyConfig, default_storage
+from ..search.objective import Baseline, compute_baselines, recompute_flag
+from ..search.setup import Backend, StudyConfig, default_storage
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
 SYSTEMS = ("default", "phaze")
@@ -66,7 +66,7 @@ def evaluate_fixed_placement(model, arch, mbs, recompute, system="default", plac
                              fixed: str = "expert", evaluator: Callable | None = None):
     """`evaluator` (default `evaluate_design`) with the placement forced to `fixed`, whatever is asked."""
     if evaluator is None:
-        from .evaluate import evaluate_design as evaluator
+        from ..design.evaluate import evaluate_design as evaluator
     return evaluator(model, arch, mbs, recompute, system=system, placement=fixed)
 
 
@@ -325,7 +325,7 @@ def _study_config(cfg: PublishedConfig, system: str, models: tuple[str, ...], na
 
 
 def _system_tag(system: str) -> str:
-    from .setup import clean_name
+    from ..search.setup import clean_name
 
     text = str(system)
     if text.endswith((".yaml", ".yml")) or "/" in text:
@@ -353,7 +353,7 @@ def _remove_storage(name: str, output_dir: str) -> None:
 
 def _run(config: StudyConfig, backend: Backend, seeds: Sequence[tuple[str, dict]] = ()) -> dict:
     """run_study, after queueing `seeds` (label, point) behind the TPUv4 points of a new study."""
-    from .runner import Session, run_study
+    from ..search.runner import Session, run_study
 
     if seeds:
         session = Session(replace(config, tracking_uri="off"), backend)

@@ -1,0 +1,1 @@
+"""Evaluating one design (an accelerator and a training recipe): below the study drivers."""

@@ -1,0 +1,1 @@
+"""Experiments that run studies (the published comparison, convergence): above the study drivers."""
