@@ -3,7 +3,7 @@
     python benchmarks/bench_tpe_settings.py [VARIANT,VARIANT...] [SEEDS]
 
 A 500-trial gpt3-175b study costs ~7 minutes, too much to compare many sampler settings over
-several seeds. The proxy objective is the level-1 throughput bound of `search.upper_bound` (the
+several seeds. The proxy objective is the level-1 throughput bound of `design.upper_bound` (the
 exact placement DP on lower-bound layer times; 1-10% above the true throughput, 30 ms a point),
 with the study's own encoding, TPUv4 reference trials enqueued first and the area constraint.
 For each variant and seed it prints best/proxy-at-the-exhaustive-optimum and the trial at which
@@ -16,7 +16,7 @@ import numpy as np, optuna
 from phaze_opt.design.space import load_space
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.search.encoding import SpaceCodec
-from phaze_opt.design.evaluate import _tp_widths
+from phaze_opt.design.evaluate import tp_widths
 from phaze_opt.search.objective import area_violation
 from phaze_opt.design.upper_bound import layer_lower_bounds, placement_throughput
 from phaze_opt.workload.models import load_model
@@ -24,7 +24,7 @@ from phaze_opt.system import load_system
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 space = load_space("phaze"); model = load_model("gpt3-175b"); system = load_system("default")
 codec = SpaceCodec(space.params)
-widths_tp = _tp_widths(model, system)
+widths_tp = tp_widths(model, system)
 
 @functools.lru_cache(maxsize=None)
 def proxy(key):

@@ -2,7 +2,7 @@
 
     python benchmarks/published_comparison.py [--trials N] [--model M ...] [--system S ...] [--resume]
 
-The same as `phaze-opt published` (see `phaze_opt/search/published.py` for what each row is), plus a
+The same as `phaze-opt published` (see `phaze_opt/experiments/published.py` for what each row is), plus a
 header with the command, the wall time and the machine, written beside the table in
 studies/published/published.md.
 """

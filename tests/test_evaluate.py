@@ -171,12 +171,14 @@ def test_study_config_time_limit_gives_a_prunable_design_evaluator():
     from phaze_opt.design import evaluate as ev
     from phaze_opt.search.setup import Backend, StudyConfig, validate
 
-    assert ev.design_evaluator(None) is ev.evaluate_design
+    from phaze_opt.design.protocols import BoundedEvaluator
+
+    assert ev.design_evaluator(None) == ev.DesignEvaluator(ev.DEFAULT_ILP_TIME_LIMIT_S)
     partial = ev.design_evaluator(5)
-    assert partial.keywords == {"ilp_time_limit_s": 5.0} and ev.is_design_evaluator(partial)
+    assert partial.ilp_time_limit_s == 5.0 and isinstance(partial, BoundedEvaluator)
     config = validate(StudyConfig(exhaustive=True, hysteresis="off", ilp_time_limit_s=5, tracking_uri="off"))
     assert config.prune == "bound"
-    assert Backend().resolved(config).evaluator.keywords == {"ilp_time_limit_s": 5.0}
+    assert Backend().resolved(config).evaluator.ilp_time_limit_s == 5.0
     with pytest.raises(PhazeError, match="--ilp-time-limit"):
         validate(StudyConfig(ilp_time_limit_s=-1.0))
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.hardware import area
+from phaze_opt.hardware import area, calibrate
 from phaze_opt.hardware.accelerator import Accelerator
 from phaze_opt.hardware.arch import load_arch
 
@@ -16,7 +16,7 @@ TPUV4_REFERENCE_MM2 = 278.83  # the largest design of phaze-cores.json, Phaze's 
 
 @pytest.fixture(scope="module")
 def stats():
-    return area.calibration()
+    return calibrate.calibration()
 
 
 def test_calibration_median_within_one_percent(stats):
@@ -34,7 +34,7 @@ def test_tpuv4_area_within_two_percent():
 
 
 def test_reference_file_has_tpuv4_as_largest_design():
-    ref = area.reference_designs()
+    ref = calibrate.reference_designs()
     i = int(np.argmax(ref["area_mm2"]))
     assert (ref["num_tc"][i], ref["num_vc"][i], ref["tc_x"][i], ref["tc_y"][i], ref["glb_bytes"][i]) == (8, 2, 128, 128, 2**27)
     assert ref["area_mm2"][i] == pytest.approx(TPUV4_REFERENCE_MM2, abs=0.01)
@@ -42,7 +42,7 @@ def test_reference_file_has_tpuv4_as_largest_design():
 
 def test_refit_reproduces_the_shipped_constants():
     """The constants in configs/area.yaml are what the documented fit gives (their provenance)."""
-    fitted, fit_stats = area.fit()
+    fitted, fit_stats = calibrate.fit()
     shipped = area.load_constants()
     np.testing.assert_allclose(fitted.as_vector(), shipped.as_vector(), rtol=1e-6, atol=1e-9)
     doc = yaml.safe_load(area.constants_path().read_text())

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.hardware import area
+from phaze_opt.hardware import area, calibrate
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.design.space import load_space, space_from_mapping
 
@@ -29,7 +29,7 @@ def _key(d):
 
 
 def test_phaze_space_reproduces_the_published_design_set(phaze):
-    ref = area.reference_rows()
+    ref = calibrate.reference_rows()
     assert all(r["width_vc"] == r["width"] for r in ref)  # the tie the space encodes
     published = {(r["num_tc"], r["num_vc"], r["width"], r["depth"], r["GLB_Buffer"] // 2**20) for r in ref}
     ours = {_key(a) for a in phaze.architectures()}

@@ -17,7 +17,8 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from phaze_opt.search.runner import is_feasible, run_study
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import is_feasible
 from phaze_opt.search.setup import default_study_name
 from phaze_opt.search.tracking import redact, sqlite_path, trial_record
 from test_study_fakes import backend, config, mlflow_uri

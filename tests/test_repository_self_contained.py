@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.hardware import area
+from phaze_opt.hardware import area, calibrate
 
 from conftest import REPO, outside_guard
 
@@ -45,14 +45,14 @@ def test_guard_allows_the_repository_and_elsewhere():
 
 
 def test_bundled_reference_is_the_published_set():
-    assert area.reference_path() == area.BUNDLED_REFERENCE
-    assert area.BUNDLED_REFERENCE.is_relative_to(REPO)
-    digest = hashlib.sha256(area.reference_bytes()).hexdigest()
+    assert calibrate.reference_path() == calibrate.BUNDLED_REFERENCE
+    assert calibrate.BUNDLED_REFERENCE.is_relative_to(REPO)
+    digest = hashlib.sha256(calibrate.reference_bytes()).hexdigest()
     recorded = yaml.safe_load((REPO / "configs" / "area.yaml").read_text())["provenance"]["reference_sha256"]
     assert digest == recorded
     assert digest in (REPO / "phaze_opt" / "data" / "README.md").read_text()
-    rows = area.reference_rows()
-    assert len(rows) == 29360 and set(area.REFERENCE_KEYS) <= set(rows[0])
+    rows = calibrate.reference_rows()
+    assert len(rows) == 29360 and set(calibrate.REFERENCE_KEYS) <= set(rows[0])
 
 
 def test_reference_override_reads_plain_and_gzip(tmp_path, monkeypatch):
@@ -63,7 +63,7 @@ def test_reference_override_reads_plain_and_gzip(tmp_path, monkeypatch):
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     for path in (plain, packed):
         monkeypatch.setenv("PHAZE_OPT_REFERENCE", str(path))
-        ref = area.reference_designs()
+        ref = calibrate.reference_designs()
         assert ref["area_mm2"].tolist() == [5.0] and ref["tc_x"].tolist() == [8]
 
 
@@ -79,5 +79,5 @@ def test_bad_reference_file_is_one_line_error(tmp_path, content, message):
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(PhazeError, match=message) as info:
-        area.reference_designs(path)
+        calibrate.reference_designs(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from phaze_opt import cli
 from phaze_opt.design.space import load_space
 from phaze_opt.search.encoding import SpaceCodec
-from phaze_opt.search.runner import is_feasible
+from phaze_opt.search.session import is_feasible
 
 LIMIT_S = float(os.environ.get("PHAZE_OPT_ACCEPTANCE_LIMIT_S", "180"))
 SAMPLED = "gpt2-xl-small-tpe-seed0"

@@ -11,7 +11,7 @@ import pytest
 from optuna.trial import TrialState
 
 from phaze_opt import cli
-from phaze_opt.search.runner import is_feasible
+from phaze_opt.search.session import is_feasible
 from test_study_fakes import mlflow_uri
 
 NAME = "gpt2-xl-small-tpe-seed0-throughput+energy"

@@ -10,7 +10,8 @@ from optuna.trial import TrialState
 
 from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.exhaustive import best_history, hysteresis_stop, plan
-from phaze_opt.search.runner import finished_trials, is_feasible, run_study
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import finished_trials, is_feasible
 from phaze_opt.search.setup import default_study_name
 from test_study_fakes import CALLS, InterruptAfter, backend, config, small_space
 

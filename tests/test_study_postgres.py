@@ -19,7 +19,8 @@ import pytest
 from optuna.trial import TrialState
 
 from phaze_opt.search.encoding import SpaceCodec
-from phaze_opt.search.runner import finished_trials, run_study
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import finished_trials
 from phaze_opt.search.setup import default_study_name
 from phaze_opt.search.tracking import driver_url
 from test_study_fakes import backend, config, mlflow_uri, small_space

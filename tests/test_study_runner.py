@@ -10,7 +10,8 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.objective import FatalStudyError
 from phaze_opt.search.report import pareto_front
-from phaze_opt.search.runner import finished_trials, is_feasible, run_study, split_quota
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import finished_trials, is_feasible, split_quota
 from phaze_opt.search.setup import StudyConfig, default_study_name, validate
 from test_study_fakes import CALLS, FakeSpace, InterruptAfter, backend, config, fake_no_energy, fake_throughput, mlflow_uri
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.design.space import load_space
-from phaze_opt.design.evaluate import _tp_widths, evaluate_design, layer_costs
+from phaze_opt.design.evaluate import evaluate_design, layer_costs, tp_widths
 from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import StudyConfig
@@ -71,7 +71,7 @@ def test_bounds_hold_on_real_layers_and_placements():
     points = _random_points(space, 6, seed=5)
     accels = [space.accelerator(p) for p in points]
     designs = DesignArrays.from_accelerators(accels)
-    widths = [layer_lower_bounds(model, designs, 1, system, tp) for tp in _tp_widths(model, system)]
+    widths = [layer_lower_bounds(model, designs, 1, system, tp) for tp in tp_widths(model, system)]
     ideal = ideal_throughput(widths, 1, system.accelerators)
     for i, (p, a) in enumerate(zip(points, accels)):
         for w in widths:

@@ -1,8 +1,9 @@
 """Evaluate one design: workload graphs -> operator latencies -> per-layer ILP -> placement DP.
 
-    evaluate_design(model, arch, mbs, recompute, system="default", placement="optimal") -> DesignResult
+    evaluate(model, arch, Training(mbs, recompute, placement), system="default") -> DesignResult
+    evaluate_design(model, arch, mbs, recompute, system="default", placement="optimal")  (the same)
 
-The study, the exhaustive sweep and `phaze-opt evaluate` all go through this one function, so a
+The study, the exhaustive sweep and `phaze-opt evaluate` all go through `evaluate`, so a
 design means the same thing everywhere. It never raises for a design that cannot train: the result
 is then infeasible with the reason (for example the least memory any placement needs against the
 HBM). Mistakes in the request itself (unknown model, malformed placement) are `PhazeError`s.
@@ -30,12 +31,12 @@ constants; only the cheap per-placement sum runs on every call.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from ..cache import BoundedMemo
 from ..errors import PhazeError
 from ..hardware.accelerator import Accelerator
 from ..hardware.area import area_mm2
@@ -43,9 +44,10 @@ from ..hardware.energy import batch_energy, layer_energies, load_constants as lo
 from ..hardware.latency import estimate
 from ..solve.placement import even_placement, optimal_placement
 from ..solve.placement_eval import evaluate_placement
-from ..solve.placement_types import LayerCosts, PlacementProblem, parse_placement_spec
+from ..solve.placement_types import LayerCosts, PlacementProblem
 from ..solve.schedule import schedule_graph
 from ..system import System, load_system
+from ..training import Training
 from ..workload.graphs import build_layer_graph
 from ..workload.models import ModelConfig, load_model
 
@@ -89,8 +91,12 @@ class _TpCosts:
     unproven: tuple = ()  # "{kind}/{pass}: gap g" of each pass whose schedule is not proven optimal
 
 
-_COSTS_MEMO: dict = {}
-_ENERGY_MEMO: dict = {}  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
+# Per-layer costs at one TP width, ~50 kB each for a 100-layer model: 4096 of them are ~200 MB, a few
+# hundred designs' worth of TP widths (a sweep revisits a design's compute part while its HBM and
+# recompute choices run, then moves on). A miss re-reads the schedules from their disk cache.
+MEMO_MAX = 4096
+_COSTS_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
+_ENERGY_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
 
 
 def _link_key(link) -> tuple:
@@ -194,10 +200,10 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
     return out
 
 
-def _design_energy(model, arch, mbs, recompute, system, tp_costs: _TpCosts, result, area: float) -> float:
-    fwd, bwd = tp_layer_energies(model, arch, mbs, system, tp_costs)
+def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, result, area: float) -> float:
+    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs)
     stages = [st.layers for st in result.stages]
-    return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, recompute,
+    return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system).total_j
 
 
@@ -208,49 +214,59 @@ def check_ilp_time_limit(value) -> float:
     return float(value)
 
 
-def design_evaluator(ilp_time_limit_s: float | None = None):
-    """`evaluate_design`, with a per-pass ILP time limit other than the default when one is given
-    (a picklable partial, so study workers get it too)."""
+@dataclass(frozen=True)
+class DesignEvaluator:
+    """The real evaluator (`evaluate_design`) at a per-pass ILP time limit; picklable, so study
+    workers get it too. A `protocols.BoundedEvaluator`: the proven throughput bounds hold for it."""
+
+    ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
+
+    def __call__(self, model, arch: Accelerator, mbs: int, recompute: bool, system="default",
+                 placement: str = "optimal") -> DesignResult:
+        return evaluate_design(model, arch, mbs, recompute, system, placement, self.ilp_time_limit_s)
+
+
+def design_evaluator(ilp_time_limit_s: float | None = None) -> DesignEvaluator:
+    """The real evaluator, with a per-pass ILP time limit other than the default when one is given."""
     if ilp_time_limit_s is None:
-        return evaluate_design
-    return functools.partial(evaluate_design, ilp_time_limit_s=check_ilp_time_limit(ilp_time_limit_s))
+        return DesignEvaluator()
+    return DesignEvaluator(check_ilp_time_limit(ilp_time_limit_s))
 
 
-def is_design_evaluator(evaluator) -> bool:
-    """True for `evaluate_design` and for `design_evaluator`'s partials (the proven bounds apply to both)."""
-    return getattr(evaluator, "func", evaluator) is evaluate_design
-
-
-def _tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
+def tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
+    """The model's TP widths that fit in the system."""
     return tuple(t for t in model.tp_widths if t <= system.accelerators)
 
 
-def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None,
-                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
-    """The PlacementProblem of a design, plus per-TP cost tables and the work timings."""
+def training_problem(model, arch: Accelerator, training: Training, system, widths=None,
+                     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
+    """The PlacementProblem of a design trained by `training`, plus per-TP cost tables and the work timings."""
     model = load_model(model)
     system = system if isinstance(system, System) else load_system(system)
-    widths = tuple(tp_widths) if tp_widths else _tp_widths(model, system)
-    per_tp = {t: layer_costs(model, arch, mbs, system, t, ilp_time_limit_s) for t in widths}
-    flops_per_seq = build_layer_graph(model, widths[0], mbs).train_flops_per_sequence
+    widths = tuple(widths) if widths else tp_widths(model, system)
+    per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s) for t in widths}
+    flops_per_seq = build_layer_graph(model, widths[0], training.mbs).train_flops_per_sequence
     problem = PlacementProblem(
         costs=tuple(v.costs for v in per_tp.values()),
         system=system,
         hbm_bytes=arch.hbm_bytes,
         peak_flops=arch.peak_flops,
-        mbs=mbs,
-        recompute=recompute,
+        mbs=training.mbs,
+        recompute=training.recompute,
         seq_len=model.seq,
         model_flops_per_sequence=flops_per_seq,
     )
     return model, system, problem, per_tp
 
 
-def _fixed_placement(problem: PlacementProblem, model: ModelConfig, spec: str):
-    if spec == "expert":
-        fields = dict(model.expert_placement)
-    else:
-        fields = parse_placement_spec(spec)
+def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None,
+                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
+    """`training_problem` with the recipe given as microbatch and recompute."""
+    return training_problem(model, arch, Training(mbs, recompute), system, tp_widths, ilp_time_limit_s)
+
+
+def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Training):
+    fields = dict(model.expert_placement) if training.fixed == "expert" else training.fixed
     tp, pp, dp = fields["tp"], fields["pp"], fields["dp"]
     if tp not in problem.tp_widths:
         raise PhazeError(
@@ -272,12 +288,14 @@ def evaluate_design(
 
     `ilp_time_limit_s` bounds each layer pass's schedule solve; a shorter limit trades proofs for
     time (passes left open make the result unproven, with its bound; see the module docstring)."""
-    if isinstance(mbs, bool) or not isinstance(mbs, (int, np.integer)) or mbs < 1:
-        raise PhazeError(f"microbatch size must be a positive integer, got {mbs!r}")
+    return evaluate(model, arch, Training(mbs, recompute, placement), system, ilp_time_limit_s)
+
+
+def evaluate(model, arch: Accelerator, training: Training, system="default",
+             ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> DesignResult:
+    """Throughput of one design: `arch` trained by `training` (its placement the best or the given one)."""
     check_ilp_time_limit(ilp_time_limit_s)
-    fixed = None
-    if placement != "optimal":
-        fixed = placement if placement == "expert" else parse_placement_spec(placement)
+    fixed = training.fixed
     model_cfg = load_model(model)
     widths = None
     if fixed is not None:
@@ -288,13 +306,13 @@ def evaluate_design(
                 f"allowed: {', '.join(map(str, model_cfg.tp_widths))}"
             )
         widths = (tp,)
-    model_cfg, system, problem, per_tp = placement_problem(model_cfg, arch, int(mbs), bool(recompute), system, widths,
-                                                           float(ilp_time_limit_s))
+    model_cfg, system, problem, per_tp = training_problem(model_cfg, arch, training, system, widths,
+                                                          float(ilp_time_limit_s))
     t0 = time.perf_counter()
     if fixed is None:
         result = optimal_placement(problem)
     else:
-        chosen_placement = _fixed_placement(problem, model_cfg, placement)
+        chosen_placement = _fixed_placement(problem, model_cfg, training)
         result = evaluate_placement(problem, chosen_placement)
     unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
     bound = result.throughput
@@ -310,7 +328,7 @@ def evaluate_design(
     timings["dp_s"] = dp_s
     chosen = per_tp.get(result.tp) if result.feasible else None
     area = float(area_mm2(arch))
-    energy = _design_energy(model_cfg, arch, int(mbs), bool(recompute), system, chosen, result, area) if chosen else None
+    energy = _design_energy(model_cfg, arch, training, system, chosen, result, area) if chosen else None
     return DesignResult(
         feasible=result.feasible,
         reason=result.reason,

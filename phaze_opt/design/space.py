@@ -45,10 +45,11 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import GIB, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
+from ..training import SAMPLED_FIELDS
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
-RUN_FIELDS = ("mbs", "recompute")
+RUN_FIELDS = SAMPLED_FIELDS  # the training recipe's fields a space samples (training.py)
 INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
 POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
 ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS

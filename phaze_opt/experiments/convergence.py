@@ -23,7 +23,7 @@ from typing import Sequence
 import optuna
 
 from ..errors import PhazeError
-from ..search.runner import finished_trials, is_feasible, quiet_optuna
+from ..search.session import finished_trials, is_feasible, quiet_optuna
 from ..search.setup import clean_name, default_storage
 from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
 

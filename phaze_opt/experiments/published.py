@@ -38,12 +38,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import PhazeError
 from ..jsonable import jsonable
+from ..design.evaluate import evaluate_design
+from ..design.protocols import Evaluator, Result
+from ..hardware.accelerator import Accelerator
 from ..search.objective import Baseline, compute_baselines, recompute_flag
-from ..search.setup import Backend, StudyConfig, default_storage
+from ..search.runner import run_study
+from ..search.session import Session
+from ..search.setup import Backend, StudyConfig, clean_name, default_storage
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
 SYSTEMS = ("default", "phaze")
@@ -63,14 +68,14 @@ DEFAULT_TRIALS = 30
 # -- evaluators ---------------------------------------------------------------------------------------
 
 def evaluate_fixed_placement(model, arch, mbs, recompute, system="default", placement="optimal", *,
-                             fixed: str = "expert", evaluator: Callable | None = None):
+                             fixed: str = "expert", evaluator: Evaluator | None = None):
     """`evaluator` (default `evaluate_design`) with the placement forced to `fixed`, whatever is asked."""
     if evaluator is None:
-        from ..design.evaluate import evaluate_design as evaluator
+        evaluator = evaluate_design
     return evaluator(model, arch, mbs, recompute, system=system, placement=fixed)
 
 
-def fixed_placement_evaluator(fixed: str, evaluator: Callable | None = None) -> Callable:
+def fixed_placement_evaluator(fixed: str, evaluator: Evaluator | None = None) -> Evaluator:
     """A picklable evaluator (for study workers) that always uses placement `fixed`."""
     return functools.partial(evaluate_fixed_placement, fixed=fixed, evaluator=evaluator)
 
@@ -124,9 +129,9 @@ class PublishedConfig:
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: the default (60 s)
 
 
-def _proof(r) -> tuple:
+def _proof(r: Result) -> tuple:
     """(proven, throughput bound, open passes) of an evaluator result, for `Row.mark_unproven`."""
-    return getattr(r, "proven", True), getattr(r, "throughput_bound", None), getattr(r, "unproven", ())
+    return r.proven, r.throughput_bound, r.unproven
 
 
 def _placement_brief(p: dict | None) -> dict:
@@ -134,8 +139,8 @@ def _placement_brief(p: dict | None) -> dict:
     return {k: p.get(k) for k in ("tp", "pp", "dp", "microbatches")}
 
 
-def _accel_fields(arch) -> dict:
-    return jsonable(arch.fields()) if hasattr(arch, "fields") else {}
+def _accel_fields(arch: Accelerator) -> dict:
+    return jsonable(arch.fields())
 
 
 def _tpuv4_row(model, baseline: Baseline, evaluator, reference_arch, system, placement: str) -> Row:
@@ -143,15 +148,15 @@ def _tpuv4_row(model, baseline: Baseline, evaluator, reference_arch, system, pla
     r = evaluator(model, reference_arch, int(baseline.mbs), recompute_flag(baseline.recompute), system=system,
                   placement=placement)
     row = Row(True, float(baseline.throughput), "", None, _accel_fields(reference_arch), baseline.mbs,
-              baseline.recompute, _placement_brief(getattr(r, "placement", None)),
-              float(getattr(r, "area_mm2", 0.0) or 0.0) or None, getattr(reference_arch, "name", "") or "tpuv4")
+              baseline.recompute, _placement_brief(r.placement),
+              float(r.area_mm2 or 0.0) or None, reference_arch.name or "tpuv4")
     return row.mark_unproven(*_proof(r))
 
 
 class _Recorder:
     """An evaluator that remembers which calls raised (compute_baselines skips them silently)."""
 
-    def __init__(self, evaluator: Callable):
+    def __init__(self, evaluator: Evaluator):
         self.evaluator = evaluator
         self.errors: dict = {}  # (model, placement) -> ["mbs=.., rc=..: error", ...]
 
@@ -173,7 +178,7 @@ def _errors_note(errors: list, settings: int) -> str:
     return f"{len(errors)} of {settings} microbatch/recompute settings could not be evaluated ({errors[0]})"
 
 
-def tpuv4_rows(models: Sequence[str], evaluator: Callable, reference_arch, system: str, mbs_choices: Sequence,
+def tpuv4_rows(models: Sequence[str], evaluator: Evaluator, reference_arch, system: str, mbs_choices: Sequence,
                recompute_choices: Sequence) -> tuple[dict, dict, dict]:
     """Rows 1 and 2 per model, and the baselines (row 1 or its stand-in) the ratios divide by.
 
@@ -238,7 +243,7 @@ def row_from_summary(summary: dict | None, model: str, reason_if_none: str) -> R
     return row.mark_unproven(s.get("proven", True), s.get("throughput_bound"), s.get("unproven"))
 
 
-def common_design_row(summary: dict | None, model: str, evaluator: Callable, space, system: str,
+def common_design_row(summary: dict | None, model: str, evaluator: Evaluator, space, system: str,
                       reason_if_none: str) -> Row:
     """A model left out of the common study (no TPUv4 baseline): its throughput on the common design."""
     best = (summary or {}).get("best")
@@ -325,8 +330,6 @@ def _study_config(cfg: PublishedConfig, system: str, models: tuple[str, ...], na
 
 
 def _system_tag(system: str) -> str:
-    from ..search.setup import clean_name
-
     text = str(system)
     if text.endswith((".yaml", ".yml")) or "/" in text:
         text = Path(text).stem
@@ -353,8 +356,6 @@ def _remove_storage(name: str, output_dir: str) -> None:
 
 def _run(config: StudyConfig, backend: Backend, seeds: Sequence[tuple[str, dict]] = ()) -> dict:
     """run_study, after queueing `seeds` (label, point) behind the TPUv4 points of a new study."""
-    from ..search.runner import Session, run_study
-
     if seeds:
         session = Session(replace(config, tracking_uri="off"), backend)
         try:

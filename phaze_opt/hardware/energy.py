@@ -45,8 +45,8 @@ import numpy as np
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
-from .latency import BYTES_PER_ELEMENT, DesignArrays, collective_traffic, cycles_per_element
+from ..workload.ops import OpGraph
+from .latency import BYTES_PER_ELEMENT, DesignArrays, classify_ops, collective_traffic
 
 PJ = 1e-12
 NODES_NM = (45, 32, 22, 14, 10, 7, 5, 3)  # full node steps (16/14 nm counted as one)
@@ -195,31 +195,12 @@ def op_energy(
         s = np.asarray(split, dtype=bool)
         split_mask = s.reshape(1, n_o) if s.ndim == 1 else np.broadcast_to(s, (n_d, n_o))
 
-    gemm_idx, gemm_rows, vec_idx, vec_rows = [], [], [], []
-    for i, op in enumerate(ops):
-        if op.unit in (TC, TCVC):
-            if len(op.gemm) != 4:
-                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
-            b, m, kk, n = (float(x) for x in op.gemm)
-            nbytes = op.bytes_read + op.bytes_written or b * (m * kk + kk * n + m * n) * e
-            cpe = cycles_per_element(op)[0] if op.unit == TCVC else 0.0
-            elements = float(op.elements or b * m * n)
-            if op.unit == TCVC and op.flops > 0:
-                cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
-            gemm_idx.append(i)
-            gemm_rows.append((b, m, kk, n, nbytes, elements * cpe))
-        elif op.unit == VC:
-            cpe = cycles_per_element(op)[0]
-            elements = float(op.elements or max(op.bytes_written / e, 1.0))
-            if op.flops > 0:
-                cpe = max(cpe, op.flops / elements)
-            nbytes = op.bytes_read + op.bytes_written or 2.0 * elements * e
-            vec_idx.append(i)
-            vec_rows.append((elements * cpe, nbytes))
-        elif op.unit == NET:
-            link[:, i] = collective_traffic(op)[0]
-        elif op.unit != NONE:
-            raise ValueError(f"op {op.name}: no energy model for unit {op.unit!r}")
+    kinds = classify_ops(ops, e, "energy")
+    gemm_idx, vec_idx = kinds.gemm_idx, kinds.vec_idx
+    gemm_rows = [(b, m, kk, n, nbytes, elements * cpe) for b, m, kk, n, nbytes, elements, cpe, _ in kinds.gemm_rows]
+    vec_rows = [(elements * cpe, nbytes) for elements, cpe, nbytes in kinds.vec_rows]
+    for i in kinds.net_idx:
+        link[:, i] = collective_traffic(ops[i])[0]
 
     if gemm_idx:
         B, M, K, N, nbytes, epi = (col[None, :] for col in np.array(gemm_rows, dtype=float).T)

@@ -221,6 +221,54 @@ def _collective_seconds(op, bw: float, lat: float) -> float:
     return nbytes / bw + steps * lat
 
 
+@dataclass
+class ClassifiedOps:
+    """The ops of a graph by cost model, with the per-op figures both the latency and the energy
+    model start from (`classify_ops`)."""
+
+    gemm_idx: list = field(default_factory=list)
+    gemm_rows: list = field(default_factory=list)  # (B, M, K, N, hbm bytes, epilogue elements, epilogue cpe, is fused)
+    vec_idx: list = field(default_factory=list)
+    vec_rows: list = field(default_factory=list)  # (elements, cpe, bytes)
+    net_idx: list = field(default_factory=list)  # collectives
+    unknown: set = field(default_factory=set)  # vector op kinds costed by the op-kind fallback
+
+
+def classify_ops(ops, bytes_per_element: float, model: str = "latency") -> ClassifiedOps:
+    """Sort ops into GEMMs (TC, TC+VC epilogue), vector ops and collectives; ops on no unit are
+    skipped. An op on a unit no cost model knows raises, naming `model`."""
+    e = float(bytes_per_element)
+    out = ClassifiedOps()
+    for i, op in enumerate(ops):
+        if op.unit in (TC, TCVC):
+            if len(op.gemm) != 4:
+                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
+            b, m, kk, n = (float(x) for x in op.gemm)
+            dims_bytes = b * (m * kk + kk * n + m * n) * e
+            nbytes = op.bytes_read + op.bytes_written or dims_bytes
+            cpe, unk = cycles_per_element(op) if op.unit == TCVC else (0.0, [])
+            out.unknown.update(unk)
+            elements = float(op.elements or b * m * n)
+            if op.unit == TCVC and op.flops > 0:
+                cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
+            out.gemm_idx.append(i)
+            out.gemm_rows.append((b, m, kk, n, nbytes, elements, cpe, op.unit == TCVC))
+        elif op.unit == VC:
+            cpe, unk = cycles_per_element(op)
+            out.unknown.update(unk)
+            elements = float(op.elements or max(op.bytes_written / e, 1.0))
+            if op.flops > 0:  # never fewer lane-cycles than the op's counted operations
+                cpe = max(cpe, op.flops / elements)
+            nbytes = op.bytes_read + op.bytes_written or 2.0 * elements * e
+            out.vec_idx.append(i)
+            out.vec_rows.append((elements, cpe, nbytes))
+        elif op.unit == NET:
+            out.net_idx.append(i)
+        elif op.unit != NONE:  # Op validates its unit; a new unit must be costed here before it is used
+            raise ValueError(f"op {op.name}: no {model} model for unit {op.unit!r}")
+    return out
+
+
 def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: int = BYTES_PER_ELEMENT) -> OpLatencies:
     """Latency of every op of `op_graph` on every design: `single` and `split`, [n_designs, n_ops] s.
 
@@ -235,40 +283,14 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
     e = float(bytes_per_element)
     unknown: set[str] = set()
 
-    gemm_idx, gemm_rows = [], []  # (B, M, K, N, hbm bytes, epilogue elements, epilogue cpe, is fused)
-    vec_idx, vec_rows = [], []  # (elements, cpe, bytes)
     bw, lat = _link(interconnect)
-    for i, op in enumerate(ops):
-        if op.unit in (TC, TCVC):
-            if len(op.gemm) != 4:
-                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
-            b, m, kk, n = (float(x) for x in op.gemm)
-            dims_bytes = b * (m * kk + kk * n + m * n) * e
-            nbytes = op.bytes_read + op.bytes_written or dims_bytes
-            cpe, unk = cycles_per_element(op) if op.unit == TCVC else (0.0, [])
-            unknown.update(unk)
-            elements = float(op.elements or b * m * n)
-            if op.unit == TCVC and op.flops > 0:
-                cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
-            gemm_idx.append(i)
-            gemm_rows.append((b, m, kk, n, nbytes, elements, cpe, op.unit == TCVC))
-        elif op.unit == VC:
-            cpe, unk = cycles_per_element(op)
-            unknown.update(unk)
-            elements = float(op.elements or max(op.bytes_written / e, 1.0))
-            if op.flops > 0:  # never fewer lane-cycles than the op's counted operations
-                cpe = max(cpe, op.flops / elements)
-            nbytes = op.bytes_read + op.bytes_written or 2.0 * elements * e
-            vec_idx.append(i)
-            vec_rows.append((elements, cpe, nbytes))
-        elif op.unit == NET:
-            t = _collective_seconds(op, bw, lat)
-            single[:, i] = t
-            split[:, i] = t
-        elif op.unit == NONE:
-            pass
-        else:  # Op validates its unit; a new unit must be costed here before it is used
-            raise ValueError(f"op {op.name}: no latency model for unit {op.unit!r}")
+    c = classify_ops(ops, e, "latency")
+    unknown.update(c.unknown)
+    gemm_idx, gemm_rows, vec_idx, vec_rows = c.gemm_idx, c.gemm_rows, c.vec_idx, c.vec_rows
+    for i in c.net_idx:
+        t = _collective_seconds(ops[i], bw, lat)
+        single[:, i] = t
+        split[:, i] = t
 
     if gemm_idx:
         g = np.array(gemm_rows, dtype=float).T[:, None, :]  # each field [1, n_gemm]

@@ -37,10 +37,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..design.evaluate import tp_widths
+from ..design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..system import load_system
 from ..workload.models import load_model
-from ..design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from . import objective
+from .report import finish, unproven_points
+from .session import Progress, Session, one_line, quiet_optuna, score_label
+from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED = range(3)
@@ -73,12 +79,10 @@ class Grid:
 
 # -- worker side -------------------------------------------------------------------------------------
 
-_W: dict = {}
+_W: dict = {}  # this process's worker state: model, system, spec, ctx and one space's design arrays
 
 
 def _init_worker(model: str, system: str, spec) -> None:
-    from .runner import quiet_optuna
-
     quiet_optuna()
     _W.update(model=load_model(model), system=load_system(system), spec=spec,
               ctx=spec.context() if spec is not None else None)
@@ -86,14 +90,12 @@ def _init_worker(model: str, system: str, spec) -> None:
 
 def _level0(space, mbs: int) -> tuple[np.ndarray, list]:
     """Ideal bound and lower-bound layer times of every design row at one microbatch."""
-    from ..design.evaluate import _tp_widths
-
     model, system = _W["model"], _W["system"]
-    key = ("designs", getattr(space, "name", None), id(space))
-    if key not in _W:  # 88k designs take seconds to build; a worker keeps them for every microbatch
-        _W[key] = DesignArrays.from_accelerators(Grid(space).accelerators())
-    designs = _W[key]
-    widths = [layer_lower_bounds(model, designs, mbs, system, tp) for tp in _tp_widths(model, system)]
+    key = (space.name, id(space))
+    if _W.get("designs_of") != key:  # 88k designs take seconds to build; a worker keeps one space's for every microbatch
+        _W.update(designs_of=key, designs=DesignArrays.from_accelerators(Grid(space).accelerators()))
+    designs = _W["designs"]
+    widths = [layer_lower_bounds(model, designs, mbs, system, tp) for tp in tp_widths(model, system)]
     return ideal_throughput(widths, mbs, system.accelerators), widths
 
 
@@ -103,15 +105,12 @@ def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list) ->
 
 
 def _evaluate(points: list[dict]) -> list[tuple]:
-    from .objective import evaluate_point
-    from .runner import one_line
-
     out = []
     for point in points:
         started, t0 = datetime.now(), time.perf_counter()
         outcome, error = None, None
         try:
-            outcome = evaluate_point(point, _W["ctx"])
+            outcome = objective.evaluate_point(point, _W["ctx"])
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the sweep
             error = one_line(exc)
         out.append((point, outcome, error, started, datetime.now(), time.perf_counter() - t0))
@@ -145,16 +144,31 @@ def _executor(workers: int, initargs):
 
 # -- the parent ----------------------------------------------------------------------------------------
 
+def run_pruned(session: Session) -> dict:
+    """The bound-pruned exhaustive sweep: every point settled by evaluation or by a proven bound."""
+    config = session.config
+    total = Grid(session.space).size
+    if total == 0:
+        raise PhazeError(f"space '{session.space.name}': no grid point passes the area rule")
+    progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
+    stats = run_branch_bound(session, progress)
+    progress.close()
+    history = best_history(session.all_trials())
+    session.study.set_user_attr("best_history", history)
+    info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}
+    session.study.set_user_attr("exhaustive_status", info)
+    return finish(session, [], {"exhaustive": {**info, "evaluated": stats["settled"]["evaluated"],
+                                               "best_history": history}})
+
+
+
 def run_branch_bound(session, progress) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
-    from .exhaustive import _add, _existing, _frozen_trial, point_key
-    from .report import unproven_points
-
     config = session.config
     model_name = config.models[0]
     grid = Grid(session.space)
     t_start = time.perf_counter()
-    done = _existing(session.study, session.codec)  # resumed points: key -> score
+    done = existing_scores(session.study, session.codec)  # resumed points: key -> score
     incumbent = max((s for s in done.values() if s is not None), default=0.0)
     progress.update(0, incumbent if incumbent > 0 else None)
 
@@ -197,7 +211,7 @@ def run_branch_bound(session, progress) -> dict:
                     if value > incumbent:
                         incumbent = value
                         extra["new_best"] = True
-                frozen = _add(session.study, _frozen_trial(session.codec, point, outcome, error, started, ended,
+                frozen = add_trial(session.study, frozen_trial(session.codec, point, outcome, error, started, ended,
                                                            extra, session.space))
                 session.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
                 done[point_key(session.codec, point)] = value if error is None else None

@@ -29,30 +29,34 @@ import math
 import tempfile
 import time
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
 
+from ..design.protocols import area_params as space_area_params
 from ..errors import PhazeError
+from ..training import SAMPLED_FIELDS
 from .encoding import SpaceCodec
-from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
-from .runner import (
+from .objective import FatalStudyError, evaluate_point
+from .branch_bound import run_pruned
+from .report import finish
+from .session import (
     Progress,
     Session,
     SpoolLogger,
     WorkerSpec,
     finished_trials,
-    is_feasible,
-    make_storage,
     one_line,
     quiet_optuna,
     run_pool,
+    say,
     score_label,
 )
+from .setup import make_storage
+from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 from .tracking import NullTracker
 
-RUN_PARAMS = ("mbs", "recompute")
+RUN_PARAMS = SAMPLED_FIELDS
 
 
 def _freeze(value: Any):
@@ -61,10 +65,6 @@ def _freeze(value: Any):
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
-
-
-def point_key(codec: SpaceCodec, point: dict) -> tuple:
-    return tuple(sorted(codec.encode(point).items()))
 
 
 def plan(space, order: str, area_group_mm2: float) -> list[dict]:
@@ -76,14 +76,14 @@ def plan(space, order: str, area_group_mm2: float) -> list[dict]:
     points = space.grid_points(order=order)
     arch_cache: dict = {}
     area_cache: dict = {}
-    area_params = getattr(space, "area_params", None)
+    area_params = space_area_params(space)
     entries = []
     for p in points:
         arch_part = tuple(sorted((k, _freeze(v)) for k, v in p.items() if k not in RUN_PARAMS))
         accel = arch_cache.get(arch_part)
         if accel is None:
             accel = arch_cache[arch_part] = space.accelerator(p)
-        compute = getattr(accel, "compute_key", None) or arch_part
+        compute = accel.compute_key or arch_part
         reuse = (compute, _freeze(p["mbs"]))
         group = None
         if order == "area":
@@ -112,34 +112,6 @@ def hysteresis_stop(group_best: Sequence[float], k: int | None) -> bool:
         return False
     window = list(group_best)[-k:]
     return all(a >= b for a, b in zip(window, window[1:]))
-
-
-def _frozen_trial(codec: SpaceCodec, point: dict, outcome, error: str | None, started: datetime,
-                  ended: datetime, result_extra: dict, space=None) -> FrozenTrial:
-    params = codec.encode(point)
-    dists = {k: v for k, v in codec.distributions().items()}
-    user_attrs = {"point": jsonable(point)}
-    system_attrs = {}
-    if error is not None:
-        user_attrs["result"] = {"error": error, **result_extra}
-        if "accelerator" not in user_attrs["result"]:
-            user_attrs["result"]["accelerator"] = accelerator_fields(space, point) if space is not None else {}
-        state, values = TrialState.FAIL, None
-    else:
-        user_attrs["result"] = {**outcome.result_attr(), **result_extra}
-        state, values = TrialState.COMPLETE, list(outcome.values)
-        for key, value in outcome.constraints.items():
-            system_attrs[f"constraints:{key}"] = float(value)
-    return FrozenTrial(number=0, state=state, value=None, values=values, datetime_start=started,
-                       datetime_complete=ended, params=params, distributions=dists, user_attrs=user_attrs,
-                       system_attrs=system_attrs, intermediate_values={}, trial_id=0)
-
-
-def _add(study: optuna.Study, trial: FrozenTrial) -> FrozenTrial:
-    """Add a finished trial and return it as stored (with its study-wide number)."""
-    storage = study._storage  # noqa: SLF001 - add_trial does not return the new trial's number
-    trial_id = storage.create_new_trial(study._study_id, template_trial=trial)  # noqa: SLF001
-    return storage.get_trial(trial_id)
 
 
 class _Sweeper:
@@ -175,7 +147,7 @@ class _Sweeper:
             if outcome.feasible and (self.best is None or outcome.score > self.best):
                 self.best = outcome.score
                 extra["new_best"] = True
-        frozen = _add(self.study, _frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra,
+        frozen = add_trial(self.study, frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra,
                                                 self.spec.backend.space))
         artifact = outcome.artifact() if outcome is not None else None
         if self.spec.spool_dir:
@@ -183,41 +155,23 @@ class _Sweeper:
         else:
             self.tracker.log_trial(frozen, artifact)
         if error is not None:
-            from .runner import _say
-
-            _say(f"point {frozen.number} failed: {error}")
+            say(f"point {frozen.number} failed: {error}")
         self.done[key] = score
         self.evaluated += 1
         return score
 
 
-def _existing(session_or_study, codec: SpaceCodec) -> dict:
-    done = {}
-    for t in finished_trials(session_or_study.get_trials(deepcopy=False)):
-        point = t.user_attrs.get("point")
-        if point is None:
-            continue
-        try:
-            key = point_key(codec, point)
-        except ValueError:
-            continue
-        done[key] = (t.values[0] if is_feasible(t) else 0.0) if t.state == TrialState.COMPLETE else None
-    return done
-
-
 def run_exhaustive(config, backend=None) -> dict:
-    from .report import finish
-
     session = Session(config, backend)
     config = session.config
     with session.running():
         if config.prune == "bound":
-            return _run_pruned(session)
+            return run_pruned(session)
         clusters = plan(session.space, config.order, config.area_group_mm2)
         n_points = sum(len(c["points"]) for c in clusters)
         if n_points == 0:
-            raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
-        done = _existing(session.study, session.codec)
+            raise PhazeError(f"space '{session.space.name}': no grid point passes the area rule")
+        done = existing_scores(session.study, session.codec)
         best0 = max((s for s in done.values() if s is not None and s > 0), default=None)
         progress = Progress(n_points, min(len(done), n_points), session.name, "point", config.progress,
                             score_label(config))
@@ -276,43 +230,6 @@ def run_exhaustive(config, backend=None) -> dict:
         return finish(session, [], extra)
 
 
-def _run_pruned(session) -> dict:
-    """Every point settled by evaluation or by a proven bound (see `branch_bound`)."""
-    from .branch_bound import Grid, run_branch_bound
-    from .report import finish
-
-    config = session.config
-    total = Grid(session.space).size
-    if total == 0:
-        raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
-    progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
-    stats = run_branch_bound(session, progress)
-    progress.close()
-    history = best_history(session.all_trials())
-    session.study.set_user_attr("best_history", history)
-    info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}
-    session.study.set_user_attr("exhaustive_status", info)
-    return finish(session, [], {"exhaustive": {**info, "evaluated": stats["settled"]["evaluated"],
-                                               "best_history": history}})
-
-
-def best_history(trials: Iterable) -> list[dict]:
-    """Each time the best feasible score improved, in wall-clock order: trial, elapsed_s, score."""
-    rows = []
-    for t in trials:
-        if not is_feasible(t):
-            continue
-        e = (t.user_attrs.get("result") or {}).get("elapsed_s")
-        rows.append((float(e) if isinstance(e, (int, float)) else float("inf"), t.number, t.values[0]))
-    rows.sort()
-    history, best = [], None
-    for elapsed, number, score in rows:
-        if best is None or score > best:
-            best = score
-            history.append({"trial": number, "elapsed_s": elapsed, "score": score})
-    return history
-
-
 def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
@@ -321,7 +238,7 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
         study = optuna.load_study(study_name=spec.study_name, storage=storage)
         clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
         codec = SpaceCodec(spec.backend.space.params)
-        sweeper = _Sweeper(spec, study, NullTracker(), _existing(study, codec), None)
+        sweeper = _Sweeper(spec, study, NullTracker(), existing_scores(study, codec), None)
         for i, cluster in enumerate(clusters):
             if i % workers != index:
                 continue

@@ -15,7 +15,7 @@ How an infeasible design is reported (so samplers learn from it and reports neve
   area its real area, energy +inf.
 - A design whose layer schedules were not all proven optimal in the ILP time limit is a result,
   not a failure: its score comes from the verified incumbent schedules (a throughput the chip
-  reaches), `score_bound` from the proven lower bounds (see search/evaluate.py), and `proven` is
+  reaches), `score_bound` from the proven lower bounds (see design/evaluate.py), and `proven` is
   False. Records and reports carry both, so no unproven number passes for an optimum.
 - A design over the area budget is rejected from the space's `area_check` alone, before any
   workload graph, ILP or placement is computed.
@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from ..jsonable import jsonable  # noqa: F401  (re-exported for the runner and the sweep)
-
+from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
+from ..jsonable import jsonable  # noqa: F401  (re-exported for the sweeps)
+from ..training import Training, recompute_flag  # noqa: F401  (recompute_flag: re-exported)
 
 OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
 MIN_AREA_VIOLATION = 0.01
@@ -68,19 +69,6 @@ def directions(objectives: Sequence[str]) -> list[str]:
     return [OBJECTIVES[o] for o in objectives]
 
 
-def recompute_flag(value: Any) -> bool:
-    """Spaces may write recompute as a boolean or as on/off; the evaluator wants a bool."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("off", "false", "no", "0"):
-        return False
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"recompute value {value!r} is not on/off")
-
-
 @dataclass(frozen=True)
 class Baseline:
     """A model's TPUv4 reference: the denominator of the ratios every report shows."""
@@ -109,8 +97,8 @@ class Context:
 
     models: tuple[str, ...]
     system: str
-    space: Any  # a SearchSpace
-    evaluator: Callable
+    space: SearchSpace
+    evaluator: Evaluator
     objectives: tuple[str, ...] = ("throughput",)
     baselines: dict[str, Baseline] = field(default_factory=dict)
 
@@ -124,7 +112,7 @@ class Outcome:
     score: float  # the throughput objective: sequences/s, or the mean ratio to TPUv4 with several models
     values: list[float]
     constraints: dict[str, float]
-    results: dict = field(default_factory=dict)  # model -> DesignResult
+    results: dict[str, Result] = field(default_factory=dict)  # model -> DesignResult
     accelerator: dict = field(default_factory=dict)
     trial_s: float = 0.0
     score_bound: float = 0.0  # proven upper bound on the score (== score when every schedule is proven)
@@ -185,11 +173,10 @@ class Outcome:
         })
 
 
-def accelerator_fields(space, point) -> dict:
+def accelerator_fields(space: SearchSpace, point) -> dict:
     """The accelerator of a point, for the records of a trial that failed before its outcome existed."""
     try:
-        accel = space.accelerator(dict(point))
-        return jsonable(accel.fields()) if hasattr(accel, "fields") else {}
+        return jsonable(space.accelerator(dict(point)).fields())
     except Exception:  # noqa: BLE001 - best effort only
         return {}
 
@@ -211,18 +198,18 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     area = float(area)
     constraints = {"area": area_violation(ok, area, budget), "memory": 0.0}
     accel = space.accelerator(point)
-    accel_fields = jsonable(accel.fields()) if hasattr(accel, "fields") else {}
+    accel_fields = jsonable(accel.fields())
     if not ok:
         reason = f"area {area:.1f} mm2 against a budget of {budget:.1f} mm2: {area_reason}".rstrip(": ")
         values = _values(ctx.objectives, 0.0, area, math.inf)
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)
 
-    mbs = int(point["mbs"])
-    recompute = recompute_flag(point["recompute"])
+    training = Training.from_point(point)
     results = {}
     for model in ctx.models:
-        results[model] = ctx.evaluator(model, accel, mbs, recompute, system=ctx.system, placement="optimal")
+        results[model] = ctx.evaluator(model, accel, training.mbs, training.recompute, system=ctx.system,
+                                       placement=training.placement)
     infeasible = [m for m, r in results.items() if not r.feasible]
     constraints["memory"] = float(len(infeasible))
     if len(ctx.models) == 1:
@@ -231,7 +218,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
         reason = "; ".join(f"{m}: {results[m].reason}" for m in infeasible)
     feasible = not infeasible
     score = _score(ctx, results) if feasible else 0.0
-    score_bound = _score(ctx, results, "throughput_bound") if feasible else 0.0
+    score_bound = _score(ctx, results, bound=True) if feasible else 0.0
     energy = _energy(ctx, results) if feasible and "energy" in ctx.objectives else math.inf
     values = _values(ctx.objectives, score, area, energy)
     return Outcome(point, feasible, reason, area, score, values, constraints, results, accel_fields,
@@ -243,16 +230,20 @@ def _values(objectives, score: float, area: float, energy: float) -> list[float]
     return [float(table[o]) for o in objectives]
 
 
-def _score(ctx: Context, results: Mapping, field_name: str = "throughput") -> float:
-    """The score from each model's `field_name` (throughput, or its proven upper bound)."""
+def _throughput(result: Result, bound: bool) -> float:
+    return result.throughput_bound if bound else result.throughput
+
+
+def _score(ctx: Context, results: Mapping[str, Result], bound: bool = False) -> float:
+    """The score from each model's throughput (or, with `bound`, its proven upper bound)."""
     if len(ctx.models) == 1:
-        return float(getattr(results[ctx.models[0]], field_name))
+        return float(_throughput(results[ctx.models[0]], bound))
     ratios = []
     for m in ctx.models:
         base = ctx.baselines.get(m)
         if base is None or not base.feasible or not base.throughput > 0:
             raise FatalStudyError(f"model '{m}' has no TPUv4 baseline throughput to normalise by")
-        ratios.append(getattr(results[m], field_name) / base.throughput)
+        ratios.append(_throughput(results[m], bound) / base.throughput)
     return float(sum(ratios) / len(ratios))
 
 
@@ -272,7 +263,7 @@ def _energy(ctx: Context, results: Mapping) -> float:
     return float(sum(ratios) / len(ratios))
 
 
-def compute_baselines(models: Sequence[str], evaluator: Callable, reference_arch, system: str,
+def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arch, system: str,
                       mbs_choices: Sequence, recompute_choices: Sequence) -> dict[str, Baseline]:
     """Each model on TPUv4 with its expert placement, at the best microbatch/recompute of the space.
 

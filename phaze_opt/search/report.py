@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .runner import finished_trials, is_feasible
+from .session import finished_trials, is_feasible
 from .tracking import redact, ui_command
 
 

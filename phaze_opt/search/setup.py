@@ -13,8 +13,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from sqlalchemy import event
 
+from ..design.evaluate import check_ilp_time_limit, design_evaluator
+from ..design.protocols import BoundedEvaluator, Evaluator, GridSpace, SearchSpace
+from ..design.space import load_space
 from ..errors import PhazeError
+from ..hardware.accelerator import Accelerator
+from ..hardware.arch import load_arch
+from ..system import load_system
+from ..training import SAMPLED_FIELDS
+from ..workload.models import load_model
 from .objective import directions, parse_objectives
 from .tracking import DEFAULT_TRACKING_URI, driver_url, redact
 
@@ -65,33 +75,26 @@ class StudyConfig:
 class Backend:
     """The pieces a study calls, injectable so the study machinery can be tested on its own.
 
-    Left as None they are the real ones: `evaluate_design`, the space named by the config,
-    `load_arch(config.reference_arch)` and `load_model` to check model names. Worker processes get
-    a copy, so anything put here must be picklable (module-level functions and classes).
+    Left as None they are the real ones: `design.evaluate.DesignEvaluator` (at the config's ILP
+    time limit), the space named by the config, `load_arch(config.reference_arch)` and `load_model`
+    to check model names. Worker processes get a copy, so anything put here must be picklable
+    (module-level functions and classes).
     """
 
-    evaluator: Callable | None = None
-    space: Any = None
-    reference_arch: Any = None
+    evaluator: Evaluator | None = None
+    space: SearchSpace | None = None
+    reference_arch: Accelerator | None = None
     check_model: Callable[[str], Any] | None = None
 
     def resolved(self, config: StudyConfig) -> "Backend":
         evaluator = self.evaluator
         if evaluator is None:
-            from ..design import evaluate
-
-            if getattr(evaluate, "evaluate_design", None) is None:
-                raise PhazeError("phaze_opt.search.evaluate.evaluate_design is not available in this build")
-            evaluator = evaluate.design_evaluator(config.ilp_time_limit_s)
+            evaluator = design_evaluator(config.ilp_time_limit_s)
         space = self.space
         if space is None:
-            from ..design.space import load_space
-
             space = load_space(config.space)
         reference = self.reference_arch
         if reference is None:
-            from ..hardware.arch import load_arch
-
             reference = load_arch(config.reference_arch)
         return replace(self, evaluator=evaluator, space=space, reference_arch=reference)
 
@@ -184,8 +187,6 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
         raise PhazeError(f"--area-group-mm2: expected a positive number, got {config.area_group_mm2!r}")
     if config.ilp_time_limit_s is not None:
-        from ..design.evaluate import check_ilp_time_limit
-
         config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():
         raise PhazeError("--study-name: must not be empty")
@@ -196,8 +197,6 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     models = tuple(str(m) for m in config.models)
     for m in models:
         check(m)
-    from ..system import load_system
-
     load_system(config.system)
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
     return replace(config, prune=_resolve_prune(config, backend))
@@ -218,8 +217,6 @@ def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
     if prune == "off" or not config.exhaustive:
         return "off"
-    from ..design import evaluate
-
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None
     why = None
@@ -229,9 +226,9 @@ def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         why = "it bounds one model's throughput; a common design over several models is not bounded"
     elif tuple(config.objectives) != ("throughput",):
         why = "it bounds throughput only; other objectives need every point evaluated"
-    elif evaluator is not None and not evaluate.is_design_evaluator(evaluator):
+    elif evaluator is not None and not isinstance(evaluator, BoundedEvaluator):
         why = "a custom evaluator has no throughput bound"
-    elif space is not None and not (hasattr(space, "architectures") and "hbm_gib" in getattr(space, "params", {})):
+    elif space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
         why = "the space has no architecture grid with HBM capacities"
     if why is None:
         return "bound"
@@ -241,31 +238,23 @@ def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
 
 
 def _check_model(name: str):
-    try:
-        from ..workload.models import load_model
-    except ImportError:  # the workload package is not there: at least the name must resolve
-        from .. import configs
-
-        return configs.resolve("models", name)
     return load_model(name)
 
 
-def check_space(space) -> None:
-    params = getattr(space, "params", None)
+def check_space(space: SearchSpace) -> None:
+    params = space.params
     if not params:
-        raise PhazeError(f"space '{getattr(space, 'name', '?')}': it has no parameters to search")
+        raise PhazeError(f"space '{space.name}': it has no parameters to search")
     for name, choices in params.items():
         if not list(choices):
-            raise PhazeError(f"space '{getattr(space, 'name', '?')}': parameter '{name}' has no choices")
-    for needed in ("mbs", "recompute"):
+            raise PhazeError(f"space '{space.name}': parameter '{name}' has no choices")
+    for needed in SAMPLED_FIELDS:
         if needed not in params:
-            raise PhazeError(f"space '{getattr(space, 'name', '?')}': parameter '{needed}' is missing")
+            raise PhazeError(f"space '{space.name}': parameter '{needed}' is missing")
 
 
 def make_storage(url: str) -> optuna.storages.RDBStorage:
     """An RDB storage with heartbeats, so trials of a killed process are failed and retried on resume."""
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):].split("?", 1)[0])
@@ -287,8 +276,6 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
 def _sqlite_wal(storage) -> None:
     """WAL journal and NORMAL sync: a trial's dozen small writes cost a third less, and readers
     (the progress poll, other workers) no longer block the writer."""
-    from sqlalchemy import event
-
     def pragmas(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
@@ -325,7 +312,7 @@ def study_identity(config: StudyConfig, space) -> dict:
     return {
         "mode": config.mode,
         "models": list(config.models),
-        "space": getattr(space, "name", None) or _stem(config.space),
+        "space": space.name or _stem(config.space),
         "system": _stem(config.system),
         "objectives": list(config.objectives),
     }

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import PhazeError
 from ..system import System
+from ..training import check_mbs, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
 
 _EXACT = 2.0**53
 
@@ -151,8 +152,7 @@ class PlacementProblem:
             if c.n_layers != first.n_layers or c.edges != first.edges:
                 raise ValueError(f"PlacementProblem: TP width {c.tp} has a different layer graph than {first.tp}")
         object.__setattr__(self, "costs", costs)
-        if isinstance(self.mbs, bool) or not isinstance(self.mbs, (int, np.integer)) or self.mbs < 1:
-            raise ValueError(f"PlacementProblem.mbs must be a positive integer, got {self.mbs!r}")
+        check_mbs(self.mbs, "PlacementProblem.mbs", ValueError)
         if not (self.hbm_bytes >= 0 and math.isfinite(self.hbm_bytes)):
             raise ValueError(f"PlacementProblem.hbm_bytes must be finite and non-negative, got {self.hbm_bytes!r}")
         # Whole bytes, like every other memory figure (see the module docstring).
@@ -282,30 +282,6 @@ def infeasible_result(problem: PlacementProblem, reason: str, **fields) -> Place
     )
     values.update(fields)
     return PlacementResult(**values)
-
-
-def parse_placement_spec(text: str) -> dict:
-    """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; a one-line PhazeError otherwise."""
-    allowed = ("tp", "pp", "dp")
-    out: dict[str, int] = {}
-    for part in str(text).split(","):
-        key, sep, value = part.strip().partition("=")
-        key = key.strip().lower()
-        if not sep or key not in allowed:
-            raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D (positive integers), got {part.strip()!r}")
-        if key in out:
-            raise PhazeError(f"placement {text!r}: {key} given twice")
-        try:
-            number = int(value.strip())
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise PhazeError(f"placement {text!r}: {key} must be a positive integer, got {value.strip()!r}")
-        out[key] = number
-    missing = [k for k in allowed if k not in out]
-    if missing:
-        raise PhazeError(f"placement {text!r}: missing {', '.join(missing)}; expected tp=T,pp=P,dp=D")
-    return out
 
 
 def check_placement_shape(problem: PlacementProblem, placement: Placement) -> None:

@@ -20,16 +20,15 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..cache import BoundedMemo, cache_root
 from .types import Schedule, ScheduleProblem
 
 CACHE_VERSION = 1
 METHODS_VERSION = 3  # 2: MIP, then the decision-point search, then the MIP again; 3: the search gets 80% of the time
-_memory: dict[str, dict] = {}
-
-
-def cache_root() -> Path:
-    env = os.environ.get("PHAZE_OPT_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parent.parent.parent / ".cache" / "phaze_opt"
+# Records of a few kB; the disk holds them all, memory the recently used (a design's passes are
+# solved together, and the per-layer cost memo above keeps what a sweep revisits).
+MEMO_MAX = 8192
+_memory: BoundedMemo[dict] = BoundedMemo(MEMO_MAX)
 
 
 def problem_key(problem: ScheduleProblem) -> str:

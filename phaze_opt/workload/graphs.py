@@ -27,18 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cache import BoundedMemo, cache_root
 from ..errors import PhazeError
+from ..training import check_mbs
 from .models import ModelConfig, check_tp, load_model
 from .ops import Layer, LayerGraph
 
-_MEMO: dict[str, LayerGraph] = {}
+# A few MB per graph; a sweep touches (models x TP widths x microbatches), a few dozen.
+MEMO_MAX = 256
+_MEMO: BoundedMemo[LayerGraph] = BoundedMemo(MEMO_MAX)
 _PACKAGE = Path(__file__).resolve().parent
-
-
-def cache_root() -> Path:
-    """`$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder."""
-    env = os.environ.get("PHAZE_OPT_CACHE")
-    return Path(env) if env else _PACKAGE.parent.parent / ".cache" / "phaze_opt"
 
 
 def _code_version() -> str:
@@ -75,8 +73,7 @@ def build_layer_graph(
     """
     model = load_model(model)
     tp = check_tp(model, tp)
-    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs <= 0:
-        raise PhazeError(f"microbatch size must be a positive integer, got {mbs!r}")
+    mbs = check_mbs(mbs)
     seq = model.seq if seq is None else seq
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise PhazeError(f"sequence length must be a positive integer, got {seq!r}")

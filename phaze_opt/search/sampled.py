@@ -1,0 +1,151 @@
+"""The sampled study: Optuna's sampler proposes designs, `--trials` of them, in one or more processes.
+
+Resume: `--trials N` is the study's total. Finished trials (complete, infeasible or failed with an
+error) are never re-run. A trial cut short by Ctrl-C is marked `interrupted` and its point is
+queued again; a trial whose process died is failed by Optuna's heartbeat check after
+`GRACE_S` and queued again (RetryFailedTrialCallback). Neither counts as finished.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from .encoding import SpaceCodec
+from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
+from .report import finish
+from .session import (
+    Progress,
+    Session,
+    SpoolLogger,
+    WorkerSpec,
+    best_score,
+    finished_trials,
+    is_feasible,
+    one_line,
+    quiet_optuna,
+    run_pool,
+    say,
+    score_label,
+    split_quota,
+)
+from .setup import Backend, StudyConfig, make_sampler, make_storage
+from .tracking import NullTracker
+
+
+class TrialError(Exception):
+    """An unexpected error in one trial: the trial fails with its message and the study goes on."""
+
+
+# -- the trial loop (in this process or a worker) ---------------------------------------------------
+
+def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable | None = None,
+               tracker=None) -> dict:
+    """Run `quota` trials of the study in this process; returns the counts of each outcome.
+
+    In the parent process trials are logged with its `tracker`; a worker process spools each
+    trial's artifact for the parent instead (see `SpoolLogger`).
+    """
+    quiet_optuna()
+    config = spec.config
+    storage = make_storage(spec.storage_url)
+    sampler = make_sampler(config.sampler, config.seed, len(config.objectives), worker=index)
+    study = optuna.load_study(study_name=spec.study_name, storage=storage, sampler=sampler)
+    ctx = spec.context()
+    codec = SpaceCodec(spec.backend.space.params)
+    tracker = tracker or NullTracker()
+    artifacts: dict[int, dict] = {}
+    counts = {"complete": 0, "infeasible": 0, "failed": 0}
+
+    def objective(trial):
+        start = time.perf_counter()
+        point = codec.suggest(trial)
+        trial.set_user_attr("point", jsonable(point))
+        try:
+            outcome = evaluate_point(point, ctx)
+        except FatalStudyError:
+            trial.set_user_attr("interrupted", True)  # a set-up problem, not this design's: do not count it
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
+            raise
+        except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
+            message = one_line(exc)
+            trial.set_user_attr("result", {"error": message, "elapsed_s": spec.elapsed(),
+                                           "trial_s": time.perf_counter() - start, "worker": index,
+                                           "accelerator": accelerator_fields(spec.backend.space, point)})
+            raise TrialError(message) from exc
+        for key, value in outcome.constraints.items():
+            trial.set_constraint(key, value)
+        result = outcome.result_attr()
+        result["elapsed_s"] = spec.elapsed()
+        result["worker"] = index
+        trial.set_user_attr("result", result)
+        if spec.spool_dir:
+            spec.spool(trial.number, outcome.artifact())
+        else:
+            artifacts[trial.number] = outcome.artifact()
+        return outcome.values if len(outcome.values) > 1 else outcome.values[0]
+
+    def callback(_study, frozen):
+        if frozen.state == TrialState.FAIL:
+            counts["failed"] += 1
+            error = (frozen.user_attrs.get("result") or {}).get("error", "failed")
+            say(f"trial {frozen.number} failed: {error}")
+        elif is_feasible(frozen):
+            counts["complete"] += 1
+        else:
+            counts["infeasible"] += 1
+        tracker.log_trial(frozen, artifacts.pop(frozen.number, None))
+        if on_trial is not None:
+            on_trial(frozen)
+
+    study.optimize(objective, n_trials=quota, catch=(TrialError,), callbacks=[callback], gc_after_trial=False)
+    return counts
+
+
+def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
+    try:
+        return run_worker(spec, quota, index)
+    except KeyboardInterrupt:
+        return {"interrupted": True}
+
+
+def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
+    """Run (or resume) a sampled study."""
+    session = Session(config, backend)
+    with session.running():
+        session.enqueue_references()
+        done = len(finished_trials(session.all_trials()))
+        remaining = max(0, session.config.trials - done)
+        progress = Progress(session.config.trials, min(done, session.config.trials), session.name, "trial",
+                            session.config.progress, score_label(session.config))
+        progress.update(0, best_score(session.all_trials()))
+        worker_stats = []
+        if remaining and session.config.workers == 1:
+            spec = session.worker_spec()
+
+            def on_trial(frozen):
+                improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
+                progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
+                if improved:
+                    session.tracker.log_parent(metrics={"best_score": frozen.values[0]}, step=frozen.number)
+
+            worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
+        elif remaining:
+            worker_stats = _run_pool(session, remaining, progress)
+        progress.close()
+        return finish(session, worker_stats)
+
+
+def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
+    quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+    with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+        spec = session.worker_spec(spool if session.tracker.enabled else None)
+        logger = SpoolLogger(session, spool)
+        return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])

@@ -1,0 +1,344 @@
+"""One invocation of a study (`Session`), its worker spec, its process pool and its progress line.
+
+Every strategy (`sampled`, `exhaustive`, `branch_bound`) opens a `Session`: it validates the
+settings and opens (or resumes) the Optuna study in its storage, computes each model's TPUv4
+baseline once per study (kept in the study's attributes, so a resumed study normalises by the very
+same numbers), opens one MLflow parent run for this invocation and enqueues the reference design
+(TPUv4 at every microbatch/recompute choice) unless the study already has it.
+
+Wall-clock: every trial records `elapsed_s`, seconds since the study began summed over its
+invocations (an invocation starts at `offset` = the largest `elapsed_s` already stored), so the
+convergence comparison sees search time, not the idle time between two runs.
+
+Also here, for every strategy: which trials count as finished (`finished_trials`), feasibility,
+the worker spec a process needs (`WorkerSpec`), the parent's MLflow logging of worker trials
+(`SpoolLogger`), the pool of spawned workers (`run_pool`) and the progress bar (`Progress`, `say`).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from ..errors import PhazeError
+from .encoding import SpaceCodec
+from .objective import Baseline, Context, FatalStudyError, compute_baselines
+from .setup import (
+    Backend,
+    StudyConfig,
+    check_space,
+    make_sampler,
+    make_storage,
+    open_study,
+    storage_url,
+    study_name,
+    validate,
+)
+from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
+
+
+def quiet_optuna() -> None:
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Said once in the summary's notes instead of at every trial: CMA-ES learns from the 0 throughput.
+    warnings.filterwarnings("ignore", message="Constraints have been set, but CmaEsSampler")
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def finished_trials(trials) -> list:
+    """Trials that count towards `--trials`: complete (feasible or not) or failed by an error."""
+    retried = set()
+    for t in trials:
+        retried.update(t.system_attrs.get("retry_history", []) or [])
+        if t.user_attrs.get("retry_of") is not None:
+            retried.add(t.user_attrs["retry_of"])
+    out = []
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            out.append(t)
+        elif t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and t.number not in retried:
+            out.append(t)
+    return out
+
+
+def is_feasible(trial) -> bool:
+    return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
+
+
+def elapsed_of(trial) -> float | None:
+    value = (trial.user_attrs.get("result") or {}).get("elapsed_s")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def split_quota(total: int, workers: int) -> list[int]:
+    base, extra = divmod(total, workers)
+    return [base + (1 if i < extra else 0) for i in range(workers)]
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs; picklable."""
+
+    config: StudyConfig
+    backend: Backend
+    storage_url: str
+    study_name: str
+    baselines: dict
+    clock_start: float  # time.time() when this invocation began
+    offset_s: float
+    spool_dir: str | None = None  # worker processes leave each trial's placement.json here for the parent
+
+    def elapsed(self) -> float:
+        return self.offset_s + (time.time() - self.clock_start)
+
+    def context(self) -> Context:
+        return Context(models=self.config.models, system=self.config.system, space=self.backend.space,
+                       evaluator=self.backend.evaluator, objectives=self.config.objectives,
+                       baselines=self.baselines)
+
+    def spool(self, number: int, artifact: dict | None) -> None:
+        if self.spool_dir and artifact is not None:
+            path = os.path.join(self.spool_dir, f"{number}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(artifact, f)
+            os.replace(path + ".tmp", path)
+
+
+class SpoolLogger:
+    """The parent's side of worker logging: one MLflow writer for every trial the workers finish.
+
+    Workers do not open MLflow at all (each client costs seconds to start, and several writers on
+    one SQLite store contend for its lock). The parent polls the storage and logs each newly
+    finished trial once, with the artifact its worker spooled; `trial_record` needs nothing else.
+    """
+
+    def __init__(self, session: "Session", spool_dir: str):
+        self.session = session
+        self.spool_dir = spool_dir
+        self.seen = set(session.finished_at_start)
+
+    def poll(self, trials) -> None:
+        for t in finished_trials(trials):
+            if t.number in self.seen:
+                continue
+            self.seen.add(t.number)
+            path = os.path.join(self.spool_dir, f"{t.number}.json")
+            artifact = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    artifact = json.load(f)
+                os.remove(path)
+            self.session.tracker.log_trial(t, artifact)
+
+
+class Session:
+    """One invocation of a sampled or exhaustive study (the parent process)."""
+
+    def __init__(self, config: StudyConfig, backend: Backend | None = None):
+        self.clock_start = time.time()
+        quiet_optuna()
+        backend = backend or Backend()
+        self.config = config = validate(config, backend)
+        self.backend = backend.resolved(config)
+        check_space(self.backend.space)
+        self.space = self.backend.space
+        self.codec = SpaceCodec(self.space.params)
+        self.name = study_name(config)
+        self.url = storage_url(config)
+        self.storage = make_storage(self.url)
+        sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
+                   else make_sampler(config.sampler, config.seed, len(config.objectives)))
+        self.study, self.resumed = open_study(config, self.storage, self.space, sampler)
+        trials = self.study.get_trials(deepcopy=False)
+        self.offset_s = max([e for e in map(elapsed_of, trials) if e is not None], default=0.0)
+        self.finished_at_start = {t.number for t in finished_trials(trials)}
+        self.trials_before = len(self.finished_at_start)
+        self.notes: list[str] = []
+        if config.sampler == "cmaes" and not config.exhaustive:
+            self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
+        self.baselines = self._baselines()
+        self.tracker = self._start_tracker()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _baselines(self) -> dict[str, Baseline]:
+        stored = self.study.user_attrs.get("baselines") or {}
+        if all(m in stored for m in self.config.models):
+            return {m: Baseline.from_json(stored[m]) for m in self.config.models}
+        params = self.space.params
+        baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
+                                      self.config.system, params["mbs"], params["recompute"])
+        if len(self.config.models) > 1:
+            for m, b in baselines.items():
+                if not b.feasible or not b.throughput > 0:
+                    raise FatalStudyError(f"model '{m}' has no feasible TPUv4 baseline ({b.reason}); a common design "
+                                          "is scored by throughput relative to it, so drop the model")
+        self.study.set_user_attr("baselines", {m: b.to_json() for m, b in baselines.items()})
+        self.study.set_user_attr("baseline_arch", getattr(self.backend.reference_arch, "name", "") or
+                                 self.config.reference_arch)
+        return baselines
+
+    def _start_tracker(self):
+        c = self.config
+        if not tracking_enabled(c.tracking_uri):
+            return NullTracker()
+        context = {"study_name": self.name, "sampler": "exhaustive" if c.exhaustive else c.sampler,
+                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives)}
+        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": c.space,
+                  "system": c.system, "sampler": context["sampler"], "seed": c.seed, "trials": c.trials,
+                  "objectives": ",".join(c.objectives), "workers": c.workers}
+        if c.exhaustive:
+            params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
+        tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
+                "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower()}
+        for m, b in self.baselines.items():
+            prefix = "" if len(c.models) == 1 else f"{m}."
+            if b.feasible:
+                params[f"{prefix}baseline_throughput"] = b.throughput
+        return MlflowTracker.start(c.tracking_uri, self.name, run_name=f"{self.name} {c.mode} {stamp}",
+                                   params=params, tags=tags, context=context)
+
+    def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
+        return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
+                          self.offset_s, spool_dir)
+
+    def elapsed(self) -> float:
+        return self.offset_s + (time.time() - self.clock_start)
+
+    def all_trials(self):
+        return self.study.get_trials(deepcopy=False)
+
+    def enqueue_references(self) -> int:
+        """TPUv4 (the reference) at every microbatch and recompute choice, first, once per study."""
+        n = 0
+        for mbs in self.space.params["mbs"]:
+            for rc in self.space.params["recompute"]:
+                try:
+                    point = self.space.reference_point(arch=self.config.reference_arch, mbs=mbs, recompute=rc)
+                    params = self.codec.encode(point)
+                except (PhazeError, ValueError) as exc:
+                    self.notes.append(f"reference design not enqueued: {exc}")
+                    return n
+                self.study.enqueue_trial(params, user_attrs={"reference": self.config.reference_arch},
+                                         skip_if_exists=True)
+                n += 1
+        return n
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.tracker.close(status)
+
+    @contextmanager
+    def running(self):
+        """The body of an invocation: on the way out, close any progress bar and end the MLflow
+        parent run as FINISHED, KILLED (Ctrl-C) or FAILED, so an interrupted study is marked as such."""
+        status = "FINISHED"
+        try:
+            yield self
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            if _PROGRESS.get("bar") is not None:
+                _PROGRESS["bar"].close()
+                _PROGRESS["bar"] = None
+            self.close(status)
+
+
+_PROGRESS = {"bar": None}
+
+
+def say(text: str) -> None:
+    """One line to stderr, above the progress bar when one is shown."""
+    bar = _PROGRESS["bar"]
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr)
+
+
+class Progress:
+    """A tqdm bar over the study's finished trials, with the best throughput so far."""
+
+    def __init__(self, total: int, initial: int, label: str, unit: str, enabled: bool | None, fmt: Callable):
+        from tqdm import tqdm
+
+        self.fmt = fmt
+        self.bar = tqdm(total=total, initial=initial, desc=label, unit=unit, disable=None if enabled is None else not enabled,
+                        dynamic_ncols=True, file=sys.stderr)
+        _PROGRESS["bar"] = self.bar
+        self.best = None
+
+    def update(self, n: int = 1, best: float | None = None) -> None:
+        if best is not None and (self.best is None or best > self.best):
+            self.best = best
+            self.bar.set_postfix_str(f"best {self.fmt(best)}", refresh=False)
+        if n:
+            self.bar.update(n)
+
+    def set_done(self, done: int, best: float | None) -> None:
+        self.update(max(0, done - self.bar.n), best)
+
+    def close(self) -> None:
+        self.bar.close()
+        _PROGRESS["bar"] = None
+
+
+def score_label(config: StudyConfig) -> Callable[[float], str]:
+    if len(config.models) > 1:
+        return lambda v: f"{v:.3f}x TPUv4"
+    return lambda v: f"{v:,.1f} seq/s"
+
+
+def best_score(trials) -> float | None:
+    values = [t.values[0] for t in trials if is_feasible(t)]
+    return max(values) if values else None
+
+
+def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
+    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
+    context = multiprocessing.get_context("spawn")
+    best = None
+    with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
+        futures = [pool.submit(fn, *args) for fn, args in tasks]
+        pending = set(futures)
+        while True:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+            trials = session.all_trials()
+            logger.poll(trials)
+            score = best_score(trials)
+            n = len(finished_trials(trials))
+            progress.set_done(n, score)
+            if score is not None and (best is None or score > best):
+                best = score
+                session.tracker.log_parent(metrics={"best_score": score}, step=n)
+            for f in done:
+                exc = f.exception()
+                if exc is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise exc
+            if not pending:
+                break
+        stats = [f.result() for f in futures]
+    if any(s.get("interrupted") for s in stats):
+        raise KeyboardInterrupt
+    return stats

@@ -1,0 +1,176 @@
+"""The import graph of phaze_opt: packages point one way, no package imports itself in a circle.
+
+Every module under phaze_opt is parsed with `ast`; its imports (at module level and inside
+functions alike) are resolved to phaze_opt modules. The checks, and docs/architecture.md, use the
+layer order below: a unit (a top-level module or a subpackage) may import units of its own layer or
+of a lower one, never of a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "phaze_opt"
+
+# Lowest first. Keep in step with docs/architecture.md.
+LAYERS = (
+    ("errors", "jsonable", "cache", "configs", "training", "system"),
+    ("workload", "hardware"),
+    ("solve",),
+    ("design",),
+    ("search",),
+    ("experiments",),
+    ("commands",),
+    ("cli", "study", "compare", "__main__"),
+)
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+# Packages in which no function may import a phaze_opt module (an import inside a function there
+# would only hide a cycle). Elsewhere such imports are listed with their reason.
+NO_LAZY_IMPORTS = ("design", "search", "experiments")
+LAZY_IMPORTS_ALLOWED = {
+    # The commands import their work when they run, so `phaze-opt --help` and every other command
+    # start without torch, the solvers or MLflow.
+    "phaze_opt.commands.*": "a command imports its work when it runs (fast start-up)",
+    # torch is imported only when a graph is really traced (a disk-cached graph needs none of it).
+    "phaze_opt.workload.graphs": "the layers and the tracer import torch; only an extraction needs them",
+}
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom | ast.Import, known: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "phaze_opt"]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != "phaze_opt":
+        return []
+    out = []
+    for alias in node.names:  # `from pkg import module` imports the module
+        sub = f"{target}.{alias.name}"
+        out.append(sub if sub in known else target)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> tuple[nx.DiGraph, list[tuple[str, str, int]]]:
+    """(module -> imported module graph, [(module, imported, line) of imports inside functions])."""
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    known = set(modules)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(known)
+    lazy = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        in_function: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                in_function.update(id(n) for n in ast.walk(node) if n is not node)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _resolve(name, is_package, node, known):
+                if target in known and target != name:
+                    graph.add_edge(name, target)
+                    if id(node) in in_function:
+                        lazy.append((name, target, node.lineno))
+    return graph, lazy
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to."""
+    return module.rsplit(".", 1)[0]
+
+
+def layering_violations(graph: nx.DiGraph) -> list[str]:
+    out = []
+    for a, b in graph.edges:
+        ua, ub = _unit(a), _unit(b)
+        if ua == ub or ua == "phaze_opt" or ub == "phaze_opt":
+            continue
+        if ua not in LAYER or ub not in LAYER:
+            out.append(f"{a} -> {b}: unit {ua if ua not in LAYER else ub} has no layer; add it to LAYERS")
+        elif LAYER[ub] > LAYER[ua]:
+            out.append(f"{a} -> {b}: {ua} (layer {LAYER[ua]}) imports {ub} (layer {LAYER[ub]}) above it")
+    units = nx.DiGraph()
+    units.add_edges_from((_unit(a), _unit(b)) for a, b in graph.edges if _unit(a) != _unit(b))
+    out += [f"units import each other in a circle: {' -> '.join(c + [c[0]])}" for c in nx.simple_cycles(units)]
+    return out
+
+
+def package_cycles(graph: nx.DiGraph) -> list[list[str]]:
+    cycles = []
+    for pkg in sorted({_package(m) for m in graph.nodes}):
+        members = [m for m in graph.nodes if _package(m) == pkg]
+        cycles += [sorted(c) for c in nx.simple_cycles(graph.subgraph(members))]
+    return cycles
+
+
+def lazy_violations(lazy) -> list[str]:
+    out = []
+    for module, target, line in lazy:
+        unit = _unit(module)
+        allowed = module in LAZY_IMPORTS_ALLOWED or f"phaze_opt.{unit}.*" in LAZY_IMPORTS_ALLOWED
+        if unit in NO_LAZY_IMPORTS or not allowed:
+            out.append(f"{module}:{line} imports {target} inside a function")
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph_and_lazy():
+    return import_graph()
+
+
+def test_every_unit_has_a_layer(graph_and_lazy):
+    graph, _ = graph_and_lazy
+    units = {_unit(m) for m in graph.nodes} - {"phaze_opt"}
+    assert units <= set(LAYER), f"units without a layer: {sorted(units - set(LAYER))}"
+
+
+def test_no_package_imports_a_package_above_it(graph_and_lazy):
+    graph, _ = graph_and_lazy
+    assert layering_violations(graph) == []
+
+
+def test_no_import_cycle_inside_a_package(graph_and_lazy):
+    graph, _ = graph_and_lazy
+    assert package_cycles(graph) == []
+
+
+def test_no_import_inside_a_function_to_dodge_a_cycle(graph_and_lazy):
+    _, lazy = graph_and_lazy
+    assert lazy_violations(lazy) == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
+    """The checks themselves: a made-up package with a cycle, an upward and a lazy import fails them."""
+    pkg = tmp_path / "phaze_opt"
+    (pkg / "search").mkdir(parents=True)
+    (pkg / "solve").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "search" / "__init__.py").write_text("")
+    (pkg / "solve" / "__init__.py").write_text("")
+    (pkg / "search" / "a.py").write_text("from .b import x\n")
+    (pkg / "search" / "b.py").write_text("def f():\n    from .a import y\n")
+    (pkg / "solve" / "c.py").write_text("from ..search import a\n")
+    graph, lazy = import_graph(pkg)
+    assert package_cycles(graph) == [["phaze_opt.search.a", "phaze_opt.search.b"]]
+    assert any("solve (layer 2) imports search (layer 4)" in v for v in layering_violations(graph))
+    assert lazy_violations(lazy) == ["phaze_opt.search.b:2 imports phaze_opt.search.a inside a function"]
