@@ -79,13 +79,12 @@ class Grid:
 
 # -- worker side -------------------------------------------------------------------------------------
 
-_W: dict = {}  # this process's worker state: model, system, spec, ctx and one space's design arrays
+_W: dict = {}  # this process's worker state: model, system, trial context and one space's design arrays
 
 
-def _init_worker(model: str, system: str, spec) -> None:
+def _init_worker(model: str, system: str, ctx) -> None:
     quiet_optuna()
-    _W.update(model=load_model(model), system=load_system(system), spec=spec,
-              ctx=spec.context() if spec is not None else None)
+    _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
 def _level0(space, mbs: int) -> tuple[np.ndarray, list]:
@@ -176,10 +175,9 @@ def run_branch_bound(session, progress) -> dict:
     status = np.full((n_m, grid.n_rows, n_r), BOUND_IDEAL, dtype=np.int8)
     bound = np.zeros((n_m, grid.n_rows, n_r))
     score = np.full((n_m, grid.n_rows, n_r), np.nan)
-    spec = session.worker_spec()
     stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0, "failed": []}
 
-    pool = _executor(config.workers, (model_name, config.system, spec))
+    pool = _executor(config.workers, (model_name, config.system, session.context()))
     try:
         t0 = time.perf_counter()
         level0 = list(pool.map(_level0, itertools.repeat(session.space, n_m), grid.mbss))

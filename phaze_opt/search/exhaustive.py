@@ -52,7 +52,7 @@ from .session import (
     say,
     score_label,
 )
-from .setup import make_storage
+from .setup import load_study
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 from .tracking import NullTracker
 
@@ -234,8 +234,7 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
     try:
-        storage = make_storage(spec.storage_url)
-        study = optuna.load_study(study_name=spec.study_name, storage=storage)
+        study = load_study(spec.config, spec.storage_url, spec.study_name)
         clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
         codec = SpaceCodec(spec.backend.space.params)
         sweeper = _Sweeper(spec, study, NullTracker(), existing_scores(study, codec), None)

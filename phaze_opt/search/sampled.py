@@ -12,7 +12,6 @@ import tempfile
 import time
 from typing import Callable
 
-import optuna
 from optuna.trial import TrialState
 
 from .encoding import SpaceCodec
@@ -33,7 +32,7 @@ from .session import (
     score_label,
     split_quota,
 )
-from .setup import Backend, StudyConfig, make_sampler, make_storage
+from .setup import Backend, StudyConfig, load_study
 from .tracking import NullTracker
 
 
@@ -51,10 +50,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     trial's artifact for the parent instead (see `SpoolLogger`).
     """
     quiet_optuna()
-    config = spec.config
-    storage = make_storage(spec.storage_url)
-    sampler = make_sampler(config.sampler, config.seed, len(config.objectives), worker=index)
-    study = optuna.load_study(study_name=spec.study_name, storage=storage, sampler=sampler)
+    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     ctx = spec.context()
     codec = SpaceCodec(spec.backend.space.params)
     tracker = tracker or NullTracker()

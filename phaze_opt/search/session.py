@@ -35,17 +35,7 @@ from optuna.trial import TrialState
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
-from .setup import (
-    Backend,
-    StudyConfig,
-    check_space,
-    make_sampler,
-    make_storage,
-    open_study,
-    storage_url,
-    study_name,
-    validate,
-)
+from .setup import Backend, StudyConfig, prepare
 from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
 
 
@@ -153,18 +143,13 @@ class Session:
     def __init__(self, config: StudyConfig, backend: Backend | None = None):
         self.clock_start = time.time()
         quiet_optuna()
-        backend = backend or Backend()
-        self.config = config = validate(config, backend)
-        self.backend = backend.resolved(config)
-        check_space(self.backend.space)
+        ready = prepare(config, backend)
+        self.config = config = ready.config
+        self.backend = ready.backend
         self.space = self.backend.space
         self.codec = SpaceCodec(self.space.params)
-        self.name = study_name(config)
-        self.url = storage_url(config)
-        self.storage = make_storage(self.url)
-        sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
-                   else make_sampler(config.sampler, config.seed, len(config.objectives)))
-        self.study, self.resumed = open_study(config, self.storage, self.space, sampler)
+        self.name, self.url, self.storage = ready.name, ready.url, ready.storage
+        self.study, self.resumed = ready.study, ready.resumed
         trials = self.study.get_trials(deepcopy=False)
         self.offset_s = max([e for e in map(elapsed_of, trials) if e is not None], default=0.0)
         self.finished_at_start = {t.number for t in finished_trials(trials)}
@@ -189,8 +174,7 @@ class Session:
                     raise FatalStudyError(f"model '{m}' has no feasible TPUv4 baseline ({b.reason}); a common design "
                                           "is scored by throughput relative to it, so drop the model")
         self.study.set_user_attr("baselines", {m: b.to_json() for m, b in baselines.items()})
-        self.study.set_user_attr("baseline_arch", getattr(self.backend.reference_arch, "name", "") or
-                                 self.config.reference_arch)
+        self.study.set_user_attr("baseline_arch", self.backend.reference_arch.name or self.config.reference_arch)
         return baselines
 
     def _start_tracker(self):
@@ -217,6 +201,10 @@ class Session:
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
                           self.offset_s, spool_dir)
+
+    def context(self) -> Context:
+        """What a trial needs besides its point (the same as a worker's)."""
+        return self.worker_spec().context()
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)

@@ -8,7 +8,7 @@ or system, bad objectives, an empty space, a study name reused with other settin
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,50 +25,19 @@ from ..hardware.arch import load_arch
 from ..system import load_system
 from ..training import SAMPLED_FIELDS
 from ..workload.models import load_model
-from .objective import directions, parse_objectives
-from .tracking import DEFAULT_TRACKING_URI, driver_url, redact
+from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
+    ORDERS,
+    PHAZE_AREA_GROUP_MM2,
+    SAMPLERS,
+    SINGLE_OBJECTIVE_SAMPLERS,
+    StudyConfig,
+)
+from .objective import parse_objectives
+from .tracking import driver_url, redact
 
-SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
-SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
-ORDERS = ("area", "grid")
-# The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
-# (msr-fiddle/phaze, Solver/solver.py: acc_group_range = 10000, areas in um^2).
-PHAZE_AREA_GROUP_MM2 = 0.01
 HEARTBEAT_S = 30
 GRACE_S = 120
 _NAME_BAD = re.compile(r"[^A-Za-z0-9._+-]+")
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    models: tuple[str, ...] = ("gpt3-175b",)
-    space: str = "phaze"
-    system: str = "default"
-    sampler: str = "tpe"
-    seed: int = 0
-    trials: int = 500  # the study's total of finished trials; a resumed study runs only the rest
-    objectives: tuple[str, ...] = ("throughput",)
-    study_name: str | None = None
-    storage: str | None = None  # default sqlite:///<output_dir>/<study-name>.db
-    tracking_uri: str | None = DEFAULT_TRACKING_URI  # "off" disables MLflow
-    workers: int = 1
-    exhaustive: bool = False
-    order: str = "area"
-    hysteresis: int | None = None  # None: evaluate every grid point
-    prune: str = "auto"  # exhaustive: bound | off | auto (bound where it applies, see validate)
-    area_group_mm2: float = PHAZE_AREA_GROUP_MM2
-    output_dir: str = "studies"
-    reference_arch: str = "tpuv4"
-    progress: bool | None = None  # None: a progress bar when stderr is a terminal
-    ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: evaluate's default (60 s)
-
-    @property
-    def mode(self) -> str:
-        return "exhaustive" if self.exhaustive else "sampled"
-
-    @property
-    def directions(self) -> list[str]:
-        return directions(self.objectives)
 
 
 @dataclass
@@ -97,6 +66,43 @@ class Backend:
         if reference is None:
             reference = load_arch(config.reference_arch)
         return replace(self, evaluator=evaluator, space=space, reference_arch=reference)
+
+
+@dataclass
+class Prepared:
+    """A study ready for its first trial: the checked config, the resolved backend, the open study."""
+
+    config: StudyConfig
+    backend: Backend
+    name: str
+    url: str
+    storage: optuna.storages.RDBStorage
+    study: optuna.Study
+    resumed: bool
+
+
+def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
+    """Everything before the first trial, in one call: validate the settings, resolve the backend,
+    check the space, then name, open (or resume) the study in its storage with this process's sampler."""
+    backend = backend or Backend()
+    config = validate(config, backend)
+    backend = backend.resolved(config)
+    check_space(backend.space)
+    name, url = study_name(config), storage_url(config)
+    storage = make_storage(url)
+    sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
+               else make_sampler(config.sampler, config.seed, len(config.objectives)))
+    study, resumed = open_study(config, storage, backend.space, sampler)
+    return Prepared(config, backend, name, url, storage, study, resumed)
+
+
+def load_study(config: StudyConfig, url: str, name: str, worker: int | None = None) -> optuna.Study:
+    """The study a worker process runs: its storage, and (with `worker`) worker's own sampler."""
+    storage = make_storage(url)
+    if worker is None:
+        return optuna.load_study(study_name=name, storage=storage)
+    sampler = make_sampler(config.sampler, config.seed, len(config.objectives), worker=worker)
+    return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
 
 
 def _stem(name: str) -> str:
