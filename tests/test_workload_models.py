@@ -31,8 +31,14 @@ EXACT = {
 }
 
 
+# The Megatron-LM GPTs of the validation suites (configs/validation/); their sizes and shapes are tested
+# in test_validation_suites.py.
+MEGATRON = tuple(f"megatron-gpt-{size}" for size in (
+    "1.7b", "3.6b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b", "310.1b", "530b", "1t", "22b", "175b"))
+
+
 def test_every_shipped_config_is_listed():
-    assert sorted(configs.available("models")) == sorted(MODELS)
+    assert sorted(configs.available("models")) == sorted(MODELS + MEGATRON)
 
 
 @pytest.mark.parametrize("name", MODELS)
