@@ -162,6 +162,25 @@ class SearchSpace:
             hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
         )
 
+    def constant_arch_fields(self) -> dict:
+        """The accelerator fields (`Accelerator.fields()`) every point of the space shares.
+
+        From the definition, not from sampled designs: a field is constant when every space field it
+        is built from is fixed, or tied to or sampled from a parameter with one choice.
+        """
+        def varies(f):
+            if f in self.fixed:
+                return False
+            return len(self.params.get(self.tied.get(f, f), ())) > 1
+
+        glb_bw_from = () if self.glb_bw_fixed is not None else ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width",
+                                                                "clock_ghz")
+        sources = {**{f: (f,) for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")},
+                   "glb_bytes": ("glb_mib",), "glb_bw": glb_bw_from, "hbm_bytes": ("hbm_gib",),
+                   "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS}
+        fields = self.accelerator({p: choices[0] for p, choices in self.params.items()}).fields()
+        return {k: v for k, v in fields.items() if not any(varies(f) for f in sources[k])}
+
     def _rule(self, area, exempt):
         """Vectorised area rule -> (ok, too_big, too_small)."""
         too_big = area > self.area_budget_mm2 * (1 + AREA_TOLERANCE)
@@ -177,10 +196,11 @@ class SearchSpace:
         if ok:
             return True, area, ""
         if too_big:
-            return False, area, f"area {area:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2 ({self.budget_label})"
+            return False, area, f"area {area:.1f} mm² exceeds the {self.area_budget_mm2:.1f} mm² budget ({self.budget_label})"
         floor = self.min_fraction * self.area_budget_mm2
         waiver = f"; waived only when {' or '.join(self.floor_exempt_if_one)} is 1" if self.floor_exempt_if_one else ""
-        return False, area, f"area {area:.2f} mm^2 is below the floor {floor:.2f} mm^2 ({self.min_fraction:g} of the budget{waiver})"
+        return False, area, (f"area {area:.1f} mm² is below the {floor:.1f} mm² floor ({self.min_fraction:g} of the "
+                             f"{self.area_budget_mm2:.1f} mm² budget{waiver})")
 
     # ---- the grid -------------------------------------------------------------------------------
 

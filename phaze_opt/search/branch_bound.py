@@ -209,7 +209,7 @@ def run_branch_bound(session, progress) -> dict:
                                             "error": error})
                 progress.update(1, incumbent if incumbent > 0 else None)
                 if extra.get("new_best"):
-                    session.tracker.log_parent(metrics={"best_score": incumbent}, step=int(np.sum(~np.isnan(score))))
+                    session.tracker.log_best(incumbent, frozen.number)
 
         while True:
             while len(inflight) < max(config.workers, 1):

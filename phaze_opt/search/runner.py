@@ -64,7 +64,18 @@ from .setup import (
     study_name,
     validate,
 )
-from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
+from .tracking import (
+    NOTE_TAG,
+    TRIALS_VIEW,
+    VIEW_TAG,
+    MlflowTracker,
+    NullTracker,
+    constant_params,
+    experiment_description,
+    redact,
+    tracking_enabled,
+    trials_view,
+)
 
 
 class TrialError(Exception):
@@ -216,15 +227,22 @@ class Session:
         return baselines
 
     def _start_tracker(self):
+        """The MLflow parent run of this invocation, named `<study> <date> <time>` (`(resumed)` when the
+        study already had trials), in the study's experiment (see `tracking.experiment_description`)."""
         c = self.config
         if not tracking_enabled(c.tracking_uri):
             return NullTracker()
+        constant = constant_params(self.space)
         context = {"study_name": self.name, "sampler": "exhaustive" if c.exhaustive else c.sampler,
-                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives)}
+                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
+                   "constant": sorted(constant)}
+        trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": c.space,
+        run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
+        space_name = getattr(self.space, "name", c.space)
+        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": space_name,
                   "system": c.system, "sampler": context["sampler"], "seed": c.seed, "trials": c.trials,
-                  "objectives": ",".join(c.objectives), "workers": c.workers}
+                  "objectives": ",".join(c.objectives), "workers": c.workers, **constant}
         if c.exhaustive:
             params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
@@ -232,9 +250,16 @@ class Session:
         for m, b in self.baselines.items():
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
-                params[f"{prefix}baseline_throughput"] = b.throughput
-        return MlflowTracker.start(c.tracking_uri, self.name, run_name=f"{self.name} {c.mode} {stamp}",
-                                   params=params, tags=tags, context=context)
+                params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
+        description = experiment_description(
+            study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
+            system=c.system, objectives=c.objectives, directions=c.directions, sampler=context["sampler"], mode=c.mode)
+        view = trials_view(c.models, [p for p, choices in self.space.params.items() if len(choices) > 1])
+        tracker = MlflowTracker.start(c.tracking_uri, self.name, run_name=run_name, params=params, tags=tags,
+                                      context=context, experiment_tags={NOTE_TAG: description,
+                                                                        VIEW_TAG + TRIALS_VIEW: view})
+        tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
+        return tracker
 
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
@@ -433,7 +458,7 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
                 improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
                 progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
                 if improved:
-                    session.tracker.log_parent(metrics={"best_score": frozen.values[0]}, step=frozen.number)
+                    session.tracker.log_best(frozen.values[0], frozen.number)
 
             worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
         elif remaining:
@@ -453,7 +478,6 @@ def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    best = None
     with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
         futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
@@ -464,9 +488,7 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
             score = best_score(trials)
             n = len(finished_trials(trials))
             progress.set_done(n, score)
-            if score is not None and (best is None or score > best):
-                best = score
-                session.tracker.log_parent(metrics={"best_score": score}, step=n)
+            session.tracker.log_best_of(trials)
             for f in done:
                 exc = f.exception()
                 if exc is not None:
