@@ -27,9 +27,12 @@ def add_arguments(p):
 
 def run(args) -> dict:
     # Imported here so that `phaze-opt --help` and the other subcommands start without torch.
+    from ..configs import positive_arg
     from ..hardware.arch import load_arch
     from ..search.evaluate import design_evaluator
+    from ..system import MBS_LIMIT
 
+    positive_arg(args.mbs, "--mbs", MBS_LIMIT)
     arch = load_arch(args.arch)
     evaluate = design_evaluator(args.ilp_time_limit)
     result = evaluate(args.model, arch, args.mbs, args.recompute, args.system, args.placement).to_json()

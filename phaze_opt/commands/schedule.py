@@ -22,19 +22,19 @@ def add_arguments(p):
 
 def run(args) -> dict:
     # Imported here so that the other subcommands start without torch.
+    from ..configs import positive_arg
     from ..errors import PhazeError
     from ..hardware.arch import load_arch
     from ..hardware.latency import estimate
     from ..solve.schedule import _utilisation, problem_from_graph, solve_schedule
-    from ..system import load_system
+    from ..system import MBS_LIMIT, load_system
     from ..workload.graphs import build_layer_graph
     from ..workload.models import load_model
 
     model = load_model(args.model)
     if args.tp not in model.tp_widths:
         raise PhazeError(f"--tp {args.tp}: not a TP width of {model.name}; allowed: {', '.join(map(str, model.tp_widths))}")
-    if args.mbs < 1:
-        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
+    positive_arg(args.mbs, "--mbs", MBS_LIMIT)
     arch = load_arch(args.arch)
     link = load_system(args.system).tp_link(args.tp)
     graph = build_layer_graph(model, args.tp, args.mbs)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-from ..errors import PhazeError
-
 HELP = "summarise a model's workload graph: parameters, training FLOPs, per-layer memory and op counts"
 DESCRIPTION = (
     "Build the model's layers on the meta device at one TP width and microbatch, trace their forward "
@@ -23,13 +21,16 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
+    from ..configs import positive_arg
+    from ..system import MBS_LIMIT
     from ..workload.graphs import build_layer_graph
-    from ..workload.models import load_model
+    from ..workload.models import LIMITS, load_model
 
     start = time.perf_counter()
     model = load_model(args.model)
-    if args.mbs <= 0:
-        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
+    positive_arg(args.mbs, "--mbs", MBS_LIMIT)
+    if args.seq is not None:
+        positive_arg(args.seq, "--seq", LIMITS["seq"])
     graph = build_layer_graph(model, args.tp, args.mbs, args.seq, cache=not args.no_cache)
     elapsed = time.perf_counter() - start
     layers = []
