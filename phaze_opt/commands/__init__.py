@@ -1,6 +1,7 @@
 """Subcommands of `phaze-opt`; see phaze_opt.cli for the contract each module follows."""
 
-from ..errors import PhazeError
+from ..configs import positive_arg
+from ..system import MBS_LIMIT
 
 
 def add_mbs(p) -> None:
@@ -10,9 +11,7 @@ def add_mbs(p) -> None:
 
 def check_mbs(args) -> int:
     """The one-line error names the flag the user typed (the model layers below only know `mbs`)."""
-    if args.mbs < 1:
-        raise PhazeError(f"--mbs must be a positive integer, got {args.mbs}")
-    return args.mbs
+    return positive_arg(args.mbs, "--mbs", MBS_LIMIT)
 
 
 def add_ilp_time_limit(p) -> None:
