@@ -163,6 +163,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
     best = best_trial(done, config.objectives)
+    wall = session.end_wall()
     summary: dict[str, Any] = {
         "study": session.name,
         "storage": redact(session.url),
@@ -178,8 +179,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
                    "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": len(done) - session.trials_before},
-        "wall_s": session.elapsed() - session.offset_s,
-        "elapsed_s": session.elapsed(),
+        "wall_s": wall - session.offset_s,
+        "elapsed_s": wall,  # the study's wall time over all its runs (runner.study_wall_s), as compare shows it
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
         "best": describe_trial(best, session.baselines) if best is not None else None,
         "notes": list(session.notes),
@@ -246,7 +247,8 @@ def render(summary: dict) -> str:
                  f"{', '.join(summary['models'])}, space {summary['space']}, system {summary['system']}")
     lines.append(f"  storage {summary['storage']}")
     lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
-                 f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run")
+                 f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run"
+                 + (f", {summary['elapsed_s']:.1f} s over all runs" if summary.get("resumed") else ""))
     if t.get("unproven"):
         lines.append(f"  {t['unproven']} feasible trial(s) rest on layer schedules not proven optimal in the ILP time "
                      f"limit: their score is reached by a verified schedule, their proven bound is higher")

@@ -18,8 +18,10 @@ queued again; a trial whose process died is failed by Optuna's heartbeat check a
 `GRACE_S` and queued again (RetryFailedTrialCallback). Neither counts as finished.
 
 Wall-clock: every trial records `elapsed_s`, seconds since the study began summed over its
-invocations (an invocation starts at `offset` = the largest `elapsed_s` already stored), so the
-convergence comparison sees search time, not the idle time between two runs.
+invocations (an invocation starts at `offset` = the study's wall time so far, `study_wall_s`), so
+the convergence comparison sees search time, not the idle time between two runs. The study's wall
+time is the one number both the end-of-study report and `compare` print (see `study_wall_s`); the
+workers of each invocation are kept in the study attribute `workers_per_run`.
 """
 
 from __future__ import annotations
@@ -119,6 +121,21 @@ def elapsed_of(trial) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def study_wall_s(attrs: dict, trials) -> float:
+    """A study's wall time: its search time summed over its invocations, in seconds.
+
+    Each invocation counts from its start (opening the study, before the baselines) to its end (the
+    summary built, or the run interrupted), when the study attribute `wall_s` is updated; a run
+    killed before its end counts up to its last finished trial's `elapsed_s`. Hence the max of the
+    two. The end-of-study report (`report.finish`) and `compare` both print this number.
+    """
+    times = [e for e in map(elapsed_of, trials) if e is not None and math.isfinite(e)]
+    stored = attrs.get("wall_s")
+    if isinstance(stored, (int, float)) and math.isfinite(stored):
+        times.append(float(stored))
+    return max(times, default=0.0)
+
+
 def split_quota(total: int, workers: int) -> list[int]:
     base, extra = divmod(total, workers)
     return [base + (1 if i < extra else 0) for i in range(workers)]
@@ -199,7 +216,10 @@ class Session:
                    else make_sampler(config.sampler, config.seed, len(config.objectives)))
         self.study, self.resumed = open_study(config, self.storage, self.space, sampler)
         trials = self.study.get_trials(deepcopy=False)
-        self.offset_s = max([e for e in map(elapsed_of, trials) if e is not None], default=0.0)
+        self.offset_s = study_wall_s(self.study.user_attrs, trials)
+        self.wall_s: float | None = None  # set by end_wall
+        self.study.set_user_attr("workers_per_run",
+                                 [*(self.study.user_attrs.get("workers_per_run") or []), config.workers])
         self.finished_at_start = {t.number for t in finished_trials(trials)}
         self.trials_before = len(self.finished_at_start)
         self.notes: list[str] = []
@@ -268,6 +288,13 @@ class Session:
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
 
+    def end_wall(self) -> float:
+        """The end of this invocation: store the study's wall time (`study_wall_s`) once; returns it."""
+        if self.wall_s is None:
+            self.wall_s = self.elapsed()
+            self.study.set_user_attr("wall_s", self.wall_s)
+        return self.wall_s
+
     def all_trials(self):
         return self.study.get_trials(deepcopy=False)
 
@@ -304,6 +331,11 @@ class Session:
             status = "FAILED"
             raise
         finally:
+            if self.wall_s is None:  # interrupted or failed before its summary
+                try:
+                    self.end_wall()
+                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                    pass
             if _PROGRESS.get("bar") is not None:
                 _PROGRESS["bar"].close()
                 _PROGRESS["bar"] = None
