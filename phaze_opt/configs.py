@@ -3,12 +3,16 @@
 A config is named either by its short name (`gpt3-175b` -> `configs/models/gpt3-175b.yaml`) or by a
 path to the user's own YAML file. Validation of the contents belongs to the module that owns the
 config kind; this module only guarantees a mapping came out of a readable YAML file and offers the
-small checks that every kind repeats.
+small checks that every kind repeats, including the upper limits (`Limit`) that keep a size no real
+system has from reaching an allocation: each config kind lists its limits in one table with the
+reason for each (`system.LIMITS`, `workload.models.LIMITS`, `hardware.arch.LIMITS`).
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -62,10 +66,13 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
 
 
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse one YAML file; malformed YAML or an unreadable file is a one-line error naming it."""
+    """Parse one UTF-8 YAML file; malformed YAML, text that is not UTF-8, a folder or an unreadable
+    file is a one-line error naming it."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PhazeError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -96,18 +103,58 @@ def check_keys(data: Mapping[str, Any], file, required: Iterable[str], optional:
             raise config_error(file, key, "missing required field")
 
 
-def positive_int(data: Mapping[str, Any], key: str, file, default: Any = None) -> int:
-    value = data.get(key, default)
+@dataclass(frozen=True)
+class Limit:
+    """The largest value a size may take, and why no real system needs more (said in the error)."""
+
+    maximum: int | float
+    why: str
+
+    def exceeded(self, value) -> str | None:
+        """None when `value` is within the limit, else the problem, e.g. 'must be at most 1,024 (...)'."""
+        if value <= self.maximum:
+            return None
+        return f"must be at most {self.maximum:,} ({self.why}), got {value:,}"
+
+
+def _int_problem(value: Any, limit: Limit | None) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise config_error(file, key, f"must be a positive integer, got {value!r}")
+        return f"must be a positive integer, got {value!r}"
+    return limit.exceeded(value) if limit else None
+
+
+def positive_int(data: Mapping[str, Any], key: str, file, default: Any = None, limit: Limit | None = None,
+                 field: str | None = None) -> int:
+    """`data[key]` as a positive integer no larger than `limit`; `field` names it in errors (default `key`)."""
+    value = data.get(key, default)
+    problem = _int_problem(value, limit)
+    if problem:
+        raise config_error(file, field or key, problem)
     return value
 
 
-def positive_number(data: Mapping[str, Any], key: str, file, default: Any = None) -> float:
+def positive_number(data: Mapping[str, Any], key: str, file, default: Any = None, limit: Limit | None = None,
+                    field: str | None = None) -> float:
+    """`data[key]` as a finite positive number no larger than `limit` (`.inf` and `.nan` are refused)."""
     value = data.get(key, default)
+    field = field or key
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise config_error(file, key, f"must be a positive number, got {value!r}")
+        raise config_error(file, field, f"must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise config_error(file, field, f"must be a finite number, got {value!r}")
+    problem = limit and limit.exceeded(value)
+    if problem:
+        raise config_error(file, field, problem)
     return float(value)
+
+
+def positive_arg(value: Any, name: str, limit: Limit | None = None) -> int:
+    """An integer argument, e.g. the flag `--seq`: positive and within `limit`, else a one-line error
+    naming it (`name`)."""
+    problem = _int_problem(value, limit)
+    if problem:
+        raise PhazeError(f"{name} {problem}")
+    return value
 
 
 def one_of(data: Mapping[str, Any], key: str, file, choices: Iterable[Any], default: Any = None) -> Any:

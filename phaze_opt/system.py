@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import configs
-from .configs import check_keys, one_of, positive_int
+from .configs import Limit, check_keys, one_of, positive_int
 from .errors import config_error
 
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of weights and gradients
@@ -50,6 +50,21 @@ _BANDWIDTH_UNITS = {
     "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
     "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8,
 }
+# Upper limits, checked on load before anything is sized by them (the placement search walks the
+# data-parallel degrees up to `accelerators`). Each is far beyond any system built, so only a typo
+# or a hostile file reaches one.
+MAX_ACCELERATORS = 2**20
+LIMITS = {
+    # The largest training clusters have about 10^5 accelerators; 2^20 = 1,048,576 is 10x that.
+    "accelerators": Limit(MAX_ACCELERATORS, "far beyond any cluster built, ~10^5 accelerators"),
+    # A node (one fast-link domain) cannot hold more than the largest cluster; today's largest are
+    # 72-576 GPUs (NVLink) or a 8,960-chip TPU v5p pod.
+    "devices_per_node": Limit(MAX_ACCELERATORS, "no node is larger than the largest cluster"),
+    # Sequences per optimizer step: the largest published batches are ~64k sequences (BERT with
+    # LAMB) and a few thousand for LLMs; 2^24 = 16,777,216 is 256x that.
+    "global_batch": Limit(2**24, "far beyond any published batch, ~64k sequences"),
+}
+MBS_LIMIT = LIMITS["global_batch"]  # a microbatch is part of one global batch (--mbs, spaces' mbs)
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9].*?)?\s*$")
 
@@ -133,6 +148,13 @@ class System:
         }
 
 
+# The most state bytes per parameter any system config can ask for (16: mixed precision with Adam).
+MAX_STATE_BYTES_PER_PARAM = max(
+    System("", 1, 1, Link(1.0, 0.0), Link(1.0, 0.0), 1, p, o, m).state_bytes_per_param
+    for p in PRECISIONS for o in OPTIMIZERS for m in OPTIMIZER_MEMORY
+)
+
+
 def parse_quantity(value: Any, units: Mapping[str, float], file, field: str, allow_zero: bool) -> float:
     """A number in SI units, or a string `<number> <unit>`; returns SI. Bad input: one-line error."""
     allowed = ", ".join(units)
@@ -183,9 +205,9 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
     name = data.get("name", Path(str(file)).stem)
     if not isinstance(name, str) or not name:
         raise config_error(file, "name", f"must be a non-empty string, got {name!r}")
-    accelerators = positive_int(data, "accelerators", file, default=1024)
-    devices_per_node = positive_int(data, "devices_per_node", file)
-    global_batch = positive_int(data, "global_batch", file, default=4096)
+    accelerators = positive_int(data, "accelerators", file, default=1024, limit=LIMITS["accelerators"])
+    devices_per_node = positive_int(data, "devices_per_node", file, limit=LIMITS["devices_per_node"])
+    global_batch = positive_int(data, "global_batch", file, default=4096, limit=LIMITS["global_batch"])
     precision = one_of(data, "precision", file, PRECISIONS, default="bf16")
     optimizer = one_of(data, "optimizer", file, OPTIMIZERS, default="adam")
     optimizer_memory = one_of(data, "optimizer_memory", file, OPTIMIZER_MEMORY, default="mixed_precision")

@@ -2,6 +2,7 @@
 
 import csv
 import io
+import json
 from datetime import datetime, timedelta
 
 import optuna
@@ -11,10 +12,11 @@ from hypothesis import strategies as st
 from optuna.trial import TrialState
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.experiments.convergence import compare, curve_from_trials, resolve_study, rows_csv, table
+from phaze_opt.experiments.convergence import compare, curve_from_trials, load_curve, plot, resolve_study, rows_csv, table
+from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import default_study_name
-from test_study_fakes import FakeSpace, backend, config, mlflow_uri
+from test_study_fakes import FakeSpace, InterruptAfter, backend, config, mlflow_uri
 
 
 class T:
@@ -153,3 +155,89 @@ def test_elapsed_falls_back_to_optuna_timestamps(tmp_path):
         t.datetime_start, t.datetime_complete = t0 + timedelta(seconds=s), t0 + timedelta(seconds=s + 5)
     c = curve_from_trials("foreign", url, trials, {})
     assert [s[0] for s in c.steps] == [5.0, 15.0, 35.0] and c.best == 8.0
+
+
+def _figure_of(monkeypatch):
+    """Capture the figure `plot` saves, so a test can look at every mark on its axes."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    real = Figure.savefig
+
+    def savefig(fig, *args, **kw):
+        saved.append(fig)
+        return real(fig, *args, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def test_plot_labels_every_mark_and_shades_the_bounding_phase(tmp_path, monkeypatch):
+    sampled = curve_from_trials("tpe", "", [T(0, 50, 2.0), T(1, 99.5, 8.0), T(2, 70, 9.0)],
+                                {"mode": "sampled", "sampler": "tpe", "workers_per_run": [1], "wall_s": 10.0})
+    swept = curve_from_trials("sweep", "", [T(0, 90, 6.0), T(1, 100, 7.0)],
+                              {"mode": "exhaustive", "sampler": "exhaustive", "workers_per_run": [1, 2],
+                               "bounding_phases": [[0.0, 5.0]], "wall_s": 7.5,
+                               "exhaustive_status": {"optimum_proven": True}})
+    assert (sampled.wall_s, swept.wall_s) == (10.0, 7.5)  # the stored wall time, not the last trial's
+    assert (sampled.workers_text, swept.workers_text) == ("1", "1/2")
+    _, target = table([sampled, swept], 0.99)
+    saved = _figure_of(monkeypatch)
+    labels = plot([sampled, swept], target, tmp_path / "p.png", "t", threshold=0.99)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert labels == [
+        "tpe (sampled (tpe), 1 worker): best so far, to its wall time 10.0 s",
+        "tpe: time to 99% of the optimum (8.0 s, 2 trials)",
+        "sweep: bounding (no design evaluated yet)",
+        "sweep (exhaustive, 1/2 workers): best so far, to its wall time 7.5 s",
+        "sweep: time to 99% of the optimum (7.0 s, 2 trials)",
+        "target: 99% of the optimum (99)",
+    ]
+    ax = saved[0].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    # every mark drawn has its legend entry: curves, dots, the target line, the shaded phase
+    marks = [a for a in [*ax.lines, *ax.patches, *ax.collections]]
+    assert len(marks) == len(labels) and all(not a.get_label().startswith("_") for a in marks)
+    span = next(p for p in ax.patches if "bounding" in p.get_label())
+    assert (span.get_x(), span.get_x() + span.get_width()) == (0.0, 5.0)
+    # a sampled study alone: no shaded phase; not an exhaustive optimum, so "the best found"
+    saved.clear()
+    _, target = table([sampled], 0.99)
+    labels = plot([sampled], target, tmp_path / "q.png", "t")
+    assert not saved[0].axes[0].patches and not any("bounding" in x for x in labels)
+    assert "target: 99% of the best found (98.505)" in labels
+
+
+def test_compare_wall_time_and_workers_are_the_studys_own(two_studies):
+    tmp, _, a, b = two_studies
+    out = tmp / "studies"
+    result = compare([a, b], out_dir=str(out), tracking_uri="off", name="own")
+    rows = {r["study"]: r for r in csv.DictReader(open(result["csv"]))}
+    for name in (a, b):
+        summary = json.loads((out / f"{name}-summary.json").read_text())
+        assert not summary["resumed"]
+        # one run: the wall time it printed is the one compare shows, to the last bit
+        assert float(rows[name]["wall_s"]) == summary["wall_s"] == summary["elapsed_s"]
+        assert f"{summary['wall_s']:.1f} s this run" in render(summary)
+        assert rows[name]["workers"] == "1"
+    md = open(result["markdown"]).read()
+    assert "| workers |" in md and "Wall: the study's search time summed over its runs" in md
+    # neither a sampled study nor an unpruned sweep has a bounding phase
+    assert not any("bounding" in x for x in result["legend"])
+    assert any(x.startswith(f"{b} (exhaustive, 1 worker)") for x in result["legend"])
+
+
+def test_wall_time_adds_up_over_an_interrupted_and_a_resumed_run(tmp_path):
+    cfg = config(tmp_path, trials=8, storage=None)
+    name = default_study_name(cfg)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(cfg, backend(tiny_space(), InterruptAfter(4)))
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/studies/{name}.db")
+    first = study.user_attrs["wall_s"]  # stored on the way out of the interrupted run
+    elapsed = [t.user_attrs["result"]["elapsed_s"] for t in study.trials if "result" in t.user_attrs]
+    assert elapsed and first >= max(elapsed)
+    summary = run_study(cfg, backend(tiny_space()))
+    assert summary["resumed"] and summary["elapsed_s"] - summary["wall_s"] == pytest.approx(first, abs=1e-9)
+    assert f"{summary['elapsed_s']:.1f} s over all runs" in render(summary)
+    curve = load_curve(name, f"sqlite:///{tmp_path}/studies/{name}.db")  # what compare reads
+    assert curve.wall_s == summary["elapsed_s"] and curve.workers == [1, 1] and curve.workers_text == "1"

@@ -137,3 +137,45 @@ def test_cli_space_summary_json(capsys):
 def test_cli_errors_are_one_line(capsys, argv, pattern):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and pattern in err and err.count("\n") == 1 and out == ""
+
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"hbm_bw_gbps": float("inf")}, r"field 'hbm_bw_gbps': must be a finite number, got inf"),
+    ({"glb_bw_gbps": float("nan")}, r"field 'glb_bw_gbps': must be a positive number, got nan"),
+    ({"clock_ghz": float("inf")}, r"field 'clock_ghz': must be a finite number"),
+    ({"hbm_bw_gbps": 1e7}, r"field 'hbm_bw_gbps': must be at most 1,000,000 \("),
+    ({"glb_bw_gbps": 1e12}, r"field 'glb_bw_gbps': must be at most 1,000,000,000 \("),
+    ({"num_tc": 2**20}, r"field 'num_tc': must be at most 65,536 \("),
+    ({"num_vc": 2**20}, r"field 'num_vc': must be at most 65,536 \("),
+    ({"tc_x": 8192}, r"field 'tc_x': must be at most 4,096 \("),
+    ({"tc_y": 8192}, r"field 'tc_y': must be at most 4,096 \("),
+    ({"vc_width": 8192}, r"field 'vc_width': must be at most 4,096 \("),
+    ({"glb_mib": 2**21}, r"field 'glb_mib': must be at most 1,048,576 \("),
+    ({"hbm_gib": 2**15, "hbm_bw_gbps": 1000}, r"field 'hbm_gib': must be at most 16,384 \("),
+    ({"clock_ghz": 1000}, r"field 'clock_ghz': must be at most 100 \("),
+])
+def test_non_finite_and_unphysical_fields_are_refused(change, pattern):
+    test_arch_validation(change, pattern)
+
+
+def test_an_arch_yaml_with_inf_bandwidth_is_refused(tmp_path):
+    path = tmp_path / "fast.yaml"
+    path.write_text(yaml.safe_dump(GOOD) + "hbm_bw_gbps: .inf\n")
+    with pytest.raises(PhazeError, match=r"fast.yaml: field 'hbm_bw_gbps': must be a finite number, got inf"):
+        load_arch(path)
+
+
+def test_search_space_choices_obey_the_same_limits(tmp_path):
+    from phaze_opt.design.space import load_space
+
+    text = (tmp_path / "s.yaml")
+    base = yaml.safe_load(open("configs/spaces/small.yaml"))
+    for params, where in (({"num_tc": {"range": [1, 10**12]}}, "params.num_tc"),
+                          ({"num_tc": {"pow2": [1, 2**40]}}, "params.num_tc"),
+                          ({"mbs": [2**30]}, "params.mbs")):
+        text.write_text(yaml.safe_dump({**base, "params": {**base["params"], **params}}))
+        with pytest.raises(PhazeError, match=rf"field '{where}': must be at most"):
+            load_space(text)
+    text.write_text(yaml.safe_dump(base).replace("80: 2048", "80: .inf"))
+    with pytest.raises(PhazeError, match=r"field 'hbm_bw_gbps.80': must be a finite number"):
+        load_space(text)

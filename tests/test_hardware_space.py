@@ -55,9 +55,12 @@ def test_budget_is_tpuv4_and_tpuv4_fits_exactly(phaze):
 def test_area_check_reasons(phaze):
     ref = phaze.reference_point("tpuv4")
     ok, a, reason = phaze.area_check(dict(ref, num_tc=16))
-    assert not ok and "exceeds the budget" in reason and a > phaze.area_budget_mm2
+    assert not ok and a > phaze.area_budget_mm2
+    assert reason == f"area {a:.1f} mm² exceeds the {phaze.area_budget_mm2:.1f} mm² budget (tpuv4)"
     ok, a, reason = phaze.area_check(dict(ref, num_tc=2, tc_x=8, tc_y=8, glb_mib=2))
-    assert not ok and "below the floor" in reason and a < 0.3 * phaze.area_budget_mm2
+    assert not ok and a < 0.3 * phaze.area_budget_mm2
+    assert reason.startswith(f"area {a:.1f} mm² is below the {0.3 * phaze.area_budget_mm2:.1f} mm² floor (0.3 of the ")
+    assert reason.count("area") == 1
     # the same small design with one vector core is kept: the floor is waived
     ok, _, reason = phaze.area_check(dict(ref, num_tc=2, tc_x=8, tc_y=8, glb_mib=2, num_vc=1))
     assert ok, reason
@@ -201,3 +204,23 @@ def test_user_space_file_with_numeric_budget_and_ranges(tmp_path):
 def test_unknown_space_name_lists_choices():
     with pytest.raises(PhazeError, match="unknown space 'nope': choose one of .*phaze.*small"):
         load_space("nope")
+
+
+@pytest.mark.parametrize("space", ["small", "base", "base-fixed-glb-bw", "base-two-hbm"])
+def test_constant_arch_fields_are_exactly_the_fields_no_point_changes(small, space):
+    """Oracle: over every point of the full product (area rule aside), the fields the definition calls
+    constant never change, and every other field that never changes is the GLB bandwidth, whose
+    published rule may give one value for different cores (the definition cannot promise that)."""
+    changes = {"base": {}, "base-fixed-glb-bw": {"glb_bw_gbps": 8601.6},
+               "base-two-hbm": {"params__hbm_gib": [32, 80], "hbm_bw_gbps": {32: 1200, 80: 2048}}}
+    s = small if space == "small" else space_from_mapping(_with(**changes[space]), "t.yaml")
+    names = list(s.params)
+    seen: dict = {}
+    for vals in itertools.product(*s.params.values()):
+        for k, v in s.accelerator(dict(zip(names, vals))).fields().items():
+            seen.setdefault(k, set()).add(v)
+    observed = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
+    declared = s.constant_arch_fields()
+    assert declared.items() <= observed.items() and set(observed) - set(declared) <= {"glb_bw"}
+    assert ("glb_bw" in declared) == (space == "base-fixed-glb-bw")
+    assert "clock_hz" in declared and "num_tc" not in declared and "name" not in declared

@@ -71,13 +71,16 @@ def test_sampled_exhaustive_compare_end_to_end(tmp_path, monkeypatch, capsys):
         exp = client.get_experiment_by_name(name)
         runs = client.search_runs([exp.experiment_id], max_results=5000)
         children = {int(r.data.tags["optuna.trial_number"]): r for r in runs if "mlflow.parentRunId" in r.data.tags}
+        parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
+        assert parent.data.params["arch.clock_hz"] == "1050000000.0" and parent.data.params["tc_y"] == "128"
         assert sorted(children) == sorted(t.number for t in trials)
         for t in trials:
             run = children[t.number]
             assert run.data.params["num_tc"] == str(t.user_attrs["point"]["num_tc"])
+            assert "arch.clock_hz" not in run.data.params and "tc_y" not in run.data.params  # fixed by the space
             assert run.data.tags["models"] == "gpt2-xl" and run.data.tags["trial_state"]
             if is_feasible(t):
-                assert run.data.metrics["throughput"] == pytest.approx(t.values[0])
+                assert run.data.metrics["throughput_seq_per_s"] == pytest.approx(t.values[0])
                 for k in ("tokens_per_s", "area_mm2", "mfu", "time_per_batch_s", "graph_s", "estimate_s", "ilp_s", "dp_s"):
                     assert k in run.data.metrics
             if t.state == TrialState.COMPLETE:

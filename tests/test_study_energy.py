@@ -53,4 +53,4 @@ def test_throughput_energy_study_end_to_end(tmp_path, monkeypatch, capsys):
     for t in feasible:
         metrics = by_trial[t.number].data.metrics
         assert metrics["energy_j"] == pytest.approx(t.values[1])
-        assert metrics["objective.energy"] == pytest.approx(t.values[1])
+        assert metrics["objective.energy_j"] == pytest.approx(t.values[1])

@@ -65,8 +65,12 @@ class FakeSpace:
     def area_check(self, point: dict):
         a = self.area(point)
         if a > self.area_budget_mm2:
-            return False, a, f"area {a:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2"
+            return False, a, f"area {a:.1f} mm² exceeds the {self.area_budget_mm2:.1f} mm² budget"
         return True, a, ""
+
+    def constant_arch_fields(self) -> dict:
+        """As SearchSpace's: `accelerator` fixes num_vc, glb_bw and clock_hz; the rest follow the params."""
+        return {"num_vc": 2, "glb_bw": 1e12, "clock_hz": 1e9}
 
     def grid_points(self, order: str = "area") -> list[dict]:
         names = list(self.params)
@@ -190,3 +194,19 @@ def mlflow_uri(directory) -> str:
     target.mkdir(parents=True, exist_ok=True)
     shutil.copy(_MLFLOW_TEMPLATE["path"], target / "mlflow.db")
     return f"sqlite:///{target / 'mlflow.db'}"
+
+
+def best_score_series(client, run_id) -> list[tuple[int, float]]:
+    """A parent run's `best_score` history as (step, value), in step order."""
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "best_score"))
+
+
+def expected_best_series(trials) -> list[tuple[int, float]]:
+    """The best-so-far of the feasible trials' first objective, by trial number: one point per improvement."""
+    out, best = [], None
+    for t in sorted(trials, key=lambda t: t.number):
+        feasible = t.state.name == "COMPLETE" and all(v <= 0 for v in t.constraints.values())
+        if feasible and (best is None or t.values[0] > best):
+            best = t.values[0]
+            out.append((t.number, best))
+    return out

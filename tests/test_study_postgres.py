@@ -23,7 +23,7 @@ from phaze_opt.search.runner import run_study
 from phaze_opt.search.session import finished_trials
 from phaze_opt.search.setup import default_study_name
 from phaze_opt.search.tracking import driver_url
-from test_study_fakes import backend, config, mlflow_uri, small_space
+from test_study_fakes import backend, best_score_series, config, expected_best_series, mlflow_uri, small_space
 
 
 def pg_binary(name: str) -> str | None:
@@ -112,6 +112,8 @@ def test_workers_share_one_study_on_postgres(tmp_path, postgres):
     numbers = Counter(int(r.data.tags["optuna.trial_number"]) for r in children)
     assert numbers == Counter(range(16))
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    # best_score: the best-so-far by trial number although the workers finish trials out of order
+    assert best_score_series(client, parents[0].info.run_id) == expected_best_series(trials)
 
 
 def test_exhaustive_workers_split_the_grid_on_postgres(tmp_path, postgres):

@@ -231,6 +231,7 @@ def test_summary_is_json_and_saved(tmp_path):
     from phaze_opt.search.report import render
     text = render(summary)
     assert "best design" in text and "TPUv4 with the expert placement" in text and "mlflow ui" in text
+    assert saved["mlflow"]["ui"] in text and saved["mlflow"]["run_url"] in text and saved["next"]["compare"] in text
 
 
 @pytest.mark.parametrize("sampler, objectives", [  # random: above; nsga2 with three objectives: above

@@ -176,3 +176,40 @@ def test_system_is_frozen():
     with pytest.raises(Exception):
         s.accelerators = 3  # type: ignore[misc]
     assert isinstance(s, System)
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("accelerators", 1073741824, "1,048,576"),
+    ("devices_per_node", 2**21, "1,048,576"),
+    ("global_batch", 2**30, "16,777,216"),
+])
+def test_sizes_beyond_any_cluster_are_refused_on_load(tmp_path, field, value, limit):
+    path = write(tmp_path, {**GOOD, field: value})
+    with pytest.raises(PhazeError) as info:
+        load_system(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and f"'{field}'" in message
+    assert f"must be at most {limit}" in message and f"got {value:,}" in message
+
+
+def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(monkeypatch):
+    """At the accelerator limit the placement's data-parallel degrees are walked by distinct
+    microbatch counts (O(sqrt(batch))), never as an array of every degree."""
+    import numpy as np
+
+    from phaze_opt.solve import placement
+    from phaze_opt.system import LIMITS
+
+    system = system_from_dict({**GOOD, "accelerators": LIMITS["accelerators"].maximum})
+    real_arange = np.arange
+
+    def small_arange(*args, **kw):
+        out = real_arange(*args, **kw)
+        assert out.size < 100_000, "an array as long as the accelerator count"
+        return out
+
+    monkeypatch.setattr(placement.np, "arange", small_arange)
+    problem = type("P", (), {"system": system, "mbs": 1})()
+    d, m = placement._dp_degrees(problem, 1)
+    assert d[0] == 1 and m[-1] == 1 and len(d) <= 2 * math.isqrt(system.global_batch) + 1
+    assert np.all(-(-system.global_batch // d) == m)

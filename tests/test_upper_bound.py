@@ -131,6 +131,14 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
         if r["settled"] != "evaluated":
             assert float(r["upper_bound"]) <= best * (1 + 1e-6)
     assert pruned["trials"]["finished"] == ex["settled"]["evaluated"]
+    # its bounding phase (start to first full evaluation) is stored, and compare shades it for this sweep only
+    from phaze_opt.experiments.convergence import compare, load_curve
+
+    curve = load_curve(pruned["study"], pruned["storage"])
+    assert curve.bounding == [(0.0, ex["bounding_s"])] and ex["level0_s"] < ex["bounding_s"] < curve.steps[0][0]
+    result = compare([full["study"], pruned["study"]], out_dir=str(tmp_path), tracking_uri="off")
+    assert [x for x in result["legend"] if "bounding" in x] == [f"{pruned['study']}: bounding (no design evaluated yet)"]
+    assert f"{pruned['study']}: time to 99% of the optimum" in " ".join(result["legend"])
 
 
 @pytest.mark.slow

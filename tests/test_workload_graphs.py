@@ -267,7 +267,7 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(graphs, "_MEMO", {})
     m = small_model("gpt")
     first = build_layer_graph(m, 2, 1)
-    files = sorted((tmp_path / "graphs").glob("*.pkl"))
+    files = sorted((tmp_path / "graphs").glob("*.json"))
     assert len(files) == 2  # this graph and the t=1, mbs=1 one behind its FLOP count
     assert first.extra["source"] == "traced"
     monkeypatch.setattr(graphs, "_MEMO", {})
@@ -292,12 +292,12 @@ def test_corrupt_cache_file_is_extracted_again(tmp_path, monkeypatch):
     monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path))
     monkeypatch.setattr(graphs, "_MEMO", {})
     m = small_model("bert")
-    path = tmp_path / "graphs" / f"{graphs.graph_key(m, 1, 1, m.seq)}.pkl"
+    path = tmp_path / "graphs" / f"{graphs.graph_key(m, 1, 1, m.seq)}.json"
     path.parent.mkdir(parents=True)
-    path.write_bytes(b"not a pickle")
+    path.write_bytes(b"not a graph")
     g = build_layer_graph(m, 1, 1)
     assert g.extra["source"] == "traced"
-    assert isinstance(pickle.loads(path.read_bytes()), type(g))
+    assert isinstance(graphs._read(path, graphs.graph_key(m, 1, 1, m.seq)), type(g))
 
 
 def test_no_cache_writes_nothing(tmp_path, monkeypatch):
@@ -305,3 +305,119 @@ def test_no_cache_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(graphs, "_MEMO", {})
     build_layer_graph(small_model("opt"), 1, 1, cache=False)
     assert not (tmp_path / "graphs").exists()
+
+
+class _Planted:
+    """Unpickling this runs code: it creates the marker file named in its state."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _same_graph(a, b):
+    assert (a.model, a.tp, a.mbs, a.seq, a.layers, a.edges, a.total_params, a.train_flops_per_sequence) == \
+        (b.model, b.tp, b.mbs, b.seq, b.layers, b.edges, b.total_params, b.train_flops_per_sequence)
+    assert a.op_graphs == b.op_graphs
+    for kind in a.kinds:
+        for p in ("fwd", "bwd"):
+            assert a.op_graphs[kind][p].content_key == b.op_graphs[kind][p].content_key
+
+
+def test_a_planted_pickle_in_the_graph_cache_never_runs(tmp_path, monkeypatch, caplog):
+    """The cache is data: a pickle that would run code, at the old (.pkl) and the new (.json) path,
+    is never executed; the new-path file is a logged miss, rewritten with the fresh trace."""
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    m = small_model("gpt")
+    key = graphs.graph_key(m, 1, 1, m.seq)
+    folder = tmp_path / "cache" / "graphs"
+    folder.mkdir(parents=True)
+    markers = {suffix: tmp_path / f"ran-{suffix}" for suffix in ("pkl", "json")}
+    for suffix, marker in markers.items():
+        (folder / f"{key}.{suffix}").write_bytes(pickle.dumps(_Planted(marker)))
+    pickle.loads(pickle.dumps(_Planted(tmp_path / "self-check")))  # the payload does run when unpickled
+    assert (tmp_path / "self-check").exists()
+    with caplog.at_level("WARNING", logger="phaze_opt.workload.graphs"):
+        g = build_layer_graph(m, 1, 1)
+    assert not any(marker.exists() for marker in markers.values())
+    assert g.extra["source"] == "traced"
+    assert any("rejected" in r.message or "unreadable" in r.message for r in caplog.records)
+    assert not (folder / f"{key}.pkl").exists()  # the old format's file is gone, the new one rewritten
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    again = build_layer_graph(m, 1, 1)
+    assert again.extra["source"] == "disk cache"
+    _same_graph(again, build_layer_graph(m, 1, 1, cache=False))
+    assert not any(marker.exists() for marker in markers.values())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty list", "wrong key", "bad op field", "bool for int",
+                                    "missing kind", "not utf-8"])
+def test_a_damaged_graph_cache_file_is_a_logged_miss_and_rewritten(tmp_path, monkeypatch, caplog, damage):
+    import json
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    m = small_model("llama")
+    fresh = build_layer_graph(m, 1, 1)
+    key = graphs.graph_key(m, 1, 1, m.seq)
+    path = tmp_path / "graphs" / f"{key}.json"
+    good = path.read_text()
+    data = json.loads(good)
+    if damage == "truncate":
+        text = good[: len(good) // 2]
+    elif damage == "empty list":
+        text = "[]"
+    elif damage == "wrong key":
+        text = json.dumps(dict(data, key="0" * 32))
+    elif damage == "bad op field":
+        data["graph"]["op_graphs"]["block"]["fwd"]["ops"][0]["flops"] = "lots"
+        text = json.dumps(data)
+    elif damage == "bool for int":
+        data["graph"]["tp"] = True
+        text = json.dumps(data)
+    elif damage == "missing kind":
+        del data["graph"]["op_graphs"]["head"]
+        text = json.dumps(data)
+    else:
+        text = None
+        path.write_bytes(b"\xff\xfe" + good.encode())
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    with caplog.at_level("WARNING", logger="phaze_opt.workload.graphs"):
+        g = build_layer_graph(m, 1, 1)
+    assert g.extra["source"] == "traced"
+    assert any(str(path) in r.getMessage() for r in caplog.records)
+    _same_graph(g, fresh)
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    assert build_layer_graph(m, 1, 1).extra["source"] == "disk cache"  # rewritten
+
+
+def test_the_json_field_tables_name_every_dataclass_field():
+    from phaze_opt.workload import ops
+
+    assert set(ops.OP_FIELDS) == {f.name for f in dataclasses.fields(ops.Op)}
+    assert set(ops.LAYER_FIELDS) == {f.name for f in dataclasses.fields(ops.Layer)}
+    assert set(ops.GRAPH_FIELDS) | {"layers", "edges", "op_graphs", "extra"} == \
+        {f.name for f in dataclasses.fields(ops.LayerGraph)}
+
+
+def test_sizes_beyond_the_limits_are_refused_before_tracing():
+    with pytest.raises(PhazeError, match=r"sequence length must be at most 1,048,576 .*got 10,000,000"):
+        build_layer_graph(small_model("llama"), 1, 1, seq=10_000_000)
+    with pytest.raises(PhazeError, match=r"microbatch size must be at most 16,777,216"):
+        build_layer_graph(small_model("llama"), 1, 2**30)
+
+
+def test_sizes_within_their_limits_but_too_large_together_are_one_line_naming_them():
+    data = {
+        "name": "deep-long", "family": "llama", "layers": 10_000, "hidden": 16, "heads": 4, "ffn": 24,
+        "seq": 2**20, "vocab": 37, "activation": "swiglu", "norm": "rmsnorm", "position": "rotary",
+        "tied_embeddings": False, "bias": False, "dropout": 0.0, "expert_placement": {"tp": 1, "pp": 1, "dp": 1},
+    }
+    with pytest.raises(PhazeError, match=r"^deep.yaml: 'layers' 10000, 'hidden' 16 and sequence length 1048576 .*"
+                                         r"beyond the 8 PiB float64 counts exactly"):
+        build_layer_graph(parse_model(data, "deep.yaml"), 1, 1, cache=False)

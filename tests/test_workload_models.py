@@ -31,8 +31,14 @@ EXACT = {
 }
 
 
+# The Megatron-LM GPTs of the validation suites (configs/validation/); their sizes and shapes are tested
+# in test_validation_suites.py.
+MEGATRON = tuple(f"megatron-gpt-{size}" for size in (
+    "1.7b", "3.6b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b", "310.1b", "530b", "1t", "22b", "175b"))
+
+
 def test_every_shipped_config_is_listed():
-    assert sorted(configs.available("models")) == sorted(MODELS)
+    assert sorted(configs.available("models")) == sorted(MODELS + MEGATRON)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -169,3 +175,30 @@ def test_parse_accepts_in_memory_mapping():
     m = parse_model(_changed(family="llama", activation="swiglu", norm="rmsnorm", position="rotary",
                              bias=False, tied_embeddings=False), "inline")
     assert m.positions == 0 and m.bias is False and m.source == "inline"
+
+
+# Sizes no model has are refused on load, naming the file, the field and the limit.
+TOO_BIG = [
+    (_changed(layers=100_000), "layers", "at most 10,000"),
+    (_changed(seq=10_000_000, positions=10_000_000), "seq", "at most 1,048,576"),
+    (_changed(hidden=2**21, heads=4), "hidden", "at most 1,048,576"),
+    (_changed(heads=2**15, hidden=2**16), "heads", "at most 16,384"),
+    (_changed(ffn=2**23), "ffn", "at most 4,194,304"),
+    (_changed(vocab=2**25), "vocab", "at most 16,777,216"),
+    (_changed(positions=2**21), "positions", "at most 1,048,576"),
+    (_changed(type_vocab=2**25), "type_vocab", "at most 16,777,216"),
+    (_changed(expert_placement={"tp": 1, "pp": 1, "dp": 2**30}), "expert_placement.dp", "at most 1,048,576"),
+]
+
+
+@pytest.mark.parametrize("data,field,problem", TOO_BIG, ids=[b[1] for b in TOO_BIG])
+def test_sizes_no_model_has_are_refused_naming_the_limit(tmp_path, data, field, problem):
+    test_bad_config_is_one_line_naming_file_and_field(tmp_path, data, field, problem)
+
+
+def test_the_largest_allowed_sizes_load():
+    from phaze_opt.workload.models import LIMITS
+
+    top = _changed(layers=LIMITS["layers"].maximum, seq=LIMITS["seq"].maximum, vocab=LIMITS["vocab"].maximum,
+                   ffn=LIMITS["ffn"].maximum, hidden=LIMITS["hidden"].maximum, heads=LIMITS["heads"].maximum)
+    assert parse_model(top, "top.yaml").layers == 10_000

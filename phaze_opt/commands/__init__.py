@@ -1,6 +1,7 @@
 """Subcommands of `phaze-opt`; see phaze_opt.cli for the contract each module follows."""
 
-from ..training import check_mbs as _check_mbs
+from ..configs import positive_arg
+from ..system import MBS_LIMIT
 
 
 def add_mbs(p) -> None:
@@ -10,7 +11,7 @@ def add_mbs(p) -> None:
 
 def check_mbs(args) -> int:
     """The one-line error names the flag the user typed (the model layers below only know `mbs`)."""
-    return _check_mbs(args.mbs, "--mbs")
+    return positive_arg(args.mbs, "--mbs", MBS_LIMIT)
 
 
 def add_ilp_time_limit(p) -> None:

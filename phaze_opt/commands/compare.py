@@ -7,8 +7,10 @@ from ..search.tracking import DEFAULT_TRACKING_URI
 HELP = "compare how fast studies converge: a table and a best-so-far vs wall-clock plot, logged to MLflow"
 DESCRIPTION = (
     "Compare two or more studies (typically one sampled and one exhaustive study of the same model and space): "
-    "best throughput, trials, wall time, and the trials and time each needed to reach 99% of the best value "
-    "any of them found. Writes <output-dir>/<name>.csv, .md and .png and logs them to MLflow."
+    "best throughput, workers, trials, wall time, and the trials and time each needed to reach 99% of the best value "
+    "any of them found. Wall time is the one each study printed: its search time summed over its runs. The plot "
+    "shows best-so-far curves, the target line, where each study reached it, and a bound-pruned sweep's bounding "
+    "phase. Writes <output-dir>/<name>.csv, .md and .png and logs them to MLflow."
 )
 
 

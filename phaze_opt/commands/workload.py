@@ -23,12 +23,16 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
+    from ..configs import positive_arg
     from ..workload.graphs import build_layer_graph
-    from ..workload.models import load_model
+    from ..workload.models import LIMITS, load_model
 
     start = time.perf_counter()
     model = load_model(args.model)
-    graph = build_layer_graph(model, args.tp, check_mbs(args), args.seq, cache=not args.no_cache)
+    mbs = check_mbs(args)
+    if args.seq is not None:
+        positive_arg(args.seq, "--seq", LIMITS["seq"])
+    graph = build_layer_graph(model, args.tp, mbs, args.seq, cache=not args.no_cache)
     elapsed = time.perf_counter() - start
     layers = []
     for layer in graph.layers:

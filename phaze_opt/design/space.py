@@ -42,9 +42,10 @@ import numpy as np
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..hardware.accelerator import Accelerator
-from ..hardware.arch import GIB, MIB, load_arch
+from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
+from ..system import MBS_LIMIT
 from ..training import SAMPLED_FIELDS
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
@@ -53,6 +54,9 @@ RUN_FIELDS = SAMPLED_FIELDS  # the training recipe's fields a space samples (tra
 INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
 POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
 ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS
+# Every choice stays within the reference architectures' limits (hardware.arch.LIMITS); a
+# microbatch is part of one global batch, so it has the global batch's limit.
+FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
 TOP_KEYS_REQUIRED = ("params", "area")
 TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps")
 AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
@@ -84,7 +88,14 @@ def _check_value(file, where: str, name: str, v) -> Any:
         raise config_error(file, where, f"values must be positive integers, got {v!r}")
     if name in POW2_FIELDS and not _is_pow2(v):
         raise config_error(file, where, f"values must be powers of two, got {v!r}")
+    _check_limit(file, where, name, v)
     return v
+
+
+def _check_limit(file, where: str, name: str, v) -> None:
+    problem = FIELD_LIMITS[name].exceeded(v) if name in FIELD_LIMITS else None
+    if problem:
+        raise config_error(file, where, problem)
 
 
 def _expand_choices(file, name: str, spec) -> list:
@@ -94,12 +105,14 @@ def _expand_choices(file, name: str, spec) -> list:
             lohi = spec["pow2"]
             if not (isinstance(lohi, list) and len(lohi) == 2 and all(_is_pow2(x) for x in lohi)) or lohi[0] > lohi[1]:
                 raise config_error(file, where, f"pow2 needs [low, high] with powers of two, low <= high, got {lohi!r}")
+            _check_limit(file, where, name, lohi[1])  # before expanding
             values = [2**i for i in range(int(math.log2(lohi[0])), int(math.log2(lohi[1])) + 1)]
         elif set(spec) in ({"range"}, {"range", "step"}):
             lohi, step = spec["range"], spec.get("step", 1)
             ok = isinstance(lohi, list) and len(lohi) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lohi)
             if not ok or lohi[0] > lohi[1] or not (isinstance(step, int) and not isinstance(step, bool) and step > 0):
                 raise config_error(file, where, f"range needs [low, high] integers with low <= high and a positive integer step, got {spec!r}")
+            _check_limit(file, where, name, lohi[1])  # before expanding
             values = list(range(lohi[0], lohi[1] + 1, step))
         else:
             raise config_error(file, where, f"a mapping must be {{pow2: [low, high]}} or {{range: [low, high], step: s}}, got keys {sorted(spec)}")
@@ -163,6 +176,25 @@ class SearchSpace:
             hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
         )
 
+    def constant_arch_fields(self) -> dict:
+        """The accelerator fields (`Accelerator.fields()`) every point of the space shares.
+
+        From the definition, not from sampled designs: a field is constant when every space field it
+        is built from is fixed, or tied to or sampled from a parameter with one choice.
+        """
+        def varies(f):
+            if f in self.fixed:
+                return False
+            return len(self.params.get(self.tied.get(f, f), ())) > 1
+
+        glb_bw_from = () if self.glb_bw_fixed is not None else ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width",
+                                                                "clock_ghz")
+        sources = {**{f: (f,) for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")},
+                   "glb_bytes": ("glb_mib",), "glb_bw": glb_bw_from, "hbm_bytes": ("hbm_gib",),
+                   "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS}
+        fields = self.accelerator({p: choices[0] for p, choices in self.params.items()}).fields()
+        return {k: v for k, v in fields.items() if not any(varies(f) for f in sources[k])}
+
     def _rule(self, area, exempt):
         """Vectorised area rule -> (ok, too_big, too_small)."""
         too_big = area > self.area_budget_mm2 * (1 + AREA_TOLERANCE)
@@ -178,10 +210,11 @@ class SearchSpace:
         if ok:
             return True, area, ""
         if too_big:
-            return False, area, f"area {area:.2f} mm^2 exceeds the budget {self.area_budget_mm2:.2f} mm^2 ({self.budget_label})"
+            return False, area, f"area {area:.1f} mm² exceeds the {self.area_budget_mm2:.1f} mm² budget ({self.budget_label})"
         floor = self.min_fraction * self.area_budget_mm2
         waiver = f"; waived only when {' or '.join(self.floor_exempt_if_one)} is 1" if self.floor_exempt_if_one else ""
-        return False, area, f"area {area:.2f} mm^2 is below the floor {floor:.2f} mm^2 ({self.min_fraction:g} of the budget{waiver})"
+        return False, area, (f"area {area:.1f} mm² is below the {floor:.1f} mm² floor ({self.min_fraction:g} of the "
+                             f"{self.area_budget_mm2:.1f} mm² budget{waiver})")
 
     # ---- the grid -------------------------------------------------------------------------------
 
@@ -372,16 +405,15 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
             raise config_error(file, "hbm_bw_gbps", "must map HBM capacity (GiB) -> bandwidth (GB/s)")
         hbm_table = {}
         for k, v in hbm_raw.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise config_error(file, f"hbm_bw_gbps.{k}", f"must be a positive number of GB/s, got {v!r}")
-            hbm_table[_native(k)] = float(v) * 1e9
+            hbm_table[_native(k)] = configs.positive_number(hbm_raw, k, file, limit=LIMITS["hbm_bw_gbps"],
+                                                            field=f"hbm_bw_gbps.{k}") * 1e9
     hbm_choices = params.get("hbm_gib", [fixed.get("hbm_gib")])
     for h in hbm_choices:
         if h not in hbm_table:
             raise config_error(file, "hbm_bw_gbps", f"no bandwidth for hbm_gib {h}; known: {sorted(hbm_table)}")
     glb_bw = None
     if "glb_bw_gbps" in data:
-        glb_bw = configs.positive_number(data, "glb_bw_gbps", file) * 1e9
+        glb_bw = configs.positive_number(data, "glb_bw_gbps", file, limit=LIMITS["glb_bw_gbps"]) * 1e9
 
     area_spec = data["area"]
     if not isinstance(area_spec, dict):

@@ -2,10 +2,17 @@
 
 For every study, the finished trials in wall-clock order (`elapsed_s`, the study's own search time
 summed over invocations; Optuna timestamps when a study lacks it) give a best-so-far curve over the
-feasible trials' throughput objective. The table reports per study: best score, trials, wall time,
-and the trials and time it needed to reach `threshold` (99%) of the best score that ANY of the
-compared studies found -- for a sampled and an exhaustive study of one space, that is how close
-and how fast sampling gets to the exhaustive optimum.
+feasible trials' throughput objective. The table reports per study: best score, workers, trials,
+wall time, and the trials and time it needed to reach `threshold` (99%) of the best score that ANY
+of the compared studies found -- for a sampled and an exhaustive study of one space, that is how
+close and how fast sampling gets to the exhaustive optimum.
+
+Wall time is `search.session.study_wall_s`, the number the study printed at its end (`wall_s` of a single
+run's summary, `elapsed_s` over all runs): search time summed over the study's invocations, each
+from opening the study to its summary. Workers come from the study attribute `workers_per_run`
+(one entry per invocation). The plot draws each study's best-so-far curve, the target line, a dot
+where each study first reached it, and, for an exhaustive sweep with bound pruning, its bounding
+phases (attribute `bounding_phases`) as a shaded span: no design evaluated yet, so no curve.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Sequence
 import optuna
 
 from ..errors import PhazeError
-from ..search.session import finished_trials, is_feasible, quiet_optuna
+from ..search.session import finished_trials, is_feasible, quiet_optuna, study_wall_s
 from ..search.setup import clean_name, default_storage
 from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
 
@@ -41,6 +48,18 @@ class Curve:
     # one row per finished trial, in wall-clock order: (elapsed_s, trials so far, best so far or None)
     steps: list = field(default_factory=list)
     best_trial: int | None = None
+    workers: list = field(default_factory=list)  # per invocation; empty when the study did not record them
+    bounding: list = field(default_factory=list)  # [(start_s, end_s)]: bound-pruned sweep, nothing evaluated yet
+    optimum: bool = False  # an exhaustive study that settled every point: its best is the optimum
+
+    @property
+    def kind(self) -> str:
+        return self.mode if self.sampler in (self.mode, "?") else f"{self.mode} ({self.sampler})"
+
+    @property
+    def workers_text(self) -> str:
+        """'2', or '1/2' for a study resumed with other workers ('?' when not recorded)."""
+        return "/".join(dict.fromkeys(str(w) for w in self.workers)) or "?"
 
     @property
     def best(self) -> float | None:
@@ -114,6 +133,7 @@ def load_curve(name: str, url: str) -> Curve:
 
 def curve_from_trials(name: str, url: str, trials, attrs: dict) -> Curve:
     """The best-so-far curve of a study's finished trials, in wall-clock order."""
+    stored_wall = study_wall_s(attrs, trials)
     trials = finished_trials(trials)
     elapsed = _elapsed(trials)
     trials = sorted(trials, key=lambda t: (elapsed[t.number], t.number))
@@ -122,11 +142,16 @@ def curve_from_trials(name: str, url: str, trials, attrs: dict) -> Curve:
         if is_feasible(t) and (best is None or t.values[0] > best):
             best, best_trial = t.values[0], t.number
         steps.append((elapsed[t.number], i, best))
-    wall = max((e for e in elapsed.values() if math.isfinite(e)), default=0.0)
+    # a foreign study without elapsed_s: its Optuna timestamps
+    wall = max([stored_wall] + [e for e in elapsed.values() if math.isfinite(e)])
     objectives = attrs.get("objectives") or ["throughput"]
+    status = attrs.get("exhaustive_status") or {}
+    optimum = bool(status) and bool(status.get("optimum_proven", not status.get("stopped_early")
+                                               and status.get("evaluated", 0) >= status.get("points", 1)))
     return Curve(name=name, storage=url, mode=attrs.get("mode", "?"), sampler=str(attrs.get("sampler", "?")),
                  models=attrs.get("models"), objective=objectives[0], trials=len(trials), wall_s=wall, steps=steps,
-                 best_trial=best_trial)
+                 best_trial=best_trial, workers=list(attrs.get("workers_per_run") or []),
+                 bounding=[(float(a), float(b)) for a, b in attrs.get("bounding_phases") or []], optimum=optimum)
 
 
 def table(curves: Sequence[Curve], threshold: float = 0.99) -> tuple[list[dict], float | None]:
@@ -143,6 +168,8 @@ def table(curves: Sequence[Curve], threshold: float = 0.99) -> tuple[list[dict],
             "study": c.name,
             "mode": c.mode,
             "sampler": c.sampler,
+            "kind": c.kind,
+            "workers": c.workers_text,
             "best_score": c.best,
             "best_trial": c.best_trial,
             "best_vs_overall": (c.best / top) if c.best is not None and top else None,
@@ -160,13 +187,13 @@ def _pct(threshold: float) -> str:
 
 def rows_csv(rows: list[dict], threshold: float) -> str:
     pct = _pct(threshold)
-    cols = ["study", "mode", "sampler", "best_score", "best_trial", "best_vs_overall", "trials", "wall_s",
+    cols = ["study", "mode", "sampler", "workers", "best_score", "best_trial", "best_vs_overall", "trials", "wall_s",
             f"trials_to_{pct}", f"time_to_{pct}_s"]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(cols)
     for r in rows:
-        w.writerow([r["study"], r["mode"], r["sampler"], _num(r["best_score"]), _num(r["best_trial"]),
+        w.writerow([r["study"], r["mode"], r["sampler"], r["workers"], _num(r["best_score"]), _num(r["best_trial"]),
                     _num(r["best_vs_overall"]), r["trials"], _num(r["wall_s"]), _num(r["trials_to_target"]),
                     _num(r["time_to_target_s"])])
     return buf.getvalue()
@@ -182,56 +209,75 @@ def _num(v) -> str:
 
 def rows_markdown(rows: list[dict], threshold: float, target: float | None, objective: str) -> str:
     pct = f"{threshold * 100:g}%"
-    head = ["study", "mode", "best " + objective, "vs best overall", "trials", "wall (s)",
+    head = ["study", "mode", "workers", "best " + objective, "vs best overall", "trials", "wall (s)",
             f"trials to {pct}", f"time to {pct} (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["study"], r["mode"] if r["sampler"] in (r["mode"], "?") else f"{r['mode']} ({r['sampler']})",
+        cells = [r["study"], r["kind"], r["workers"],
                  "n/a" if r["best_score"] is None else f"{r['best_score']:.6g}",
                  "n/a" if r["best_vs_overall"] is None else f"{r['best_vs_overall'] * 100:.2f}%",
                  str(r["trials"]), f"{r['wall_s']:.1f}",
                  "not reached" if r["trials_to_target"] is None else str(r["trials_to_target"]),
                  "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    tail = f"\nTarget: {pct} of the best score any study found" + (f" = {target:.6g}." if target else " (none feasible).")
+    tail = (f"\nTarget: {pct} of the best score any study found" + (f" = {target:.6g}." if target else " (none feasible).")
+            + f"\n{WALL_NOTE}\n{WORKERS_NOTE}")
     return "\n".join(lines) + "\n" + tail + "\n"
 
 
+WALL_NOTE = ("Wall: the study's search time summed over its runs, each from opening the study to its summary "
+             "(the wall time the study printed); times to the target are on the same clock.")
+WORKERS_NOTE = "Workers: processes per run of the study (1/2: resumed with another count)."
+
+
 def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str,
-         ylabel: str = "best feasible score so far") -> Path:
+         ylabel: str = "best feasible score so far", threshold: float = 0.99) -> list[str]:
+    """Save the best-so-far plot; returns its legend labels, one per mark drawn (see the module docstring)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    pct = f"{threshold * 100:g}%"
+    top = max((c for c in curves if c.best is not None), key=lambda c: c.best, default=None)
+    goal = "the optimum" if top is not None and top.optimum else "the best found"
+    fig, ax = plt.subplots(figsize=(8, 5.2))
     finite = [e for c in curves for e, _, b in c.steps if b is not None and math.isfinite(e) and e > 0]
+    log = bool(finite) and max(finite) / max(min(finite), 1e-9) > 100
+    left = min(finite) / 2 if log else 0.0  # a span from 0 has no place on a log axis
     for i, c in enumerate(curves):
+        for k, (a, b) in enumerate(c.bounding):
+            if b > a:
+                ax.axvspan(max(a, left), b, color=f"C{i}", alpha=0.15, lw=0,
+                           label=f"{c.name}: bounding (no design evaluated yet)" if k == 0 else None)
         xs = [e for e, _, b in c.steps if b is not None and math.isfinite(e)]
         ys = [b for e, _, b in c.steps if b is not None and math.isfinite(e)]
         if not xs:
             continue
         xs.append(max(c.wall_s, xs[-1]))
         ys.append(ys[-1])
-        ax.step(xs, ys, where="post", color=f"C{i}", label=f"{c.name} ({c.mode})")
+        ax.step(xs, ys, where="post", color=f"C{i}",
+                label=f"{c.name} ({c.kind}, {c.workers_text} worker{'' if c.workers_text == '1' else 's'}): "
+                      f"best so far, to its wall time {c.wall_s:.1f} s")
         if target is not None:
-            hit = next(((e, b) for e, _, b in c.steps if b is not None and b >= target and math.isfinite(e)), None)
+            hit = next(((e, n) for e, n, b in c.steps if b is not None and b >= target and math.isfinite(e)), None)
             if hit:
-                ax.plot([hit[0]], [hit[1]], "o", color=f"C{i}", ms=6)
+                ax.plot([hit[0]], [target], "o", color=f"C{i}", ms=6,
+                        label=f"{c.name}: time to {pct} of {goal} ({hit[0]:.1f} s, {hit[1]} trials)")
     if target is not None:
-        ax.axhline(target, color="0.4", ls="--", lw=1, label="99% of the best found" if abs(target) else "target")
-    if finite and max(finite) / max(min(finite), 1e-9) > 100:
+        ax.axhline(target, color="0.4", ls="--", lw=1, label=f"target: {pct} of {goal} ({target:.6g})")
+    if log:
         ax.set_xscale("log")
-    ax.set_xlabel("wall-clock (s)")
+    ax.set_xlabel("wall-clock (s): the study's search time, summed over its runs")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return path
+    return labels
 
 
 def output_stem(names: Sequence[str]) -> str:
@@ -267,10 +313,11 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
     objective = "throughput (seq/s)" if single else "mean ratio to TPUv4"
     ylabel = "best throughput so far (sequences/s)" if single else "best mean throughput / TPUv4 so far"
     md_path.write_text(f"# {stem}\n\n" + rows_markdown(rows, threshold, target, objective))
-    plot(curves, target, png_path, "best-so-far vs wall-clock\n" + ", ".join(c.name for c in curves), ylabel)
+    legend = plot(curves, target, png_path, "best-so-far vs wall-clock\n" + ", ".join(c.name for c in curves),
+                  ylabel, threshold)
     result = {"studies": [{"name": c.name, "storage": redact(c.storage)} for c in curves], "threshold": threshold,
               "target": target, "rows": rows, "csv": str(csv_path), "markdown": str(md_path), "plot": str(png_path),
-              "mlflow": None}
+              "legend": legend, "mlflow": None}
     if tracking_enabled(tracking_uri):
         tracker = MlflowTracker.start(
             tracking_uri, "phaze_opt-compare", run_name=f"{stem} {datetime.now():%Y-%m-%d %H:%M:%S}",

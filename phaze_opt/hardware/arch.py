@@ -17,12 +17,35 @@ from __future__ import annotations
 import os
 
 from .. import configs
+from ..configs import Limit
 from ..errors import config_error
 from .accelerator import Accelerator
 from .memory import HBM_BW_BY_GIB, glb_bandwidth
 
 GIB = 2**30
 MIB = 2**20
+
+# Upper limits of every field, in the file's units, each 10-100x beyond the largest chip built, so
+# that only a typo or a hostile file reaches one (the schedules name every core, and the latency
+# and area models multiply these together). Non-finite values (.inf, .nan) are refused as well.
+LIMITS = {
+    # An H100 has 528 tensor cores and 132 SMs of 4 vector units; 2^16 = 65,536 is 124x that.
+    "num_tc": Limit(2**16, "124x the 528 tensor cores of an H100"),
+    "num_vc": Limit(2**16, "124x the 528 vector units of an H100"),
+    # The largest systolic arrays are 256 x 256 (TPU v1, v6e); 4,096 is 16x a side.
+    "tc_x": Limit(4096, "16x the largest systolic array side, 256"),
+    "tc_y": Limit(4096, "16x the largest systolic array side, 256"),
+    # Vector units: 128 lanes (TPU VPU rows, AVX-512 at 16 bits: 32); 4,096 is 32x that.
+    "vc_width": Limit(4096, "32x the widest vector unit, 128 lanes"),
+    # On-chip SRAM: 128 MiB (TPU v4 CMEM), 44 GB on a wafer-scale Cerebras WSE-3; 1 TiB is 24x that.
+    "glb_mib": Limit(2**20, "24x the 44 GB of SRAM on a wafer-scale chip"),
+    "glb_bw_gbps": Limit(10**9, "50x the 21 PB/s of a wafer-scale chip's SRAM"),
+    # HBM: 192-288 GiB per package at up to 8 TB/s (B200, MI355X).
+    "hbm_gib": Limit(2**14, "57x the 288 GiB of the largest HBM package"),
+    "hbm_bw_gbps": Limit(10**6, "125x the 8 TB/s of the fastest HBM package"),
+    # Clocks: ~2 GHz for accelerators, ~6 GHz for the fastest CPUs.
+    "clock_ghz": Limit(100, "16x the fastest clock of any processor, ~6 GHz"),
+}
 
 REQUIRED = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps")
@@ -31,18 +54,18 @@ OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps")
 def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accelerator:
     """Validate an arch mapping and build the Accelerator; every mistake is a one-line PhazeError."""
     configs.check_keys(data, file, REQUIRED, OPTIONAL)
-    ints = {k: configs.positive_int(data, k, file) for k in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")}
-    glb_mib = configs.positive_number(data, "glb_mib", file)
-    hbm_gib = configs.positive_number(data, "hbm_gib", file)
-    clock_hz = configs.positive_number(data, "clock_ghz", file) * 1e9
+    ints = {k: configs.positive_int(data, k, file, limit=LIMITS[k]) for k in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")}
+    glb_mib = configs.positive_number(data, "glb_mib", file, limit=LIMITS["glb_mib"])
+    hbm_gib = configs.positive_number(data, "hbm_gib", file, limit=LIMITS["hbm_gib"])
+    clock_hz = configs.positive_number(data, "clock_ghz", file, limit=LIMITS["clock_ghz"]) * 1e9
     if "hbm_bw_gbps" in data:
-        hbm_bw = configs.positive_number(data, "hbm_bw_gbps", file) * 1e9
+        hbm_bw = configs.positive_number(data, "hbm_bw_gbps", file, limit=LIMITS["hbm_bw_gbps"]) * 1e9
     elif hbm_gib in HBM_BW_BY_GIB:
         hbm_bw = HBM_BW_BY_GIB[int(hbm_gib)]
     else:
         raise config_error(file, "hbm_bw_gbps", f"required when hbm_gib is not one of {sorted(HBM_BW_BY_GIB)} GiB")
     if "glb_bw_gbps" in data:
-        glb_bw = configs.positive_number(data, "glb_bw_gbps", file) * 1e9
+        glb_bw = configs.positive_number(data, "glb_bw_gbps", file, limit=LIMITS["glb_bw_gbps"]) * 1e9
     else:
         glb_bw = glb_bandwidth(ints["num_tc"], ints["tc_x"], ints["tc_y"], ints["num_vc"], ints["vc_width"], clock_hz)
     name = data.get("name", default_name)

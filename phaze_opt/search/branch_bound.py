@@ -19,6 +19,11 @@ bound cannot beat the best; otherwise the summary gives the best and the largest
 N at a time; a worker may start on a candidate that a result still in flight would have pruned,
 which costs time, never exactness.
 
+Bounding phase: until its first full evaluation an invocation only computes bounds (level 0 for
+the whole grid, then level 1 for the best candidates). Each invocation appends that phase, as
+[start, end] in the study's elapsed seconds, to the study attribute `bounding_phases` (the
+`compare` plot shades it); the end is when the first full evaluation is handed out.
+
 Every point is recorded: evaluated points as Optuna trials and MLflow runs; the rest in
 `<output>/<study>-points.csv.gz` (also an MLflow artifact of the parent run) with how each was
 settled ("evaluated", "bound-ideal" or "bound-placement") and its bound, and as counts in the
@@ -221,7 +226,7 @@ def run_branch_bound(session, progress) -> dict:
                                             "error": error})
                 progress.update(1, incumbent if incumbent > 0 else None)
                 if extra.get("new_best"):
-                    session.tracker.log_parent(metrics={"best_score": incumbent}, step=int(np.sum(~np.isnan(score))))
+                    session.tracker.log_best(incumbent, frozen.number)
 
         while True:
             while len(inflight) < max(config.workers, 1):
@@ -245,6 +250,7 @@ def run_branch_bound(session, progress) -> dict:
                             todo.append(point)
                             cells.append((m, row, r))
                     if todo:
+                        _end_bounding(session, stats)
                         inflight[pool.submit(_evaluate, todo)] = ("eval", cells)
                 else:
                     flat = int(order[pos])
@@ -274,6 +280,7 @@ def run_branch_bound(session, progress) -> dict:
     finally:
         pool.shutdown(cancel_futures=True) if isinstance(pool, ProcessPoolExecutor) else pool.shutdown()
 
+    _end_bounding(session, stats)  # nothing left to evaluate in this run: it was all bounding
     stats["wall_s"] = time.perf_counter() - t_start
     counts = {name: int(np.sum(status == code)) for code, name in enumerate(SETTLED)}
     # The optimum is proven only if no point that could beat it failed to evaluate (an ILP that hit its
@@ -299,6 +306,16 @@ def run_branch_bound(session, progress) -> dict:
     session.tracker.log_parent_file(path)
     progress.set_done(grid.size, incumbent if incumbent > 0 else None)
     return stats
+
+
+def _end_bounding(session, stats: dict) -> None:
+    """Record this invocation's bounding phase (see the module docstring), once."""
+    if "bounding_s" in stats:
+        return
+    end = session.elapsed()
+    stats["bounding_s"] = end - session.offset_s
+    phases = list(session.study.user_attrs.get("bounding_phases") or [])
+    session.study.set_user_attr("bounding_phases", [*phases, [session.offset_s, end]])
 
 
 def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:

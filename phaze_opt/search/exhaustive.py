@@ -125,6 +125,7 @@ class _Sweeper:
         self.codec = SpaceCodec(spec.backend.space.params)
         self.done = done  # point key -> score (None when failed)
         self.best = best
+        self.best_number = None  # the trial number of `best` when this sweeper found it
         self.evaluated = 0
 
     def run_point(self, point: dict) -> float | None:
@@ -149,6 +150,8 @@ class _Sweeper:
                 extra["new_best"] = True
         frozen = add_trial(self.study, frozen_trial(self.codec, point, outcome, error, started, datetime.now(), extra,
                                                 self.spec.backend.space))
+        if extra.get("new_best"):
+            self.best_number = frozen.number
         artifact = outcome.artifact() if outcome is not None else None
         if self.spec.spool_dir:
             self.spec.spool(frozen.number, artifact)
@@ -202,7 +205,7 @@ def run_exhaustive(config, backend=None) -> dict:
                         progress.update(0, sweeper.best)
                     if sweeper.best is not None and sweeper.best != logged_best:
                         logged_best = sweeper.best
-                        session.tracker.log_parent(metrics={"best_score": logged_best}, step=sweeper.evaluated)
+                        session.tracker.log_best(logged_best, sweeper.best_number)
             else:
                 if config.order == "area" and current_best is not None:
                     group_best.append(current_best)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .session import finished_trials, is_feasible
-from .tracking import redact, ui_command
+from .setup import default_storage, default_study_name, resolve_prune
+from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
 def best_trial(trials, objectives: Sequence[str]):
@@ -115,6 +118,43 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
     return path
 
 
+def _study_flags(config) -> list[str]:
+    """The `study`/`compare` options that say where a study lives, when they are not the defaults."""
+    flags = []
+    if config.output_dir != "studies":
+        flags += ["--output-dir", str(config.output_dir)]
+    if config.storage:
+        flags += ["--storage", redact(config.storage)]
+    if str(config.tracking_uri) != DEFAULT_TRACKING_URI:
+        flags += ["--tracking-uri", redact(config.tracking_uri)]
+    return flags
+
+
+def next_steps(session) -> dict:
+    """The study to compare this one with, and the commands: for a sampled study the exhaustive sweep
+    of the same models, space, system and objectives (what `compare` is for); for a sweep, TPE."""
+    c = session.config
+    if c.exhaustive:
+        other = replace(c, exhaustive=False, sampler="tpe", seed=0, study_name=None, prune="off")
+        what, extra = "the default TPE study", []
+    else:
+        other = replace(c, exhaustive=True, prune="auto", hysteresis=None, order="area", study_name=None)
+        other = replace(other, prune=resolve_prune(other, session.backend))
+        what, extra = "the exhaustive sweep", ["--exhaustive"]
+    name = default_study_name(other)
+    exe = venv_command("phaze-opt")
+    study = [exe, "study"] + [a for m in c.models for a in ("--model", str(m))] + ["--space", str(c.space)]
+    if str(c.system) != "default":
+        study += ["--system", str(c.system)]
+    if tuple(c.objectives) != ("throughput",):
+        study += ["--objectives", ",".join(c.objectives)]
+    flags = _study_flags(c)
+    exists = None if c.storage else Path(default_storage(name, c.output_dir)[len("sqlite:///"):]).is_file()
+    return {"other_study": name, "other_is": f"{what} of the same models and space", "other_exists": exists,
+            "run_other": shlex.join(study + extra + flags),
+            "compare": shlex.join([exe, "compare", session.name, name] + flags)}
+
+
 def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> dict:
     """Build the summary, save the Pareto plot and summary.json, log them to the parent run."""
     config = session.config
@@ -123,6 +163,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
     best = best_trial(done, config.objectives)
+    wall = session.end_wall()
     summary: dict[str, Any] = {
         "study": session.name,
         "storage": redact(session.url),
@@ -138,8 +179,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
                    "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": len(done) - session.trials_before},
-        "wall_s": session.elapsed() - session.offset_s,
-        "elapsed_s": session.elapsed(),
+        "wall_s": wall - session.offset_s,
+        "elapsed_s": wall,  # the study's wall time over all its runs (session.study_wall_s), as compare shows it
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
         "best": describe_trial(best, session.baselines) if best is not None else None,
         "notes": list(session.notes),
@@ -160,22 +201,25 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     summary["mlflow"] = None
     out = Path(config.output_dir) / f"{session.name}-summary.json"
     summary["summary_file"] = str(out)
+    summary["next"] = next_steps(session)
     if tracker.enabled:
         summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri), "experiment": session.name,
                              "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
-                             "ui": ui_command(config.tracking_uri)}
+                             "parent_run_name": tracker.run_name, "ui": ui_command(config.tracking_uri),
+                             "run_url": run_url(tracker.experiment_id, tracker.parent_run_id),
+                             "trials_url": trials_url(tracker.experiment_id)}
+        tracker.log_best_final(trials)  # best_score stays the series by trial number
         metrics = {"trials": len(done), "feasible_trials": len(feasible), "wall_s": summary["wall_s"]}
         if best is not None:
             b = summary["best"]
-            metrics.update({"best_score": b["score"], "best_area_mm2": b["area_mm2"] or float("nan"),
-                            "best_trial": best.number})
+            metrics.update({"best_area_mm2": b["area_mm2"] or float("nan"), "best_trial": best.number})
             if b["ratio_to_tpuv4_expert"] is not None:
                 metrics["ratio_to_tpuv4_expert"] = b["ratio_to_tpuv4_expert"]
             for m, s in b["models"].items():
                 prefix = "" if len(b["models"]) == 1 else f"{m}."
                 for k in ("throughput", "tokens_per_s", "mfu"):
                     if isinstance(s.get(k), (int, float)):
-                        metrics[f"best_{prefix}{k}"] = s[k]
+                        metrics[f"best_{prefix}{MODEL_METRICS[k]}"] = s[k]
         tracker.log_parent(metrics=metrics, tags={"best_trial": str(best.number) if best else "none"})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1, default=str))
@@ -203,7 +247,8 @@ def render(summary: dict) -> str:
                  f"{', '.join(summary['models'])}, space {summary['space']}, system {summary['system']}")
     lines.append(f"  storage {summary['storage']}")
     lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
-                 f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run")
+                 f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run"
+                 + (f", {summary['elapsed_s']:.1f} s over all runs" if summary.get("resumed") else ""))
     if t.get("unproven"):
         lines.append(f"  {t['unproven']} feasible trial(s) rest on layer schedules not proven optimal in the ILP time "
                      f"limit: their score is reached by a verified schedule, their proven bound is higher")
@@ -263,12 +308,24 @@ def render(summary: dict) -> str:
         lines.append(f"  Pareto front: {len(pareto['trials'])} designs; plot {pareto.get('plot')}")
     for note in summary.get("notes", []):
         lines.append(f"  note: {note}")
+    if summary.get("summary_file"):
+        lines.append(f"  summary: {summary['summary_file']}")
     ml = summary.get("mlflow")
     if ml:
-        lines.append(f"  MLflow: experiment '{ml['experiment']}' (id {ml['experiment_id']}), parent run {ml['parent_run_id']}")
-        lines.append(f"    open the UI with: {ml['ui']}")
+        lines.append(f"  MLflow: experiment '{ml['experiment']}' (id {ml['experiment_id']}), "
+                     f"parent run '{ml.get('parent_run_name') or ml['parent_run_id']}'")
+        lines.append(f"    open the UI:  {ml['ui']}")
+        lines.append(f"    this run:     {ml['run_url']}")
+        lines.append(f"    the trials:   {ml['trials_url']}")
         if ml.get("errors"):
             lines.append(f"    {len(ml['errors'])} MLflow writes failed, first: {ml['errors'][0]}")
     else:
         lines.append("  MLflow tracking was off")
+    nxt = summary.get("next")
+    if nxt:
+        lines.append(f"  compare with {nxt['other_is']} ({nxt['other_study']}):")
+        if not nxt.get("other_exists"):
+            lines.append(f"    run it{'' if nxt.get('other_exists') is False else ' (if not done yet)'}: "
+                         f"{nxt['run_other']}")
+        lines.append(f"    {'compare' if nxt.get('other_exists') else 'then compare'}: {nxt['compare']}")
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
                 improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
                 progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
                 if improved:
-                    session.tracker.log_parent(metrics={"best_score": frozen.values[0]}, step=frozen.number)
+                    session.tracker.log_best(frozen.values[0], frozen.number)
 
             worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
         elif remaining:

@@ -7,8 +7,10 @@ same numbers), opens one MLflow parent run for this invocation and enqueues the 
 (TPUv4 at every microbatch/recompute choice) unless the study already has it.
 
 Wall-clock: every trial records `elapsed_s`, seconds since the study began summed over its
-invocations (an invocation starts at `offset` = the largest `elapsed_s` already stored), so the
-convergence comparison sees search time, not the idle time between two runs.
+invocations (an invocation starts at `offset` = the study's wall time so far, `study_wall_s`), so
+the convergence comparison sees search time, not the idle time between two runs. The study's wall
+time is the one number both the end-of-study report and `compare` print (see `study_wall_s`); the
+workers of each invocation are kept in the study attribute `workers_per_run`.
 
 Also here, for every strategy: which trials count as finished (`finished_trials`), feasibility,
 the worker spec a process needs (`WorkerSpec`), the parent's MLflow logging of worker trials
@@ -18,6 +20,7 @@ the worker spec a process needs (`WorkerSpec`), the parent's MLflow logging of w
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -36,7 +39,18 @@ from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from .setup import Backend, StudyConfig, prepare
-from .tracking import MlflowTracker, NullTracker, redact, tracking_enabled
+from .tracking import (
+    NOTE_TAG,
+    TRIALS_VIEW,
+    VIEW_TAG,
+    MlflowTracker,
+    NullTracker,
+    constant_params,
+    experiment_description,
+    redact,
+    tracking_enabled,
+    trials_view,
+)
 
 
 def quiet_optuna() -> None:
@@ -74,6 +88,21 @@ def is_feasible(trial) -> bool:
 def elapsed_of(trial) -> float | None:
     value = (trial.user_attrs.get("result") or {}).get("elapsed_s")
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def study_wall_s(attrs: dict, trials) -> float:
+    """A study's wall time: its search time summed over its invocations, in seconds.
+
+    Each invocation counts from its start (opening the study, before the baselines) to its end (the
+    summary built, or the run interrupted), when the study attribute `wall_s` is updated; a run
+    killed before its end counts up to its last finished trial's `elapsed_s`. Hence the max of the
+    two. The end-of-study report (`report.finish`) and `compare` both print this number.
+    """
+    times = [e for e in map(elapsed_of, trials) if e is not None and math.isfinite(e)]
+    stored = attrs.get("wall_s")
+    if isinstance(stored, (int, float)) and math.isfinite(stored):
+        times.append(float(stored))
+    return max(times, default=0.0)
 
 
 def split_quota(total: int, workers: int) -> list[int]:
@@ -151,7 +180,10 @@ class Session:
         self.name, self.url, self.storage = ready.name, ready.url, ready.storage
         self.study, self.resumed = ready.study, ready.resumed
         trials = self.study.get_trials(deepcopy=False)
-        self.offset_s = max([e for e in map(elapsed_of, trials) if e is not None], default=0.0)
+        self.offset_s = study_wall_s(self.study.user_attrs, trials)
+        self.wall_s: float | None = None  # set by end_wall
+        self.study.set_user_attr("workers_per_run",
+                                 [*(self.study.user_attrs.get("workers_per_run") or []), config.workers])
         self.finished_at_start = {t.number for t in finished_trials(trials)}
         self.trials_before = len(self.finished_at_start)
         self.notes: list[str] = []
@@ -178,15 +210,22 @@ class Session:
         return baselines
 
     def _start_tracker(self):
+        """The MLflow parent run of this invocation, named `<study> <date> <time>` (`(resumed)` when the
+        study already had trials), in the study's experiment (see `tracking.experiment_description`)."""
         c = self.config
         if not tracking_enabled(c.tracking_uri):
             return NullTracker()
+        constant = constant_params(self.space)
         context = {"study_name": self.name, "sampler": "exhaustive" if c.exhaustive else c.sampler,
-                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives)}
+                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
+                   "constant": sorted(constant)}
+        trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": c.space,
+        run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
+        space_name = getattr(self.space, "name", c.space)
+        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": space_name,
                   "system": c.system, "sampler": context["sampler"], "seed": c.seed, "trials": c.trials,
-                  "objectives": ",".join(c.objectives), "workers": c.workers}
+                  "objectives": ",".join(c.objectives), "workers": c.workers, **constant}
         if c.exhaustive:
             params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
@@ -194,9 +233,16 @@ class Session:
         for m, b in self.baselines.items():
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
-                params[f"{prefix}baseline_throughput"] = b.throughput
-        return MlflowTracker.start(c.tracking_uri, self.name, run_name=f"{self.name} {c.mode} {stamp}",
-                                   params=params, tags=tags, context=context)
+                params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
+        description = experiment_description(
+            study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
+            system=c.system, objectives=c.objectives, directions=c.directions, sampler=context["sampler"], mode=c.mode)
+        view = trials_view(c.models, [p for p, choices in self.space.params.items() if len(choices) > 1])
+        tracker = MlflowTracker.start(c.tracking_uri, self.name, run_name=run_name, params=params, tags=tags,
+                                      context=context, experiment_tags={NOTE_TAG: description,
+                                                                        VIEW_TAG + TRIALS_VIEW: view})
+        tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
+        return tracker
 
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
@@ -208,6 +254,13 @@ class Session:
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
+
+    def end_wall(self) -> float:
+        """The end of this invocation: store the study's wall time (`study_wall_s`) once; returns it."""
+        if self.wall_s is None:
+            self.wall_s = self.elapsed()
+            self.study.set_user_attr("wall_s", self.wall_s)
+        return self.wall_s
 
     def all_trials(self):
         return self.study.get_trials(deepcopy=False)
@@ -245,6 +298,11 @@ class Session:
             status = "FAILED"
             raise
         finally:
+            if self.wall_s is None:  # interrupted or failed before its summary
+                try:
+                    self.end_wall()
+                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                    pass
             if _PROGRESS.get("bar") is not None:
                 _PROGRESS["bar"].close()
                 _PROGRESS["bar"] = None
@@ -304,7 +362,6 @@ def best_score(trials) -> float | None:
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    best = None
     with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
         futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
@@ -315,9 +372,7 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
             score = best_score(trials)
             n = len(finished_trials(trials))
             progress.set_done(n, score)
-            if score is not None and (best is None or score > best):
-                best = score
-                session.tracker.log_parent(metrics={"best_score": score}, step=n)
+            session.tracker.log_best_of(trials)
             for f in done:
                 exc = f.exception()
                 if exc is not None:

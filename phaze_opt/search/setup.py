@@ -205,13 +205,13 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         check(m)
     load_system(config.system)
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
-    return replace(config, prune=_resolve_prune(config, backend))
+    return replace(config, prune=resolve_prune(config, backend))
 
 
 PRUNES = ("auto", "bound", "off")
 
 
-def _resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
+def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
     """`auto` becomes `bound` where the proven throughput bounds apply, else `off`.
 
     They bound one model's throughput under the real hardware model and placement DP, so they need

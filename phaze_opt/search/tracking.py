@@ -19,11 +19,12 @@ import math
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 from urllib.parse import unquote, urlparse
 
 from ..errors import PhazeError
@@ -33,9 +34,48 @@ OFF = ("off", "none", "")
 MAX_PARAM = 6000
 MAX_TAG = 5000
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
-MODEL_METRICS = ("throughput", "throughput_bound", "tokens_per_s", "time_per_batch_s", "mfu", "energy_j")
+# A model's result field -> its MLflow metric, the unit in the name (a model prefix `<model>.` with several models)
+MODEL_METRICS = {"throughput": "throughput_seq_per_s", "throughput_bound": "throughput_bound_seq_per_s",
+                 "tokens_per_s": "tokens_per_s", "time_per_batch_s": "time_per_batch_s", "mfu": "mfu",
+                 "energy_j": "energy_j"}
 PLACEMENT_METRICS = ("tp", "pp", "dp", "microbatches")
 TIMINGS = ("graph_s", "estimate_s", "ilp_s", "dp_s")
+# What every metric means, in its unit: the experiment's description lists them.
+TRIAL_METRICS = {
+    "score": "the score maximised: throughput_seq_per_s with one model, the mean ratio of each model's "
+             "throughput to its TPUv4 expert baseline with several",
+    "score_bound": "proven upper bound of the score (equal to it unless a layer schedule is unproven)",
+    "throughput_seq_per_s": "training throughput, sequences per second",
+    "throughput_bound_seq_per_s": "proven upper bound of the throughput, sequences per second",
+    "tokens_per_s": "training throughput, tokens per second",
+    "time_per_batch_s": "time of one global batch, seconds",
+    "mfu": "model FLOPs utilisation, a fraction (0 to 1, not percent)",
+    "energy_j": "energy of one global batch, joules",
+    "area_mm2": "chip area, mm²",
+    "tp, pp, dp, microbatches": "the placement: tensor, pipeline and data parallel degrees, microbatches per batch",
+    "graph_s, estimate_s, ilp_s, dp_s": "solver time: workload graph, latency estimates, layer schedule ILPs, "
+                                        "placement DP, seconds",
+    "trial_s": "wall time of the trial, seconds",
+    "elapsed_s": "study search time when the trial finished, seconds (summed over invocations)",
+    "objective.<name>_<unit>": "the objective values Optuna sees (throughput_seq_per_s or "
+                               "throughput_ratio_to_tpuv4, area_mm2, energy_j or energy_ratio_to_tpuv4)",
+}
+PARENT_METRICS = {
+    "best_score": "best score so far, by trial number (step = trial number)",
+    "best_throughput_seq_per_s, best_tokens_per_s, best_mfu, best_area_mm2, best_trial":
+        "the best design at the end of the invocation",
+    "ratio_to_tpuv4_expert": "best throughput / the TPUv4 design's with the expert placement",
+    "trials, feasible_trials, wall_s": "finished and feasible trials in the study, wall time of the invocation (s)",
+}
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+# MLflow 3's UI opens an experiment on its GenAI overview unless this tag says it holds training runs
+# (`custom_model_development`, labelled "Machine learning"); then it opens on the runs table.
+EXPERIMENT_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the description shown at the top of an experiment or run
+UI_QUERY = "workflowType=machine_learning"  # see `run_url`
+TRIALS_VIEW = "trials"  # the shared view `trials_view` of the runs table
+VIEW_TAG = "mlflow.sharedViewState."
+UI_HOST, UI_PORT = "127.0.0.1", 5000
 
 
 def tracking_enabled(uri: str | None) -> bool:
@@ -91,6 +131,8 @@ class RunRecord:
     tags: dict[str, str] = field(default_factory=dict)
     status: str = "FINISHED"
     step: int = 0
+    start_ms: int | None = None  # the trial's own start and end, so the UI's Duration is the trial's
+    end_ms: int | None = None
 
 
 def trial_state(trial) -> str:
@@ -101,18 +143,39 @@ def trial_state(trial) -> str:
     return name
 
 
+def objective_metric(name: str, n_models: int = 1) -> str:
+    """The metric of an objective value, with its unit: with several models throughput and energy are ratios."""
+    if name == "area":
+        return "objective.area_mm2"
+    if n_models > 1:
+        return f"objective.{name}_ratio_to_tpuv4"
+    return {"throughput": "objective.throughput_seq_per_s", "energy": "objective.energy_j"}.get(name, f"objective.{name}")
+
+
+def trial_params(trial) -> dict[str, str]:
+    """A trial's design: its point, and its accelerator's fields as `arch.<field>`."""
+    ua = trial.user_attrs
+    params = {_key(k): str(v)[:MAX_PARAM] for k, v in (ua.get("point") or {}).items()}
+    for k, v in ((ua.get("result") or {}).get("accelerator") or {}).items():
+        params[_key(f"arch.{k}")] = str(v)[:MAX_PARAM]
+    return params
+
+
 def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str], mode: str,
-                 objectives: Sequence[str] = ("throughput",)) -> RunRecord:
-    """The MLflow run of one finished trial, from the trial alone (see the module docstring)."""
+                 objectives: Sequence[str] = ("throughput",), constant: Collection[str] = ()) -> RunRecord:
+    """The MLflow run of one finished trial, from the trial alone (see the module docstring).
+
+    `constant`: params every design of the space shares (`constant_params`); the parent run holds them.
+    """
     ua = trial.user_attrs
     res = ua.get("result") or {}
     state = trial_state(trial)
     rec = RunRecord(name=f"trial {trial.number}", step=trial.number,
-                    status="FINISHED" if trial.state.name == "COMPLETE" else "FAILED")
-    for k, v in (ua.get("point") or {}).items():
-        rec.params[_key(k)] = str(v)[:MAX_PARAM]
-    for k, v in (res.get("accelerator") or {}).items():
-        rec.params[_key(f"arch.{k}")] = str(v)[:MAX_PARAM]
+                    status="FINISHED" if trial.state.name == "COMPLETE" else "FAILED",
+                    start_ms=_ms(trial.datetime_start), end_ms=_ms(trial.datetime_complete))
+    rec.tags[NOTE_TAG] = trial_note(state, res)
+    skip = set(constant)
+    rec.params.update({k: v for k, v in trial_params(trial).items() if k not in skip})
     rec.tags.update({
         "trial_state": state,
         "optuna.state": trial.state.name,
@@ -138,7 +201,7 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
     if trial.values is not None:
         for name, value in zip(objectives, trial.values):
             if _finite(value) is not None:
-                metrics[f"objective.{name}"] = float(value)
+                metrics[objective_metric(name, len(models))] = float(value)
     for k in ("score", "score_bound", "area_mm2", "trial_s", "elapsed_s"):
         if _finite(res.get(k)) is not None:
             metrics[k] = float(res[k])
@@ -146,9 +209,9 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
     totals = {t: 0.0 for t in TIMINGS}
     for model, summary in per_model.items():
         prefix = "" if len(per_model) == 1 else f"{_key(model)}."
-        for k in MODEL_METRICS:
+        for k, name in MODEL_METRICS.items():
             if _finite(summary.get(k)) is not None:
-                metrics[prefix + k] = float(summary[k])
+                metrics[prefix + name] = float(summary[k])
         placement = summary.get("placement") or {}
         for k in PLACEMENT_METRICS:
             if _finite(placement.get(k)) is not None:
@@ -164,6 +227,34 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
     if per_model:
         metrics.update(totals)
     return rec
+
+
+def _ms(when) -> int | None:
+    return int(when.timestamp() * 1000) if when is not None else None
+
+
+def trial_note(state: str, result: Mapping) -> str:
+    """One paragraph on a trial, the description at the top of its run page."""
+    if state == "INFEASIBLE":
+        return f"Infeasible: {result.get('reason') or 'a constraint is violated'}."
+    if state != "COMPLETE":
+        return f"Failed: {result.get('error') or state}."
+    parts = []
+    for model, s in (result.get("models") or {}).items():
+        p = s.get("placement") or {}
+        text = f"{model}: {s.get('throughput', 0.0):,.1f} sequences/s"
+        if _finite(s.get("tokens_per_s")) is not None:
+            text += f" ({s['tokens_per_s']:,.0f} tokens/s)"
+        if _finite(s.get("mfu")) is not None:
+            text += f", MFU {s['mfu']:.1%}"
+        if p:
+            text += f", placement TP {p.get('tp')} x PP {p.get('pp')} x DP {p.get('dp')}, {p.get('microbatches')} microbatches"
+        parts.append(text)
+    if _finite(result.get("area_mm2")) is not None:
+        parts.append(f"area {result['area_mm2']:.1f} mm²")
+    if result.get("proven") is False:
+        parts.append("not proven optimal (see score_bound)")
+    return "Feasible: " + "; ".join(parts) + "."
 
 
 def _retrying(op: Callable, attempts: int = 10):
@@ -184,6 +275,7 @@ class NullTracker:
 
     enabled = False
     parent_run_id = None
+    run_name = None
     experiment_id = None
     errors: list = []
 
@@ -194,6 +286,15 @@ class NullTracker:
         pass
 
     def log_parent_file(self, path, artifact_path=None):
+        pass
+
+    def log_best(self, score, step):
+        pass
+
+    def log_best_of(self, trials, settled_only=True):
+        pass
+
+    def log_best_final(self, trials):
         pass
 
     def flush(self):
@@ -215,7 +316,7 @@ class MlflowTracker:
     enabled = True
 
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
-                 background: bool = True):
+                 background: bool = True, run_name: str | None = None):
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient
 
@@ -223,9 +324,12 @@ class MlflowTracker:
         self.client = MlflowClient(driver_url(tracking_uri))
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id
+        self.run_name = run_name
         self.context = dict(context)  # study_name, sampler, models, mode, objectives
         self.errors: list[str] = []
         self.logged_trials: set[int] = set()
+        self.best_logged: tuple[int, float] | None = None  # (step, value) of the last best_score
+        self._best_cursor = -1  # trials up to this number were scanned by `log_best_of`
         self._queue: queue.Queue | None = None
         self._thread = None
         if background:
@@ -265,17 +369,24 @@ class MlflowTracker:
 
     @classmethod
     def start(cls, tracking_uri: str, experiment_name: str, *, run_name: str, params: Mapping[str, Any],
-              tags: Mapping[str, str], context: Mapping, background: bool = True) -> "MlflowTracker":
+              tags: Mapping[str, str], context: Mapping, background: bool = True,
+              experiment_tags: Mapping[str, str] | None = None) -> "MlflowTracker":
+        """Open the parent run `run_name` (made unique in the experiment) in the experiment, which is
+        marked as holding training runs (`EXPERIMENT_KIND`) and given `experiment_tags`."""
         exp_id = cls.prepare(tracking_uri, experiment_name)
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         client = MlflowClient(driver_url(tracking_uri))
+        exp_tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **(experiment_tags or {})}
+        for k, v in exp_tags.items():
+            _retrying(lambda: client.set_experiment_tag(exp_id, k, v))
+        run_name = _unique_run_name(client, exp_id, run_name)
         run = _retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
         if params:
             _retrying(lambda: client.log_batch(run.info.run_id, params=[
                 Param(_key(k), str(v)[:MAX_PARAM]) for k, v in params.items()]))
-        return cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background)
+        return cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
 
     @classmethod
     def attach(cls, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
@@ -294,15 +405,16 @@ class MlflowTracker:
 
         c = self.client
         tags = {"mlflow.parentRunId": self.parent_run_id, **record.tags}
-        run = _retrying(lambda: c.create_run(self.experiment_id, tags=tags, run_name=record.name))
+        run = _retrying(lambda: c.create_run(self.experiment_id, start_time=record.start_ms, tags=tags,
+                                             run_name=record.name))
         run_id = run.info.run_id
-        now = int(time.time() * 1000)
+        now = record.end_ms or int(time.time() * 1000)
         metrics = [Metric(_key(k), v, now, record.step) for k, v in record.metrics.items()]
         params = [Param(k, v) for k, v in record.params.items()]
         _retrying(lambda: c.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag("logged_by", "phaze_opt")]))
         if artifact is not None:
             self._write_json(run_id, run.info.artifact_uri, "placement.json", artifact)
-        _retrying(lambda: c.set_terminated(run_id, record.status))
+        _retrying(lambda: c.set_terminated(run_id, record.status, end_time=record.end_ms))
 
     def _write_json(self, run_id: str, artifact_uri: str, name: str, data: Mapping) -> None:
         text = json.dumps(data, indent=1, allow_nan=False)
@@ -322,6 +434,42 @@ class MlflowTracker:
         p = [Param(_key(k), str(v)[:MAX_PARAM]) for k, v in (params or {}).items()]
         t = [RunTag(_key(k), str(v)[:MAX_TAG]) for k, v in (tags or {}).items()]
         self._submit(lambda: _retrying(lambda: self.client.log_batch(self.parent_run_id, metrics=m, params=p, tags=t)))
+
+    def log_best(self, score: float, step: int) -> None:
+        """`best_score` at `step` (a trial number), kept monotone: logged only when both the step and
+        the score are above the last ones logged."""
+        if _finite(score) is None or step is None:
+            return
+        if self.best_logged is not None and (step <= self.best_logged[0] or score <= self.best_logged[1]):
+            return
+        self.best_logged = (int(step), float(score))
+        self.log_parent(metrics={"best_score": score}, step=int(step))
+
+    def log_best_of(self, trials, settled_only: bool = True) -> None:
+        """`best_score` from the study's trials in trial-number order, from where the last call stopped.
+
+        `settled_only`: stop at the first trial still waiting or running (with several workers a later
+        trial may finish first; its score is logged once every earlier trial is settled), so the series
+        is the best-so-far by trial number and never changes behind the last step logged.
+        """
+        for t in sorted((t for t in trials if t.number > self._best_cursor), key=lambda t: t.number):
+            if t.state.name in ("RUNNING", "WAITING"):
+                if settled_only:
+                    return
+                continue
+            self._best_cursor = t.number
+            if trial_state(t) == "COMPLETE" and t.values:
+                self.log_best(t.values[0], t.number)
+
+    def log_best_final(self, trials) -> None:
+        """At the end of an invocation: the rest of the series, so it ends at the study's best. A best
+        that finished behind the last step logged (a trial another process ran) goes one step later."""
+        self.log_best_of(trials, settled_only=False)
+        best = max(((t.values[0], -t.number) for t in trials if trial_state(t) == "COMPLETE" and t.values),
+                   default=None)
+        if best is not None and (self.best_logged is None or best[0] > self.best_logged[1]):
+            last = self.best_logged[0] if self.best_logged is not None else -1
+            self.log_best(best[0], max(-best[1], last + 1))
 
     def log_parent_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         path = str(path)
@@ -379,6 +527,103 @@ def _local_dir(artifact_uri: str) -> Path | None:
     return None
 
 
-def ui_command(tracking_uri: str) -> str:
-    """How to open the UI on this store (one worker: the SQLite store is not for concurrent servers)."""
-    return f"mlflow ui --backend-store-uri {redact(tracking_uri)} --workers 1"
+def _unique_run_name(client, experiment_id: str, name: str) -> str:
+    """`name`, or `name #2`, `#3`... when a run of the experiment already has it."""
+    def taken(candidate):
+        quoted = candidate.replace("'", "\\'")
+        return bool(client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{quoted}'",
+                                       max_results=1))
+
+    try:
+        for n in range(1, 100):
+            candidate = name if n == 1 else f"{name} #{n}"
+            if not _retrying(lambda: taken(candidate)):
+                return candidate
+    except Exception:  # noqa: BLE001 - a name is cosmetic; never stop a study for it
+        pass
+    return name
+
+
+def venv_command(name: str) -> str:
+    """The running interpreter's `name` script (e.g. `.venv/bin/mlflow`), relative to the current
+    directory when inside it, so the command works without an activated virtualenv; else `name`."""
+    path = Path(os.path.abspath(sys.executable)).parent / name  # not resolved: a venv's python is a link
+    if not path.exists():
+        return name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def ui_command(tracking_uri: str, host: str = UI_HOST, port: int = UI_PORT) -> str:
+    """How to open the UI on this store, from the directory the study ran in (one worker: the SQLite
+    store is not for concurrent servers)."""
+    return (f"MLFLOW_DISABLE_TELEMETRY=true {venv_command('mlflow')} ui --backend-store-uri {redact(tracking_uri)} "
+            f"--host {host} --port {port} --workers 1")
+
+
+def run_url(experiment_id: str, run_id: str, host: str = UI_HOST, port: int = UI_PORT) -> str:
+    """The page of a run in the UI that `ui_command` starts.
+
+    `workflowType=machine_learning`: MLflow 3.17's UI picks its GenAI or model-training layout from
+    this parameter (or the user's last choice, GenAI at first), not from the experiment's kind tag.
+    """
+    return f"http://{host}:{port}/#/experiments/{experiment_id}/runs/{run_id}?{UI_QUERY}"
+
+
+def trials_url(experiment_id: str, host: str = UI_HOST, port: int = UI_PORT) -> str:
+    """The experiment's runs table in the trials view (`trials_view`)."""
+    return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?{UI_QUERY}&viewStateShareKey={TRIALS_VIEW}"
+
+
+def trials_view(models: Sequence[str], params: Sequence[str]) -> str:
+    """The UI's saved view of a study's trials (an experiment tag `mlflow.sharedViewState.<key>`, the
+    format the UI's "Share" button writes): the trial runs, best score first, with the metrics that
+    matter, units in their names, and the design params `params`."""
+    metrics = ["score"] if len(models) > 1 else []
+    for m in models:
+        prefix = "" if len(models) == 1 else f"{_key(m)}."
+        metrics += [prefix + k for k in ("throughput_seq_per_s", "tokens_per_s", "mfu", "time_per_batch_s")]
+        if len(models) == 1:
+            metrics += [prefix + k for k in PLACEMENT_METRICS]
+    metrics.append("area_mm2")
+    columns = ([f"metrics.`{k}`" for k in metrics] + [f"params.`{_key(p)}`" for p in params]
+               + ["tags.`trial_state`", "tags.`infeasible_reason`"])
+    return json.dumps({"searchFilter": "attributes.run_name LIKE 'trial %'", "orderByKey": "metrics.`score`",
+                       "orderByAsc": False, "selectedColumns": columns, "columnOrder": columns})
+
+
+def constant_params(space) -> dict[str, str]:
+    """The trial params every design of the space shares, from the space's definition: sampled
+    parameters with one choice, and the accelerator fields (`arch.<field>`) the space fixes
+    (`constant_arch_fields`). They go to the parent run once instead of to every trial."""
+    out = {_key(k): str(v[0])[:MAX_PARAM] for k, v in space.params.items() if len(v) == 1}
+    fields = getattr(space, "constant_arch_fields", None)
+    if fields is not None:
+        from ..jsonable import jsonable
+
+        out.update({_key(f"arch.{k}"): str(v)[:MAX_PARAM] for k, v in jsonable(fields()).items()})
+    return out
+
+
+def experiment_description(*, study: str, models: Sequence[str], space: str, space_description: str, system: str,
+                           objectives: Sequence[str], directions: Sequence[str], sampler: str, mode: str) -> str:
+    """The experiment's description (markdown): what the study searches and what each metric means."""
+    lines = [f"**phaze_opt study `{study}`**: accelerator architecture x device placement search.", "",
+             f"- models: {', '.join(models)}" + (" (one common design, scored by the mean ratio to each model's "
+                                                "TPUv4 expert baseline)" if len(models) > 1 else ""),
+             f"- space: {space}" + (f" ({space_description})" if space_description else ""),
+             f"- system: {system}",
+             "- objectives: " + ", ".join(f"{o} ({d})" for o, d in zip(objectives, directions)),
+             f"- sampler: {sampler} ({mode})", "",
+             "The study's end prints a link to its trials table, best first, with the main metrics as columns "
+             f"(`#/experiments/<id>/runs?{UI_QUERY}&viewStateShareKey={TRIALS_VIEW}`).", "",
+             "Each invocation is a parent run named `<study> <date> <time>` (`(resumed)` when the study already "
+             "had trials) with the settings, the params every design shares and `best_score` by trial number; "
+             "each trial is a nested run with its design as params (`arch.*`: the accelerator, SI units), its "
+             "state and any infeasibility reason as tags, and `placement.json`.", "",
+             "Trial metrics (units in the names):", ""]
+    lines += [f"- `{k}`: {v}" for k, v in TRIAL_METRICS.items()]
+    lines += ["", "Parent run metrics:", ""] + [f"- `{k}`: {v}" for k, v in PARENT_METRICS.items()]
+    return "\n".join(lines)[:MAX_TAG]

@@ -417,11 +417,24 @@ class _Best:
 
 
 def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d, m) for the smallest d of each distinct microbatch count m."""
-    d = np.arange(1, problem.system.accelerators // t + 1, dtype=np.int64)
-    m = -(-problem.system.global_batch // (problem.mbs * d))
-    first = np.concatenate([[True], m[1:] != m[:-1]])
-    return d[first], m[first]
+    """(d, m) for the smallest d of each distinct microbatch count m, d <= accelerators // t.
+
+    m(d) = ceil(B / (mbs d)) = ceil(n / d) with n = ceil(B / mbs) takes at most 2 sqrt(n) values, and
+    the next smaller one starts at d = ceil(n / (m - 1)); walking those never touches the other d, so
+    the cost does not grow with the accelerator count.
+    """
+    top = problem.system.accelerators // t
+    n = -(-problem.system.global_batch // problem.mbs)
+    ds, ms = [], []
+    d = 1
+    while d <= top:
+        m = -(-n // d)
+        ds.append(d)
+        ms.append(m)
+        if m == 1:
+            break
+        d = -(-n // (m - 1))
+    return np.array(ds, dtype=np.int64), np.array(ms, dtype=np.int64)
 
 
 @dataclass

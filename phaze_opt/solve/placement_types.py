@@ -23,8 +23,7 @@ import numpy as np
 from ..errors import PhazeError
 from ..system import System
 from ..training import check_mbs, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
-
-_EXACT = 2.0**53
+from ..workload.ops import EXACT_BYTES, largest_memory_bytes
 
 
 def _array(name: str, values, n: int | None, whole: bool) -> np.ndarray:
@@ -159,12 +158,11 @@ class PlacementProblem:
         object.__setattr__(self, "hbm_bytes", float(math.floor(self.hbm_bytes)))
         object.__setattr__(self, "recompute", bool(self.recompute))
         for c in costs:
-            # The largest memory figure: all state plus every activation and boundary tensor
-            # once per possible in-flight microbatch (at most one per layer).
-            largest = float(np.sum(c.params)) * self.system.state_bytes_per_param + (c.n_layers + 1) * float(
-                np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)
+            largest = largest_memory_bytes(
+                float(np.sum(c.params)), self.system.state_bytes_per_param, c.n_layers,
+                float(np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)),
             )
-            if largest >= _EXACT:
+            if largest >= EXACT_BYTES:
                 raise ValueError("PlacementProblem: byte counts too large to add exactly in float64")
 
     @property

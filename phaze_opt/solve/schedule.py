@@ -35,7 +35,8 @@ How it is solved exactly (each step is argued where it is implemented):
    MIP's relaxation cannot see). If not, the MIP runs again for the rest of the time, warm-started
    with the better incumbent, and the best proven bound of the phases is reported.
 5. Every result is replayed by `verify.verify_schedule` before it is returned, and memoised by
-   content (`schedule_cache`, method "cache" on a hit).
+   content (`schedule_cache`, method "cache" on a hit; a hit read from disk is replayed against
+   the problem and its claimed bound checked before it is used, see `schedule_cache.check_hit`).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def solve_schedule(problem: ScheduleProblem, *, solver: str = "highs", time_limi
     t0 = time.perf_counter()
     key = problem_key(problem) if cache else None
     if cache:
-        hit = cache_get(key, solver, time_limit_s)
+        hit = cache_get(key, solver, time_limit_s, problem=problem)
         if hit is not None:
             extra = dict(hit.extra, solved_by=hit.method, original_solve_s=hit.solve_s)
             return Schedule(makespan=hit.makespan, lower_bound=hit.lower_bound, status=hit.status, method="cache",

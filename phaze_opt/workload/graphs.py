@@ -10,10 +10,14 @@ the last pipeline stage and all-reduces its gradient with the first stage's), so
 counted in the head's `params`/`param_bytes`, where it really costs memory, while `total_params`
 of the whole model counts the shared matrix once, as published sizes do.
 
-Extraction is cached in memory and on disk (pickle) under `$PHAZE_OPT_CACHE/graphs`, by default
+Extraction is cached in memory and on disk under `$PHAZE_OPT_CACHE/graphs`, by default
 `.cache/phaze_opt/graphs` in the project folder, keyed by a hash of the model config, TP width,
 microbatch, sequence length, fusion flag and the source of this package's workload code, so a code
-change never serves a stale graph.
+change never serves a stale graph. The disk cache is data, never code: one JSON file per key
+(`ops.layer_graph_to_json`), read back by a strict decoder that checks every field's type, so a
+file planted in the cache folder can at worst be a miss. A file that is not such a graph (garbage,
+another format, another key) is logged and traced again, and the file rewritten. Files of the
+older pickle format (`<key>.pkl`) are never opened; one found beside a key being written is removed.
 """
 
 from __future__ import annotations
@@ -21,22 +25,26 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
-import pickle
 import tempfile
 import time
 from pathlib import Path
 
 from ..cache import BoundedMemo, cache_root
+from ..configs import positive_arg
 from ..errors import PhazeError
-from ..training import check_mbs
-from .models import ModelConfig, check_tp, load_model
-from .ops import Layer, LayerGraph
+from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
+from .models import LIMITS, ModelConfig, check_tp, load_model
+from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
+                  layer_graph_to_json)
 
 # A few MB per graph; a sweep touches (models x TP widths x microbatches), a few dozen.
 MEMO_MAX = 256
 _MEMO: BoundedMemo[LayerGraph] = BoundedMemo(MEMO_MAX)
 _PACKAGE = Path(__file__).resolve().parent
+FORMAT = "phaze_opt layer graph 1"  # changes with the file layout of `ops.layer_graph_to_json`
+log = logging.getLogger(__name__)
 
 
 def _code_version() -> str:
@@ -73,45 +81,76 @@ def build_layer_graph(
     """
     model = load_model(model)
     tp = check_tp(model, tp)
-    mbs = check_mbs(mbs)
     seq = model.seq if seq is None else seq
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-        raise PhazeError(f"sequence length must be a positive integer, got {seq!r}")
+    positive_arg(mbs, "microbatch size", MBS_LIMIT)
+    positive_arg(seq, "sequence length", LIMITS["seq"])
     if model.position == "learned" and seq > model.positions:
         raise PhazeError(f"model {model.name}: sequence length {seq} exceeds its {model.positions} learned positions")
 
     key = graph_key(model, tp, mbs, seq, fuse)
     if key in _MEMO:
         return _MEMO[key]
-    path = cache_root() / "graphs" / f"{key}.pkl"
-    graph = _read(path) if cache else None
+    path = cache_root() / "graphs" / f"{key}.json"
+    graph = _read(path, key) if cache else None
     if graph is None:
         graph = _extract(model, tp, mbs, seq, fuse, cache)
         if cache:
-            _write(path, graph)
+            _write(path, key, graph)
+    _check_exact(model, graph)
     _MEMO[key] = graph
     return graph
 
 
-def _read(path: Path) -> LayerGraph | None:
+def _check_exact(model: ModelConfig, graph: LayerGraph) -> None:
+    """Each field may be within its limit and the whole still too large: the placement adds every
+    layer's bytes once per microbatch in flight, and float64 adds whole bytes exactly only below
+    2^53 (8 PiB, far beyond any device's memory). Say which sizes did it, not a trial's traceback."""
+    need = largest_memory_bytes(
+        sum(layer.params for layer in graph.layers), MAX_STATE_BYTES_PER_PARAM, len(graph.layers),
+        sum(layer.activation_bytes + layer.boundary_bytes + layer.input_bytes for layer in graph.layers),
+    )
+    if need >= EXACT_BYTES:
+        raise PhazeError(
+            f"{model.source or model.name}: 'layers' {model.layers}, 'hidden' {model.hidden} and sequence length "
+            f"{graph.seq} at microbatch {graph.mbs}, TP {graph.tp} give {need / 2**50:,.0f} PiB of state and "
+            f"activations per device, beyond the 8 PiB float64 counts exactly (no device holds that much); "
+            f"use fewer layers or shorter sequences"
+        )
+
+
+def _read(path: Path, key: str) -> LayerGraph | None:
+    """The cached graph of `key`, or None: a missing file silently, any unusable one logged."""
     try:
-        with open(path, "rb") as f:
-            graph = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError):
-        return None  # missing or unreadable: extract again
-    if not isinstance(graph, LayerGraph):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON
+        log.warning("graph cache %s: unreadable (%s); tracing again", path, exc)
+        return None
+    try:
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
+            raise GraphFormatError(f"not a graph of this format and key (format {FORMAT!r})")
+        graph = layer_graph_from_json(data.get("graph"))
+    except (GraphFormatError, ValueError, TypeError) as exc:
+        log.warning("graph cache %s: rejected, %s; tracing again", path, exc)
         return None
     graph.extra["source"] = "disk cache"
     return graph
 
 
-def _write(path: Path, graph: LayerGraph) -> None:
+def _write(path: Path, key: str, graph: LayerGraph) -> None:
+    try:
+        text = json.dumps({"format": FORMAT, "key": key, "graph": layer_graph_to_json(graph)}, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a value JSON cannot hold: keep the graph in memory only
+        log.warning("graph cache %s: not written (%s)", path, exc)
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
-            pickle.dump(graph, f, protocol=pickle.HIGHEST_PROTOCOL)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
             tmp = f.name
         os.replace(tmp, path)  # atomic: concurrent readers never see half a file
+        path.with_suffix(".pkl").unlink(missing_ok=True)  # the old format's file is never loaded
     except OSError:
         pass  # a read-only or full disk only costs a re-extraction next time
 

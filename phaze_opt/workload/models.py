@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import configs
 from ..errors import PhazeError, config_error
+from ..system import LIMITS as SYSTEM_LIMITS
 
 FAMILIES = ("gpt", "bert", "opt", "llama")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
@@ -27,6 +28,29 @@ REQUIRED = (
     "name", "family", "layers", "hidden", "heads", "ffn", "seq", "vocab",
     "activation", "norm", "position", "tied_embeddings", "expert_placement",
 )
+# Upper limits, checked on load so that a size no model has never reaches the tracer or the
+# placement's byte arithmetic. Each is 10-100x beyond the largest dense transformers published.
+LIMITS = {
+    # The deepest trained transformers have ~1,000 layers (DeepNet); LLMs ~100 (Llama 3 405B: 126).
+    "layers": configs.Limit(10_000, "10x the deepest transformer trained, ~1,000 layers"),
+    # Widest: PaLM 540B 18,432, MT-NLG 530B 20,480, Megatron's 1T-parameter configuration 25,600.
+    "hidden": configs.Limit(2**20, "40x the widest model, ~25,600"),
+    # Most attention heads: 128 (Llama 3 405B); GPT-3 has 96.
+    "heads": configs.Limit(2**14, "128x the most heads of any model, 128"),
+    # Widest feed-forward: 73,728 (PaLM 540B); Llama 3 405B 53,248.
+    "ffn": configs.Limit(2**22, "57x the widest feed-forward, 73,728"),
+    # Longest training contexts: 128k-1M tokens; 2^20 covers them all.
+    "seq": configs.Limit(2**20, "no model trains on more than ~1M tokens per sequence"),
+    # Largest vocabularies: ~256k (Gemma 256,000).
+    "vocab": configs.Limit(2**24, "64x the largest vocabulary, ~256k"),
+}
+# The position table holds at least `seq` rows and the token-type table is a small vocabulary.
+LIMITS["positions"] = LIMITS["seq"]
+LIMITS["type_vocab"] = LIMITS["vocab"]
+
+# The hand-tuned placement's degrees each use at most every accelerator a system may have.
+EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
+
 OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps")
 
 
@@ -105,17 +129,17 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     if not isinstance(name, str) or not name.strip():
         raise config_error(file, "name", f"must be a non-empty string, got {name!r}")
     family = configs.one_of(data, "family", file, FAMILIES)
-    layers = configs.positive_int(data, "layers", file)
-    hidden = configs.positive_int(data, "hidden", file)
-    heads = configs.positive_int(data, "heads", file)
+    layers = configs.positive_int(data, "layers", file, limit=LIMITS["layers"])
+    hidden = configs.positive_int(data, "hidden", file, limit=LIMITS["hidden"])
+    heads = configs.positive_int(data, "heads", file, limit=LIMITS["heads"])
     if hidden % heads:
         raise config_error(file, "heads", f"must divide hidden ({hidden}), got {heads}")
     kv_heads = configs.positive_int(data, "kv_heads", file, default=heads)
     if heads % kv_heads:
         raise config_error(file, "kv_heads", f"must divide heads ({heads}), got {kv_heads}")
-    ffn = configs.positive_int(data, "ffn", file)
-    seq = configs.positive_int(data, "seq", file)
-    vocab = configs.positive_int(data, "vocab", file)
+    ffn = configs.positive_int(data, "ffn", file, limit=LIMITS["ffn"])
+    seq = configs.positive_int(data, "seq", file, limit=LIMITS["seq"])
+    vocab = configs.positive_int(data, "vocab", file, limit=LIMITS["vocab"])
     activation = configs.one_of(data, "activation", file, ACTIVATIONS)
     norm = configs.one_of(data, "norm", file, NORMS)
     position = configs.one_of(data, "position", file, POSITIONS)
@@ -136,13 +160,16 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
             raise config_error(file, "positions", "only learned position embeddings have a table size")
         positions = 0
     else:
-        positions = configs.positive_int(data, "positions", file, default=seq)
+        positions = configs.positive_int(data, "positions", file, default=seq, limit=LIMITS["positions"])
         if positions < seq:
             raise config_error(file, "positions", f"must be at least seq ({seq}), got {positions}")
 
     type_vocab = data.get("type_vocab", 2 if family == "bert" else 0)
     if isinstance(type_vocab, bool) or not isinstance(type_vocab, int) or type_vocab < 0:
         raise config_error(file, "type_vocab", f"must be a non-negative integer, got {type_vocab!r}")
+    too_many = LIMITS["type_vocab"].exceeded(type_vocab)
+    if too_many:
+        raise config_error(file, "type_vocab", too_many)
 
     def divides_all(t: int) -> bool:
         return heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
@@ -170,9 +197,7 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         raise config_error(file, "expert_placement", f"must be a mapping with tp, pp and dp, got {expert!r}")
     configs.check_keys(expert, file, ("tp", "pp", "dp"))
     for key in ("tp", "pp", "dp"):
-        value = expert[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise config_error(file, f"expert_placement.{key}", f"must be a positive integer, got {value!r}")
+        configs.positive_int(expert, key, file, limit=EXPERT_LIMIT, field=f"expert_placement.{key}")
     if expert["tp"] not in tp_widths:
         raise config_error(
             file, "expert_placement.tp",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -139,3 +140,128 @@ class LayerGraph:
 
     def is_chain(self) -> bool:
         return sorted(self.edges) == [(i, i + 1) for i in range(len(self.layers) - 1)]
+
+
+EXACT_BYTES = 2.0**53  # float64 adds whole byte counts exactly below this (8 PiB)
+
+
+def largest_memory_bytes(params: float, state_bytes_per_param: float, n_layers: int, layer_bytes: float) -> float:
+    """The largest memory figure the placement adds up for one device: all parameter state
+    (`params` x `state_bytes_per_param`) plus every layer's activation, boundary and input tensors
+    (`layer_bytes`, summed over layers) once per possible in-flight microbatch (at most one per layer).
+    It must stay below EXACT_BYTES for the placement's sums to be exact."""
+    return params * state_bytes_per_param + (n_layers + 1) * layer_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-data form (the disk cache): JSON that can only ever decode to these values, never run code
+# --------------------------------------------------------------------------------------------
+
+# The type of every field, for the strict decoder: "str", "int", "num" (int or float, finite),
+# "bool", "ints"/"strs" (a list of them, back to a tuple). tests/test_workload_graphs.py checks
+# that these name exactly the dataclasses' fields, so a new field cannot be forgotten here.
+OP_FIELDS = {
+    "name": "str", "kind": "str", "unit": "str", "flops": "num", "bytes_read": "num", "bytes_written": "num",
+    "gemm": "ints", "elements": "int", "vector_ops": "strs", "collective": "str", "comm_bytes": "num",
+    "group": "int", "contains": "strs", "shape": "ints",
+}
+LAYER_FIELDS = {
+    "name": "str", "kind": "str", "params": "int", "param_bytes": "num", "activation_bytes": "num",
+    "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num",
+}
+GRAPH_FIELDS = {  # LayerGraph's plain fields; layers, edges, op_graphs and extra are decoded by hand
+    "model": "str", "tp": "int", "mbs": "int", "seq": "int", "bytes_per_element": "int", "total_params": "int",
+    "train_flops_per_sequence": "num",
+}
+
+
+class GraphFormatError(ValueError):
+    """Plain data that is not a layer graph; the message says where."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _typed(value, kind: str, where: str):
+    """`value` checked against a field kind of the tables above (lists come back as tuples)."""
+    if kind in ("ints", "strs"):
+        item = _is_int if kind == "ints" else (lambda v: isinstance(v, str))
+        if isinstance(value, list) and all(item(v) for v in value):
+            return tuple(value)
+    elif kind == "num":
+        # json keeps int and float apart, so a round trip returns the very values that were written
+        if (_is_int(value) or isinstance(value, float)) and math.isfinite(value):
+            return value
+    elif {"str": isinstance(value, str), "int": _is_int(value), "bool": isinstance(value, bool)}[kind]:
+        return value
+    raise GraphFormatError(f"{where}: expected {kind}, got {type(value).__name__}")
+
+
+def _record(data, spec: dict, where: str) -> dict:
+    if not isinstance(data, dict) or set(data) != set(spec):
+        raise GraphFormatError(f"{where}: expected the fields {', '.join(sorted(spec))}")
+    return {k: _typed(data[k], kind, f"{where}.{k}") for k, kind in spec.items()}
+
+
+def _pairs(data, n: int, where: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(data, list) or not all(isinstance(e, list) and len(e) == 2 for e in data):
+        raise GraphFormatError(f"{where}: expected a list of [src, dst] pairs")
+    edges = tuple((_typed(a, "int", where), _typed(b, "int", where)) for a, b in data)
+    if any(not 0 <= a < b < n for a, b in edges):
+        raise GraphFormatError(f"{where}: an edge is not forward between the {n} nodes")
+    return edges
+
+
+def _tuples(value):
+    """JSON lists back to the tuples they were written from, at every depth."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def layer_graph_to_json(graph: LayerGraph) -> dict:
+    """The graph as plain JSON data (`layer_graph_from_json` reads it back equal)."""
+    return {
+        **{k: getattr(graph, k) for k in GRAPH_FIELDS},
+        "layers": [asdict(layer) for layer in graph.layers],
+        "edges": [list(e) for e in graph.edges],
+        "op_graphs": {
+            kind: {p: {"layer": og.layer, "ops": [asdict(op) for op in og.ops], "edges": [list(e) for e in og.edges]}
+                   for p, og in passes.items()}
+            for kind, passes in graph.op_graphs.items()
+        },
+        "extra": graph.extra,
+    }
+
+
+def _op_graph(data, kind: str, pass_name: str) -> OpGraph:
+    where = f"op_graphs.{kind}.{pass_name}"
+    if not isinstance(data, dict) or set(data) != {"layer", "ops", "edges"} or not isinstance(data["ops"], list):
+        raise GraphFormatError(f"{where}: expected layer, ops and edges")
+    ops = tuple(Op(**_record(op, OP_FIELDS, f"{where}.ops[{i}]")) for i, op in enumerate(data["ops"]))
+    return OpGraph(layer=_typed(data["layer"], "str", where), pass_name=pass_name, ops=ops,
+                   edges=_pairs(data["edges"], len(ops), f"{where}.edges"))
+
+
+def layer_graph_from_json(data) -> LayerGraph:
+    """A LayerGraph from `layer_graph_to_json`'s data, every field type-checked; any other shape
+    raises GraphFormatError (or the dataclasses' own ValueError), never anything worse."""
+    if not isinstance(data, dict) or set(data) != {*GRAPH_FIELDS, "layers", "edges", "op_graphs", "extra"}:
+        raise GraphFormatError("not a layer graph")
+    plain = _record({k: data[k] for k in GRAPH_FIELDS}, GRAPH_FIELDS, "graph")
+    if not isinstance(data["layers"], list) or not isinstance(data["op_graphs"], dict):
+        raise GraphFormatError("layers or op_graphs has the wrong shape")
+    layers = tuple(Layer(**_record(layer, LAYER_FIELDS, f"layers[{i}]")) for i, layer in enumerate(data["layers"]))
+    op_graphs = {}
+    for kind, passes in data["op_graphs"].items():
+        if not isinstance(passes, dict) or set(passes) != {"fwd", "bwd"}:
+            raise GraphFormatError(f"op_graphs.{kind}: expected fwd and bwd")
+        op_graphs[kind] = {p: _op_graph(passes[p], kind, p) for p in ("fwd", "bwd")}
+    if any(layer.kind not in op_graphs for layer in layers):
+        raise GraphFormatError("a layer's kind has no op graphs")
+    extra = data["extra"]
+    if not isinstance(extra, dict):
+        raise GraphFormatError("extra: expected a mapping")
+    if isinstance(extra.get("saved_tensors"), dict):  # the tracer's (name, shape, dtype, bytes) tuples
+        extra = dict(extra, saved_tensors={k: _tuples(v) for k, v in extra["saved_tensors"].items()})
+    return LayerGraph(**plain, layers=layers, edges=_pairs(data["edges"], len(layers), "edges"),
+                      op_graphs=op_graphs, extra=extra)

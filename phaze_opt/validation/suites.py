@@ -1,0 +1,434 @@
+"""Validation suites: published results to check the cost models against, from `configs/validation/`.
+
+A suite is one YAML file. Its top-level fields:
+
+    suite           the suite's name (the file's stem for a shipped suite)
+    description     one line
+    arch            the accelerator the results were measured on (a name in configs/archs)
+    system          the cluster (a name in configs/systems); required for training runs
+    metric          what each row publishes and a validation compares:
+                      per_gpu_tflops    achieved teraFLOP/s per GPU, counted by `flops_formula`
+                      iteration_time_s  seconds per training iteration (optimizer step)
+                      layer_seconds     forward and backward seconds of one layer's TP shard (compute only)
+    flops_formula   for the training metrics: which FLOP count the paper used (see FLOPS_FORMULAS)
+    papers          {key: citation}; every row's source names one of the keys
+    rows            training metrics: the published runs (see below)
+    data, source    layer_seconds: a JSON file of measurements (relative to the suite file), and the
+                    {paper, table} its rows come from (each row's `row` is made from its fields)
+
+A training row is one published run:
+
+    model                       a name in configs/models
+    heads, hidden, layers       optional: the paper's numbers, checked against the model config
+    tp, pp, gpus                tensor and pipeline widths and the device count; dp = gpus / (tp pp)
+    batch, microbatch           global batch and microbatch in sequences; batch = microbatch x dp x m
+    virtual_stages              model chunks per device of the interleaved 1F1B schedule (default 1)
+    recompute                   none | selective | full (activation recomputation)
+    sequence_parallel           true | false (default false; needs tp > 1)
+    per_gpu_tflops, iteration_time_s
+                                the suite's metric is required; the other is optional
+    published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
+    source                      {paper, table, row}: where the row is printed
+    note                        optional free text
+
+Models, archs and systems are named by their shipped configs (configs/models, archs, systems). A row's
+sequence length and vocabulary are its model's. A layer suite's rows come from its JSON file's `layers`
+(model, tp, mbs, flash, fwd_s, bwd_s, fwd_bwd_s), its `gemm` timings become `Suite.gemms`.
+
+Comparing a prediction with a row: per_gpu_tflops = iteration_flops(suite.flops_formula, model, batch)
+/ (predicted iteration seconds x gpus); iteration_time_s compares seconds directly, and the published
+MFU uses flops_formula (megatron-model) over the arch's peak.
+
+Every mistake is a one-line PhazeError naming the file, the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .. import configs
+from ..errors import PhazeError, config_error
+from ..workload.models import ModelConfig, load_model
+
+KIND = "validation"
+TRAINING_METRICS = ("per_gpu_tflops", "iteration_time_s")
+LAYER_METRICS = ("layer_seconds",)
+METRICS = TRAINING_METRICS + LAYER_METRICS
+RECOMPUTE = ("none", "selective", "full")
+PUBLISHED_FIELDS = (
+    "percent_of_peak",  # achieved FLOP/s as a percentage of the GPU's peak
+    "aggregate_pflops",  # achieved petaFLOP/s over all GPUs
+    "mfu_percent",  # model FLOPs utilisation
+    "hfu_percent",  # hardware FLOPs utilisation
+    "throughput_increase_percent",  # speed-up over the paper's baseline
+)
+
+TOP_REQUIRED = ("suite", "description", "arch", "metric")
+TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
+ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
+ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
+                *TRAINING_METRICS)
+LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
+GEMM_KEYS = ("M", "N", "K", "s", "tflops")
+
+
+# FLOPs per iteration of a GPT (B sequences of s tokens, l layers, hidden h, vocabulary V), as the
+# Megatron papers count them (matrix multiplications only; 2 FLOPs per multiply-add).
+def _hardware_full_recompute(B, s, l, h, V):
+    # Narayanan et al., SC'21, eq. (3): the forward pass counted twice (full recomputation).
+    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def _model(B, s, l, h, V):
+    # Korthikanti et al. 2022, sec. 6: forward + backward, no recomputation (model FLOPs, for MFU).
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def _hardware_selective(B, s, l, h, V):
+    # Korthikanti et al. 2022: model FLOPs + the recomputed attention core (QK^T, softmax-V).
+    return 72 * B * s * l * h**2 * (1 + s / (3 * h) + V / (12 * l * h))
+
+
+FLOPS_FORMULAS: dict[str, tuple[str, Callable[..., float]]] = {
+    "megatron-hardware-full-recompute": ("96 B s l h^2 (1 + s/(6h) + V/(16 l h))", _hardware_full_recompute),
+    "megatron-model": ("72 B s l h^2 (1 + s/(6h) + V/(12 l h))", _model),
+    "megatron-hardware-selective": ("72 B s l h^2 (1 + s/(3h) + V/(12 l h))", _hardware_selective),
+}
+
+
+def iteration_flops(formula: str, model: ModelConfig | str, batch: int) -> float:
+    """FLOPs of one iteration of `batch` sequences by one of FLOPS_FORMULAS."""
+    if formula not in FLOPS_FORMULAS:
+        raise PhazeError(f"unknown FLOP formula '{formula}': choose one of {', '.join(FLOPS_FORMULAS)}")
+    m = load_model(model)
+    return float(FLOPS_FORMULAS[formula][1](batch, m.seq, m.layers, m.hidden, m.vocab))
+
+
+@dataclass(frozen=True)
+class Source:
+    paper: str  # a key of the suite's `papers`
+    table: str
+    row: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published training run."""
+
+    model: str
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    microbatch: int
+    recompute: str
+    sequence_parallel: bool
+    virtual_stages: int
+    value: float  # the suite's metric
+    source: Source
+    per_gpu_tflops: float | None = None
+    iteration_time_s: float | None = None
+    published: Mapping[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches each pipeline runs per iteration."""
+        return self.batch // (self.microbatch * self.dp)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One layer's TP shard timed on one device (compute only, no collectives)."""
+
+    model: str
+    tp: int
+    microbatch: int
+    flash: bool  # FlashAttention kernels; false = unfused attention, as the project's graphs
+    fwd_s: float
+    bwd_s: float
+    source: Source
+
+    @property
+    def fwd_bwd_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A plain bf16 GEMM (M x K) @ (K x N) timed on the suite's device."""
+
+    m: int
+    n: int
+    k: int
+    seconds: float
+    tflops: float
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    path: str
+    arch: str
+    system: str | None
+    metric: str
+    flops_formula: str | None
+    papers: Mapping[str, str]
+    rows: tuple  # of Row (training metrics) or LayerRow (layer_seconds)
+    gemms: tuple[Gemm, ...] = ()
+    data: str | None = None  # the measurements file of a layer suite
+
+    @property
+    def flops_expression(self) -> str | None:
+        return FLOPS_FORMULAS[self.flops_formula][0] if self.flops_formula else None
+
+
+def suites_dir() -> Path:
+    return configs.configs_dir() / KIND
+
+
+def list_suites() -> list[str]:
+    return configs.available(KIND)
+
+
+def suite_path(name_or_path: str | os.PathLike) -> Path:
+    """A suite's name (configs/validation/<name>.yaml) or a path to a suite file."""
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or os.sep in text:
+        path = Path(text)
+        if not path.is_file():
+            raise PhazeError(f"{text}: no such validation suite file")
+        return path
+    path = suites_dir() / f"{text}.yaml"
+    if not path.is_file():
+        raise PhazeError(
+            f"unknown validation suite '{text}': choose one of {', '.join(list_suites()) or '(none)'}, "
+            "or give a path to a YAML file"
+        )
+    return path
+
+
+def load_suite(name_or_path: str | os.PathLike) -> Suite:
+    """Read and validate a suite; the first problem found is a one-line PhazeError."""
+    path = suite_path(name_or_path)
+    data = configs.read_yaml(path)
+    if not isinstance(data, dict):
+        raise PhazeError(f"{path}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    return suite_from_mapping(data, path)
+
+
+def suite_from_mapping(data: Mapping[str, Any], file) -> Suite:
+    configs.check_keys(data, file, TOP_REQUIRED, TOP_OPTIONAL)
+    name = _text(data, "suite", file)
+    description = _text(data, "description", file)
+    metric = configs.one_of(data, "metric", file, METRICS)
+    arch = _config_name(data, "arch", "archs", file)
+    training = metric in TRAINING_METRICS
+    needed = ("system", "flops_formula", "papers", "rows") if training else ("papers", "data", "source")
+    banned = ("data", "source") if training else ("rows", "flops_formula")
+    for key in needed:
+        if key not in data:
+            raise config_error(file, key, f"missing required field (metric {metric})")
+    for key in banned:
+        if key in data:
+            raise config_error(file, key, f"not allowed with metric {metric}")
+    system = _config_name(data, "system", "systems", file) if "system" in data else None
+    formula = configs.one_of(data, "flops_formula", file, FLOPS_FORMULAS) if training else None
+    papers = _papers(data, file)
+    if training:
+        rows = _training_rows(data["rows"], metric, papers, file)
+        return Suite(name=name, description=description, path=str(file), arch=arch, system=system, metric=metric,
+                     flops_formula=formula, papers=papers, rows=rows)
+    source = _mapping(data["source"], "source", file, ("paper", "table"))
+    paper = _paper(source, "source", papers, file)
+    table = _text(source, "table", file, "source.table", numbers=True)
+    data_path = Path(file).parent / _text(data, "data", file)
+    rows, gemms = _layer_rows(data_path, file, paper, table)
+    return Suite(name=name, description=description, path=str(file), arch=arch, system=system, metric=metric,
+                 flops_formula=None, papers=papers, rows=rows, gemms=gemms, data=str(data_path))
+
+
+def _text(data: Mapping[str, Any], key: str, file, label: str | None = None, numbers: bool = False) -> str:
+    value = data.get(key)
+    if numbers and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # a table or row number may be written bare
+    if not isinstance(value, str) or not value.strip():
+        raise config_error(file, label or key, f"must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _mapping(value: Any, label: str, file, required=(), optional=()) -> Mapping[str, Any]:
+    """A nested mapping with only the given keys; errors name the key by its full path (`rows[2].tp`)."""
+    if not isinstance(value, dict):
+        raise config_error(file, label, f"must be a mapping, got {value!r}")
+    allowed = (*required, *optional)
+    for key in value:
+        if allowed and key not in allowed:
+            raise config_error(file, f"{label}.{key}",
+                               f"unknown field; allowed fields are {', '.join(sorted(allowed))}")
+    for key in required:
+        if key not in value:
+            raise config_error(file, f"{label}.{key}", "missing required field")
+    return value
+
+
+def _config_name(data: Mapping[str, Any], key: str, kind: str, file) -> str:
+    name = _text(data, key, file)
+    choices = configs.available(kind)
+    if name not in choices:
+        raise config_error(file, key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
+    return name
+
+
+def _papers(data: Mapping[str, Any], file) -> dict[str, str]:
+    papers = _mapping(data.get("papers"), "papers", file)
+    if not papers:
+        raise config_error(file, "papers", "must name at least one paper as {key: citation}")
+    return {str(k): _text(papers, k, file, f"papers.{k}") for k in papers}
+
+
+def _source(value: Any, label: str, papers: Mapping[str, str], file) -> Source:
+    src = _mapping(value, label, file, ("paper", "table", "row"))
+    table, row = (_text(src, k, file, f"{label}.{k}", numbers=True) for k in ("table", "row"))
+    return Source(paper=_paper(src, label, papers, file), table=table, row=row)
+
+
+def _paper(src: Mapping[str, Any], label: str, papers: Mapping[str, str], file) -> str:
+    paper = _text(src, "paper", file, f"{label}.paper")
+    if paper not in papers:
+        raise config_error(file, f"{label}.paper",
+                           f"must be one of the suite's papers ({', '.join(papers)}), got {paper!r}")
+    return paper
+
+
+def _number(data: Mapping[str, Any], key: str, file, label: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise config_error(file, label, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _int(data: Mapping[str, Any], key: str, file, label: str, default: Any = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise config_error(file, label, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _model(name: Any, label: str, file, cache: dict[str, ModelConfig]) -> ModelConfig:
+    if not isinstance(name, str) or not name.strip():
+        raise config_error(file, label, f"must be a model name, got {name!r}")
+    if name not in cache:
+        choices = configs.available("models")
+        if name not in choices:
+            raise config_error(file, label, f"unknown model '{name}'; choose one of {', '.join(choices)}")
+        cache[name] = load_model(name)
+    return cache[name]
+
+
+def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file) -> tuple[Row, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise config_error(file, "rows", f"must be a non-empty list of runs, got {raw!r}")
+    models: dict[str, ModelConfig] = {}
+    return tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
+
+
+def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
+    row = _mapping(raw, at, file, ROW_REQUIRED + (metric,), ROW_OPTIONAL)
+    model = _model(row["model"], f"{at}.model", file, models)
+    for key in ("heads", "hidden", "layers"):
+        if key in row and row[key] != getattr(model, key):
+            raise config_error(file, f"{at}.{key}",
+                               f"is {row[key]!r} but model {model.name} has {getattr(model, key)}")
+    tp, pp, gpus, batch, mbs = (_int(row, k, file, f"{at}.{k}") for k in ("tp", "pp", "gpus", "batch", "microbatch"))
+    if tp not in model.tp_widths:
+        raise config_error(file, f"{at}.tp", _tp_choices(model, tp))
+    if pp > model.layers:
+        raise config_error(file, f"{at}.pp", f"cannot exceed the model's {model.layers} layers, got {pp}")
+    if gpus % (tp * pp):
+        raise config_error(file, f"{at}.tp", f"tp x pp ({tp} x {pp} = {tp * pp}) must divide gpus ({gpus})")
+    dp = gpus // (tp * pp)
+    if batch % (mbs * dp):
+        raise config_error(file, f"{at}.batch",
+                           f"must be a multiple of microbatch x dp ({mbs} x {dp} = {mbs * dp}), got {batch}")
+    chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
+    if chunks > 1 and model.layers % (pp * chunks):
+        raise config_error(file, f"{at}.virtual_stages",
+                           f"pp x virtual_stages ({pp} x {chunks}) must divide the model's {model.layers} layers")
+    if chunks > 1 and (batch // (mbs * dp)) % pp:
+        raise config_error(file, f"{at}.virtual_stages", f"the interleaved schedule needs microbatches per "
+                           f"pipeline ({batch // (mbs * dp)}) to be a multiple of pp ({pp})")
+    recompute = _choice(row, "recompute", RECOMPUTE, file, at)
+    sp = row.get("sequence_parallel", False)
+    if not isinstance(sp, bool):
+        raise config_error(file, f"{at}.sequence_parallel", f"must be true or false, got {sp!r}")
+    if sp and tp == 1:
+        raise config_error(file, f"{at}.sequence_parallel",
+                           "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
+    values = {k: _number(row, k, file, f"{at}.{k}") for k in TRAINING_METRICS if k in row}
+    published = _mapping(row.get("published", {}), f"{at}.published", file, (), PUBLISHED_FIELDS)
+    published = {k: _number(published, k, file, f"{at}.published.{k}") for k in published}
+    note = row.get("note", "")
+    if not isinstance(note, str):
+        raise config_error(file, f"{at}.note", f"must be a string, got {note!r}")
+    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
+               sequence_parallel=sp, virtual_stages=chunks, value=values[metric],
+               source=_source(row["source"], f"{at}.source", papers, file),
+               per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
+               published=published, note=note)
+
+
+def _tp_choices(model: ModelConfig, tp: int) -> str:
+    return f"must be one of {model.name}'s TP widths ({', '.join(map(str, model.tp_widths))}), got {tp}"
+
+
+def _choice(row: Mapping[str, Any], key: str, choices, file, at: str) -> str:
+    value = row.get(key)
+    if value not in choices:
+        raise config_error(file, f"{at}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _layer_rows(path: Path, file, paper: str, table: str) -> tuple[tuple[LayerRow, ...], tuple[Gemm, ...]]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError:
+        raise config_error(file, "data", f"cannot read {path}") from None
+    except json.JSONDecodeError as exc:
+        raise PhazeError(f"{path}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), list) or not data["layers"]:
+        raise config_error(path, "layers", "must be a non-empty list of layer timings")
+    models: dict[str, ModelConfig] = {}
+    rows = []
+    for i, raw in enumerate(data["layers"]):
+        at = f"layers[{i}]"
+        entry = _mapping(raw, at, path, LAYER_KEYS)
+        model = _model(entry["model"], f"{at}.model", path, models)
+        tp, mbs = _int(entry, "tp", path, f"{at}.tp"), _int(entry, "mbs", path, f"{at}.mbs")
+        if tp not in model.tp_widths:
+            raise config_error(path, f"{at}.tp", _tp_choices(model, tp))
+        flash = entry["flash"]
+        if not isinstance(flash, bool):
+            raise config_error(path, f"{at}.flash", f"must be true or false, got {flash!r}")
+        fwd, bwd, both = (_number(entry, k, path, f"{at}.{k}") for k in ("fwd_s", "bwd_s", "fwd_bwd_s"))
+        if abs(fwd + bwd - both) > 1e-6 * both:
+            raise config_error(path, f"{at}.bwd_s", f"fwd_s + bwd_s ({fwd + bwd}) must equal fwd_bwd_s ({both})")
+        label = f"{model.name} tp {tp} mbs {mbs} {'flash' if flash else 'unfused'}"
+        rows.append(LayerRow(model=model.name, tp=tp, microbatch=mbs, flash=flash, fwd_s=fwd, bwd_s=bwd,
+                             source=Source(paper=paper, table=table, row=label)))
+    gemms = []
+    for i, raw in enumerate(data.get("gemm", [])):
+        entry = _mapping(raw, f"gemm[{i}]", path, GEMM_KEYS)
+        m, n, k = (_int(entry, key, path, f"gemm[{i}].{key}") for key in ("M", "N", "K"))
+        gemms.append(Gemm(m=m, n=n, k=k, seconds=_number(entry, "s", path, f"gemm[{i}].s"),
+                          tflops=_number(entry, "tflops", path, f"gemm[{i}].tflops")))
+    return tuple(rows), tuple(gemms)
