@@ -23,7 +23,7 @@ LAYERS = (
     ("solve",),
     ("design",),
     ("search",),
-    ("experiments",),
+    ("experiments", "validation"),
     ("commands",),
     ("cli", "study", "compare", "__main__"),
 )

@@ -28,6 +28,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from urllib.parse import unquote, urlparse
 
 from ..errors import PhazeError
+from ..jsonable import jsonable
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 OFF = ("off", "none", "")
@@ -601,8 +602,6 @@ def constant_params(space) -> dict[str, str]:
     out = {_key(k): str(v[0])[:MAX_PARAM] for k, v in space.params.items() if len(v) == 1}
     fields = getattr(space, "constant_arch_fields", None)
     if fields is not None:
-        from ..jsonable import jsonable
-
         out.update({_key(f"arch.{k}"): str(v)[:MAX_PARAM] for k, v in jsonable(fields()).items()})
     return out
 
