@@ -37,8 +37,8 @@ from optuna.trial import FrozenTrial, TrialState
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
+from .progress import say
 from .runner import (
-    Progress,
     Session,
     SpoolLogger,
     WorkerSpec,
@@ -48,7 +48,6 @@ from .runner import (
     one_line,
     quiet_optuna,
     run_pool,
-    score_label,
 )
 from .tracking import NullTracker
 
@@ -183,9 +182,7 @@ class _Sweeper:
         else:
             self.tracker.log_trial(frozen, artifact)
         if error is not None:
-            from .runner import _say
-
-            _say(f"point {frozen.number} failed: {error}")
+            say(f"point {frozen.number} failed: {error}")
         self.done[key] = score
         self.evaluated += 1
         return score
@@ -219,8 +216,8 @@ def run_exhaustive(config, backend=None) -> dict:
             raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
         done = _existing(session.study, session.codec)
         best0 = max((s for s in done.values() if s is not None and s > 0), default=None)
-        progress = Progress(n_points, min(len(done), n_points), session.name, "point", config.progress,
-                            score_label(config))
+        progress = session.progress(n_points, "point", initial=min(len(done), n_points),
+                                    feasible=sum(1 for s in done.values() if s))
         progress.update(0, best0)
         groups_total = len({c["area_group"] for c in clusters}) if config.order == "area" else None
         stopped, groups_done = False, 0
@@ -243,9 +240,8 @@ def run_exhaustive(config, backend=None) -> dict:
                     score = sweeper.run_point(point)
                     if config.order == "area":
                         current_best = max(current_best, score or 0.0)
-                    progress.update(sweeper.evaluated - before, score if score else None)
-                    if sweeper.best is not None and (progress.best is None or sweeper.best > progress.best):
-                        progress.update(0, sweeper.best)
+                    n = sweeper.evaluated - before
+                    progress.update(n, sweeper.best, feasible=int(n > 0 and bool(score)))
                     if sweeper.best is not None and sweeper.best != logged_best:
                         logged_best = sweeper.best
                         session.tracker.log_parent(metrics={"best_score": logged_best}, step=sweeper.evaluated)
@@ -282,12 +278,9 @@ def _run_pruned(session) -> dict:
     from .report import finish
 
     config = session.config
-    total = Grid(session.space).size
-    if total == 0:
+    if Grid(session.space).size == 0:
         raise PhazeError(f"space '{getattr(session.space, 'name', config.space)}': no grid point passes the area rule")
-    progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
-    stats = run_branch_bound(session, progress)
-    progress.close()
+    stats = run_branch_bound(session)
     history = best_history(session.all_trials())
     session.study.set_user_attr("best_history", history)
     info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}

@@ -30,7 +30,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -53,6 +52,7 @@ from .objective import (
     evaluate_point,
     jsonable,
 )
+from .progress import Progress, close_bar, say
 from .setup import (
     Backend,
     StudyConfig,
@@ -243,6 +243,10 @@ class Session:
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
 
+    def progress(self, total: int, unit: str, initial: int = 0, **options) -> Progress:
+        """Progress of this invocation, titled with the study's name and scored as its summary is."""
+        return Progress(total, initial, self.name, unit, self.config.progress, score_label(self.config), **options)
+
     def all_trials(self):
         return self.study.get_trials(deepcopy=False)
 
@@ -279,9 +283,7 @@ class Session:
             status = "FAILED"
             raise
         finally:
-            if _PROGRESS.get("bar") is not None:
-                _PROGRESS["bar"].close()
-                _PROGRESS["bar"] = None
+            close_bar()
             self.close(status)
 
 
@@ -340,7 +342,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         if frozen.state == TrialState.FAIL:
             counts["failed"] += 1
             error = (frozen.user_attrs.get("result") or {}).get("error", "failed")
-            _say(f"trial {frozen.number} failed: {error}")
+            say(f"trial {frozen.number} failed: {error}")
         elif is_feasible(frozen):
             counts["complete"] += 1
         else:
@@ -360,44 +362,6 @@ def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
         return {"interrupted": True}
 
 
-_PROGRESS = {"bar": None}
-
-
-def _say(text: str) -> None:
-    bar = _PROGRESS["bar"]
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr)
-
-
-class Progress:
-    """A tqdm bar over the study's finished trials, with the best throughput so far."""
-
-    def __init__(self, total: int, initial: int, label: str, unit: str, enabled: bool | None, fmt: Callable):
-        from tqdm import tqdm
-
-        self.fmt = fmt
-        self.bar = tqdm(total=total, initial=initial, desc=label, unit=unit, disable=None if enabled is None else not enabled,
-                        dynamic_ncols=True, file=sys.stderr)
-        _PROGRESS["bar"] = self.bar
-        self.best = None
-
-    def update(self, n: int = 1, best: float | None = None) -> None:
-        if best is not None and (self.best is None or best > self.best):
-            self.best = best
-            self.bar.set_postfix_str(f"best {self.fmt(best)}", refresh=False)
-        if n:
-            self.bar.update(n)
-
-    def set_done(self, done: int, best: float | None) -> None:
-        self.update(max(0, done - self.bar.n), best)
-
-    def close(self) -> None:
-        self.bar.close()
-        _PROGRESS["bar"] = None
-
-
 def score_label(config: StudyConfig) -> Callable[[float], str]:
     if len(config.models) > 1:
         return lambda v: f"{v:.3f}x TPUv4"
@@ -407,6 +371,12 @@ def score_label(config: StudyConfig) -> Callable[[float], str]:
 def best_score(trials) -> float | None:
     values = [t.values[0] for t in trials if is_feasible(t)]
     return max(values) if values else None
+
+
+def tally(trials) -> tuple[int, float | None, int]:
+    """What progress shows of a study's trials: how many finished, the best score, how many feasible."""
+    done = finished_trials(trials)
+    return len(done), best_score(done), sum(map(is_feasible, done))
 
 
 def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
@@ -420,18 +390,19 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()
-        done = len(finished_trials(session.all_trials()))
+        done, best, feasible = tally(session.all_trials())
         remaining = max(0, session.config.trials - done)
-        progress = Progress(session.config.trials, min(done, session.config.trials), session.name, "trial",
-                            session.config.progress, score_label(session.config))
-        progress.update(0, best_score(session.all_trials()))
+        progress = session.progress(session.config.trials, "trial", initial=min(done, session.config.trials),
+                                    feasible=feasible)
+        progress.update(0, best)
         worker_stats = []
         if remaining and session.config.workers == 1:
             spec = session.worker_spec()
 
             def on_trial(frozen):
-                improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
-                progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
+                ok = is_feasible(frozen)
+                improved = ok and (progress.best is None or frozen.values[0] > progress.best)
+                progress.update(1, frozen.values[0] if ok else None, feasible=int(ok))
                 if improved:
                     session.tracker.log_parent(metrics={"best_score": frozen.values[0]}, step=frozen.number)
 
@@ -461,9 +432,8 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
             trials = session.all_trials()
             logger.poll(trials)
-            score = best_score(trials)
-            n = len(finished_trials(trials))
-            progress.set_done(n, score)
+            n, score, feasible = tally(trials)
+            progress.set_done(n, score, feasible)
             if score is not None and (best is None or score > best):
                 best = score
                 session.tracker.log_parent(metrics={"best_score": score}, step=n)
