@@ -5,9 +5,8 @@ has 703,128 points. Most of them provably cannot beat the best design found, so 
 by a bound instead (`upper_bound` explains both bounds and why they hold):
 
 1. level 0, vectorised: an ideal-scaling throughput bound for every (architecture, HBM, microbatch),
-   covering both recompute settings. Computed in chunks of `LEVEL0_ROWS` designs of one microbatch
-   per task, so the processes share the work and the ~100 s it takes on the `phaze` space can be
-   reported as it goes.
+   covering both recompute settings. Computed in tasks of `LEVEL0_ROWS` designs of one microbatch,
+   so the processes share the work and its progress is reported as the tasks finish.
 2. level 1: the exact placement DP on lower-bound layer times of one point (~10-30 ms).
 3. full evaluation, logged as a trial like any sampled or swept point.
 
