@@ -53,8 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--output-dir", default="studies", help="where storages, plots and summaries go (default studies)")
     add_ilp_time_limit(p)
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="always show the progress bar (default: when stderr is a terminal)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
+                   help="always show the progress bar (default: a bar when stderr is a terminal, else a plain "
+                        "progress line every 10 s and at the end)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
 
 
 def config_from_args(args) -> StudyConfig:

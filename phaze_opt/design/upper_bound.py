@@ -135,13 +135,13 @@ def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int) 
             og = graph.op_graphs[kind][pass_name]
             for lo in range(0, len(designs), CHUNK):
                 hi = min(lo + CHUNK, len(designs))
-                lat = estimate(og, _slice(designs, lo, hi), interconnect=link)
+                lat = estimate(og, slice_designs(designs, lo, hi), interconnect=link)
                 out[pass_name][lo:hi, k] = pass_lower_bounds(og, lat.single, lat.split, num_tc[lo:hi], num_vc[lo:hi])
     layer_kind = np.array([graph.kinds.index(layer.kind) for layer in graph.layers], dtype=int)
     return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind)
 
 
-def _slice(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
+def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
     return DesignArrays(*(getattr(designs, f)[lo:hi] for f in DesignArrays.FIELDS))
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -49,6 +48,7 @@ from ..search.objective import Baseline, compute_baselines, recompute_flag
 from ..search.runner import run_study
 from ..search.session import Session
 from ..search.setup import Backend, StudyConfig, clean_name, default_storage
+from ..search.progress import say
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
 SYSTEMS = ("default", "phaze")
@@ -318,10 +318,6 @@ def check_relations(rows: dict) -> list[str]:
 
 # -- running the studies ------------------------------------------------------------------------------
 
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def _study_config(cfg: PublishedConfig, system: str, models: tuple[str, ...], name: str) -> StudyConfig:
     return StudyConfig(models=models, space=cfg.space, system=system, sampler=cfg.sampler, seed=cfg.seed,
                        trials=cfg.trials, study_name=name, storage=default_storage(name, cfg.output_dir),
@@ -387,7 +383,7 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
             _remove_storage(n, cfg.output_dir)
     timings = {}
 
-    _say(f"[{system}] TPUv4 rows (expert and optimal placement, {len(mbs_choices) * len(rc_choices)} settings each)")
+    say(f"[{system}] TPUv4 rows (expert and optimal placement, {len(mbs_choices) * len(rc_choices)} settings each)")
     t = time.perf_counter()
     row1, row2, baselines = tpuv4_rows(cfg.models, evaluator, reference, system, mbs_choices, rc_choices)
     timings["tpuv4_s"] = time.perf_counter() - t
@@ -398,7 +394,7 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
     timings["expert_search_s"] = {}
     for m in cfg.models:
         name = names[("expert_search", m)]
-        _say(f"[{system}] row 3, {m}: {cfg.trials} trials with the expert placement ({name})")
+        say(f"[{system}] row 3, {m}: {cfg.trials} trials with the expert placement ({name})")
         t = time.perf_counter()
         summary = _run(_study_config(cfg, system, (m,), name), expert_backend)
         timings["expert_search_s"][m] = time.perf_counter() - t
@@ -409,7 +405,7 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
     name = names["common"]
     common_models = tuple(m for m in cfg.models if baselines[m].feasible and baselines[m].throughput > 0)
     left_out = [m for m in cfg.models if m not in common_models]
-    _say(f"[{system}] row 5: {cfg.trials} trials, one design for {', '.join(common_models) or 'no model'} ({name})"
+    say(f"[{system}] row 5: {cfg.trials} trials, one design for {', '.join(common_models) or 'no model'} ({name})"
          + (f"; left out (no TPUv4 baseline to normalise by): {', '.join(left_out)}" if left_out else ""))
     t = time.perf_counter()
     common = None
@@ -440,7 +436,7 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
                     seeds[same[0]] = (f"{seeds[same[0]][0]}+{key}", seeds[same[0]][1])
                 else:
                     seeds.append((key, best["design"]))
-        _say(f"[{system}] row 4, {m}: {cfg.trials} trials, co-optimised, seeded with the designs of "
+        say(f"[{system}] row 4, {m}: {cfg.trials} trials, co-optimised, seeded with the designs of "
              f"{', '.join(k for k, _ in seeds) or 'none'} ({name})")
         t = time.perf_counter()
         summary = _run(_study_config(cfg, system, (m,), name), base, seeds)

@@ -5,7 +5,8 @@ has 703,128 points. Most of them provably cannot beat the best design found, so 
 by a bound instead (`upper_bound` explains both bounds and why they hold):
 
 1. level 0, vectorised: an ideal-scaling throughput bound for every (architecture, HBM, microbatch),
-   covering both recompute settings. Computed for all designs at once, one microbatch per process.
+   covering both recompute settings. Computed in tasks of `LEVEL0_ROWS` designs of one microbatch,
+   so the processes share the work and its progress is reported as the tasks finish.
 2. level 1: the exact placement DP on lower-bound layer times of one point (~10-30 ms).
 3. full evaluation, logged as a trial like any sampled or swept point.
 
@@ -36,22 +37,27 @@ import heapq
 import itertools
 import multiprocessing
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, as_completed, wait
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from ..design.upper_bound import (CHUNK, WidthBounds, ideal_throughput, layer_lower_bounds, placement_throughput,
+                                  slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..system import load_system
 from ..workload.models import load_model
 from . import objective
 from .report import finish, unproven_points
-from .session import Progress, Session, one_line, quiet_optuna, score_label
+from .session import Session, one_line, quiet_optuna
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
+
+# Design rows per level-0 task: a multiple of upper_bound.CHUNK, so every `estimate` call sees exactly
+# the slice of designs it saw when a task bounded all of them (the same numbers, bit for bit).
+LEVEL0_ROWS = CHUNK
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED = range(3)
@@ -92,15 +98,38 @@ def _init_worker(model: str, system: str, ctx) -> None:
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
-def _level0(space, mbs: int) -> tuple[np.ndarray, list]:
-    """Ideal bound and lower-bound layer times of every design row at one microbatch."""
+def _level0(space, mbs: int, lo: int, hi: int) -> list[WidthBounds]:
+    """Lower-bound layer times of design rows lo..hi at one microbatch, at every TP width."""
     model, system = _W["model"], _W["system"]
     key = (space.name, id(space))
-    if _W.get("designs_of") != key:  # 88k designs take seconds to build; a worker keeps one space's for every microbatch
+    if _W.get("designs_of") != key:  # 88k designs take seconds to build; a worker keeps one space's for every chunk
         _W.update(designs_of=key, designs=DesignArrays.from_accelerators(Grid(space).accelerators()))
-    designs = _W["designs"]
-    widths = [layer_lower_bounds(model, designs, mbs, system, tp) for tp in tp_widths(model, system)]
-    return ideal_throughput(widths, mbs, system.accelerators), widths
+    designs = slice_designs(_W["designs"], lo, hi)
+    return [layer_lower_bounds(model, designs, mbs, system, tp) for tp in tp_widths(model, system)]
+
+
+def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[WidthBounds]]]:
+    """Level 0 for every (microbatch, design row): the ideal bound [n_m, n_rows] and each microbatch's
+    lower-bound layer times, computed in chunks whose progress is reported as they finish."""
+    tasks = [(m, lo, min(lo + LEVEL0_ROWS, grid.n_rows)) for m in range(len(grid.mbss))
+             for lo in range(0, grid.n_rows, LEVEL0_ROWS)]
+    progress = session.progress(len(grid.mbss) * grid.n_rows, "design", phase="bounding")
+    results: list = [None] * len(tasks)
+    for i, part in _as_completed(pool, _level0, [(session.space, grid.mbss[m], lo, hi) for m, lo, hi in tasks]):
+        results[i] = part
+        progress.update(tasks[i][2] - tasks[i][1])
+    progress.close()
+    accelerators = load_system(session.config.system).accelerators
+    parts = [[part for (m, _, _), part in zip(tasks, results) if m == k] for k in range(len(grid.mbss))]
+    widths = [[_concat([chunk[t] for chunk in chunks]) for t in range(len(chunks[0]))] for chunks in parts]
+    ub0 = np.stack([ideal_throughput(w, mbs, accelerators) for w, mbs in zip(widths, grid.mbss)])
+    return ub0, widths
+
+
+def _concat(chunks: list[WidthBounds]) -> WidthBounds:
+    first = chunks[0]
+    return WidthBounds(first.tp, np.concatenate([c.kind_fwd for c in chunks]),
+                       np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
 
 
 def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list) -> list[float]:
@@ -139,6 +168,14 @@ class _Inline:
         pass
 
 
+def _as_completed(pool, fn, calls: list[tuple]):
+    """(index, fn(*args)) for each of `calls`, as each finishes: a slow task holds back no report."""
+    if isinstance(pool, _Inline):
+        return ((i, fn(*args)) for i, args in enumerate(calls))
+    futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
+    return ((futures[f], f.result()) for f in as_completed(futures))
+
+
 def _executor(workers: int, initargs):
     if workers <= 1:
         return _Inline(_init_worker, initargs)
@@ -150,13 +187,9 @@ def _executor(workers: int, initargs):
 
 def run_pruned(session: Session) -> dict:
     """The bound-pruned exhaustive sweep: every point settled by evaluation or by a proven bound."""
-    config = session.config
-    total = Grid(session.space).size
-    if total == 0:
+    if Grid(session.space).size == 0:
         raise PhazeError(f"space '{session.space.name}': no grid point passes the area rule")
-    progress = Progress(total, 0, session.name, "point", config.progress, score_label(config))
-    stats = run_branch_bound(session, progress)
-    progress.close()
+    stats = run_branch_bound(session)
     history = best_history(session.all_trials())
     session.study.set_user_attr("best_history", history)
     info = {"order": "best-first by bound", "hysteresis": None, "prune": "bound", **stats}
@@ -165,8 +198,7 @@ def run_pruned(session: Session) -> dict:
                                                "best_history": history}})
 
 
-
-def run_branch_bound(session, progress) -> dict:
+def run_branch_bound(session) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
     config = session.config
     model_name = config.models[0]
@@ -174,7 +206,6 @@ def run_branch_bound(session, progress) -> dict:
     t_start = time.perf_counter()
     done = existing_scores(session.study, session.codec)  # resumed points: key -> score
     incumbent = max((s for s in done.values() if s is not None), default=0.0)
-    progress.update(0, incumbent if incumbent > 0 else None)
 
     n_m, n_r = len(grid.mbss), len(grid.rcs)
     status = np.full((n_m, grid.n_rows, n_r), BOUND_IDEAL, dtype=np.int8)
@@ -185,11 +216,16 @@ def run_branch_bound(session, progress) -> dict:
     pool = _executor(config.workers, (model_name, config.system, session.context()))
     try:
         t0 = time.perf_counter()
-        level0 = list(pool.map(_level0, itertools.repeat(session.space, n_m), grid.mbss))
+        ub0, widths = _bound_level0(session, grid, pool)  # [n_m, n_rows], per microbatch per TP width
         stats["level0_s"] = time.perf_counter() - t0
-        widths = [w for _, w in level0]
-        ub0 = np.stack([u for u, _ in level0])  # [n_m, n_rows]
         bound[:] = ub0[:, :, None]
+        # Settled so far: evaluated, or bounded at or below the best (best-first never evaluates those).
+        progress = session.progress(grid.size, "point", phase="settled", steady=False)
+        progress.update(0, incumbent if incumbent > 0 else None)
+
+        def report():
+            progress.set_done(int(np.count_nonzero((bound <= incumbent) | ~np.isnan(score))),
+                              incumbent if incumbent > 0 else None, evaluated=int(np.count_nonzero(~np.isnan(score))))
         order = np.argsort(-ub0, axis=None, kind="stable")
         accels: dict[int, object] = {}
 
@@ -224,7 +260,6 @@ def run_branch_bound(session, progress) -> dict:
                     failed_keys.add(point_key(session.codec, point))
                     stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[m, row, r]),
                                             "error": error})
-                progress.update(1, incumbent if incumbent > 0 else None)
                 if extra.get("new_best"):
                     session.tracker.log_best(incumbent, frozen.number)
 
@@ -277,6 +312,10 @@ def run_branch_bound(session, progress) -> dict:
                 live = {r: b for r, b in ub1.items() if b > incumbent}
                 if live:
                     heapq.heappush(heap, (-max(live.values()), next(seq), m, row, live))
+            if progress.due():
+                report()
+        report()
+        progress.close()
     finally:
         pool.shutdown(cancel_futures=True) if isinstance(pool, ProcessPoolExecutor) else pool.shutdown()
 
@@ -304,7 +343,6 @@ def run_branch_bound(session, progress) -> dict:
                                         "bound_ideal": counts["bound-ideal"],
                                         "bound_placement": counts["bound-placement"]})
     session.tracker.log_parent_file(path)
-    progress.set_done(grid.size, incumbent if incumbent > 0 else None)
     return stats
 
 

@@ -35,7 +35,7 @@ class StudyConfig:
     area_group_mm2: float = PHAZE_AREA_GROUP_MM2
     output_dir: str = "studies"
     reference_arch: str = "tpuv4"
-    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines; True: bar; False: none
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: evaluate's default (60 s)
 
     @property

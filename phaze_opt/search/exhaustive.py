@@ -39,9 +39,9 @@ from ..training import SAMPLED_FIELDS
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
 from .branch_bound import run_pruned
+from .progress import say
 from .report import finish
 from .session import (
-    Progress,
     Session,
     SpoolLogger,
     WorkerSpec,
@@ -49,8 +49,6 @@ from .session import (
     one_line,
     quiet_optuna,
     run_pool,
-    say,
-    score_label,
 )
 from .setup import load_study
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
@@ -176,8 +174,8 @@ def run_exhaustive(config, backend=None) -> dict:
             raise PhazeError(f"space '{session.space.name}': no grid point passes the area rule")
         done = existing_scores(session.study, session.codec)
         best0 = max((s for s in done.values() if s is not None and s > 0), default=None)
-        progress = Progress(n_points, min(len(done), n_points), session.name, "point", config.progress,
-                            score_label(config))
+        progress = session.progress(n_points, "point", initial=min(len(done), n_points),
+                                    feasible=sum(1 for s in done.values() if s))
         progress.update(0, best0)
         groups_total = len({c["area_group"] for c in clusters}) if config.order == "area" else None
         stopped, groups_done = False, 0
@@ -200,9 +198,8 @@ def run_exhaustive(config, backend=None) -> dict:
                     score = sweeper.run_point(point)
                     if config.order == "area":
                         current_best = max(current_best, score or 0.0)
-                    progress.update(sweeper.evaluated - before, score if score else None)
-                    if sweeper.best is not None and (progress.best is None or sweeper.best > progress.best):
-                        progress.update(0, sweeper.best)
+                    n = sweeper.evaluated - before
+                    progress.update(n, sweeper.best, feasible=int(n > 0 and bool(score)))
                     if sweeper.best is not None and sweeper.best != logged_best:
                         logged_best = sweeper.best
                         session.tracker.log_best(logged_best, sweeper.best_number)

@@ -17,20 +17,17 @@ from optuna.trial import TrialState
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
+from .progress import Progress, say
 from .session import (
-    Progress,
     Session,
     SpoolLogger,
     WorkerSpec,
-    best_score,
-    finished_trials,
     is_feasible,
     one_line,
     quiet_optuna,
     run_pool,
-    say,
-    score_label,
     split_quota,
+    tally,
 )
 from .setup import Backend, StudyConfig, load_study
 from .tracking import NullTracker
@@ -117,18 +114,19 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()
-        done = len(finished_trials(session.all_trials()))
+        done, best, feasible = tally(session.all_trials())
         remaining = max(0, session.config.trials - done)
-        progress = Progress(session.config.trials, min(done, session.config.trials), session.name, "trial",
-                            session.config.progress, score_label(session.config))
-        progress.update(0, best_score(session.all_trials()))
+        progress = session.progress(session.config.trials, "trial", initial=min(done, session.config.trials),
+                                    feasible=feasible)
+        progress.update(0, best)
         worker_stats = []
         if remaining and session.config.workers == 1:
             spec = session.worker_spec()
 
             def on_trial(frozen):
-                improved = is_feasible(frozen) and (progress.best is None or frozen.values[0] > progress.best)
-                progress.update(1, frozen.values[0] if is_feasible(frozen) else None)
+                ok = is_feasible(frozen)
+                improved = ok and (progress.best is None or frozen.values[0] > progress.best)
+                progress.update(1, frozen.values[0] if ok else None, feasible=int(ok))
                 if improved:
                     session.tracker.log_best(frozen.values[0], frozen.number)
 

@@ -14,7 +14,8 @@ workers of each invocation are kept in the study attribute `workers_per_run`.
 
 Also here, for every strategy: which trials count as finished (`finished_trials`), feasibility,
 the worker spec a process needs (`WorkerSpec`), the parent's MLflow logging of worker trials
-(`SpoolLogger`), the pool of spawned workers (`run_pool`) and the progress bar (`Progress`, `say`).
+(`SpoolLogger`), the pool of spawned workers (`run_pool`) and each invocation's progress
+(`Session.progress`, drawn by `progress.Progress`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -38,6 +38,7 @@ from optuna.trial import TrialState
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
+from .progress import Progress, close_bar
 from .setup import Backend, StudyConfig, prepare
 from .tracking import (
     NOTE_TAG,
@@ -255,6 +256,10 @@ class Session:
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
 
+    def progress(self, total: int, unit: str, initial: int = 0, **options) -> Progress:
+        """Progress of this invocation, titled with the study's name and scored as its summary is."""
+        return Progress(total, initial, self.name, unit, self.config.progress, score_label(self.config), **options)
+
     def end_wall(self) -> float:
         """The end of this invocation: store the study's wall time (`study_wall_s`) once; returns it."""
         if self.wall_s is None:
@@ -303,49 +308,8 @@ class Session:
                     self.end_wall()
                 except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
                     pass
-            if _PROGRESS.get("bar") is not None:
-                _PROGRESS["bar"].close()
-                _PROGRESS["bar"] = None
+            close_bar()
             self.close(status)
-
-
-_PROGRESS = {"bar": None}
-
-
-def say(text: str) -> None:
-    """One line to stderr, above the progress bar when one is shown."""
-    bar = _PROGRESS["bar"]
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr)
-
-
-class Progress:
-    """A tqdm bar over the study's finished trials, with the best throughput so far."""
-
-    def __init__(self, total: int, initial: int, label: str, unit: str, enabled: bool | None, fmt: Callable):
-        from tqdm import tqdm
-
-        self.fmt = fmt
-        self.bar = tqdm(total=total, initial=initial, desc=label, unit=unit, disable=None if enabled is None else not enabled,
-                        dynamic_ncols=True, file=sys.stderr)
-        _PROGRESS["bar"] = self.bar
-        self.best = None
-
-    def update(self, n: int = 1, best: float | None = None) -> None:
-        if best is not None and (self.best is None or best > self.best):
-            self.best = best
-            self.bar.set_postfix_str(f"best {self.fmt(best)}", refresh=False)
-        if n:
-            self.bar.update(n)
-
-    def set_done(self, done: int, best: float | None) -> None:
-        self.update(max(0, done - self.bar.n), best)
-
-    def close(self) -> None:
-        self.bar.close()
-        _PROGRESS["bar"] = None
 
 
 def score_label(config: StudyConfig) -> Callable[[float], str]:
@@ -359,6 +323,12 @@ def best_score(trials) -> float | None:
     return max(values) if values else None
 
 
+def tally(trials) -> tuple[int, float | None, int]:
+    """What progress shows of a study's trials: how many finished, the best score, how many feasible."""
+    done = finished_trials(trials)
+    return len(done), best_score(done), sum(map(is_feasible, done))
+
+
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
@@ -369,9 +339,8 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
             trials = session.all_trials()
             logger.poll(trials)
-            score = best_score(trials)
-            n = len(finished_trials(trials))
-            progress.set_done(n, score)
+            n, score, feasible = tally(trials)
+            progress.set_done(n, score, feasible)
             session.tracker.log_best_of(trials)
             for f in done:
                 exc = f.exception()

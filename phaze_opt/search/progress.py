@@ -1,0 +1,149 @@
+"""Progress of a study or sweep: a tqdm bar on a terminal, plain lines in a log file.
+
+A bar redraws one line with carriage returns, which a log file (`> log 2>&1`) keeps as one
+unreadable line, so tqdm turns itself off there and a three-minute study used to print nothing
+until its summary. Off a terminal, progress is instead one plain, self-contained line every
+`EVERY_S` seconds of wall time and one at the end, flushed at once so `tail -f log` follows it:
+
+    [gpt3-175b-phaze-tpe] 120/500 trials  feasible 81  best 118.2 seq/s  1.9 trials/s  ETA 3m20s
+
+`enabled` is the study's `progress` setting: None (the default) chooses by the stream, True
+always draws the bar (`--progress`), False shows nothing (`--no-progress`). The clock is
+injectable so tests can drive the pace without sleeping.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, TextIO
+
+EVERY_S = 10.0  # seconds of wall time between two plain progress lines
+BAR_EVERY_S = 0.5  # the most often `due` asks a caller for fresh counts while a bar is drawn
+
+_PROGRESS = {"bar": None}  # the live tqdm bar, so messages print above it instead of through it
+
+
+def say(text: str) -> None:
+    """One message line on stderr, above the progress bar when one is drawn."""
+    bar = _PROGRESS["bar"]
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def close_bar() -> None:
+    """Close the live bar, if any (an interrupted or failed run leaves its bar open)."""
+    if _PROGRESS["bar"] is not None:
+        _PROGRESS["bar"].close()
+        _PROGRESS["bar"] = None
+
+
+def duration(seconds: float) -> str:
+    """A short wall-time span for a log line: 45s, 3m20s, 2h05m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Progress over `total` things (trials, points, designs), with the feasible count and best score.
+
+    `feasible` is None where the count does not apply. `steady=False` drops the rate and ETA from
+    the lines, for progress that comes in jumps (a bound settling thousands of points at once)
+    where a linear estimate would mislead.
+    """
+
+    def __init__(self, total: int, initial: int, label: str, unit: str, enabled: bool | None,
+                 fmt: Callable[[float], str] | None = None, *, feasible: int | None = None, phase: str = "",
+                 steady: bool = True, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic,
+                 every_s: float = EVERY_S):
+        self.stream = stream if stream is not None else sys.stderr
+        self.total, self.n, self.initial = total, initial, initial
+        self.label, self.unit, self.phase, self.steady = label, unit, phase, steady
+        self.fmt = fmt or (lambda v: f"{v:,.4g}")
+        self.feasible = feasible
+        self.best: float | None = None
+        self.extra: dict[str, int] = {}
+        self.clock, self.every_s = clock, every_s
+        self.started = self.last_shown = clock()
+        self.bar = None
+        self.lines = False
+        if enabled or (enabled is None and _isatty(self.stream)):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=f"{label} {phase}".strip(), unit=unit,
+                            dynamic_ncols=True, file=self.stream)
+            _PROGRESS["bar"] = self.bar
+        elif enabled is None:
+            self.lines = True
+
+    def update(self, n: int = 1, best: float | None = None, feasible: int = 0) -> None:
+        """`n` more done, `feasible` of them feasible; `best` a score reached (kept if it is the best)."""
+        self.set_done(self.n + n, best, None if self.feasible is None else self.feasible + feasible)
+
+    def set_done(self, done: int, best: float | None = None, feasible: int | None = None, **extra: int) -> None:
+        """Absolute counts (from a poll of the storage): done, feasible and any named extras."""
+        if best is not None and (self.best is None or best > self.best):
+            self.best = best
+        if feasible is not None:
+            self.feasible = feasible
+        self.extra.update(extra)
+        self.n = done
+        if self.bar is not None:
+            self.bar.set_postfix_str("  ".join(self._fields()), refresh=False)
+            self.bar.update(max(0, done - self.bar.n))
+            self.last_shown = self.clock()
+        elif self.due():
+            self._print_line()
+
+    def due(self) -> bool:
+        """Whether fresh counts would be shown now, so a caller can skip computing costly ones."""
+        if self.bar is not None:
+            return self.clock() - self.last_shown >= BAR_EVERY_S
+        return self.lines and self.clock() - self.last_shown >= self.every_s
+
+    def line(self) -> str:
+        """The plain progress line for now."""
+        head = f"[{self.label}] {self.phase + ' ' if self.phase else ''}{self.n:,}/{self.total:,} {self.unit}s"
+        parts = [head, *self._fields()]
+        elapsed = self.clock() - self.started
+        if self.steady and self.n > self.initial and elapsed > 0:
+            rate = (self.n - self.initial) / elapsed
+            parts.append(f"{rate:,.0f} {self.unit}s/s" if rate >= 100 else f"{rate:.3g} {self.unit}s/s")
+            if self.n < self.total:
+                parts.append(f"ETA {duration((self.total - self.n) / rate)}")
+        return "  ".join(parts)
+
+    def _fields(self) -> list[str]:
+        out = [] if self.feasible is None else [f"feasible {self.feasible:,}"]
+        out += [f"{k} {v:,}" for k, v in self.extra.items()]
+        if self.best is not None:
+            out.append(f"best {self.fmt(self.best)}")
+        return out
+
+    def _print_line(self) -> None:
+        print(self.line(), file=self.stream, flush=True)
+        self.last_shown = self.clock()
+
+    def close(self) -> None:
+        """End the bar, or print the final line."""
+        if self.bar is not None:
+            self.bar.close()
+            if _PROGRESS["bar"] is self.bar:
+                _PROGRESS["bar"] = None
+            self.bar = None
+        elif self.lines:
+            self._print_line()
+            self.lines = False
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or a closed stream
+        return False
