@@ -158,12 +158,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads:
                     p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(O [s, b, kv_heads, g, d], log-sum-exp [B, s*g] float32) of exact attention."""
     b, s, d = _flash_rows(q, kv_heads, g)
-    scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
+    qf, kf, vf = _wide(q, k, v)
+    scores = torch.bmm(qf, kf.transpose(1, 2)) * scale
     if causal:
         scores = scores.masked_fill(_future(s, g, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.bmm(torch.exp(scores - lse[..., None]), v.float())
-    return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, d), lse
+    out = torch.bmm(torch.exp(scores - lse[..., None]), vf)
+    return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, d), lse.float()
 
 
 @flash_attention.register_fake
@@ -178,12 +179,11 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV): the scores recomputed from Q, K and L; dS = P * (dP - rowsum(dO * O))."""
     b, s, d = _flash_rows(q, kv_heads, g)
-    do, o = _from_sbhd(dout.float()), _from_sbhd(out.float())
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf, do, o = _wide(q, k, v, _from_sbhd(dout), _from_sbhd(out))
     scores = torch.bmm(qf, kf.transpose(1, 2)) * scale
     if causal:
         scores = scores.masked_fill(_future(s, g, q.device), float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     dv = torch.bmm(probs.transpose(1, 2), do)
     dp = torch.bmm(do, vf.transpose(1, 2))
     ds = probs * (dp - (do * o).sum(-1, keepdim=True)) * scale
@@ -208,6 +208,12 @@ def _flash_backward(ctx, dout, _dlse):
 
 
 flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+
+
+def _wide(*xs):
+    """The reference kernels compute in float32 at least, as the real ones accumulate."""
+    dtype = torch.promote_types(xs[0].dtype, torch.float32)
+    return tuple(x.to(dtype) for x in xs)
 
 
 def _future(s: int, g: int, device) -> torch.Tensor:
