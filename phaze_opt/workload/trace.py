@@ -22,6 +22,44 @@ lists the traced nodes it contains, reads only what enters the chain and writes 
 The bytes of activations a layer keeps for its backward pass are read off the same trace: every
 forward value (or layer input) that a backward op consumes, counted once per underlying storage
 (views of one tensor share it), excluding parameters and constants.
+
+Activation memory by recompute mode and sequence parallelism. Each saved tensor gets a region from
+the op that produced it and where that op sits in the graph (never from its size):
+
+- `attention_core`: between an activation x activation batched GEMM (Q K^T) and the next one (P V):
+  the scores' softmax, the probabilities' dropout mask and output, the a s^2 terms;
+- `tensor_parallel`: the rest of Megatron's tensor-parallel region, from the output of a GEMM whose
+  weight is column-parallel to the row-parallel GEMM that closes it (modules say which through a
+  `parallel` attribute; layers.py): Q, K, V, the attention context, the MLP's inner activations;
+- `sequence_parallel`: outside that region: the layer input, the norms' inputs, outputs and
+  statistics (which are the column-parallel GEMMs' inputs), the residual dropouts' masks;
+- `replicated`: tensors of integer inputs only (token ids, labels, masks made from them).
+
+From these, for the placement (`ops.Layer.activation_bytes_for(recompute, sequence_parallel)`,
+`Layer.checkpoint_bytes(sequence_parallel)`, `Layer.recompute_working_bytes`), following Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023 (arXiv 2205.05198):
+
+- `none`: all saved tensors (`activation_bytes`, unchanged); `selective` (Sec. 5): all but the
+  attention core, which is recomputed from the kept Q, K, V; `full`: only the layer's inputs (the
+  checkpoint), the `none` set existing again only during the layer's own backward;
+- sequence parallelism (Sec. 4.2.2) splits the `sequence_parallel` tensors and the checkpoint's
+  floating inputs over the TP group (each device keeps s/t of the sequence; the gathered input of a
+  column-parallel GEMM is gathered again in backward, not kept); integer tensors stay whole.
+
+For Megatron's GPT block (GELU MLP of 4h, LayerNorm, dropout on the probabilities and after both
+row-parallel GEMMs, 1-byte masks, 16-bit values) this reproduces Table 2 term by term:
+s b h (10 + 24/t + 5 a s / (h t)) with TP, s b h / t (34 + 5 a s / h) with SP, s b h (10 + 24/t) and
+34 s b h / t with selective recompute, 2 s b h (/ t) for the full-recompute checkpoint. The one
+addition is each LayerNorm's float32 mean and 1/std (16 s b bytes per layer, split by SP), which
+the paper leaves out; the softmax output is kept in 16 bits and the masks are bools, as it assumes.
+
+Fused attention (`ModelConfig.attention = "flash"`; layers.flash_attention): the FlashAttention
+kernels (Dao et al., NeurIPS 2022; Dao, FlashAttention-2, 2023) trace as one node per pass and map
+to one "tc+vc" op each (`_flash_cost`). FLOPs count the whole s x s square even for causal models
+(the kernels skip the tiles above the diagonal, about half the work): the unfused graph and
+Megatron's FLOP formula (Narayanan et al. 2021) count the square too, so both graphs carry the same
+model FLOPs per sequence, and the tensor-core model has no triangular GEMM to cost the skipped
+tiles with. Causal flash latencies are hence conservative by up to the attention core's share.
 """
 
 from __future__ import annotations
