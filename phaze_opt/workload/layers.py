@@ -159,9 +159,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads:
     """(O [s, b, kv_heads, g, d], log-sum-exp [B, s*g] float32) of exact attention."""
     b, s, d = _flash_rows(q, kv_heads, g)
     qf, kf, vf = _wide(q, k, v)
-    scores = torch.bmm(qf, kf.transpose(1, 2)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(s, g, q.device), float("-inf"))
+    scores = _scores(qf, kf, scale, causal, s, g)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]), vf)
     return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, d), lse.float()
@@ -180,9 +178,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """(dQ, dK, dV): the scores recomputed from Q, K and L; dS = P * (dP - rowsum(dO * O))."""
     b, s, d = _flash_rows(q, kv_heads, g)
     qf, kf, vf, do, o = _wide(q, k, v, _from_sbhd(dout), _from_sbhd(out))
-    scores = torch.bmm(qf, kf.transpose(1, 2)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(s, g, q.device), float("-inf"))
+    scores = _scores(qf, kf, scale, causal, s, g)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     dv = torch.bmm(probs.transpose(1, 2), do)
     dp = torch.bmm(do, vf.transpose(1, 2))
@@ -216,9 +212,13 @@ def _wide(*xs):
     return tuple(x.to(dtype) for x in xs)
 
 
-def _future(s: int, g: int, device) -> torch.Tensor:
-    """The causal mask of [s*g, s] scores whose rows are (position, head in group)."""
-    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).repeat_interleave(g, dim=0)
+def _scores(q, k, scale: float, causal: bool, s: int, g: int) -> torch.Tensor:
+    """Q K^T * scale, the future masked for causal models; rows are (position, head in group)."""
+    scores = torch.bmm(q, k.transpose(1, 2)) * scale
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1).repeat_interleave(g, dim=0)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
 
 
 def _to_sbhd(x, b, kv, s, g, d):
