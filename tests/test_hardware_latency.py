@@ -278,3 +278,54 @@ def test_latencies_are_finite_and_positive_on_the_phaze_grid_corners():
     g = graph(gemm(1, 2048, 12288, 49152), vec(2048 * 12288, kinds=("layernorm",)))
     lat = estimate(g, accs)
     assert np.isfinite(lat.single).all() and (lat.single > 0).all() and (lat.split > 0).all()
+
+
+# ---- fused attention (FlashAttention) -------------------------------------------------------------
+
+def flash_fwd(b=1, s=64, d=8):
+    """The forward kernel over [b, s, s] scores: Q K^T and P V, softmax on the vector core."""
+    gemms = ((b, s, d, s), (b, s, s, d))
+    return Op("fa", "flash_attention", TCVC, flops=4.0 * b * s * s * d + 5.0 * b * s * s,
+              bytes_read=3 * E * b * s * d, bytes_written=E * b * s * d + 4 * b * s,
+              gemm=(b, s, 2 * d, s), gemms=gemms, elements=b * s * s, vector_ops=("softmax",))
+
+
+def test_fused_attention_gemms_run_in_sequence():
+    # (1, 64, 8, 64) then (1, 64, 64, 8) on one 4x4 array: 2 x 16 = 32 folds of 2*4 + 4 + 64 - 2 = 74
+    # cycles each, 4736 cycles; the softmax (4096 x 8 cycles on 16 lanes = 2048) overlaps.
+    single, split = one(flash_fwd(), chip())
+    assert single == split == pytest.approx(4736e-9)
+
+
+def test_fused_attention_softmax_and_hbm_bounds():
+    # slow vector core: 4096 scores x 8 cycles on one lane
+    assert one(flash_fwd(), chip(vc_width=1))[0] == pytest.approx(4096 * 8e-9)
+    # slow HBM: only Q, K, V, O (1 KiB each) and the float32 log-sum-exp (256 B) move, no 64 x 64 scores
+    assert one(flash_fwd(), chip(hbm_bw=1e6))[0] == pytest.approx((4 * 1024 + 256) / 1e6)
+
+
+def test_fused_attention_beats_its_unfused_ops_when_memory_bound():
+    acc = chip(hbm_bw=1e8, glb_bytes=2**16)
+    b, s, d = 1, 64, 8
+    unfused = [gemm(b, s, d, s), vec(b * s * s, ("softmax",), inputs=1), gemm(b, s, s, d)]
+    assert sum(one(op, acc)[0] for op in unfused) > one(flash_fwd(b, s, d), acc)[0]
+
+
+def test_traced_flash_block_is_costed_on_real_designs():
+    from phaze_opt.hardware.energy import op_energy
+    from phaze_opt.workload.graphs import build_layer_graph
+    from phaze_opt.workload.models import load_model
+
+    designs = [load_arch("tpuv4"), load_arch("a100-like")]
+    graphs = {a: build_layer_graph(load_model("gpt3-175b"), 8, 1, 512, attention=a, cache=False).op_graphs["block"]
+              for a in ("unfused", "flash")}
+    for p in ("fwd", "bwd"):
+        flash = estimate(graphs["flash"][p], designs)
+        i = next(j for j, op in enumerate(graphs["flash"][p].ops) if op.kind == "flash_attention")
+        assert np.all(flash.split[:, i] > 0) and np.all(flash.split[:, i] <= flash.single[:, i])
+        assert not flash.unknown_vector_ops
+        energy = op_energy(graphs["flash"][p], designs)
+        op = graphs["flash"][p].ops[i]  # energy reads the MAC-equivalent GEMM: every GEMM's MACs counted
+        assert np.all(energy.macs[:, i] == sum(math.prod(g) for g in op.gemms)) and np.all(np.isfinite(energy.compute))
+        # the fused kernel moves no s x s tensor: less time than the unfused block's ops, op for op
+        assert np.all(flash.split.sum(1) < estimate(graphs["unfused"][p], designs).split.sum(1))

@@ -66,3 +66,24 @@ def test_errors_are_one_line_with_status_2(capsys, argv, message):
     code, out, err = run(capsys, "workload", *argv)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_json_memory_by_mode_and_flash_attention(capsys):
+    code, out, _ = run(capsys, "workload", "--model", "gpt3-175b", "--tp", "4", "--seq", "512", "--json")
+    assert code == 0
+    unfused = json.loads(out)
+    code, out, _ = run(capsys, "workload", "--model", "gpt3-175b", "--tp", "4", "--seq", "512", "--attention",
+                       "flash", "--json")
+    assert code == 0
+    flash = json.loads(out)
+    assert unfused["attention"] == "unfused" and flash["attention"] == "flash"
+    b0, b1 = unfused["layers"][1], flash["layers"][1]
+    modes = b0["activation_bytes_by_mode"]
+    assert set(modes) == {"none", "selective", "full", "none+sp", "selective+sp", "full+sp"}
+    assert modes["none"] == b0["activation_bytes"] and modes["full"] == b0["checkpoint_bytes"] == 512 * 12288 * 2
+    assert modes["full+sp"] == b0["checkpoint_bytes_sp"] == modes["full"] // 4
+    assert modes["selective"] == modes["none"] - b0["attention_core_bytes"]
+    assert b1["attention_core_bytes"] == 0 and b1["bwd_ops"]["tc+vc"] == 1 and "tc+vc" not in b0["bwd_ops"]
+    with pytest.raises(SystemExit) as exc:  # argparse rejects the choice with its usage line
+        run(capsys, "workload", "--model", "gpt3-175b", "--attention", "ring")
+    assert exc.value.code == 2 and "--attention" in capsys.readouterr().err

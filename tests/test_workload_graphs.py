@@ -280,6 +280,21 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     assert build_layer_graph(m, 2, 1) is again  # in-memory hit
 
 
+def test_disk_cache_round_trip_keeps_fused_attention_and_memory_regions(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    m = small_model("gpt")
+    first = build_layer_graph(m, 2, 1, attention="flash")
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    again = build_layer_graph(m, 2, 1, attention="flash")
+    assert again.extra["source"] == "disk cache"
+    assert again.layers == first.layers
+    assert any(layer.attention_core_bytes > 0 or layer.sequence_parallel_bytes > 0 for layer in again.layers)
+    fused = [op for og in again.op_graphs["block"].values() for op in og.ops if op.gemms]
+    assert fused and fused == [op for og in first.op_graphs["block"].values() for op in og.ops if op.gemms]
+    assert all(isinstance(g, tuple) for op in fused for g in op.gemms)
+
+
 def test_cache_key_separates_shapes_and_configs():
     m = small_model("gpt")
     keys = {graphs.graph_key(m, 1, 1, 8), graphs.graph_key(m, 2, 1, 8), graphs.graph_key(m, 1, 2, 8),

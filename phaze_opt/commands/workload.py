@@ -19,6 +19,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel width (default 1)")
     add_mbs(parser)
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--attention", choices=("unfused", "flash"), default=None,
+                        help="attention kernels: unfused (default: the model's choice) or flash (one fused op per pass)")
     parser.add_argument("--no-cache", action="store_true", help="extract again instead of using the disk cache")
 
 
@@ -32,7 +34,8 @@ def run(args) -> dict:
     mbs = check_mbs(args)
     if args.seq is not None:
         positive_arg(args.seq, "--seq", LIMITS["seq"])
-    graph = build_layer_graph(model, args.tp, mbs, args.seq, cache=not args.no_cache)
+    graph = build_layer_graph(model, args.tp, mbs, args.seq, cache=not args.no_cache,
+                              attention=args.attention)
     elapsed = time.perf_counter() - start
     layers = []
     for layer in graph.layers:
@@ -49,11 +52,19 @@ def run(args) -> dict:
             "bwd_flops": layer.bwd_flops,
             "fwd_ops": ops["fwd"].count_by_unit(),
             "bwd_ops": ops["bwd"].count_by_unit(),
+            # bytes kept per microbatch by recompute mode (none/selective/full), each also with
+            # sequence parallelism over the TP group ("+sp"); see Layer.activation_bytes_for
+            "activation_bytes_by_mode": layer.activation_bytes_by_mode(),
+            "attention_core_bytes": layer.attention_core_bytes,
+            "sequence_parallel_bytes": layer.sequence_parallel_bytes,
+            "checkpoint_bytes": layer.checkpoint_bytes(False),
+            "checkpoint_bytes_sp": layer.checkpoint_bytes(True),
         })
     return {
         "model": model.name,
         "family": model.family,
         "tp": graph.tp,
+        "attention": args.attention or model.attention,
         "mbs": graph.mbs,
         "seq": graph.seq,
         "params": graph.total_params,
@@ -84,12 +95,13 @@ def _counts(c: dict) -> str:
 
 def render(r: dict) -> str:
     lines = [
-        f"model {r['model']} ({r['family']}), TP {r['tp']}, microbatch {r['mbs']}, sequence {r['seq']}",
+        f"model {r['model']} ({r['family']}), TP {r['tp']}, microbatch {r['mbs']}, sequence {r['seq']}, "
+        f"{r['attention']} attention",
         f"  parameters (whole model):     {r['params']:,} ({r['params'] / 1e9:.3f} B)",
         f"  training FLOPs per sequence:  {_si(r['train_flops_per_sequence'], 'FLOP')} (fwd + bwd, no recompute)",
         f"  distinct layer kinds:         {', '.join(r['distinct_layer_kinds'])}",
         "",
-        f"  {'layers':<18} {'params/device':>15} {'activations':>14} {'fwd+bwd FLOP':>16}  ops fwd | bwd",
+        f"  {'layers':<18} {'params/device':>15} {'activations':>14} {'selective+SP':>14} {'fwd+bwd FLOP':>16}  ops fwd | bwd",
     ]
     rows, i = r["layers"], 0
     while i < len(rows):  # identical consecutive layers print once
@@ -100,6 +112,7 @@ def render(r: dict) -> str:
         label = row["name"] if i == j else f"{row['name']}..{rows[j]['name'].rsplit('.', 1)[-1]} (x{j - i + 1})"
         lines.append(
             f"  {label:<18} {row['params']:>15,} {_mib(row['activation_bytes']):>14} "
+            f"{_mib(row['activation_bytes_by_mode']['selective+sp']):>14} "
             f"{_si(row['fwd_flops'] + row['bwd_flops'], 'FLOP'):>16}  {_counts(row['fwd_ops'])} | {_counts(row['bwd_ops'])}"
         )
         i = j + 1

@@ -37,6 +37,15 @@ than the op's counted FLOPs per element, one op per lane per cycle). Fused TC+VC
 on output tiles as they drain from the array (as a TPU's vector unit consumes MXU results), so the two
 pipelines overlap: latency = max(GEMM, epilogue).
 
+Fused attention (an op with `gemms`, FlashAttention's forward or backward kernel; workload/trace.py)
+runs its GEMMs one after another on the tensor cores, the score tiles draining into the vector cores
+for the softmax, as a fused TC+VC op does: latency = max(sum of the GEMMs' compute times, sum of
+their GLB traffic times, HBM time, softmax time). The HBM traffic is the op's own (Q, K, V in and
+O and the log-sum-exp out; the backward also O, dO and the gradients: no s x s tensor) plus the
+re-reads of the MAC-equivalent GEMM `op.gemm` when the GLB share cannot hold a tile's operands,
+the re-reads of the tiled algorithm (Dao et al. 2022, Theorem 2: K and V are streamed once per
+block of Q rows that fits on chip). The score tiles pass through the GLB (in the GLB terms), never HBM.
+
 Collectives (unit "net") use the interconnect link: ring all-reduce 2(g-1)/g x bytes / bw + 2(g-1) x
 latency (Patarasuk and Yuan, JPDC 2009), all-gather / reduce-scatter / all-to-all (g-1)/g x bytes /
 bw + (g-1) x latency. They take the same time on every design. "none" ops take zero time.
@@ -175,6 +184,12 @@ def _ceil_div(a, b):
 
 def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     """GEMM latency on k tensor cores holding `share` of the GLB and of the bandwidths; arrays broadcast."""
+    compute_s, glb_s, hbm_s = _gemm_terms(B, M, K, N, hbm_bytes, d, k, share, e)
+    return np.maximum(np.maximum(compute_s, glb_s), hbm_s)
+
+
+def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
+    """(compute, GLB, HBM) seconds of a GEMM, the three bounds `_gemm_seconds` takes the largest of."""
     tx, ty = d.tc_x, d.tc_y
     # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share
     cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
@@ -189,7 +204,23 @@ def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     cycles = _ceil_div(units, k) * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
     compute_s = cycles / d.clock_hz
     glb_s = B * (a_b * col + w_b + M * N * e) / (d.glb_bw * share)
-    return np.maximum(np.maximum(compute_s, glb_s), hbm_s)
+    return compute_s, glb_s, hbm_s
+
+
+def _fused_attention_seconds(op, d: DesignArrays, k_tc, k_vc, share, e):
+    """A fused attention op (`op.gemms`) on k_tc tensor cores and k_vc vector cores; see the module
+    docstring. Returns [n_designs] seconds."""
+    B, M, K, N = (float(x) for x in op.gemm)  # the MAC-equivalent GEMM: operands (Q, O, ...) and (K, V, ...)
+    _, _, hbm_s = _gemm_terms(B, M, K, N, op.bytes_read + op.bytes_written, d, k_tc, share, e)
+    compute_s = glb_s = 0.0
+    for g in op.gemms:
+        c, gl, _ = _gemm_terms(*(float(x) for x in g), 0.0, d, k_tc, share, e)
+        compute_s, glb_s = compute_s + c, glb_s + gl
+    cpe, _ = cycles_per_element(op)
+    elements = float(op.elements)
+    cpe = max(cpe, (op.flops - 2.0 * B * M * K * N) / elements)
+    softmax_s = _ceil_div(elements, d.vc_width * k_vc) * cpe / d.clock_hz
+    return np.maximum(np.maximum(compute_s, glb_s), np.maximum(hbm_s, softmax_s))[:, 0]
 
 
 def _vector_seconds(elements, cpe, nbytes, d: DesignArrays, k, share):
@@ -231,16 +262,25 @@ class ClassifiedOps:
     vec_idx: list = field(default_factory=list)
     vec_rows: list = field(default_factory=list)  # (elements, cpe, bytes)
     net_idx: list = field(default_factory=list)  # collectives
+    attention_idx: list = field(default_factory=list)  # fused attention ops (several GEMMs each), when kept apart
     unknown: set = field(default_factory=set)  # vector op kinds costed by the op-kind fallback
 
 
-def classify_ops(ops, bytes_per_element: float, model: str = "latency") -> ClassifiedOps:
+def classify_ops(ops, bytes_per_element: float, model: str = "latency",
+                 attention_apart: bool = False) -> ClassifiedOps:
     """Sort ops into GEMMs (TC, TC+VC epilogue), vector ops and collectives; ops on no unit are
-    skipped. An op on a unit no cost model knows raises, naming `model`."""
+    skipped. An op on a unit no cost model knows raises, naming `model`. With `attention_apart`, a
+    fused attention op (one with several `gemms`) goes to `attention_idx` for its own cost model;
+    otherwise it is one GEMM of the same multiply-adds (`op.gemm`), as the energy model counts it."""
     e = float(bytes_per_element)
     out = ClassifiedOps()
     for i, op in enumerate(ops):
-        if op.unit in (TC, TCVC):
+        if attention_apart and op.unit == TCVC and op.gemms:
+            if len(op.gemm) != 4 or not op.elements:
+                raise ValueError(f"op {op.name}: a fused attention op needs gemm and elements, got {op!r}")
+            out.unknown.update(cycles_per_element(op)[1])
+            out.attention_idx.append(i)
+        elif op.unit in (TC, TCVC):
             if len(op.gemm) != 4:
                 raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
             b, m, kk, n = (float(x) for x in op.gemm)
@@ -284,9 +324,10 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
     unknown: set[str] = set()
 
     bw, lat = _link(interconnect)
-    c = classify_ops(ops, e, "latency")
+    c = classify_ops(ops, e, "latency", attention_apart=True)
     unknown.update(c.unknown)
     gemm_idx, gemm_rows, vec_idx, vec_rows = c.gemm_idx, c.gemm_rows, c.vec_idx, c.vec_rows
+    attention_idx = c.attention_idx
     for i in c.net_idx:
         t = _collective_seconds(ops[i], bw, lat)
         single[:, i] = t
@@ -302,6 +343,9 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
             t = _gemm_seconds(B, M, K, N, nbytes, d, k_tc, share, e)
             epilogue = _ceil_div(elements, d.vc_width * k_vc) * cpe / d.clock_hz
             out[:, gemm_idx] = np.where(fused > 0, np.maximum(t, epilogue), t)
+    for i in attention_idx:
+        single[:, i] = _fused_attention_seconds(ops[i], d, 1.0, 1.0, 1.0 / d.num_tc, e)
+        split[:, i] = _fused_attention_seconds(ops[i], d, d.num_tc, d.num_vc, 1.0, e)
     if vec_idx:
         v = np.array(vec_rows, dtype=float).T[:, None, :]
         elements, cpe, nbytes = v

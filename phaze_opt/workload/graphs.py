@@ -22,6 +22,7 @@ older pickle format (`<key>.pkl`) are never opened; one found beside a key being
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -35,7 +36,7 @@ from ..cache import BoundedMemo, cache_root
 from ..configs import positive_arg
 from ..errors import PhazeError
 from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
-from .models import LIMITS, ModelConfig, check_tp, load_model
+from .models import ATTENTIONS, LIMITS, ModelConfig, check_tp, load_model
 from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
                   layer_graph_to_json)
 
@@ -43,7 +44,7 @@ from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memo
 MEMO_MAX = 256
 _MEMO: BoundedMemo[LayerGraph] = BoundedMemo(MEMO_MAX)
 _PACKAGE = Path(__file__).resolve().parent
-FORMAT = "phaze_opt layer graph 1"  # changes with the file layout of `ops.layer_graph_to_json`
+FORMAT = "phaze_opt layer graph 2"  # 2: fused attention GEMMs, per-region activation bytes
 log = logging.getLogger(__name__)
 
 
@@ -72,14 +73,20 @@ def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True
 
 def build_layer_graph(
     model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool = True,
-    cache: bool = True,
+    cache: bool = True, attention: str | None = None,
 ) -> LayerGraph:
     """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
 
-    `model` may be a ModelConfig or a model name/path. `cache=False` skips the disk cache (the
-    in-memory one still applies). Bad arguments raise a one-line PhazeError.
+    `model` may be a ModelConfig or a model name/path. `attention` ("unfused" or "flash") overrides
+    the model's own `attention` choice; it is part of the model's identity, hence of the cache key.
+    `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
+    one-line PhazeError.
     """
     model = load_model(model)
+    if attention is not None and attention != model.attention:
+        if attention not in ATTENTIONS:
+            raise PhazeError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        model = dataclasses.replace(model, attention=attention)
     tp = check_tp(model, tp)
     seq = model.seq if seq is None else seq
     positive_arg(mbs, "microbatch size", MBS_LIMIT)
@@ -194,6 +201,9 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool, cache:
             activation_bytes=float(tr.activation_bytes),
             boundary_bytes=float(tr.output_bytes) if i in has_successor else 0.0,
             input_bytes=float(tr.input_bytes), fwd_flops=tr.fwd.flops, bwd_flops=tr.bwd.flops,
+            tp=tp, attention_core_bytes=float(tr.attention_core_bytes),
+            sequence_parallel_bytes=float(tr.sequence_parallel_bytes),
+            input_sequence_parallel_bytes=float(tr.input_sequence_parallel_bytes),
         ))
     op_graphs = {kind: {"fwd": tr.fwd, "bwd": tr.bwd} for kind, tr in traces.items()}
     step_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)

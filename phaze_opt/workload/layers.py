@@ -91,6 +91,8 @@ def make_norm(model: ModelConfig, dtype) -> nn.Module:
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns: each device computes out/t outputs from the full input."""
 
+    parallel = "column"  # read by the tracer: the output starts Megatron's tensor-parallel region
+
     def __init__(self, n_in: int, n_out: int, t: int, bias: bool, dtype, what: str):
         super().__init__()
         local = _shard(n_out, t, what)
@@ -105,6 +107,8 @@ class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows: partial sums all-reduced over the group; the bias is replicated
     and returned separately so that the caller adds it after the reduction (Megatron fuses it with
     dropout and the residual add)."""
+
+    parallel = "row"  # read by the tracer: the output leaves Megatron's tensor-parallel region
 
     def __init__(self, n_in: int, n_out: int, t: int, bias: bool, dtype, what: str):
         super().__init__()
@@ -129,6 +133,103 @@ def _rotary_tables(s: int, d: int, dtype, device):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# --- fused attention -------------------------------------------------------------------------------
+#
+# FlashAttention (Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+# IO-Awareness", NeurIPS 2022; Dao, "FlashAttention-2", 2023) computes softmax(Q K^T * scale) V in
+# tiles held on chip: the s x s scores never reach memory, the forward keeps only the output O and the
+# row-wise log-sum-exp L (float32), and the backward recomputes the scores from Q, K and L. Two custom
+# operators stand for the two kernels, so each traces as one node (trace.py costs them). q is
+# [B, s*g, d] with B = batch x KV heads and the g query heads of a KV group stacked along the rows
+# (row r is position r // g), k and v are [B, s, d]; the output is written straight into Megatron's
+# [s, b, KV heads, g, d] layout (as Transformer Engine's "sbhd" format does), so the output
+# projection reads it as a view and the block keeps one copy of it. Dropout on the probabilities is
+# applied inside the kernel from a regenerated random stream (no mask is kept); the reference
+# implementation below, used off the meta device, is exact attention without dropout.
+
+
+def _flash_rows(q, kv_heads: int, g: int):
+    B, rows, d = q.shape
+    return B // kv_heads, rows // g, d
+
+
+@torch.library.custom_op("phaze::flash_attention", mutates_args=())
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, g: int, causal: bool,
+                    p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [s, b, kv_heads, g, d], log-sum-exp [B, s*g] float32) of exact attention."""
+    b, s, d = _flash_rows(q, kv_heads, g)
+    qf, kf, vf = _wide(q, k, v)
+    scores = _scores(qf, kf, scale, causal, s, g)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.bmm(torch.exp(scores - lse[..., None]), vf)
+    return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, d), lse.float()
+
+
+@flash_attention.register_fake
+def _flash_attention_fake(q, k, v, kv_heads, g, causal, p, scale):
+    b, s, d = _flash_rows(q, kv_heads, g)
+    return q.new_empty(s, b, kv_heads, g, d), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("phaze::flash_attention_backward", mutates_args=())
+def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, kv_heads: int, g: int, causal: bool, p: float,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV): the scores recomputed from Q, K and L; dS = P * (dP - rowsum(dO * O))."""
+    b, s, d = _flash_rows(q, kv_heads, g)
+    qf, kf, vf, do, o = _wide(q, k, v, _from_sbhd(dout), _from_sbhd(out))
+    scores = _scores(qf, kf, scale, causal, s, g)
+    probs = torch.exp(scores - lse[..., None].to(scores.dtype))
+    dv = torch.bmm(probs.transpose(1, 2), do)
+    dp = torch.bmm(do, vf.transpose(1, 2))
+    ds = probs * (dp - (do * o).sum(-1, keepdim=True)) * scale
+    return torch.bmm(ds, kf).to(q.dtype), torch.bmm(ds.transpose(1, 2), qf).to(k.dtype), dv.to(v.dtype)
+
+
+@flash_attention_backward.register_fake
+def _flash_attention_backward_fake(dout, q, k, v, out, lse, kv_heads, g, causal, p, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_setup_context(ctx, inputs, output):
+    q, k, v, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _flash_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+
+
+def _wide(*xs):
+    """The reference kernels compute in float32 at least, as the real ones accumulate."""
+    dtype = torch.promote_types(xs[0].dtype, torch.float32)
+    return tuple(x.to(dtype) for x in xs)
+
+
+def _scores(q, k, scale: float, causal: bool, s: int, g: int) -> torch.Tensor:
+    """Q K^T * scale, the future masked for causal models; rows are (position, head in group)."""
+    scores = torch.bmm(q, k.transpose(1, 2)) * scale
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1).repeat_interleave(g, dim=0)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _to_sbhd(x, b, kv, s, g, d):
+    return x.view(b, kv, s, g, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _from_sbhd(x):
+    s, b, kv, g, d = x.shape
+    return x.permute(1, 2, 0, 3, 4).reshape(b * kv, s * g, d)
+
+
 class SelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention on heads/t local heads.
 
@@ -146,6 +247,7 @@ class SelfAttention(nn.Module):
         self.causal = model.causal
         self.rotary = model.position == "rotary"
         self.p = model.dropout
+        self.flash = model.attention == "flash"
         width = (model.heads + 2 * model.kv_heads) * self.d
         self.qkv = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "QKV width")
         self.proj = RowParallelLinear(model.heads * self.d, model.hidden, t, model.bias, dtype, "heads x head size")
@@ -166,6 +268,9 @@ class SelfAttention(nn.Module):
         q = q.reshape(b * kv, s * g, d)  # query rows ordered (position, head in group)
         k = k.reshape(b * kv, s, d)
         v = v.reshape(b * kv, s, d)
+        if self.flash:
+            out, _lse = flash_attention(q, k, v, kv, g, self.causal, self.p, 1.0 / math.sqrt(d))
+            return self.proj(out.view(s, b, kv * g * d))
         scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [b kv, s g, s]
         if self.causal:
             future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
@@ -269,6 +374,7 @@ class Head(nn.Module):
         self.weight = _param(dtype, self.rows, model.hidden)
         self.bias = _param(dtype, self.rows) if self.bert else None  # BERT's decoder bias
         self.tied_parameters = ("weight",) if model.tied_embeddings else ()
+        self.parallel = {"weight": "column"}  # read by the tracer: the vocabulary-parallel projection
 
     def forward(self, x, labels):
         if self.bert:

@@ -51,7 +51,8 @@ LIMITS["type_vocab"] = LIMITS["vocab"]
 # The hand-tuned placement's degrees each use at most every accelerator a system may have.
 EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
 
-OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps")
+OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention")
+ATTENTIONS = ("unfused", "flash")  # flash: one fused attention kernel per pass (layers.py, trace.py)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class ModelConfig:
     dtype: str = "bf16"
     type_vocab: int = 0  # BERT's token-type (segment) embeddings
     norm_eps: float = 1e-5
+    attention: str = "unfused"  # or "flash": FlashAttention (Dao et al. 2022), see layers.py
     source: str = field(default="", compare=False)  # the file it came from; not part of its identity
 
     @property
@@ -106,6 +108,8 @@ class ModelConfig:
         """Everything that changes the graphs (the file it came from does not)."""
         d = asdict(self)
         d.pop("source")
+        if d["attention"] == "unfused":  # the default leaves the identity (and cache keys) as they were
+            d.pop("attention")
         d["tp_widths"] = list(d["tp_widths"])
         return d
 
@@ -147,6 +151,7 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     bias = _boolean(data, "bias", file, default=True)
     dtype = configs.one_of(data, "dtype", file, tuple(DTYPES), default="bf16")
     norm_eps = configs.positive_number(data, "norm_eps", file, default=1e-5)
+    attention = configs.one_of(data, "attention", file, ATTENTIONS, default="unfused")
 
     dropout = data.get("dropout", 0.1)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
@@ -215,7 +220,7 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         tied_embeddings=tied, tp_widths=tp_widths,
         expert_placement={"tp": expert["tp"], "pp": expert["pp"], "dp": expert["dp"]},
         positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
-        norm_eps=norm_eps, source=str(file),
+        norm_eps=norm_eps, attention=attention, source=str(file),
     )
 
 

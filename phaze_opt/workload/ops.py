@@ -24,6 +24,10 @@ TCVC = "tc+vc"  # a GEMM fused with its elementwise epilogue: one TC and one VC 
 NET = "net"  # a collective over the interconnect: occupies no core
 NONE = "none"  # views, reshapes, transposes folded into addressing: zero time
 UNITS = (TC, VC, TCVC, NET, NONE)
+# The fused attention kind (FlashAttention; see trace.py): forward and backward are one op each.
+FLASH_ATTENTION = "flash_attention"
+ATTENTION_MODES = ("unfused", "flash")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,16 @@ class Op:
     `vector_ops` lists the elementwise kinds applied per output element (one entry for a plain op,
     several for a fused chain); the hardware model keeps a cycles-per-element table keyed by them.
     `contains` names the traced nodes a fused op was made from.
+
+    A fused attention op (kind `FLASH_ATTENTION`, unit tc+vc) runs several GEMMs on one tensor core
+    with the softmax on one vector core: `gemms` lists them, and `gemm` is the single GEMM with the
+    same multiply-adds, (batch, M, sum of the K's, N), which is what models that read `gemm` alone
+    (area-free energy, bounds) need. `gemms` is empty for every other op and then left out of
+    `cost_fields`, so graphs without fused attention hash as before.
     """
 
     name: str
-    kind: str  # gemm, bgemm, elementwise, norm, softmax, activation, dropout, reduction, gather, embedding, loss, collective, noop, fused
+    kind: str  # gemm, bgemm, elementwise, norm, softmax, activation, dropout, reduction, gather, embedding, loss, collective, noop, fused, flash_attention
     unit: str  # one of UNITS
     flops: float = 0.0
     bytes_read: float = 0.0
@@ -50,6 +60,7 @@ class Op:
     group: int = 1  # devices taking part in the collective (the TP width)
     contains: tuple[str, ...] = ()
     shape: tuple[int, ...] = ()  # output shape
+    gemms: tuple[tuple[int, int, int, int], ...] = ()  # the GEMMs of a fused attention op, in order
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -60,6 +71,8 @@ class Op:
         d = asdict(self)
         d.pop("name")
         d.pop("contains")
+        if not d["gemms"]:
+            d.pop("gemms")
         return d
 
 
@@ -112,6 +125,59 @@ class Layer:
     input_bytes: float  # the tensor received from the previous layer, per microbatch
     fwd_flops: float
     bwd_flops: float
+    # Where the activation bytes live (read off the traced graph, see trace.py), so that recompute and
+    # sequence parallelism can be priced without tracing again. Defaults: nothing recomputable or
+    # shardable, so a hand-made Layer keeps `activation_bytes` in every mode.
+    tp: int = 1  # the TP width these per-device sizes are for; sequence parallelism shards over it too
+    attention_core_bytes: float = 0.0  # the a*s^2 tensors between QK^T and PV (selective recompute drops them)
+    sequence_parallel_bytes: float = 0.0  # of activation_bytes: outside Megatron's TP region (norms, dropouts, residual)
+    input_sequence_parallel_bytes: float = 0.0  # of input_bytes: the floating inputs (hidden states)
+
+    def activation_bytes_for(self, recompute: str = "none", sequence_parallel: bool = False) -> int:
+        """Bytes one microbatch keeps between this layer's forward and its backward.
+
+        `none`: every saved tensor; `selective`: all but the attention core (Korthikanti et al. 2022,
+        Sec. 5: recomputed in backward from the kept Q, K, V); `full`: only the layer's input (the
+        checkpoint). With `sequence_parallel` the tensors outside the tensor-parallel region (and the
+        checkpoint) are split over the `tp` devices (Korthikanti et al. 2022, Sec. 4.2.2).
+        """
+        if recompute == "full":
+            return self.checkpoint_bytes(sequence_parallel)
+        kept = _whole(self.activation_bytes)
+        if recompute == "selective":
+            kept -= _whole(self.attention_core_bytes)
+        elif recompute != "none":
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        return kept - self._sp_saving(self.sequence_parallel_bytes, sequence_parallel)
+
+    def checkpoint_bytes(self, sequence_parallel: bool = False) -> int:
+        """What full recompute keeps: the layer's inputs (hidden states split over `tp` with SP)."""
+        return _whole(self.input_bytes) - self._sp_saving(self.input_sequence_parallel_bytes, sequence_parallel)
+
+    def recompute_working_bytes(self, recompute: str = "none", sequence_parallel: bool = False) -> int:
+        """Bytes that exist only during this layer's own backward because they were recomputed: the
+        attention core for `selective`, the whole `none` set for `full` (it is rebuilt from the
+        checkpoint before the layer's backward runs), nothing for `none`."""
+        if recompute == "full":
+            return self.activation_bytes_for("none", sequence_parallel)
+        if recompute == "selective":
+            return _whole(self.attention_core_bytes)
+        if recompute == "none":
+            return 0
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+
+    def activation_bytes_by_mode(self) -> dict[str, int]:
+        """`activation_bytes_for` of every mode: keys `none`, `selective`, `full`, and each with `+sp`."""
+        return {f"{mode}{'+sp' if sp else ''}": self.activation_bytes_for(mode, sp)
+                for sp in (False, True) for mode in RECOMPUTE_MODES}
+
+    def _sp_saving(self, shardable: float, sequence_parallel: bool) -> int:
+        n = _whole(shardable)
+        return n - -(-n // self.tp) if sequence_parallel else 0
+
+
+def _whole(x: float) -> int:
+    return int(round(x))
 
 
 @dataclass(frozen=True)
@@ -163,11 +229,12 @@ def largest_memory_bytes(params: float, state_bytes_per_param: float, n_layers: 
 OP_FIELDS = {
     "name": "str", "kind": "str", "unit": "str", "flops": "num", "bytes_read": "num", "bytes_written": "num",
     "gemm": "ints", "elements": "int", "vector_ops": "strs", "collective": "str", "comm_bytes": "num",
-    "group": "int", "contains": "strs", "shape": "ints",
+    "group": "int", "contains": "strs", "shape": "ints", "gemms": "gemm list",
 }
 LAYER_FIELDS = {
     "name": "str", "kind": "str", "params": "int", "param_bytes": "num", "activation_bytes": "num",
-    "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num",
+    "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num", "tp": "int",
+    "attention_core_bytes": "num", "sequence_parallel_bytes": "num", "input_sequence_parallel_bytes": "num",
 }
 GRAPH_FIELDS = {  # LayerGraph's plain fields; layers, edges, op_graphs and extra are decoded by hand
     "model": "str", "tp": "int", "mbs": "int", "seq": "int", "bytes_per_element": "int", "total_params": "int",
@@ -185,7 +252,10 @@ def _is_int(v) -> bool:
 
 def _typed(value, kind: str, where: str):
     """`value` checked against a field kind of the tables above (lists come back as tuples)."""
-    if kind in ("ints", "strs"):
+    if kind == "gemm list":  # a fused op's GEMMs: [[batch, M, K, N], ...]
+        if isinstance(value, list) and all(isinstance(g, list) and len(g) == 4 and all(map(_is_int, g)) for g in value):
+            return tuple(tuple(g) for g in value)
+    elif kind in ("ints", "strs"):
         item = _is_int if kind == "ints" else (lambda v: isinstance(v, str))
         if isinstance(value, list) and all(item(v) for v in value):
             return tuple(value)

@@ -22,6 +22,44 @@ lists the traced nodes it contains, reads only what enters the chain and writes 
 The bytes of activations a layer keeps for its backward pass are read off the same trace: every
 forward value (or layer input) that a backward op consumes, counted once per underlying storage
 (views of one tensor share it), excluding parameters and constants.
+
+Activation memory by recompute mode and sequence parallelism. Each saved tensor gets a region from
+the op that produced it and where that op sits in the graph (never from its size):
+
+- `attention_core`: between an activation x activation batched GEMM (Q K^T) and the next one (P V):
+  the scores' softmax, the probabilities' dropout mask and output, the a s^2 terms;
+- `tensor_parallel`: the rest of Megatron's tensor-parallel region, from the output of a GEMM whose
+  weight is column-parallel to the row-parallel GEMM that closes it (modules say which through a
+  `parallel` attribute; layers.py): Q, K, V, the attention context, the MLP's inner activations;
+- `sequence_parallel`: outside that region: the layer input, the norms' inputs, outputs and
+  statistics (which are the column-parallel GEMMs' inputs), the residual dropouts' masks;
+- `replicated`: tensors of integer inputs only (token ids, labels, masks made from them).
+
+From these, for the placement (`ops.Layer.activation_bytes_for(recompute, sequence_parallel)`,
+`Layer.checkpoint_bytes(sequence_parallel)`, `Layer.recompute_working_bytes`), following Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023 (arXiv 2205.05198):
+
+- `none`: all saved tensors (`activation_bytes`, unchanged); `selective` (Sec. 5): all but the
+  attention core, which is recomputed from the kept Q, K, V; `full`: only the layer's inputs (the
+  checkpoint), the `none` set existing again only during the layer's own backward;
+- sequence parallelism (Sec. 4.2.2) splits the `sequence_parallel` tensors and the checkpoint's
+  floating inputs over the TP group (each device keeps s/t of the sequence; the gathered input of a
+  column-parallel GEMM is gathered again in backward, not kept); integer tensors stay whole.
+
+For Megatron's GPT block (GELU MLP of 4h, LayerNorm, dropout on the probabilities and after both
+row-parallel GEMMs, 1-byte masks, 16-bit values) this reproduces Table 2 term by term:
+s b h (10 + 24/t + 5 a s / (h t)) with TP, s b h / t (34 + 5 a s / h) with SP, s b h (10 + 24/t) and
+34 s b h / t with selective recompute, 2 s b h (/ t) for the full-recompute checkpoint. The one
+addition is each LayerNorm's float32 mean and 1/std (16 s b bytes per layer, split by SP), which
+the paper leaves out; the softmax output is kept in 16 bits and the masks are bools, as it assumes.
+
+Fused attention (`ModelConfig.attention = "flash"`; layers.flash_attention): the FlashAttention
+kernels (Dao et al., NeurIPS 2022; Dao, FlashAttention-2, 2023) trace as one node per pass and map
+to one "tc+vc" op each (`_flash_cost`). FLOPs count the whole s x s square even for causal models
+(the kernels skip the tiles above the diagonal, about half the work): the unfused graph and
+Megatron's FLOP formula (Narayanan et al. 2021) count the square too, so both graphs carry the same
+model FLOPs per sequence, and the tensor-core model has no triangular GEMM to cost the skipped
+tiles with. Causal flash latencies are hence conservative by up to the attention core's share.
 """
 
 from __future__ import annotations
@@ -37,7 +75,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten
 
 from . import collectives  # noqa: F401  (registers phaze::allreduce)
-from .ops import NET, NONE, TC, VC, Op, OpGraph
+from .ops import FLASH_ATTENTION, NET, NONE, TC, TCVC, VC, Op, OpGraph
+
+# Regions of the saved tensors (see the module docstring).
+ATTENTION_CORE = "attention_core"
+TENSOR_PARALLEL = "tensor_parallel"
+SEQUENCE_PARALLEL = "sequence_parallel"
+REPLICATED = "replicated"
+REGIONS = (ATTENTION_CORE, TENSOR_PARALLEL, SEQUENCE_PARALLEL, REPLICATED)
 
 
 @torch.library.custom_op("phaze::pass_boundary", mutates_args=())
@@ -139,6 +184,11 @@ class LayerTrace:
     param_grad_ops: tuple[int, ...]
     unmapped_ops: tuple[str, ...] = ()  # aten ops without a rule, costed as generic vector ops
     trace_s: float = 0.0
+    # The region of each `saved` tensor (one of REGIONS) and the bytes by region; see the module docstring.
+    saved_regions: tuple[str, ...] = ()
+    attention_core_bytes: int = 0
+    sequence_parallel_bytes: int = 0
+    input_sequence_parallel_bytes: int = 0  # the floating inputs: what SP shards of a full-recompute checkpoint
 
 
 def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
@@ -185,7 +235,8 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
 
     gm = make_fx(joint)(params, inputs, grads_in)
     mapped = _Mapper(gm, n_params=len(params), n_inputs=len(inputs), n_outs=len(outs0),
-                     n_grad_inputs=len(grad_inputs), name=name, fuse=fuse).run()
+                     n_grad_inputs=len(grad_inputs), name=name, fuse=fuse,
+                     param_roles=_parallel_roles(module, names)).run()
 
     param_count = sum(p.numel() for p in module.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -196,7 +247,29 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         output_bytes=sum(_nbytes(o) for o in outs0),
         saved=mapped["saved"], input_grad_ops=mapped["input_grad_ops"], param_grad_ops=mapped["param_grad_ops"],
         unmapped_ops=mapped["unmapped"], trace_s=time.perf_counter() - start,
+        saved_regions=mapped["saved_regions"],
+        attention_core_bytes=_region_bytes(mapped, ATTENTION_CORE),
+        sequence_parallel_bytes=_region_bytes(mapped, SEQUENCE_PARALLEL),
+        input_sequence_parallel_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
     )
+
+
+def _region_bytes(mapped, region: str) -> int:
+    return sum(s[3] for s, r in zip(mapped["saved"], mapped["saved_regions"]) if r == region)
+
+
+def _parallel_roles(module: nn.Module, names: list[str]) -> list[str]:
+    """"column" / "row" / "" per trainable parameter: a module's `parallel` attribute says how it is
+    split over the TP group, either for all its own parameters (a string) or per name (a mapping)."""
+    roles = {}
+    for prefix, sub in module.named_modules():
+        mode = getattr(sub, "parallel", None)
+        if not mode:
+            continue
+        for pname, _ in sub.named_parameters(recurse=False):
+            role = mode.get(pname, "") if isinstance(mode, dict) else mode
+            roles[f"{prefix}.{pname}" if prefix else pname] = role
+    return [roles.get(n, "") for n in names]
 
 
 def _to_meta(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -240,13 +313,14 @@ def _arg_nodes(node):
 class _Mapper:
     """Turns the joint fx graph into forward/backward OpGraphs and the saved-activation bytes."""
 
-    def __init__(self, gm, *, n_params, n_inputs, n_outs, n_grad_inputs, name, fuse):
+    def __init__(self, gm, *, n_params, n_inputs, n_outs, n_grad_inputs, name, fuse, param_roles=()):
         self.graph = gm.graph
         self.name, self.fuse = name, fuse
         self.nodes = list(self.graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.param_ph = set(placeholders[:n_params])
+        self.param_role = dict(zip(placeholders[:n_params], param_roles))
         self.input_ph = set(placeholders[n_params:n_params + n_inputs])
         out_node = next(n for n in self.nodes if n.op == "output")
         flat, _ = tree_flatten(out_node.args)
@@ -314,6 +388,61 @@ class _Mapper:
             saved.append((base.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v)))
         return tuple(saved)
 
+    def _linear_role(self, node) -> str:
+        """"column" / "row" for a GEMM whose weight is a parameter split that way over the TP group."""
+        if _op_name(node) not in ("mm", "addmm"):
+            return ""
+        return self.param_role.get(self._alias_base(node.args[-1]), "")
+
+    def _regions(self) -> dict[str, str]:
+        """The region (one of REGIONS) of every forward value and layer input, by traced name.
+
+        - attention core: what lies between an activation x activation batched GEMM (Q K^T) and the
+          next one (P V): the scores, softmax, the probabilities' dropout mask and output;
+        - tensor parallel: the rest of Megatron's TP region, from a column-parallel GEMM's output up
+          to the row-parallel GEMM that closes it (sharded over t already);
+        - sequence parallel: values outside the TP region that depend on a floating input or a
+          parameter: norms, dropouts, residual adds, the column-parallel GEMMs' inputs, the layer input;
+        - replicated: values of integer inputs only (token ids, labels, masks made from them).
+        """
+        bpos = self.pos[self.boundary]
+        fwd = [n for n in self.nodes[:bpos] if n.op == "call_function"]
+        floating = {x for x in self.input_ph if all(v.is_floating_point() for v in _vals(x))}
+        inside, float_dep = set(), set(self.param_ph) | floating
+        for n in fwd:
+            args = _arg_nodes(n)
+            role = self._linear_role(n)
+            if role == "column" or (role != "row" and any(a in inside for a in args)):
+                inside.add(n)
+            if any(a in float_dep for a in args):
+                float_dep.add(n)
+        # The attention core: descendants of an activation x activation batched GEMM that are also
+        # strict ancestors of one.
+        acts = self.act_dep | self.input_ph
+        pairs = [n for n in fwd if _op_name(n) in ("bmm", "baddbmm")
+                 and all(self._alias_base(a) in acts for a in n.args[-2:])]
+        after = set(pairs)
+        for n in fwd:
+            if any(a in after for a in _arg_nodes(n)):
+                after.add(n)
+        before, stack = set(), [a for n in pairs for a in _arg_nodes(n)]
+        while stack:
+            n = stack.pop()
+            if n not in before and n.op == "call_function":
+                before.add(n)
+                stack.extend(_arg_nodes(n))
+        core = after & before
+        regions = {}
+        for n in list(self.input_ph) + fwd:
+            prod = self._producer(n)
+            if prod in core:
+                regions[n.name] = ATTENTION_CORE
+            elif prod in inside:
+                regions[n.name] = TENSOR_PARALLEL
+            else:
+                regions[n.name] = SEQUENCE_PARALLEL if n in float_dep else REPLICATED
+        return regions
+
     # --- op construction ------------------------------------------------------------------------
     def _describe(self, n) -> "_Cost":
         """What one traced node costs on its own (fusion combines these)."""
@@ -321,6 +450,8 @@ class _Mapper:
         vals = _vals(n)
         if _namespace(n) == "phaze" and name == "allreduce":
             return _Cost(NET, "collective")
+        if _namespace(n) == "phaze" and name in ("flash_attention", "flash_attention_backward"):
+            return _flash_cost(n, backward=name.endswith("backward"))
         if name in _ALIASES or name in _LAYOUT_COPIES:
             return _Cost(NONE, "noop")
         if name in _GEMMS:
@@ -368,6 +499,8 @@ class _Mapper:
                 continue
             passes["fwd" if self.pos[n] < bpos else "bwd"].append(n)
         activation_bytes = sum(s[3] for s in saved)
+        regions = self._regions()
+        saved_regions = tuple(regions[name] for name, *_ in saved)
 
         graphs = {}
         extra = {}
@@ -384,6 +517,7 @@ class _Mapper:
             "input_grad_ops": tuple(sorted({i for g in in_nodes if (i := op_of(g)) is not None})),
             "param_grad_ops": tuple(sorted({i for g in par_nodes if (i := op_of(g)) is not None})),
             "unmapped": tuple(dict.fromkeys(self.unmapped)),
+            "saved_regions": saved_regions,
         }
 
     def _build_pass(self, pname, pnodes):
@@ -508,6 +642,10 @@ class _Mapper:
         if last.unit == TC:
             return Op(name=name, kind=last.kind, unit=TC, flops=flops, bytes_read=float(reads),
                       bytes_written=float(writes), gemm=last.gemm, shape=shape)
+        if last.unit == TCVC:
+            return Op(name=name, kind=last.kind, unit=TCVC, flops=flops, bytes_read=float(reads),
+                      bytes_written=float(writes), gemm=last.gemm, gemms=last.gemms, elements=last.elements,
+                      vector_ops=last.vector_ops, shape=shape)
         return Op(name=name, kind="fused" if len(ms) > 1 else last.kind, unit=VC, flops=flops,
                   bytes_read=float(reads), bytes_written=float(writes), elements=max(desc[m].elements for m in ms),
                   vector_ops=tuple(desc[m].vkind for m in ms), contains=contains, shape=shape)
@@ -523,6 +661,33 @@ def _outputs(node):
             for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
 
 
+def _flash_cost(n, backward: bool) -> "_Cost":
+    """One FlashAttention kernel (layers.flash_attention): its GEMMs on a tensor core, the softmax
+    on a vector core, over [B, M, N] scores (B = batch x KV heads, M = query rows, N = keys).
+
+    Forward: S = Q K^T and O = P V, 4 B M N d FLOP, the online softmax (and the dropout) on the
+    vector core. Backward (Dao 2023, Algorithm 2): S = Q K^T again, dV = P^T dO, dP = dO V^T,
+    dQ = dS K, dK = dS^T Q, 10 B M N d FLOP (2.5 x the forward); P = exp(S - L) and
+    dS = P * (dP - D) on the vector core. The whole square is counted for causal models too, as
+    the unfused graph and Megatron's FLOP formula count it (see the module docstring).
+    """
+    q, k, p = (n.args[1], n.args[2], n.args[9]) if backward else (n.args[0], n.args[1], n.args[6])
+    B, M, d = (int(x) for x in q.meta["val"].shape)
+    N = int(k.meta["val"].shape[1])
+    score = (B, M, d, N)
+    if backward:
+        gemms = (score, (B, N, M, d), (B, M, d, N), (B, M, N, d), (B, N, M, d))
+        vector = ("sub", "exp", "sub", "mul") + (("dropout", "dropout_bwd") if p else ())
+    else:
+        gemms = (score, (B, M, N, d))
+        vector = ("softmax",) + (("dropout",) if p else ())
+    macs = sum(b * m * kk * c for b, m, kk, c in gemms)
+    elements = B * M * N
+    flops = 2.0 * macs + elements * sum(VECTOR_OP_FLOPS[v] for v in vector)
+    return _Cost(TCVC, FLASH_ATTENTION, gemm=(B, M, macs // elements, N), gemms=gemms, flops=flops,
+                 elements=elements, vector_ops=vector)
+
+
 @dataclass(frozen=True)
 class _Cost:
     unit: str
@@ -533,3 +698,5 @@ class _Cost:
     elements: int = 0
     reads: int | None = None  # overrides the sum of argument sizes (look-ups touch only some rows)
     writes: int | None = None  # overrides the output size (in-place scatters)
+    gemms: tuple = ()  # a fused attention op's GEMMs
+    vector_ops: tuple = ()  # a fused attention op's vector kinds
