@@ -281,3 +281,22 @@ def test_trial_of_a_killed_process_is_failed_and_retried(tmp_path, monkeypatch):
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].user_attrs["point"] == point
     assert len(finished_trials(trials)) == 7  # the stale trial does not count; its retry does
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_best_trial_breaks_throughput_ties_by_area_then_trial_number():
+    import optuna
+
+    from phaze_opt.search.report import best_trial
+
+    def trial(number, value, area):
+        t = optuna.trial.create_trial(values=[value], user_attrs={"result": {"area_mm2": area}},
+                                      params={}, distributions={})
+        t.number = number
+        return t
+
+    # equal throughput: the smaller chip wins whatever order the workers finished in
+    assert best_trial([trial(0, 10.0, 300.0), trial(1, 10.0, 250.0), trial(2, 9.0, 100.0)], ["throughput"]).number == 1
+    assert best_trial([trial(0, 10.0, 250.0), trial(1, 10.0, 300.0)], ["throughput"]).number == 0
+    # equal throughput and area: the earliest; a higher throughput beats any area
+    assert best_trial([trial(3, 10.0, 250.0), trial(1, 10.0, 250.0)], ["throughput"]).number == 1
+    assert best_trial([trial(0, 10.0, 100.0), trial(1, 10.5, 400.0)], ["throughput"]).number == 1

@@ -18,11 +18,21 @@ from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, tria
 
 
 def best_trial(trials, objectives: Sequence[str]):
-    """The feasible trial with the highest throughput objective (ties: the earliest)."""
+    """The feasible trial with the highest throughput objective.
+
+    Ties go to the smaller chip, then to the earliest trial: designs of equal throughput are common
+    (a core count the best placement does not need), and with several workers the order in which
+    they finish is a race, so the trial number alone would make the reported design depend on it.
+    """
     feasible = [t for t in trials if is_feasible(t)]
     if not feasible:
         return None
-    return max(feasible, key=lambda t: (t.values[0], -t.number))
+
+    def area(t) -> float:
+        value = (t.user_attrs.get("result") or {}).get("area_mm2")
+        return float(value) if isinstance(value, (int, float)) else math.inf
+
+    return max(feasible, key=lambda t: (t.values[0], -area(t), -t.number))
 
 
 def pareto_front(trials, directions: Sequence[str]) -> list:
