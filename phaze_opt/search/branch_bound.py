@@ -35,6 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from datetime import datetime
@@ -83,8 +84,11 @@ _W: dict = {}
 
 def _init_worker(model: str, system: str, spec) -> None:
     from .runner import quiet_optuna
+    from .signals import worker_started
 
     quiet_optuna()
+    if spec is not None and multiprocessing.parent_process() is not None:
+        worker_started()  # a pool process dies with its parent
     _W.update(model=load_model(model), system=load_system(system), spec=spec,
               ctx=spec.context() if spec is not None else None)
 
@@ -285,6 +289,9 @@ def run_branch_bound(session, progress) -> dict:
                                         else max([incumbent] + [b for b in open_bounds if b is not None]))
     stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
                  optimum=incumbent)
+    from .reconcile import mark_evaluated
+
+    mark_evaluated(grid, status, score, session.study.get_trials(deepcopy=False))  # resumed points too
     path = _write_points(grid, status, bound, score, Path(config.output_dir) / f"{session.name}-points.csv.gz")
     stats["points_file"] = str(path)
     session.tracker.log_parent(metrics={"points": grid.size, "evaluated": counts["evaluated"],
@@ -322,5 +329,7 @@ def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
     frame["upper_bound"] = bound.ravel()
     frame["throughput"] = score.ravel()
     path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(path, index=False, compression="gzip", float_format="%.6g")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written aside, moved into place: never half a file
+    frame.to_csv(partial, index=False, compression="gzip", float_format="%.6g")
+    os.replace(partial, path)
     return path

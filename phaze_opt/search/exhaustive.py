@@ -50,6 +50,7 @@ from .runner import (
     run_pool,
     score_label,
 )
+from . import reconcile, signals
 from .tracking import NullTracker
 
 RUN_PARAMS = ("mbs", "recompute")
@@ -138,6 +139,7 @@ def _frozen_trial(codec: SpaceCodec, point: dict, outcome, error: str | None, st
 def _add(study: optuna.Study, trial: FrozenTrial) -> FrozenTrial:
     """Add a finished trial and return it as stored (with its study-wide number)."""
     storage = study._storage  # noqa: SLF001 - add_trial does not return the new trial's number
+    reconcile.stamp(trial.system_attrs)  # who ran it (see `reconcile`)
     trial_id = storage.create_new_trial(study._study_id, template_trial=trial)  # noqa: SLF001
     return storage.get_trial(trial_id)
 
@@ -258,7 +260,7 @@ def run_exhaustive(config, backend=None) -> dict:
                     groups_done += 1
         else:
             workers = min(config.workers, len(clusters))
-            with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+            with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
                 spec = session.worker_spec(spool if session.tracker.enabled else None)
                 run_pool(session, progress, SpoolLogger(session, spool),
                          [(_exhaustive_worker, (spec, i, workers)) for i in range(workers)])
@@ -319,6 +321,8 @@ def best_history(trials: Iterable) -> list[dict]:
 def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
+    signals.worker_started(spec.spool_dir)
+    reconcile.adopt(spec.owner)
     try:
         storage = make_storage(spec.storage_url)
         study = optuna.load_study(study_name=spec.study_name, storage=storage)
@@ -333,3 +337,5 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
         return {"evaluated": sweeper.evaluated}
     except KeyboardInterrupt:
         return {"interrupted": True}
+    finally:
+        signals.worker_finished()

@@ -45,6 +45,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import PhazeError
+from . import reconcile, signals
 from .encoding import SpaceCodec
 from .objective import (
     Baseline,
@@ -107,7 +108,8 @@ def finished_trials(trials) -> list:
     for t in trials:
         if t.state == TrialState.COMPLETE:
             out.append(t)
-        elif t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and t.number not in retried:
+        elif (t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and t.number not in retried
+              and "result" in t.user_attrs):  # no result: cut outside the evaluation (Ctrl-C in the sampler)
             out.append(t)
     return out
 
@@ -153,6 +155,7 @@ class WorkerSpec:
     clock_start: float  # time.time() when this invocation began
     offset_s: float
     spool_dir: str | None = None  # worker processes leave each trial's placement.json here for the parent
+    owner: dict | None = None  # the invocation whose trials the workers claim (`reconcile.owner_context`)
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
@@ -185,8 +188,8 @@ class SpoolLogger:
 
     def poll(self, trials) -> None:
         for t in finished_trials(trials):
-            if t.number in self.seen:
-                continue
+            if t.number in self.seen or not reconcile.is_mine(t, self.session.session_id):
+                continue  # another process's trial: it logs it
             self.seen.add(t.number)
             path = os.path.join(self.spool_dir, f"{t.number}.json")
             artifact = None
@@ -215,6 +218,9 @@ class Session:
         sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
                    else make_sampler(config.sampler, config.seed, len(config.objectives)))
         self.study, self.resumed = open_study(config, self.storage, self.space, sampler)
+        self.session_id = reconcile.new_session()
+        self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
+        signals.clean_stale_spools()
         trials = self.study.get_trials(deepcopy=False)
         self.offset_s = study_wall_s(self.study.user_attrs, trials)
         self.wall_s: float | None = None  # set by end_wall
@@ -227,6 +233,8 @@ class Session:
             self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
         self.baselines = self._baselines()
         self.tracker = self._start_tracker()
+        reconcile.set_parent_run(self.tracker.parent_run_id)
+        self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _baselines(self) -> dict[str, Baseline]:
@@ -266,7 +274,8 @@ class Session:
         if c.exhaustive:
             params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
-                "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower()}
+                "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower(),
+                reconcile.OWNER_TAG: reconcile.owner_tag()}
         for m, b in self.baselines.items():
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
@@ -277,13 +286,14 @@ class Session:
         view = trials_view(c.models, [p for p, choices in self.space.params.items() if len(choices) > 1])
         tracker = MlflowTracker.start(c.tracking_uri, self.name, run_name=run_name, params=params, tags=tags,
                                       context=context, experiment_tags={NOTE_TAG: description,
-                                                                        VIEW_TAG + TRIALS_VIEW: view})
+                                                                        VIEW_TAG + TRIALS_VIEW: view},
+                                      storage_key=reconcile.storage_key(self.url))
         tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
         return tracker
 
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
-                          self.offset_s, spool_dir)
+                          self.offset_s, spool_dir, reconcile.owner_context())
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
@@ -322,6 +332,7 @@ class Session:
         """The body of an invocation: on the way out, close any progress bar and end the MLflow
         parent run as FINISHED, KILLED (Ctrl-C) or FAILED, so an interrupted study is marked as such."""
         status = "FINISHED"
+        restore = signals.handle_termination()  # SIGTERM, SIGHUP: as Ctrl-C
         try:
             yield self
         except KeyboardInterrupt:
@@ -340,6 +351,7 @@ class Session:
                 _PROGRESS["bar"].close()
                 _PROGRESS["bar"] = None
             self.close(status)
+            restore()
 
 
 # -- the trial loop (in this process or a worker) ---------------------------------------------------
@@ -352,6 +364,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     trial's artifact for the parent instead (see `SpoolLogger`).
     """
     quiet_optuna()
+    reconcile.adopt(spec.owner)
     config = spec.config
     storage = make_storage(spec.storage_url)
     sampler = make_sampler(config.sampler, config.seed, len(config.objectives), worker=index)
@@ -363,6 +376,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     counts = {"complete": 0, "infeasible": 0, "failed": 0}
 
     def objective(trial):
+        reconcile.claim(trial)  # host and pid: a trial whose process dies is failed at the next start
         start = time.perf_counter()
         point = codec.suggest(trial)
         trial.set_user_attr("point", jsonable(point))
@@ -406,15 +420,19 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         if on_trial is not None:
             on_trial(frozen)
 
-    study.optimize(objective, n_trials=quota, catch=(TrialError,), callbacks=[callback], gc_after_trial=False)
+    study.optimize(objective, n_trials=quota, catch=(TrialError,), gc_after_trial=False,
+                   callbacks=[callback, reconcile.stop_at_total(config.trials, finished_trials)])
     return counts
 
 
 def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
+    signals.worker_started(spec.spool_dir)  # dies with the parent; one interrupt
     try:
         return run_worker(spec, quota, index)
     except KeyboardInterrupt:
         return {"interrupted": True}
+    finally:
+        signals.worker_finished()
 
 
 _PROGRESS = {"bar": None}
@@ -501,7 +519,7 @@ def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
     quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
-    with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+    with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
         spec = session.worker_spec(spool if session.tracker.enabled else None)
         logger = SpoolLogger(session, spool)
         return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
@@ -510,7 +528,8 @@ def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
+    with (ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool,
+          signals.stop_workers_on_exit(pool, drain=lambda: logger.poll(session.all_trials()))):  # logs what they finished
         futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
         while True:

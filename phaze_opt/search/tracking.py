@@ -314,6 +314,7 @@ class MlflowTracker:
     """Logs runs to one experiment; `start` opens the parent run, `attach` joins one in a worker."""
 
     enabled = True
+    experiment_name: str | None = None
 
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
                  background: bool = True, run_name: str | None = None):
@@ -339,17 +340,29 @@ class MlflowTracker:
 
     # -- opening -------------------------------------------------------------------------------
     @staticmethod
-    def prepare(tracking_uri: str, experiment_name: str, artifact_root: str | None = None) -> str:
-        """Create the tracking database (in the parent, before any worker opens it) and the experiment."""
+    def prepare(tracking_uri: str, experiment_name: str, artifact_root: str | None = None,
+                storage_key: str | None = None) -> str:
+        """Create the tracking database (in the parent, before any worker opens it) and the experiment.
+
+        The database is built aside and moved into place, and an http(s) server is probed first
+        (`locks`). With `storage_key` (the Optuna storage, `reconcile.storage_key`) the experiment is
+        the study's in that storage: an experiment of the name holding another storage's study gives
+        way to `<name> [<storage hash>]` (`reconcile.experiment_for`).
+        """
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from . import locks, reconcile
+
         db = sqlite_path(tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
+        locks.probe_tracking_uri(tracking_uri)
         from mlflow import MlflowClient
 
         try:
+            if db is not None:
+                locks.build_mlflow_db(db, _open_store)
             client = MlflowClient(driver_url(tracking_uri))
-            exp = client.get_experiment_by_name(experiment_name)
+            experiment_name, exp = reconcile.experiment_for(client, experiment_name, storage_key)
             if exp is not None:
                 if exp.lifecycle_stage == "deleted":
                     client.restore_experiment(exp.experiment_id)
@@ -360,7 +373,14 @@ class MlflowTracker:
                 root = Path(artifact_root) if artifact_root else (
                     db.parent / "artifacts" if db is not None else Path("mlruns") / "artifacts")
                 location = (root.resolve() / _key(experiment_name).replace(" ", "_").replace("/", "_")).as_uri()
-            return client.create_experiment(experiment_name, artifact_location=location)
+            tags = {reconcile.STORAGE_TAG: storage_key} if storage_key else None
+            try:
+                return client.create_experiment(experiment_name, artifact_location=location, tags=tags)
+            except Exception:  # noqa: BLE001 - another process created it a moment ago: look again
+                name, exp = reconcile.experiment_for(client, experiment_name, storage_key)
+                if exp is None or name != experiment_name:
+                    raise
+                return exp.experiment_id
         except PhazeError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad URI is the user's input
@@ -370,10 +390,10 @@ class MlflowTracker:
     @classmethod
     def start(cls, tracking_uri: str, experiment_name: str, *, run_name: str, params: Mapping[str, Any],
               tags: Mapping[str, str], context: Mapping, background: bool = True,
-              experiment_tags: Mapping[str, str] | None = None) -> "MlflowTracker":
+              experiment_tags: Mapping[str, str] | None = None, storage_key: str | None = None) -> "MlflowTracker":
         """Open the parent run `run_name` (made unique in the experiment) in the experiment, which is
         marked as holding training runs (`EXPERIMENT_KIND`) and given `experiment_tags`."""
-        exp_id = cls.prepare(tracking_uri, experiment_name)
+        exp_id = cls.prepare(tracking_uri, experiment_name, storage_key=storage_key)
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -386,7 +406,9 @@ class MlflowTracker:
         if params:
             _retrying(lambda: client.log_batch(run.info.run_id, params=[
                 Param(_key(k), str(v)[:MAX_PARAM]) for k, v in params.items()]))
-        return cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
+        tracker = cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
+        tracker.experiment_name = _retrying(lambda: client.get_experiment(exp_id).name)
+        return tracker
 
     @classmethod
     def attach(cls, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
@@ -394,17 +416,20 @@ class MlflowTracker:
         return cls(tracking_uri, experiment_id, parent_run_id, context=context, background=background)
 
     # -- logging -------------------------------------------------------------------------------
-    def log_trial(self, trial, artifact: Mapping | None = None) -> None:
-        """Log one finished trial as a nested run (asynchronously when a background thread runs)."""
+    def log_trial(self, trial, artifact: Mapping | None = None, parent_run_id: str | None = None,
+                  extra_tags: Mapping[str, str] | None = None) -> None:
+        """Log one finished trial as a nested run (asynchronously when a background thread runs), under
+        this invocation's parent run or `parent_run_id` (the run of the invocation that ran it)."""
         record = trial_record(trial, **self.context)
+        record.tags.update(extra_tags or {})
         self.logged_trials.add(trial.number)
-        self._submit(lambda: self._write_trial(record, artifact))
+        self._submit(lambda: self._write_trial(record, artifact, parent_run_id))
 
-    def _write_trial(self, record: RunRecord, artifact: Mapping | None) -> None:
+    def _write_trial(self, record: RunRecord, artifact: Mapping | None, parent_run_id: str | None = None) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         c = self.client
-        tags = {"mlflow.parentRunId": self.parent_run_id, **record.tags}
+        tags = {"mlflow.parentRunId": parent_run_id or self.parent_run_id, **record.tags}
         run = _retrying(lambda: c.create_run(self.experiment_id, start_time=record.start_ms, tags=tags,
                                              run_name=record.name))
         run_id = run.info.run_id
@@ -516,6 +541,15 @@ class MlflowTracker:
 
     def where(self) -> str:
         return f"MLflow: experiment id {self.experiment_id}, parent run {self.parent_run_id} at {redact(self.tracking_uri)}"
+
+
+def _open_store(uri: str):
+    """Open (so create and migrate) the MLflow tracking store at `uri`; returns it."""
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    store = _get_store(uri)
+    store.search_experiments(max_results=1)
+    return store
 
 
 def _local_dir(artifact_uri: str) -> Path | None:

@@ -1,0 +1,397 @@
+"""Optuna and MLflow agree after any stop: trial ownership, zombie trials, and run reconciliation.
+
+Ownership. Every trial records who ran it, as the system attribute `phaze.owner` (`claim`, at the
+start of the objective, or in the template of an exhaustive point): the host, the pid and start
+time of the process that ran it, the invocation (`session`, a random id), and the process that logs
+it to MLflow (`logger`: the invocation's parent process) with its parent run. From it:
+
+- `fail_zombies`: at start, a RUNNING trial whose process is gone (same host, pid dead or reused)
+  is failed as `interrupted` (it does not count towards `--trials`) and its point queued again. A
+  RUNNING trial without an owner (another host, or an older version) is left to Optuna's heartbeat
+  (`setup.HEARTBEAT_S`, `GRACE_S`).
+- `requeue_lost`: a trial that failed with no result (interrupted outside the evaluation, e.g. in
+  the sampler) and was enqueued (a reference design or a retry) is queued again, once.
+- `count_own`: a summary's "this run" counts the invocation's own trials, not those of another
+  process sharing the storage.
+- `stop_at_total`: an Optuna callback stopping a process once the study holds `--trials` finished
+  trials, whoever finished them (several processes on one storage stop at the total, overshooting
+  by at most the trials in flight at that moment).
+
+Reconciliation (`reconcile_runs`, at every start with tracking on, under a lock): each finished trial
+gets exactly one finished MLflow run, keyed by the tag `optuna.trial_number`. Runs left RUNNING by a
+dead process (a parent run, or a trial run cut mid-write) are closed as KILLED (trial runs of a
+finished trial are deleted and logged again whole); a finished trial without a run whose logger is
+gone is logged from the storage alone (`trial_record` needs nothing else; its `placement.json`, which
+only the dead process had, is missing and the run says so); extra runs of one trial are deleted.
+Trials of a live process are left to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+OWNER_ATTR = "phaze.owner"
+OWNER_TAG = "phaze.owner"  # on parent runs: host:pid:start of the process that holds the run
+STORAGE_TAG = "phaze.storage"  # on experiments: the Optuna storage their study lives in
+TRIAL_TAG = "optuna.trial_number"
+
+_OWNER: dict[str, Any] = {}
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def proc_start(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), None where unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(text.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, start: int | None = None) -> bool:
+    """Process `pid` exists (and, when `start` is given and known, is the same process, not a reuse)."""
+    try:
+        pid = int(pid)
+    except (TypeError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    except OSError:
+        return False
+    if start is not None:
+        now = proc_start(pid)
+        if now is not None and now != start:
+            return False
+    if Path(f"/proc/{pid}/stat").exists():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":  # exited, not yet reaped
+                return False
+        except (OSError, IndexError):
+            pass
+    return True
+
+
+def me() -> dict:
+    pid = os.getpid()
+    return {"host": host(), "pid": pid, "start": proc_start(pid)}
+
+
+def alive(who: Mapping | None) -> bool | None:
+    """Whether the process `who` ({host, pid, start}) runs: None when it is on another host (unknown)."""
+    if not who or "pid" not in who:
+        return None
+    if who.get("host") != host():
+        return None
+    return pid_alive(who["pid"], who.get("start"))
+
+
+def owner_tag() -> str:
+    m = me()
+    return f"{m['host']}:{m['pid']}:{m['start']}"
+
+
+def parse_owner_tag(text: str | None) -> dict | None:
+    if not text:
+        return None
+    parts = str(text).rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return {"host": parts[0], "pid": int(parts[1]), "start": int(parts[2]) if parts[2].isdigit() else None}
+
+
+# -- ownership -------------------------------------------------------------------------------------
+
+def new_session() -> str:
+    """Start an invocation in this (parent) process: a fresh session id, this process as the logger."""
+    session = uuid.uuid4().hex[:16]
+    _OWNER.clear()
+    _OWNER.update(session=session, logger=me(), parent_run=None)
+    return session
+
+
+def set_parent_run(run_id: str | None) -> None:
+    _OWNER["parent_run"] = run_id
+
+
+def owner_context() -> dict:
+    """What a worker process needs to claim trials for this invocation (picklable)."""
+    return {k: _OWNER.get(k) for k in ("session", "logger", "parent_run")}
+
+
+def adopt(context: Mapping | None) -> None:
+    """In a worker process: claim trials for the invocation `context` (`owner_context`)."""
+    if context:
+        _OWNER.clear()
+        _OWNER.update(context)
+
+
+def owner_record() -> dict | None:
+    """The `phaze.owner` value of a trial this process runs now (None outside an invocation)."""
+    if not _OWNER.get("session"):
+        return None
+    return {**me(), "session": _OWNER["session"], "logger": _OWNER.get("logger"),
+            "parent_run": _OWNER.get("parent_run")}
+
+
+def claim(trial) -> None:
+    """Record the owner of a running Optuna trial (first thing in the objective)."""
+    record = owner_record()
+    if record is not None:
+        trial.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, record)  # noqa: SLF001
+
+
+def stamp(system_attrs: dict) -> dict:
+    """`system_attrs` of a trial created finished (an exhaustive point) with its owner."""
+    record = owner_record()
+    if record is not None:
+        system_attrs[OWNER_ATTR] = record
+    return system_attrs
+
+
+def owner_of(trial) -> dict | None:
+    value = trial.system_attrs.get(OWNER_ATTR)
+    return value if isinstance(value, dict) else None
+
+
+def count_own(trials: Iterable, session: str | None) -> int:
+    return sum(1 for t in trials if (owner_of(t) or {}).get("session") == session)
+
+
+def is_mine(trial, session: str | None) -> bool:
+    """The trial was run by `session`, or by nobody known (an older trial): this process may log it."""
+    owner = owner_of(trial)
+    return owner is None or owner.get("session") == session
+
+
+# -- trials ----------------------------------------------------------------------------------------
+
+def _requeue(study, trial, reason_attrs: Mapping) -> None:
+    params = trial.system_attrs.get("fixed_params") or dict(trial.params)
+    attrs = {"retry_of": trial.number, **reason_attrs}
+    if trial.user_attrs.get("reference") is not None:
+        attrs["reference"] = trial.user_attrs["reference"]
+    study.enqueue_trial(dict(params), user_attrs=attrs)
+
+
+def fail_zombies(study) -> list[int]:
+    """Fail (as interrupted) every RUNNING trial whose process on this host is gone, and queue its
+    point again; returns their numbers. Safe against a concurrent start doing the same: the state
+    change is the storage's atomic check-and-set, and only its winner re-queues."""
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    storage = study._storage  # noqa: SLF001
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = owner_of(t)
+        if owner is None or alive(owner) is not False:
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, "interrupted", True)  # noqa: SLF001
+            if not storage.set_trial_state_values(t._trial_id, TrialState.FAIL):  # noqa: SLF001
+                continue
+        except UpdateFinishedTrialError:
+            continue  # another process got there first
+        _requeue(study, t, {})
+        failed.append(t.number)
+    return failed
+
+
+def requeue_lost(study) -> list[int]:
+    """Queue again, once, an enqueued point (reference or retry) whose trial failed without a result
+    (cut outside the evaluation, e.g. by Ctrl-C in the sampler, so never retried); returns them."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    for t in trials:
+        retried.update(t.system_attrs.get("retry_history", []) or [])
+    out = []
+    for t in trials:
+        if (t.state == TrialState.FAIL and "result" not in t.user_attrs and t.number not in retried
+                and t.system_attrs.get("fixed_params") and owner_of(t) is not None
+                and alive(owner_of(t)) is not True):
+            _requeue(study, t, {})
+            out.append(t.number)
+    return out
+
+
+def stop_at_total(total: int, counted) -> "callable":
+    """An Optuna callback: stop this process's loop once `counted(trials)` (the finished trials) reaches
+    `total`, whichever process finished them."""
+
+    def callback(study, _frozen):
+        if len(counted(study.get_trials(deepcopy=False))) >= total:
+            study.stop()
+
+    return callback
+
+
+# -- MLflow ----------------------------------------------------------------------------------------
+
+def storage_key(url: str) -> str:
+    """The identity of an Optuna storage: a SQLite file's absolute path, else the URL without password."""
+    from .tracking import redact, sqlite_path
+
+    path = sqlite_path(url)
+    if path is not None:
+        return "sqlite:///" + str(path.expanduser().resolve())
+    return redact(url)
+
+
+def storage_suffix(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def _all_runs(client, experiment_id: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], max_results=1000, page_token=token)
+        runs.extend(page)
+        token = getattr(page, "token", None)
+        if not token:
+            return runs
+
+
+def reconcile_runs(tracker, trials, counted) -> dict:
+    """Make the experiment agree with the study (see the module docstring); returns counts of what was
+    done: closed (runs set KILLED), logged (missing trial runs), deleted (incomplete or extra runs)."""
+    from .tracking import _retrying
+
+    out = {"closed": 0, "logged": 0, "deleted": 0}
+    if not getattr(tracker, "enabled", False):
+        return out
+    client = tracker.client
+    runs = _retrying(lambda: _all_runs(client, tracker.experiment_id))
+    parents = {r.info.run_id: r for r in runs if TRIAL_TAG not in r.data.tags}
+    dead = set()
+    for run_id, run in parents.items():
+        if run_id == tracker.parent_run_id:
+            continue
+        if alive(parse_owner_tag(run.data.tags.get(OWNER_TAG))) is True:
+            continue
+        if alive(parse_owner_tag(run.data.tags.get(OWNER_TAG))) is None and run.data.tags.get(OWNER_TAG):
+            continue  # held by a process on another host: not ours to judge
+        dead.add(run_id)
+        if run.info.status == "RUNNING":
+            _retrying(lambda: client.set_terminated(run_id, "KILLED"))
+            out["closed"] += 1
+    by_trial: dict[int, list] = {}
+    for r in runs:
+        if TRIAL_TAG in r.data.tags and r.data.tags[TRIAL_TAG].isdigit():
+            by_trial.setdefault(int(r.data.tags[TRIAL_TAG]), []).append(r)
+    finished = {t.number: t for t in counted(trials)}
+
+    def orphan(run) -> bool:  # written by a process that is gone
+        return run.data.tags.get("mlflow.parentRunId") in dead or run.data.tags.get("mlflow.parentRunId") not in parents
+
+    for number, group in by_trial.items():
+        done = sorted((r for r in group if r.info.status in ("FINISHED", "FAILED")), key=lambda r: r.info.start_time or 0)
+        for r in group:
+            if r.info.status == "RUNNING" and orphan(r):
+                if number in finished:  # cut mid-write: logged again below, whole
+                    _retrying(lambda: client.delete_run(r.info.run_id))
+                    out["deleted"] += 1
+                else:
+                    _retrying(lambda: client.set_terminated(r.info.run_id, "KILLED"))
+                    out["closed"] += 1
+        for r in done[1:]:
+            _retrying(lambda: client.delete_run(r.info.run_id))
+            out["deleted"] += 1
+        if not done:
+            by_trial[number] = []
+    logged = {n for n, g in by_trial.items() if any(r.info.status in ("FINISHED", "FAILED") for r in g)}
+    for number, t in sorted(finished.items()):
+        if number in logged:
+            continue
+        owner = owner_of(t) or {}
+        if alive(owner.get("logger")) is True and owner.get("session") != _OWNER.get("session"):
+            continue  # a live invocation logs it itself
+        parent = owner.get("parent_run")
+        tracker.log_trial(t, None, parent_run_id=parent if parent in parents else None,
+                          extra_tags={"reconciled": "true"})
+        out["logged"] += 1
+    tracker.flush()
+    return out
+
+
+def experiment_for(client, name: str, key: str | None):
+    """The MLflow experiment of study `name` in the Optuna storage `key`: (its name, the experiment or
+    None when it is still to be created).
+
+    The experiment is `name` unless that one holds another storage's study (tag `phaze.storage`); then
+    `<name> [<hash of the storage>]`. An experiment without the tag (made before it existed) is adopted.
+    """
+    exp = client.get_experiment_by_name(name)
+    if key is None or exp is None:
+        return name, exp
+    held = (exp.tags or {}).get(STORAGE_TAG)
+    if held is None:
+        client.set_experiment_tag(exp.experiment_id, STORAGE_TAG, key)
+        return name, exp
+    if held == key:
+        return name, exp
+    other = f"{name} [{storage_suffix(key)}]"
+    return other, client.get_experiment_by_name(other)
+
+
+# -- the exhaustive points file ----------------------------------------------------------------------
+
+def mark_evaluated(grid, status, score, trials) -> int:
+    """Mark every grid point the study holds a finished trial of as evaluated, with its throughput (0
+    when infeasible or failed), so the points file of a resumed sweep agrees with the study:
+    a point evaluated by an earlier run stays `evaluated` even when this run's bounds would have
+    settled it. Returns how many cells it marked. `status`, `score`: the arrays `[mbs, row, recompute]`
+    of `branch_bound` (EVALUATED is the last of its `SETTLED`)."""
+    from .branch_bound import EVALUATED
+
+    import json
+
+    from ..jsonable import jsonable
+
+    def key(value) -> str:  # a stored point went through JSON: compare in that form
+        return json.dumps(jsonable(value), sort_keys=True)
+
+    fields = list(grid.archs[0]) if grid.archs else []
+    rows = {tuple(key(a[k]) for k in fields): i for i, a in enumerate(grid.archs)}
+    hbm = {key(h): i for i, h in enumerate(grid.hbms)}
+    mbs = {int(m): i for i, m in enumerate(grid.mbss)}
+    rc = {key(r): i for i, r in enumerate(grid.rcs)}
+    marked = 0
+    for t in trials:
+        point = t.user_attrs.get("point")
+        if not isinstance(point, dict) or t.state.name not in ("COMPLETE", "FAIL"):
+            continue
+        if t.state.name == "FAIL" and "result" not in t.user_attrs:
+            continue
+        try:
+            a = rows[tuple(key(point[k]) for k in fields)]
+            m, h, r = mbs[int(point["mbs"])], hbm[key(point["hbm_gib"])], rc[key(point["recompute"])]
+        except (KeyError, TypeError, ValueError):
+            continue
+        row = a * len(grid.hbms) + h
+        status[m, row, r] = EVALUATED
+        feasible = t.state.name == "COMPLETE" and all(v <= 0 for v in t.constraints.values()) and t.values
+        score[m, row, r] = float(t.values[0]) if feasible else 0.0  # as `run_branch_bound` records them
+        marked += 1
+    return marked
