@@ -185,12 +185,15 @@ def is_mine(trial, session: str | None) -> bool:
 
 # -- trials ----------------------------------------------------------------------------------------
 
+def kept_attrs(trial) -> dict:
+    """The user attributes a re-queued trial keeps: `reference` (a reference design stays one)."""
+    ref = trial.user_attrs.get("reference")
+    return {"reference": ref} if ref is not None else {}
+
+
 def _requeue(study, trial, reason_attrs: Mapping) -> None:
     params = trial.system_attrs.get("fixed_params") or dict(trial.params)
-    attrs = {"retry_of": trial.number, **reason_attrs}
-    if trial.user_attrs.get("reference") is not None:
-        attrs["reference"] = trial.user_attrs["reference"]
-    study.enqueue_trial(dict(params), user_attrs=attrs)
+    study.enqueue_trial(dict(params), user_attrs={"retry_of": trial.number, **kept_attrs(trial), **reason_attrs})
 
 
 def fail_zombies(study) -> list[int]:

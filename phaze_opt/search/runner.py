@@ -387,7 +387,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
-            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
+            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number, **reconcile.kept_attrs(trial)})
             raise
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
             message = one_line(exc)
