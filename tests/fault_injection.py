@@ -3,8 +3,8 @@
     PYTHONPATH=. python tests/fault_injection.py [--kills 20] [--trials 60] [--seed 0] [--dir DIR]
 
 Each round starts the real study CLI (`fault_study.py`: a fake evaluator, 32 designs) in its own
-process group and kills it with SIGKILL: the first round while the MLflow database is being built,
-the second while the Optuna schema is being created, the rest after a random delay; odd rounds kill
+process group and kills it with SIGKILL: the first round while the Optuna schema is being created,
+the second while the MLflow database is being built (aside), the rest after a random delay; odd rounds kill
 the parent alone (its workers must then exit by themselves, and are waited for), even rounds the
 whole process group. A last round runs to the end. Then it checks:
 
@@ -96,12 +96,12 @@ def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work
     for i in range(kills):
         proc = subprocess.Popen(_command(dir_, trials, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
-        if i == 0 and not mlflow_db.exists():  # while MLflow migrates its new database, aside
-            hit = _wait_for(lambda: any(mlflow_db.parent.glob(".mlflow.db.building-*")), 60, proc)
-            counts["kills_during_mlflow_db_creation"] += hit
-        elif i == 1 and not optuna_db.exists():
+        if i == 0 and not optuna_db.exists():
             hit = _wait_for(optuna_db.exists, 60, proc)  # the file appears as the schema is created
             counts["kills_during_optuna_schema_creation"] += hit
+        elif i == 1 and not mlflow_db.exists():  # while MLflow migrates its new database, aside
+            hit = _wait_for(lambda: any(mlflow_db.parent.glob(".mlflow.db.building-*")), 60, proc)
+            counts["kills_during_mlflow_db_creation"] += hit
         else:
             _wait_for(lambda: False, rng.uniform(0.2, typical), proc)
         if proc.poll() is not None:

@@ -147,3 +147,31 @@ def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         reason = getattr(exc, "reason", exc)
         raise PhazeError(f"--tracking-uri {redact(text)}: no MLflow server answers ({reason}); start it, or "
                          "use --tracking-uri off") from None
+
+
+OPTUNA_TABLES = {"studies", "trials", "version_info"}
+
+
+def check_sqlite_storage(url: str) -> None:
+    """Refuse a SQLite file that holds another program's tables (an MLflow database, say): Optuna would
+    add its tables to it or fail with a misleading version error. A missing or empty file passes."""
+    text = str(url)
+    if not text.startswith("sqlite:///"):
+        return
+    path = Path(text[len("sqlite:///"):].split("?", 1)[0])
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise PhazeError(f"--storage {text}: not an Optuna database ({exc})") from None
+    if tables and not OPTUNA_TABLES <= tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise PhazeError(f"--storage {text}: this SQLite file holds another program's tables ({shown}), not an "
+                         "Optuna study; give a new file or an Optuna storage")

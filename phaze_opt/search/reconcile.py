@@ -1,7 +1,7 @@
 """Optuna and MLflow agree after any stop: trial ownership, zombie trials, and run reconciliation.
 
-Ownership. Every trial records who ran it, as the system attribute `phaze.owner` (`claim`, at the
-start of the objective, or in the template of an exhaustive point): the host, the pid and start
+Ownership. Every trial records who ran it, as the system attribute `phaze.owner` (written in the
+transaction that makes it RUNNING, `install_claim_hooks`; or in the template of an exhaustive point): the host, the pid and start
 time of the process that ran it, the invocation (`session`, a random id), and the process that logs
 it to MLflow (`logger`: the invocation's parent process) with its parent run. From it:
 
@@ -97,11 +97,15 @@ def me() -> dict:
 
 
 def alive(who: Mapping | None) -> bool | None:
-    """Whether the process `who` ({host, pid, start}) runs: None when it is on another host (unknown)."""
+    """Whether the process `who` ({host, pid, start}) still runs what it recorded: None when it is on
+    another host (unknown). This process counts as gone: it is starting a new invocation, so whatever
+    an earlier invocation in it left running is over."""
     if not who or "pid" not in who:
         return None
     if who.get("host") != host():
         return None
+    if who["pid"] == os.getpid() and who.get("start") in (None, proc_start(os.getpid())):
+        return False
     return pid_alive(who["pid"], who.get("start"))
 
 
@@ -126,7 +130,13 @@ def new_session() -> str:
     session = uuid.uuid4().hex[:16]
     _OWNER.clear()
     _OWNER.update(session=session, logger=me(), parent_run=None)
+    install_claim_hooks()
     return session
+
+
+def end_session() -> None:
+    """The invocation is over: trials this process creates from now on have no owner."""
+    _OWNER.clear()
 
 
 def set_parent_run(run_id: str | None) -> None:
@@ -143,6 +153,7 @@ def adopt(context: Mapping | None) -> None:
     if context:
         _OWNER.clear()
         _OWNER.update(context)
+        install_claim_hooks()
 
 
 def owner_record() -> dict | None:
@@ -154,10 +165,54 @@ def owner_record() -> dict | None:
 
 
 def claim(trial) -> None:
-    """Record the owner of a running Optuna trial (first thing in the objective)."""
+    """Record the owner of a running Optuna trial (first thing in the objective), unless the storage's
+    hooks (`install_claim_hooks`) did it as the trial became RUNNING."""
     record = owner_record()
-    if record is not None:
-        trial.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, record)  # noqa: SLF001
+    if record is None:
+        return
+    storage, trial_id = trial.storage, trial._trial_id  # noqa: SLF001
+    if OWNER_ATTR not in storage.get_trial_system_attrs(trial_id):
+        storage.set_trial_system_attr(trial_id, OWNER_ATTR, record)
+
+
+_HOOKS: dict = {}
+
+
+def install_claim_hooks() -> None:
+    """Record a trial's owner in the very transaction that makes it RUNNING (Optuna's `ask` creates it,
+    or pops a queued one), so no kill can leave a RUNNING trial without an owner. SQLAlchemy ORM events
+    on Optuna's trial table, for every RDB storage of this process; idempotent. Without them (another
+    Optuna layout) `claim` still records the owner a moment later."""
+    if _HOOKS:
+        return
+    import json
+
+    try:
+        from optuna.storages._rdb import models
+        from optuna.trial import TrialState
+        from sqlalchemy import event, inspect
+    except ImportError:  # pragma: no cover
+        return
+    table = models.TrialSystemAttributeModel.__table__
+
+    def write(connection, trial_id) -> None:
+        record = owner_record()
+        if record is None or trial_id is None:
+            return
+        connection.execute(table.delete().where(table.c.trial_id == trial_id, table.c.key == OWNER_ATTR))
+        connection.execute(table.insert().values(trial_id=trial_id, key=OWNER_ATTR, value_json=json.dumps(record)))
+
+    def on_insert(_mapper, connection, target) -> None:
+        if target.state == TrialState.RUNNING:
+            write(connection, target.trial_id)
+
+    def on_update(_mapper, connection, target) -> None:
+        if target.state == TrialState.RUNNING and inspect(target).attrs.state.history.has_changes():
+            write(connection, target.trial_id)
+
+    event.listen(models.TrialModel, "after_insert", on_insert)
+    event.listen(models.TrialModel, "after_update", on_update)
+    _HOOKS["installed"] = True
 
 
 def stamp(system_attrs: dict) -> dict:

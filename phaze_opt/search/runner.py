@@ -342,6 +342,11 @@ class Session:
             status = "FAILED"
             raise
         finally:
+            if status != "FINISHED":  # this process's (and its dead workers') trials cut short: interrupted, re-queued
+                try:
+                    reconcile.fail_zombies(self.study)
+                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                    pass
             if self.wall_s is None:  # interrupted or failed before its summary
                 try:
                     self.end_wall()
@@ -352,6 +357,7 @@ class Session:
                 _PROGRESS["bar"] = None
             self.close(status)
             restore()
+            reconcile.end_session()
 
 
 # -- the trial loop (in this process or a worker) ---------------------------------------------------

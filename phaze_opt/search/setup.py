@@ -16,7 +16,7 @@ import optuna
 
 from ..errors import PhazeError
 from .objective import directions, parse_objectives
-from .locks import create_schema
+from .locks import check_sqlite_storage, create_schema
 from .tracking import DEFAULT_TRACKING_URI, driver_url, redact
 
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
@@ -275,6 +275,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     kwargs: dict[str, Any] = {}
+    check_sqlite_storage(url)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):].split("?", 1)[0])
         path.parent.mkdir(parents=True, exist_ok=True)
