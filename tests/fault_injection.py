@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 ORPHAN_LIMIT_S = 30.0
+TRIAL_S = 0.1  # seconds a trial of the fake evaluator takes (FAULT_TRIAL_S)
 
 
 def _command(work: Path, trials: int, workers: int) -> list[str]:
@@ -44,7 +45,7 @@ def _command(work: Path, trials: int, workers: int) -> list[str]:
 
 
 def _env(work: Path) -> dict:
-    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", TMPDIR=str(work / "tmp"))
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", TMPDIR=str(work / "tmp"), FAULT_TRIAL_S=str(TRIAL_S))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     return env
@@ -87,7 +88,9 @@ def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work
     ref_dir, dir_ = work / "uninterrupted", work / "killed"
     t0 = time.monotonic()
     reference = _run_to_end(ref_dir, trials, workers)
-    typical = time.monotonic() - t0
+    # kills land anywhere from start-up to a little into the trials, so each round makes some progress
+    # and most rounds are cut (a delay as long as a whole run would leave nothing to cut after a few)
+    startup = max(0.5, time.monotonic() - t0 - trials * TRIAL_S / workers)
     counts = {"kills": 0, "kills_during_mlflow_db_creation": 0, "kills_during_optuna_schema_creation": 0,
               "kills_parent_only": 0, "kills_process_group": 0, "runs_finished_before_kill": 0,
               "max_orphan_s": 0.0, "orphans_over_limit": 0}
@@ -97,13 +100,13 @@ def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work
         proc = subprocess.Popen(_command(dir_, trials, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         if i == 0 and not optuna_db.exists():
-            hit = _wait_for(optuna_db.exists, 60, proc)  # the file appears as the schema is created
+            hit = _wait_for(lambda: optuna_db.exists() or any(optuna_db.parent.glob(".fault.db.building-*")), 60, proc)
             counts["kills_during_optuna_schema_creation"] += hit
         elif i == 1 and not mlflow_db.exists():  # while MLflow migrates its new database, aside
             hit = _wait_for(lambda: any(mlflow_db.parent.glob(".mlflow.db.building-*")), 60, proc)
             counts["kills_during_mlflow_db_creation"] += hit
         else:
-            _wait_for(lambda: False, rng.uniform(0.2, typical), proc)
+            _wait_for(lambda: False, rng.uniform(0.2, startup + 1.5), proc)
         if proc.poll() is not None:
             counts["runs_finished_before_kill"] += 1
             continue

@@ -99,17 +99,19 @@ def create_schema(create: Callable[[], T], url: str, attempts: int = 6) -> T:
     raise AssertionError("unreachable")
 
 
-def build_mlflow_db(db: Path, open_store: Callable[[str], object]) -> None:
-    """Create the MLflow SQLite database `db` if it does not exist: migrate a copy aside
-    (`.<name>.building-<pid>`), then move it into place. `open_store(uri)` opens (so migrates) a store.
+def build_aside(db: Path, open_store: Callable[[str], object], purpose: str = "mlflow") -> None:
+    """Create the SQLite database `db` if it does not exist (or is empty): build it aside
+    (`.<name>.building-<pid>`), then move it into place. `open_store(uri)` opens (so creates and
+    migrates) a store at a SQLite URI; an `engine` it returns is disposed of before the move.
 
-    Leftovers of builds whose process was killed are removed first.
+    Used for the MLflow database and a new Optuna SQLite storage, whose schemas take many statements:
+    a process killed halfway leaves only its aside file, removed by the next build.
     """
-    if db.exists():
+    if db.exists() and db.stat().st_size > 0:
         return
     db.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(lock_path_for(f"sqlite:///{db}", "mlflow")):
-        if db.exists():
+    with file_lock(lock_path_for(f"sqlite:///{db}", purpose)):
+        if db.exists() and db.stat().st_size > 0:
             return
         for stale in db.parent.glob(f".{db.name}.building-*"):
             stale.unlink(missing_ok=True)  # we hold the lock: its builder is dead
@@ -119,9 +121,23 @@ def build_mlflow_db(db: Path, open_store: Callable[[str], object]) -> None:
             engine = getattr(store, "engine", None)
             if engine is not None:
                 engine.dispose()  # no connection may outlive the rename
+            for suffix in ("-wal", "-shm", "-journal"):  # all in the main file once its connections closed
+                Path(f"{aside}{suffix}").unlink(missing_ok=True)
             os.replace(aside, db)
         finally:
             aside.unlink(missing_ok=True)
+
+
+def build_mlflow_db(db: Path, open_store: Callable[[str], object]) -> None:
+    build_aside(db, open_store, "mlflow")
+
+
+def prebuild_optuna_sqlite(url: str, open_storage: Callable[[str], object]) -> None:
+    """A new Optuna SQLite storage: its schema built aside (`build_aside`); other URLs pass."""
+    text = str(url)
+    if text.startswith("sqlite:///"):
+        path = Path(text[len("sqlite:///"):].split("?", 1)[0])
+        build_aside(path, open_storage, "schema")
 
 
 def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
@@ -149,7 +165,7 @@ def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                          "use --tracking-uri off") from None
 
 
-OPTUNA_TABLES = {"studies", "trials", "version_info"}
+OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}
 
 
 def check_sqlite_storage(url: str) -> None:
@@ -171,7 +187,7 @@ def check_sqlite_storage(url: str) -> None:
             con.close()
     except sqlite3.DatabaseError as exc:
         raise PhazeError(f"--storage {text}: not an Optuna database ({exc})") from None
-    if tables and not OPTUNA_TABLES <= tables:
+    if tables and not tables & OPTUNA_TABLES:
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         raise PhazeError(f"--storage {text}: this SQLite file holds another program's tables ({shown}), not an "
                          "Optuna study; give a new file or an Optuna storage")

@@ -16,7 +16,7 @@ import optuna
 
 from ..errors import PhazeError
 from .objective import directions, parse_objectives
-from .locks import check_sqlite_storage, create_schema
+from .locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
 from .tracking import DEFAULT_TRACKING_URI, driver_url, redact
 
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
@@ -283,6 +283,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     else:
         kwargs["engine_kwargs"] = {"pool_pre_ping": True}
     try:
+        prebuild_optuna_sqlite(url, lambda aside: RDBStorage(aside, **kwargs))  # a new file appears whole
         storage = create_schema(lambda: RDBStorage(  # under a lock, retried: several processes may create it
             driver_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3), **kwargs), url)
