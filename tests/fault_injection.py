@@ -1,10 +1,11 @@
 """Fault injection: a 2-worker study killed with SIGKILL at random moments, resumed each time, checked.
 
-    PYTHONPATH=. python tests/fault_injection.py [--kills 20] [--trials 60] [--seed 0] [--dir DIR]
+    PYTHONPATH=. python tests/fault_injection.py [--kills 20] [--trials 100] [--seed 0] [--dir DIR]
 
 Each round starts the real study CLI (`fault_study.py`: a fake evaluator, 32 designs) in its own
 process group and kills it with SIGKILL: the first round while the Optuna schema is being created,
-the second while the MLflow database is being built (aside), the rest after a random delay; odd rounds kill
+the second while the MLflow database is being built (aside), the rest after a random delay (from
+start-up to a little into the trials; each round asks for a few more trials, so each has work); odd rounds kill
 the parent alone (its workers must then exit by themselves, and are waited for), even rounds the
 whole process group. A last round runs to the end. Then it checks:
 
@@ -80,7 +81,7 @@ def _run_to_end(work: Path, trials: int, workers: int, timeout: float = 300) -> 
     return json.loads(out.stdout)
 
 
-def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work: Path | None = None) -> dict:
+def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, work: Path | None = None) -> dict:
     import tempfile
 
     rng = random.Random(seed)
@@ -96,8 +97,13 @@ def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work
               "max_orphan_s": 0.0, "orphans_over_limit": 0}
     mlflow_db = dir_ / "mlruns" / "mlflow.db"
     optuna_db = dir_ / "studies" / "fault.db"
-    for i in range(kills):
-        proc = subprocess.Popen(_command(dir_, trials, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
+    step = max(1, trials // (kills + 1))
+    for i in range(3 * kills):
+        if counts["kills"] == kills:
+            break
+        # each round asks for a few more trials than the last, so every round has work to cut
+        target = min(trials, step * (i + 1))
+        proc = subprocess.Popen(_command(dir_, target, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         if i == 0 and not optuna_db.exists():
             hit = _wait_for(lambda: optuna_db.exists() or any(optuna_db.parent.glob(".fault.db.building-*")), 60, proc)
@@ -106,7 +112,7 @@ def run(kills: int = 20, trials: int = 60, workers: int = 2, seed: int = 0, work
             hit = _wait_for(lambda: any(mlflow_db.parent.glob(".mlflow.db.building-*")), 60, proc)
             counts["kills_during_mlflow_db_creation"] += hit
         else:
-            _wait_for(lambda: False, rng.uniform(0.2, startup + 1.5), proc)
+            _wait_for(lambda: False, rng.uniform(0.2, startup + step * TRIAL_S / workers), proc)
         if proc.poll() is not None:
             counts["runs_finished_before_kill"] += 1
             continue
@@ -190,7 +196,7 @@ def check(work: Path, trials: int, workers: int, summary: dict, reference: dict)
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--trials", type=int, default=60)
+    p.add_argument("--trials", type=int, default=100)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None)
