@@ -534,7 +534,7 @@ def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    with (ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool,
+    with (ProcessPoolExecutor(max_workers=len(tasks), mp_context=context, initializer=signals.worker_started) as pool,
           signals.stop_workers_on_exit(pool, drain=lambda: logger.poll(session.all_trials()))):  # logs what they finished
         futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)

@@ -94,10 +94,13 @@ def _set_pdeathsig() -> None:
 
 
 def worker_started(spool_dir: str | None = None) -> None:
-    """Called first in a worker process: signal handling and the parent watch (see the module
-    docstring). Idempotent; installs handlers only in the main thread."""
-    parent = os.getppid()
-    _WORKER.update(parent=parent, spool=spool_dir, interrupted=False)
+    """Called first in a worker process (as the pool's initializer, so a parent killed before handing
+    out the tasks is noticed too; again by the task with its spool folder): signal handling and the
+    parent watch (see the module docstring). Idempotent; installs handlers only in the main thread."""
+    _WORKER.setdefault("parent", os.getppid())  # the first call's: the pool's initializer, at process start
+    if spool_dir is not None:
+        _WORKER["spool"] = spool_dir
+    _WORKER["interrupted"] = False
     if threading.current_thread() is threading.main_thread():
         for sig in _signals(("SIGINT", *TERMINATING)):
             signal.signal(sig, _worker_interrupt)
