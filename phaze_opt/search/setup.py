@@ -28,7 +28,7 @@ PHAZE_AREA_GROUP_MM2 = 0.01
 HEARTBEAT_S = 30
 GRACE_S = 120
 _NAME_BAD = re.compile(r"[^A-Za-z0-9._+-]+")
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9._+\- ]*")  # a file name inside --output-dir
+_UNSAFE_NAME = re.compile(r"^\.|[/\\\x00]")  # would name a file outside --output-dir (or a hidden one)
 MAX_SEED = 2**32 - 1
 
 
@@ -194,9 +194,9 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():
         raise PhazeError("--study-name: must not be empty")
-    if config.study_name is not None and not _SAFE_NAME.fullmatch(str(config.study_name)):
-        raise PhazeError(f"--study-name: '{config.study_name}' names files under --output-dir; use letters, digits, "
-                         "spaces and . _ + - (no path separators, not starting with a dot)")
+    if config.study_name is not None and _UNSAFE_NAME.search(str(config.study_name)):
+        raise PhazeError(f"--study-name: '{config.study_name}' names files under --output-dir, so it may not contain "
+                         "/ or \\ nor start with a dot")
     if config.storage is not None and "://" not in str(config.storage):
         raise PhazeError(f"--storage: expected a database URL such as sqlite:///studies/x.db or "
                          f"postgresql://user@host/db, got '{config.storage}'")
