@@ -34,8 +34,10 @@ summary and the parent run's metrics.
 from __future__ import annotations
 
 import heapq
+import json
 import itertools
 import multiprocessing
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, as_completed, wait
 from datetime import datetime
@@ -48,9 +50,10 @@ from ..design.upper_bound import (CHUNK, WidthBounds, ideal_throughput, layer_lo
                                   slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
+from ..jsonable import jsonable
 from ..system import load_system
 from ..workload.models import load_model
-from . import objective
+from . import objective, signals
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
@@ -95,6 +98,8 @@ _W: dict = {}  # this process's worker state: model, system, trial context and o
 
 def _init_worker(model: str, system: str, ctx) -> None:
     quiet_optuna()
+    if multiprocessing.parent_process() is not None:
+        signals.worker_started()  # a pool process dies with its parent
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
@@ -336,6 +341,7 @@ def run_branch_bound(session) -> dict:
                                         else max([incumbent] + [b for b in open_bounds if b is not None]))
     stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
                  optimum=incumbent)
+    mark_evaluated(grid, status, score, session.study.get_trials(deepcopy=False))  # resumed points too
     path = _write_points(grid, status, bound, score, Path(config.output_dir) / f"{session.name}-points.csv.gz")
     stats["points_file"] = str(path)
     session.tracker.log_parent(metrics={"points": grid.size, "evaluated": counts["evaluated"],
@@ -356,6 +362,40 @@ def _end_bounding(session, stats: dict) -> None:
     session.study.set_user_attr("bounding_phases", [*phases, [session.offset_s, end]])
 
 
+def mark_evaluated(grid, status, score, trials) -> int:
+    """Mark every grid point the study holds a finished trial of as evaluated, with its throughput (0
+    when infeasible or failed), so the points file of a resumed sweep agrees with the study:
+    a point evaluated by an earlier run stays `evaluated` even when this run's bounds would have
+    settled it. Returns how many cells it marked. `status`, `score`: the arrays `[mbs, row, recompute]`
+    of `run_branch_bound`."""
+    def key(value) -> str:  # a stored point went through JSON: compare in that form
+        return json.dumps(jsonable(value), sort_keys=True)
+
+    fields = list(grid.archs[0]) if grid.archs else []
+    rows = {tuple(key(a[k]) for k in fields): i for i, a in enumerate(grid.archs)}
+    hbm = {key(h): i for i, h in enumerate(grid.hbms)}
+    mbs = {int(m): i for i, m in enumerate(grid.mbss)}
+    rc = {key(r): i for i, r in enumerate(grid.rcs)}
+    marked = 0
+    for t in trials:
+        point = t.user_attrs.get("point")
+        if not isinstance(point, dict) or t.state.name not in ("COMPLETE", "FAIL"):
+            continue
+        if t.state.name == "FAIL" and "result" not in t.user_attrs:
+            continue
+        try:
+            a = rows[tuple(key(point[k]) for k in fields)]
+            m, h, r = mbs[int(point["mbs"])], hbm[key(point["hbm_gib"])], rc[key(point["recompute"])]
+        except (KeyError, TypeError, ValueError):
+            continue
+        row = a * len(grid.hbms) + h
+        status[m, row, r] = EVALUATED
+        feasible = t.state.name == "COMPLETE" and all(v <= 0 for v in t.constraints.values()) and t.values
+        score[m, row, r] = float(t.values[0]) if feasible else 0.0  # as `run_branch_bound` records them
+        marked += 1
+    return marked
+
+
 def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
     """Every point, how it was settled and its bound (the file users check the pruning with)."""
     import pandas as pd
@@ -372,5 +412,7 @@ def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
     frame["upper_bound"] = bound.ravel()
     frame["throughput"] = score.ravel()
     path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(path, index=False, compression="gzip", float_format="%.6g")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written aside, moved into place: never half a file
+    frame.to_csv(partial, index=False, compression="gzip", float_format="%.6g")
+    os.replace(partial, path)
     return path

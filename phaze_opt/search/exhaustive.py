@@ -38,6 +38,7 @@ from ..errors import PhazeError
 from ..training import SAMPLED_FIELDS
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
+from . import reconcile, signals
 from .branch_bound import run_pruned
 from .progress import say
 from .report import finish
@@ -209,7 +210,7 @@ def run_exhaustive(config, backend=None) -> dict:
                     groups_done += 1
         else:
             workers = min(config.workers, len(clusters))
-            with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+            with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
                 spec = session.worker_spec(spool if session.tracker.enabled else None)
                 run_pool(session, progress, SpoolLogger(session, spool),
                          [(_exhaustive_worker, (spec, i, workers)) for i in range(workers)])
@@ -233,6 +234,8 @@ def run_exhaustive(config, backend=None) -> dict:
 def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
+    signals.worker_started(spec.spool_dir)
+    reconcile.adopt(spec.owner)
     try:
         study = load_study(spec.config, spec.storage_url, spec.study_name)
         clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
@@ -246,3 +249,5 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
         return {"evaluated": sweeper.evaluated}
     except KeyboardInterrupt:
         return {"interrupted": True}
+    finally:
+        signals.worker_finished()

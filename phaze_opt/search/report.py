@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .reconcile import count_own
 from .session import finished_trials, is_feasible
 from .setup import default_storage, default_study_name, resolve_prune
 from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
@@ -165,6 +166,31 @@ def next_steps(session) -> dict:
             "compare": shlex.join([exe, "compare", session.name, name] + flags)}
 
 
+def own_trials(session, done) -> int:
+    """This invocation's finished trials (not another process's on the same storage, see `reconcile`)."""
+    session_id = getattr(session, "session_id", None)
+    return count_own(done, session_id) if session_id else len(done) - session.trials_before
+
+
+def crash_notes(session, done) -> list[str]:
+    """What the start-up reconciliation did, and a `--trials` overshoot by concurrent processes."""
+    notes = []
+    zombies = getattr(session, "zombies", None)
+    if zombies:
+        notes.append(f"trials {', '.join(map(str, zombies))} were left by a process that is gone: failed as "
+                     "interrupted (not counted) and their points queued again")
+    fixed = getattr(session, "reconciled", None) or {}
+    if any(fixed.values()):
+        notes.append(f"MLflow reconciled with the study: {fixed.get('logged', 0)} missing trial runs logged, "
+                     f"{fixed.get('closed', 0)} runs left RUNNING closed as KILLED, "
+                     f"{fixed.get('deleted', 0)} incomplete or duplicate runs deleted")
+    over = len(done) - session.config.trials
+    if not session.config.exhaustive and over > 0 and own_trials(session, done) > 0:
+        notes.append(f"{len(done)} finished trials, {over} over --trials {session.config.trials}: they were in "
+                     "flight in other processes or workers when the study reached its total")
+    return notes
+
+
 def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> dict:
     """Build the summary, save the Pareto plot and summary.json, log them to the parent run."""
     config = session.config
@@ -188,12 +214,12 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
-                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": len(done) - session.trials_before},
+                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": own_trials(session, done)},
         "wall_s": wall - session.offset_s,
         "elapsed_s": wall,  # the study's wall time over all its runs (session.study_wall_s), as compare shows it
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
         "best": describe_trial(best, session.baselines) if best is not None else None,
-        "notes": list(session.notes),
+        "notes": list(session.notes) + crash_notes(session, done),
     }
     errors = [e for s in worker_stats for e in s.get("tracking_errors", [])]
     if len(config.objectives) > 1:
@@ -213,7 +239,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     summary["summary_file"] = str(out)
     summary["next"] = next_steps(session)
     if tracker.enabled:
-        summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri), "experiment": session.name,
+        summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri),
+                             "experiment": getattr(tracker, "experiment_name", None) or session.name,
                              "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                              "parent_run_name": tracker.run_name, "ui": ui_command(config.tracking_uri),
                              "run_url": run_url(tracker.experiment_id, tracker.parent_run_id),

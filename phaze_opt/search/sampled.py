@@ -14,6 +14,7 @@ from typing import Callable
 
 from optuna.trial import TrialState
 
+from . import reconcile, signals
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
@@ -22,6 +23,7 @@ from .session import (
     Session,
     SpoolLogger,
     WorkerSpec,
+    finished_trials,
     is_feasible,
     one_line,
     quiet_optuna,
@@ -47,6 +49,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     trial's artifact for the parent instead (see `SpoolLogger`).
     """
     quiet_optuna()
+    reconcile.adopt(spec.owner)
     study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     ctx = spec.context()
     codec = SpaceCodec(spec.backend.space.params)
@@ -55,6 +58,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     counts = {"complete": 0, "infeasible": 0, "failed": 0}
 
     def objective(trial):
+        reconcile.claim(trial)  # host and pid: a trial whose process dies is failed at the next start
         start = time.perf_counter()
         point = codec.suggest(trial)
         trial.set_user_attr("point", jsonable(point))
@@ -65,7 +69,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
-            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
+            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number, **reconcile.kept_attrs(trial)})
             raise
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
             message = one_line(exc)
@@ -98,15 +102,19 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         if on_trial is not None:
             on_trial(frozen)
 
-    study.optimize(objective, n_trials=quota, catch=(TrialError,), callbacks=[callback], gc_after_trial=False)
+    study.optimize(objective, n_trials=quota, catch=(TrialError,), gc_after_trial=False,
+                   callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
     return counts
 
 
 def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
+    signals.worker_started(spec.spool_dir)  # dies with the parent; one interrupt
     try:
         return run_worker(spec, quota, index)
     except KeyboardInterrupt:
         return {"interrupted": True}
+    finally:
+        signals.worker_finished()
 
 
 def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
@@ -139,7 +147,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
     quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
-    with tempfile.TemporaryDirectory(prefix="phaze-spool-") as spool:
+    with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
         spec = session.worker_spec(spool if session.tracker.enabled else None)
         logger = SpoolLogger(session, spool)
         return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])

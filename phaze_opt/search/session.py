@@ -38,6 +38,7 @@ from optuna.trial import TrialState
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
+from . import reconcile, signals
 from .progress import Progress, close_bar
 from .setup import Backend, StudyConfig, prepare
 from .tracking import (
@@ -49,6 +50,7 @@ from .tracking import (
     constant_params,
     experiment_description,
     redact,
+    storage_key,
     tracking_enabled,
     trials_view,
 )
@@ -77,7 +79,8 @@ def finished_trials(trials) -> list:
     for t in trials:
         if t.state == TrialState.COMPLETE:
             out.append(t)
-        elif t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and t.number not in retried:
+        elif (t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and t.number not in retried
+              and "result" in t.user_attrs):  # no result: cut outside the evaluation (Ctrl-C in the sampler)
             out.append(t)
     return out
 
@@ -123,6 +126,7 @@ class WorkerSpec:
     clock_start: float  # time.time() when this invocation began
     offset_s: float
     spool_dir: str | None = None  # worker processes leave each trial's placement.json here for the parent
+    owner: dict | None = None  # the invocation whose trials the workers claim (`reconcile.owner_context`)
 
     def elapsed(self) -> float:
         return self.offset_s + (time.time() - self.clock_start)
@@ -155,8 +159,8 @@ class SpoolLogger:
 
     def poll(self, trials) -> None:
         for t in finished_trials(trials):
-            if t.number in self.seen:
-                continue
+            if t.number in self.seen or not reconcile.is_mine(t, self.session.session_id):
+                continue  # another process's trial: it logs it
             self.seen.add(t.number)
             path = os.path.join(self.spool_dir, f"{t.number}.json")
             artifact = None
@@ -180,6 +184,9 @@ class Session:
         self.codec = SpaceCodec(self.space.params)
         self.name, self.url, self.storage = ready.name, ready.url, ready.storage
         self.study, self.resumed = ready.study, ready.resumed
+        self.session_id = reconcile.new_session()
+        self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
+        signals.clean_stale_spools()
         trials = self.study.get_trials(deepcopy=False)
         self.offset_s = study_wall_s(self.study.user_attrs, trials)
         self.wall_s: float | None = None  # set by end_wall
@@ -192,6 +199,8 @@ class Session:
             self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
         self.baselines = self._baselines()
         self.tracker = self._start_tracker()
+        reconcile.set_parent_run(self.tracker.parent_run_id)
+        self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _baselines(self) -> dict[str, Baseline]:
@@ -230,7 +239,8 @@ class Session:
         if c.exhaustive:
             params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
-                "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower()}
+                "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower(),
+                reconcile.OWNER_TAG: reconcile.owner_tag()}
         for m, b in self.baselines.items():
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
@@ -241,13 +251,14 @@ class Session:
         view = trials_view(c.models, [p for p, choices in self.space.params.items() if len(choices) > 1])
         tracker = MlflowTracker.start(c.tracking_uri, self.name, run_name=run_name, params=params, tags=tags,
                                       context=context, experiment_tags={NOTE_TAG: description,
-                                                                        VIEW_TAG + TRIALS_VIEW: view})
+                                                                        VIEW_TAG + TRIALS_VIEW: view},
+                                      storage_key=storage_key(self.url))
         tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
         return tracker
 
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,
-                          self.offset_s, spool_dir)
+                          self.offset_s, spool_dir, reconcile.owner_context())
 
     def context(self) -> Context:
         """What a trial needs besides its point (the same as a worker's)."""
@@ -294,6 +305,7 @@ class Session:
         """The body of an invocation: on the way out, close any progress bar and end the MLflow
         parent run as FINISHED, KILLED (Ctrl-C) or FAILED, so an interrupted study is marked as such."""
         status = "FINISHED"
+        restore = signals.handle_termination()  # SIGTERM, SIGHUP: as Ctrl-C
         try:
             yield self
         except KeyboardInterrupt:
@@ -303,6 +315,11 @@ class Session:
             status = "FAILED"
             raise
         finally:
+            if status != "FINISHED":  # this process's (and its dead workers') trials cut short: interrupted, re-queued
+                try:
+                    reconcile.fail_zombies(self.study)
+                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                    pass
             if self.wall_s is None:  # interrupted or failed before its summary
                 try:
                     self.end_wall()
@@ -310,6 +327,8 @@ class Session:
                     pass
             close_bar()
             self.close(status)
+            restore()
+            reconcile.end_session()
 
 
 def score_label(config: StudyConfig) -> Callable[[float], str]:
@@ -332,7 +351,8 @@ def tally(trials) -> tuple[int, float | None, int]:
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(tasks), mp_context=context) as pool:
+    with (ProcessPoolExecutor(max_workers=len(tasks), mp_context=context, initializer=signals.worker_started) as pool,
+          signals.stop_workers_on_exit(pool, drain=lambda: logger.poll(session.all_trials()))):  # logs what they finished
         futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
         while True:

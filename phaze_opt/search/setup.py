@@ -32,12 +32,15 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     SINGLE_OBJECTIVE_SAMPLERS,
     StudyConfig,
 )
+from .locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
 from .objective import parse_objectives
 from .tracking import driver_url, redact
 
 HEARTBEAT_S = 30
 GRACE_S = 120
 _NAME_BAD = re.compile(r"[^A-Za-z0-9._+-]+")
+_UNSAFE_NAME = re.compile(r"^\.|[/\\\x00]")  # would name a file outside --output-dir (or a hidden one)
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -182,6 +185,8 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         raise PhazeError(f"--workers: expected a positive whole number, got {config.workers!r}")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise PhazeError(f"--seed: expected a non-negative whole number, got {config.seed!r}")
+    if config.seed + config.workers > MAX_SEED:  # numpy seeds are 32-bit; worker k uses seed + k
+        raise PhazeError(f"--seed: at most {MAX_SEED - config.workers} (the samplers' seeds are 32-bit), got {config.seed}")
     order = str(config.order).strip().lower()
     if order not in ORDERS:
         raise PhazeError(f"--order: unknown order '{config.order}'; choose area or grid")
@@ -196,6 +201,9 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():
         raise PhazeError("--study-name: must not be empty")
+    if config.study_name is not None and _UNSAFE_NAME.search(str(config.study_name)):
+        raise PhazeError(f"--study-name: '{config.study_name}' names files under --output-dir, so it may not contain "
+                         "/ or \\ nor start with a dot")
     if config.storage is not None and "://" not in str(config.storage):
         raise PhazeError(f"--storage: expected a database URL such as sqlite:///studies/x.db or "
                          f"postgresql://user@host/db, got '{config.storage}'")
@@ -262,6 +270,7 @@ def check_space(space: SearchSpace) -> None:
 def make_storage(url: str) -> optuna.storages.RDBStorage:
     """An RDB storage with heartbeats, so trials of a killed process are failed and retried on resume."""
     kwargs: dict[str, Any] = {}
+    check_sqlite_storage(url)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):].split("?", 1)[0])
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,8 +278,10 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     else:
         kwargs["engine_kwargs"] = {"pool_pre_ping": True}
     try:
-        storage = RDBStorage(driver_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3), **kwargs)
+        prebuild_optuna_sqlite(url, lambda aside: RDBStorage(aside, **kwargs))  # a new file appears whole
+        storage = create_schema(lambda: RDBStorage(  # under a lock, retried: several processes may create it
+            driver_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3), **kwargs), url)
     except Exception as exc:  # noqa: BLE001 - a bad URL or unreachable server is user input
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PhazeError(f"--storage {redact(url)}: cannot open: {first}") from None
@@ -287,8 +298,16 @@ def _sqlite_wal(storage) -> None:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
+        dbapi_conn.isolation_level = None  # transactions begin where SQLAlchemy says (`immediate`)
+
+    def immediate(conn):
+        # Every transaction takes the write lock at its start, so a read-check-write (popping a queued
+        # trial: WAITING -> RUNNING) is atomic across processes; pysqlite otherwise reads outside any
+        # transaction and two workers pop the same queued trial.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     event.listen(storage.engine, "connect", pragmas)
+    event.listen(storage.engine, "begin", immediate)
     storage.engine.dispose()
 
 

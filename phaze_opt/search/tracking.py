@@ -14,6 +14,7 @@ processes can answer "database is locked"; such writes are retried.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import PhazeError
 from ..jsonable import jsonable
+from . import locks
+from .urls import redact
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 OFF = ("off", "none", "")
@@ -81,11 +84,6 @@ UI_HOST, UI_PORT = "127.0.0.1", 5000
 
 def tracking_enabled(uri: str | None) -> bool:
     return uri is not None and str(uri).strip().lower() not in OFF
-
-
-def redact(url: str) -> str:
-    """A storage URL with its password hidden, fit for a tag or a report."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", str(url))
 
 
 def driver_url(url: str) -> str:
@@ -258,7 +256,7 @@ def trial_note(state: str, result: Mapping) -> str:
     return "Feasible: " + "; ".join(parts) + "."
 
 
-def _retrying(op: Callable, attempts: int = 10):
+def retrying(op: Callable, attempts: int = 10):
     delay = 0.05
     for attempt in range(attempts):
         try:
@@ -315,6 +313,7 @@ class MlflowTracker:
     """Logs runs to one experiment; `start` opens the parent run, `attach` joins one in a worker."""
 
     enabled = True
+    experiment_name: str | None = None
 
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
                  background: bool = True, run_name: str | None = None):
@@ -340,17 +339,27 @@ class MlflowTracker:
 
     # -- opening -------------------------------------------------------------------------------
     @staticmethod
-    def prepare(tracking_uri: str, experiment_name: str, artifact_root: str | None = None) -> str:
-        """Create the tracking database (in the parent, before any worker opens it) and the experiment."""
+    def prepare(tracking_uri: str, experiment_name: str, artifact_root: str | None = None,
+                storage_key: str | None = None) -> str:
+        """Create the tracking database (in the parent, before any worker opens it) and the experiment.
+
+        The database is built aside and moved into place, and an http(s) server is probed first
+        (`locks`). With `storage_key` (the Optuna storage, `storage_key`) the experiment is
+        the study's in that storage: an experiment of the name holding another storage's study gives
+        way to `<name> [<storage hash>]` (`experiment_for`).
+        """
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         db = sqlite_path(tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
+        locks.probe_tracking_uri(tracking_uri)
         from mlflow import MlflowClient
 
         try:
+            if db is not None:
+                locks.build_mlflow_db(db, _open_store)
             client = MlflowClient(driver_url(tracking_uri))
-            exp = client.get_experiment_by_name(experiment_name)
+            experiment_name, exp = experiment_for(client, experiment_name, storage_key)
             if exp is not None:
                 if exp.lifecycle_stage == "deleted":
                     client.restore_experiment(exp.experiment_id)
@@ -361,7 +370,14 @@ class MlflowTracker:
                 root = Path(artifact_root) if artifact_root else (
                     db.parent / "artifacts" if db is not None else Path("mlruns") / "artifacts")
                 location = (root.resolve() / _key(experiment_name).replace(" ", "_").replace("/", "_")).as_uri()
-            return client.create_experiment(experiment_name, artifact_location=location)
+            tags = {STORAGE_TAG: storage_key} if storage_key else None
+            try:
+                return client.create_experiment(experiment_name, artifact_location=location, tags=tags)
+            except Exception:  # noqa: BLE001 - another process created it a moment ago: look again
+                name, exp = experiment_for(client, experiment_name, storage_key)
+                if exp is None or name != experiment_name:
+                    raise
+                return exp.experiment_id
         except PhazeError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad URI is the user's input
@@ -371,23 +387,25 @@ class MlflowTracker:
     @classmethod
     def start(cls, tracking_uri: str, experiment_name: str, *, run_name: str, params: Mapping[str, Any],
               tags: Mapping[str, str], context: Mapping, background: bool = True,
-              experiment_tags: Mapping[str, str] | None = None) -> "MlflowTracker":
+              experiment_tags: Mapping[str, str] | None = None, storage_key: str | None = None) -> "MlflowTracker":
         """Open the parent run `run_name` (made unique in the experiment) in the experiment, which is
         marked as holding training runs (`EXPERIMENT_KIND`) and given `experiment_tags`."""
-        exp_id = cls.prepare(tracking_uri, experiment_name)
+        exp_id = cls.prepare(tracking_uri, experiment_name, storage_key=storage_key)
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         client = MlflowClient(driver_url(tracking_uri))
         exp_tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **(experiment_tags or {})}
         for k, v in exp_tags.items():
-            _retrying(lambda: client.set_experiment_tag(exp_id, k, v))
+            retrying(lambda: client.set_experiment_tag(exp_id, k, v))
         run_name = _unique_run_name(client, exp_id, run_name)
-        run = _retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
+        run = retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
         if params:
-            _retrying(lambda: client.log_batch(run.info.run_id, params=[
+            retrying(lambda: client.log_batch(run.info.run_id, params=[
                 Param(_key(k), str(v)[:MAX_PARAM]) for k, v in params.items()]))
-        return cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
+        tracker = cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
+        tracker.experiment_name = retrying(lambda: client.get_experiment(exp_id).name)
+        return tracker
 
     @classmethod
     def attach(cls, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
@@ -395,27 +413,30 @@ class MlflowTracker:
         return cls(tracking_uri, experiment_id, parent_run_id, context=context, background=background)
 
     # -- logging -------------------------------------------------------------------------------
-    def log_trial(self, trial, artifact: Mapping | None = None) -> None:
-        """Log one finished trial as a nested run (asynchronously when a background thread runs)."""
+    def log_trial(self, trial, artifact: Mapping | None = None, parent_run_id: str | None = None,
+                  extra_tags: Mapping[str, str] | None = None) -> None:
+        """Log one finished trial as a nested run (asynchronously when a background thread runs), under
+        this invocation's parent run or `parent_run_id` (the run of the invocation that ran it)."""
         record = trial_record(trial, **self.context)
+        record.tags.update(extra_tags or {})
         self.logged_trials.add(trial.number)
-        self._submit(lambda: self._write_trial(record, artifact))
+        self._submit(lambda: self._write_trial(record, artifact, parent_run_id))
 
-    def _write_trial(self, record: RunRecord, artifact: Mapping | None) -> None:
+    def _write_trial(self, record: RunRecord, artifact: Mapping | None, parent_run_id: str | None = None) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         c = self.client
-        tags = {"mlflow.parentRunId": self.parent_run_id, **record.tags}
-        run = _retrying(lambda: c.create_run(self.experiment_id, start_time=record.start_ms, tags=tags,
+        tags = {"mlflow.parentRunId": parent_run_id or self.parent_run_id, **record.tags}
+        run = retrying(lambda: c.create_run(self.experiment_id, start_time=record.start_ms, tags=tags,
                                              run_name=record.name))
         run_id = run.info.run_id
         now = record.end_ms or int(time.time() * 1000)
         metrics = [Metric(_key(k), v, now, record.step) for k, v in record.metrics.items()]
         params = [Param(k, v) for k, v in record.params.items()]
-        _retrying(lambda: c.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag("logged_by", "phaze_opt")]))
+        retrying(lambda: c.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag("logged_by", "phaze_opt")]))
         if artifact is not None:
             self._write_json(run_id, run.info.artifact_uri, "placement.json", artifact)
-        _retrying(lambda: c.set_terminated(run_id, record.status, end_time=record.end_ms))
+        retrying(lambda: c.set_terminated(run_id, record.status, end_time=record.end_ms))
 
     def _write_json(self, run_id: str, artifact_uri: str, name: str, data: Mapping) -> None:
         text = json.dumps(data, indent=1, allow_nan=False)
@@ -434,7 +455,7 @@ class MlflowTracker:
         m = [Metric(_key(k), float(v), now, step) for k, v in (metrics or {}).items() if _finite(v) is not None]
         p = [Param(_key(k), str(v)[:MAX_PARAM]) for k, v in (params or {}).items()]
         t = [RunTag(_key(k), str(v)[:MAX_TAG]) for k, v in (tags or {}).items()]
-        self._submit(lambda: _retrying(lambda: self.client.log_batch(self.parent_run_id, metrics=m, params=p, tags=t)))
+        self._submit(lambda: retrying(lambda: self.client.log_batch(self.parent_run_id, metrics=m, params=p, tags=t)))
 
     def log_best(self, score: float, step: int) -> None:
         """`best_score` at `step` (a trial number), kept monotone: logged only when both the step and
@@ -474,7 +495,7 @@ class MlflowTracker:
 
     def log_parent_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         path = str(path)
-        self._submit(lambda: _retrying(lambda: self.client.log_artifact(self.parent_run_id, path, artifact_path)))
+        self._submit(lambda: retrying(lambda: self.client.log_artifact(self.parent_run_id, path, artifact_path)))
 
     def _submit(self, op: Callable) -> None:
         if self._queue is None:
@@ -504,7 +525,7 @@ class MlflowTracker:
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush pending writes and end the parent run (only the process that started it calls this)."""
-        self._submit(lambda: _retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
+        self._submit(lambda: retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
         self.stop()
 
     def stop(self) -> None:
@@ -517,6 +538,15 @@ class MlflowTracker:
 
     def where(self) -> str:
         return f"MLflow: experiment id {self.experiment_id}, parent run {self.parent_run_id} at {redact(self.tracking_uri)}"
+
+
+def _open_store(uri: str):
+    """Open (so create and migrate) the MLflow tracking store at `uri`; returns it."""
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    store = _get_store(uri)
+    store.search_experiments(max_results=1)
+    return store
 
 
 def _local_dir(artifact_uri: str) -> Path | None:
@@ -538,7 +568,7 @@ def _unique_run_name(client, experiment_id: str, name: str) -> str:
     try:
         for n in range(1, 100):
             candidate = name if n == 1 else f"{name} #{n}"
-            if not _retrying(lambda: taken(candidate)):
+            if not retrying(lambda: taken(candidate)):
                 return candidate
     except Exception:  # noqa: BLE001 - a name is cosmetic; never stop a study for it
         pass
@@ -626,3 +656,40 @@ def experiment_description(*, study: str, models: Sequence[str], space: str, spa
     lines += [f"- `{k}`: {v}" for k, v in TRIAL_METRICS.items()]
     lines += ["", "Parent run metrics:", ""] + [f"- `{k}`: {v}" for k, v in PARENT_METRICS.items()]
     return "\n".join(lines)[:MAX_TAG]
+
+
+# -- one experiment per storage and study (issue 18) ---------------------------------------------
+
+STORAGE_TAG = "phaze.storage"  # on experiments: the Optuna storage their study lives in
+
+
+def storage_key(url: str) -> str:
+    """The identity of an Optuna storage: a SQLite file's absolute path, else the URL without password."""
+    path = sqlite_path(url)
+    if path is not None:
+        return "sqlite:///" + str(path.expanduser().resolve())
+    return redact(url)
+
+
+def storage_suffix(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def experiment_for(client, name: str, key: str | None):
+    """The MLflow experiment of study `name` in the Optuna storage `key`: (its name, the experiment or
+    None when it is still to be created).
+
+    The experiment is `name` unless that one holds another storage's study (tag `phaze.storage`); then
+    `<name> [<hash of the storage>]`. An experiment without the tag (made before it existed) is adopted.
+    """
+    exp = client.get_experiment_by_name(name)
+    if key is None or exp is None:
+        return name, exp
+    held = (exp.tags or {}).get(STORAGE_TAG)
+    if held is None:
+        client.set_experiment_tag(exp.experiment_id, STORAGE_TAG, key)
+        return name, exp
+    if held == key:
+        return name, exp
+    other = f"{name} [{storage_suffix(key)}]"
+    return other, client.get_experiment_by_name(other)

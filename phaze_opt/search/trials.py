@@ -13,6 +13,7 @@ from typing import Iterable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from . import reconcile
 from .encoding import SpaceCodec
 from .objective import accelerator_fields, jsonable
 from .session import finished_trials, is_feasible
@@ -46,6 +47,7 @@ def frozen_trial(codec: SpaceCodec, point: dict, outcome, error: str | None, sta
 def add_trial(study: optuna.Study, trial: FrozenTrial) -> FrozenTrial:
     """Add a finished trial and return it as stored (with its study-wide number)."""
     storage = study._storage  # noqa: SLF001 - add_trial does not return the new trial's number
+    reconcile.stamp(trial.system_attrs)  # who ran it (see `reconcile`)
     trial_id = storage.create_new_trial(study._study_id, template_trial=trial)  # noqa: SLF001
     return storage.get_trial(trial_id)
 

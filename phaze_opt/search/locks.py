@@ -1,0 +1,192 @@
+"""Start-up safety: file locks, race-free schema creation, and a quick probe of the tracking server.
+
+Several processes may start on one study at once (two shells, a cluster job array). The first
+moments of each are the racy ones:
+
+- creating the Optuna schema: two processes create the same tables (PostgreSQL answers
+  `UniqueViolation pg_type_typname_nsp_index`, SQLite `table ... already exists`). `create_schema`
+  runs the creation under a file lock (processes of one machine) and retries on those errors
+  (processes of several machines, which a file lock does not reach).
+- creating the MLflow SQLite database: MLflow migrates a new database in a dozen steps, so a
+  process killed halfway leaves it half-migrated (every later run fails) and two processes migrate
+  it twice (`duplicate column name: step`). `build_mlflow_db` builds it aside, under a lock, and
+  moves the finished file into place with one `os.replace`: the database is either absent or whole.
+- an unreachable tracking server: MLflow retries HTTP for minutes before it fails.
+  `probe_tracking_uri` asks once, with a short timeout, and fails at once with one line.
+
+The locks are `fcntl.flock` locks, released by the kernel when their process dies, so a killed
+process never leaves a lock behind (the lock files themselves stay; they are empty).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from ..errors import PhazeError
+from .urls import redact
+
+T = TypeVar("T")
+PROBE_TIMEOUT_S = 5.0
+# Errors that mean "another process created it first": retried (see `create_schema`).
+RACE_MARKERS = ("already exists", "uniqueviolation", "duplicate", "unique constraint", "database is locked",
+                "pg_type_typname_nsp_index")
+
+
+def lock_path_for(url: str, purpose: str) -> Path:
+    """Where the lock of `purpose` ("schema", "mlflow", "reconcile") on the database `url` lives: beside
+    a SQLite file, else in the temporary directory under a hash of the URL."""
+    text = str(url)
+    if text.startswith("sqlite:///"):
+        path = Path(text[len("sqlite:///"):].split("?", 1)[0])
+        return path.parent / f".{path.name}.{purpose}.lock"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"phaze-{purpose}-{digest}.lock"
+
+
+@contextmanager
+def file_lock(path: str | os.PathLike, timeout_s: float = 600.0):
+    """An exclusive lock on `path` (created if missing), held for the `with` block.
+
+    Waits up to `timeout_s` (a PhazeError after that). Where `fcntl` is missing (not POSIX) it is a
+    no-op: the retries in `create_schema` still apply.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PhazeError(f"waited {timeout_s:.0f} s for the lock {path}; another process holds it") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def is_race(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(m in text for m in RACE_MARKERS)
+
+
+def create_schema(create: Callable[[], T], url: str, attempts: int = 6) -> T:
+    """`create()` (e.g. opening an Optuna RDBStorage, which creates its tables), under the URL's schema
+    lock, retried when it loses a creation race to a process the lock does not reach."""
+    delay = 0.2
+    for attempt in range(attempts):
+        try:
+            with file_lock(lock_path_for(url, "schema")):
+                return create()
+        except Exception as exc:  # noqa: BLE001 - only creation races are retried
+            if attempt + 1 == attempts or not is_race(exc):
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def build_aside(db: Path, open_store: Callable[[str], object], purpose: str = "mlflow") -> None:
+    """Create the SQLite database `db` if it does not exist (or is empty): build it aside
+    (`.<name>.building-<pid>`), then move it into place. `open_store(uri)` opens (so creates and
+    migrates) a store at a SQLite URI; an `engine` it returns is disposed of before the move.
+
+    Used for the MLflow database and a new Optuna SQLite storage, whose schemas take many statements:
+    a process killed halfway leaves only its aside file, removed by the next build.
+    """
+    if db.exists() and db.stat().st_size > 0:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(lock_path_for(f"sqlite:///{db}", purpose)):
+        if db.exists() and db.stat().st_size > 0:
+            return
+        for stale in db.parent.glob(f".{db.name}.building-*"):
+            stale.unlink(missing_ok=True)  # we hold the lock: its builder is dead
+        aside = db.parent / f".{db.name}.building-{os.getpid()}"
+        try:
+            store = open_store(f"sqlite:///{aside}")
+            engine = getattr(store, "engine", None)
+            if engine is not None:
+                engine.dispose()  # no connection may outlive the rename
+            for suffix in ("-wal", "-shm", "-journal"):  # all in the main file once its connections closed
+                Path(f"{aside}{suffix}").unlink(missing_ok=True)
+            os.replace(aside, db)
+        finally:
+            aside.unlink(missing_ok=True)
+
+
+def build_mlflow_db(db: Path, open_store: Callable[[str], object]) -> None:
+    build_aside(db, open_store, "mlflow")
+
+
+def prebuild_optuna_sqlite(url: str, open_storage: Callable[[str], object]) -> None:
+    """A new Optuna SQLite storage: its schema built aside (`build_aside`); other URLs pass."""
+    text = str(url)
+    if text.startswith("sqlite:///"):
+        path = Path(text[len("sqlite:///"):].split("?", 1)[0])
+        build_aside(path, open_storage, "schema")
+
+
+def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """One quick request to an http(s) tracking server; a PhazeError at once when it does not answer.
+
+    Other URIs (SQLite, PostgreSQL, files) pass: opening them fails fast on its own.
+    """
+    text = str(uri)
+    if not text.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    url = text.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):  # noqa: S310 - the user's own server
+            return
+    except urllib.error.HTTPError:
+        return  # it answered (an old server without /health, or auth): it is up
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, no such host
+        reason = getattr(exc, "reason", exc)
+        raise PhazeError(f"--tracking-uri {redact(text)}: no MLflow server answers ({reason}); start it, or "
+                         "use --tracking-uri off") from None
+
+
+OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}
+
+
+def check_sqlite_storage(url: str) -> None:
+    """Refuse a SQLite file that holds another program's tables (an MLflow database, say): Optuna would
+    add its tables to it or fail with a misleading version error. A missing or empty file passes."""
+    text = str(url)
+    if not text.startswith("sqlite:///"):
+        return
+    path = Path(text[len("sqlite:///"):].split("?", 1)[0])
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise PhazeError(f"--storage {text}: not an Optuna database ({exc})") from None
+    if tables and not tables & OPTUNA_TABLES:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise PhazeError(f"--storage {text}: this SQLite file holds another program's tables ({shown}), not an "
+                         "Optuna study; give a new file or an Optuna storage")

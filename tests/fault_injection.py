@@ -1,0 +1,213 @@
+"""Fault injection: a 2-worker study killed with SIGKILL at random moments, resumed each time, checked.
+
+    PYTHONPATH=. python tests/fault_injection.py [--kills 20] [--trials 100] [--seed 0] [--dir DIR]
+
+Each round starts the real study CLI (`fault_study.py`: a fake evaluator, 32 designs) in its own
+process group and kills it with SIGKILL: the first round while the Optuna schema is being created,
+the second while the MLflow database is being built (aside), the rest after a random delay (from
+start-up to a little into the trials; each round asks for a few more trials, so each has work); odd rounds kill
+the parent alone (its workers must then exit by themselves, and are waited for), even rounds the
+whole process group. A last round runs to the end. Then it checks:
+
+- every trial finished exactly once: no trial RUNNING or WAITING, `--trials` finished trials (at most
+  one more, in flight in the other worker), and each queued reference design finished once;
+- no MLflow run RUNNING (parent or trial), and one finished run per finished trial (trial number
+  tag), none for other trials;
+- no worker outlived its parent by more than `ORPHAN_LIMIT_S`, and no spool folder is left;
+- the best equals the best of an uninterrupted run of the same study (and of the space).
+
+`run()` returns the counts (and the list of failed checks); tests/test_fault_injection.py runs it at a
+small size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+ORPHAN_LIMIT_S = 30.0
+TRIAL_S = 0.1  # seconds a trial of the fake evaluator takes (FAULT_TRIAL_S)
+
+
+def _command(work: Path, trials: int, workers: int) -> list[str]:
+    return [sys.executable, str(HERE / "fault_study.py"), "--model", "m-small", "--space", "fake",
+            "--trials", str(trials), "--workers", str(workers), "--study-name", "fault", "--sampler", "tpe",
+            "--output-dir", str(work / "studies"), "--tracking-uri", f"sqlite:///{work / 'mlruns' / 'mlflow.db'}",
+            "--no-progress", "--json"]
+
+
+def _env(work: Path) -> dict:
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", TMPDIR=str(work / "tmp"), FAULT_TRIAL_S=str(TRIAL_S))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for(predicate, timeout: float, proc) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    return False
+
+
+def _run_to_end(work: Path, trials: int, workers: int, timeout: float = 300) -> dict:
+    out = subprocess.run(_command(work, trials, workers), env=_env(work), capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the study exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
+
+
+def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, work: Path | None = None) -> dict:
+    import tempfile
+
+    rng = random.Random(seed)
+    work = Path(work or tempfile.mkdtemp(prefix="phaze-fault-"))
+    ref_dir, dir_ = work / "uninterrupted", work / "killed"
+    t0 = time.monotonic()
+    reference = _run_to_end(ref_dir, trials, workers)
+    # kills land anywhere from start-up to a little into the trials (a resumed run starts faster than the
+    # first, which built both databases: hence 0.7), so most rounds are cut
+    startup = max(0.5, time.monotonic() - t0 - trials * TRIAL_S / workers)
+    counts = {"kills": 0, "kills_during_mlflow_db_creation": 0, "kills_during_optuna_schema_creation": 0,
+              "kills_parent_only": 0, "kills_process_group": 0, "runs_finished_before_kill": 0,
+              "max_orphan_s": 0.0, "orphans_over_limit": 0}
+    mlflow_db = dir_ / "mlruns" / "mlflow.db"
+    optuna_db = dir_ / "studies" / "fault.db"
+    step = max(1, trials // (kills + 1))
+    for i in range(3 * kills):
+        if counts["kills"] == kills:
+            break
+        # each round asks for a few more trials than the last, so every round has work to cut
+        target = min(trials, step * (i + 1))
+        proc = subprocess.Popen(_command(dir_, target, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        if i == 0 and not optuna_db.exists():
+            hit = _wait_for(lambda: optuna_db.exists() or any(optuna_db.parent.glob(".fault.db.building-*")), 60, proc)
+            counts["kills_during_optuna_schema_creation"] += hit
+        elif i == 1 and not mlflow_db.exists():  # while MLflow migrates its new database, aside
+            hit = _wait_for(lambda: any(mlflow_db.parent.glob(".mlflow.db.building-*")), 60, proc)
+            counts["kills_during_mlflow_db_creation"] += hit
+        else:
+            _wait_for(lambda: False, rng.uniform(0.2, 0.7 * startup + step * TRIAL_S / workers), proc)
+        if proc.poll() is not None:
+            counts["runs_finished_before_kill"] += 1
+            continue
+        parent_only = i % 2 == 1
+        counts["kills"] += 1
+        if parent_only:
+            counts["kills_parent_only"] += 1
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            counts["kills_process_group"] += 1
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        start = time.monotonic()
+        while _group_alive(proc.pid) and time.monotonic() - start < ORPHAN_LIMIT_S:
+            time.sleep(0.05)
+        counts["max_orphan_s"] = max(counts["max_orphan_s"], round(time.monotonic() - start, 2))
+        if _group_alive(proc.pid):
+            counts["orphans_over_limit"] += 1
+            os.killpg(proc.pid, signal.SIGKILL)
+    final = _run_to_end(dir_, trials, workers)
+    counts.update(check(dir_, trials, workers, final, reference))
+    if counts["orphans_over_limit"]:
+        counts["problems"].append(f"{counts['orphans_over_limit']} times workers outlived their parent by "
+                                  f"{ORPHAN_LIMIT_S:.0f} s")
+    counts["wall_s"] = round(time.monotonic() - t0, 1)
+    return counts
+
+
+def check(work: Path, trials: int, workers: int, summary: dict, reference: dict) -> dict:
+    import optuna
+    from mlflow import MlflowClient
+    from optuna.trial import TrialState
+
+    from phaze_opt.search.session import finished_trials
+
+    sys.path.insert(0, str(HERE))
+    from fault_study import best_of_space
+
+    problems = []
+    study = optuna.load_study(study_name="fault", storage=f"sqlite:///{work / 'studies' / 'fault.db'}")
+    all_trials = study.get_trials(deepcopy=False)
+    done = finished_trials(all_trials)
+    open_trials = [t.number for t in all_trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    if open_trials:
+        problems.append(f"trials still RUNNING or WAITING: {open_trials}")
+    if not trials <= len(done) <= trials + workers - 1:
+        problems.append(f"{len(done)} finished trials for --trials {trials}")
+    refs = [(t.user_attrs["point"]["mbs"], t.user_attrs["point"]["recompute"]) for t in done
+            if t.user_attrs.get("reference")]
+    if sorted(refs) != sorted({(m, r) for m in (1, 2) for r in (False, True)}):
+        problems.append(f"reference designs finished {sorted(refs)} (each of 4 expected once)")
+    client = MlflowClient(f"sqlite:///{work / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("fault")
+    runs = client.search_runs([exp.experiment_id], max_results=50000)
+    running = [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    if running:
+        problems.append(f"MLflow runs left RUNNING: {running}")
+    trial_runs = [r for r in runs if "optuna.trial_number" in r.data.tags]
+    numbers = sorted(int(r.data.tags["optuna.trial_number"]) for r in trial_runs
+                     if r.info.status in ("FINISHED", "FAILED"))
+    if numbers != sorted(t.number for t in done):
+        missing = sorted({t.number for t in done} - set(numbers))
+        extra = sorted(n for n in set(numbers) if numbers.count(n) > 1 or n not in {t.number for t in done})
+        problems.append(f"MLflow trial runs do not match the finished trials: missing {missing}, extra {extra}")
+    best = (summary.get("best") or {}).get("score")
+    ref_best = (reference.get("best") or {}).get("score")
+    if best is None or best != ref_best or abs(best - best_of_space()) > 1e-6 * best:
+        problems.append(f"best {best} != uninterrupted best {ref_best} (space best {best_of_space()})")
+    spools = list((work / "tmp").glob("phaze-spool-*"))
+    if spools:
+        problems.append(f"spool folders left: {[p.name for p in spools]}")
+    return {
+        "optuna_trials": len(all_trials), "finished_trials": len(done),
+        "interrupted_trials": sum(1 for t in all_trials if t.user_attrs.get("interrupted")),
+        "requeued_trials": sum(1 for t in all_trials if t.user_attrs.get("retry_of") is not None),
+        "mlflow_trial_runs": len(numbers), "mlflow_parent_runs": len(runs) - len(trial_runs),
+        "killed_parent_runs": sum(1 for r in runs if "optuna.trial_number" not in r.data.tags and r.info.status == "KILLED"),
+        "reconciled_runs": sum(1 for r in trial_runs if r.data.tags.get("reconciled") == "true"),
+        "running_runs": len(running), "open_trials": len(open_trials),
+        "best": best, "uninterrupted_best": ref_best, "problems": problems,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--trials", type=int, default=100)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None)
+    args = p.parse_args(argv)
+    counts = run(args.kills, args.trials, args.workers, args.seed, Path(args.dir) if args.dir else None)
+    print(json.dumps(counts, indent=1))
+    return 1 if counts["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

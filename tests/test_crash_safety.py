@@ -1,0 +1,305 @@
+"""Crash safety and concurrency (issue 18): zombies, reconciliation, signals, start-up races, limits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.search import branch_bound as bb
+from phaze_opt.search import locks, reconcile, signals
+from phaze_opt.search.encoding import SpaceCodec
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import finished_trials
+from phaze_opt.search.setup import default_study_name, make_storage
+from test_study_fakes import FakeSpace, backend, config, mlflow_uri
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def load(cfg):
+    return optuna.load_study(study_name=default_study_name(cfg), storage=make_storage(cfg.storage))
+
+
+def trial_runs(client, exp_id):
+    runs = client.search_runs([exp_id], max_results=10000)
+    return [r for r in runs if "optuna.trial_number" in r.data.tags], [r for r in runs if "optuna.trial_number" not in r.data.tags]
+
+
+def test_a_running_trial_of_a_dead_process_is_failed_and_requeued_at_start(tmp_path):
+    cfg = config(tmp_path, trials=5)
+    run_study(cfg, backend())
+    study = load(cfg)
+    codec = SpaceCodec(FakeSpace().params)
+    point = {"num_tc": 8, "tc_x": 8, "glb_mib": 2, "hbm_gib": 32, "mbs": 1, "recompute": False}
+    study.enqueue_trial(codec.encode(point), user_attrs={"reference": "tpuv4"})
+    with pytest.warns(UserWarning):
+        zombie = study.ask()  # what a killed process leaves: RUNNING for ever (no heartbeat check ever runs)
+    study._storage.set_trial_system_attr(zombie._trial_id, reconcile.OWNER_ATTR,
+                                         {"host": reconcile.host(), "pid": dead_pid(), "start": None, "session": "x"})
+    summary = run_study(config(tmp_path, trials=7), backend())
+    trials = load(cfg).get_trials()
+    assert trials[zombie.number].state == TrialState.FAIL and trials[zombie.number].user_attrs["interrupted"]
+    retry = [t for t in trials if t.user_attrs.get("retry_of") == zombie.number]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].user_attrs["reference"] == "tpuv4"
+    assert retry[0].user_attrs["point"] == point
+    assert len(finished_trials(trials)) == 7 and summary["trials"]["this_run"] == 2
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert any("left by a process that is gone" in n for n in summary["notes"])
+
+
+def test_a_trial_of_a_live_process_is_left_alone(tmp_path):
+    cfg = config(tmp_path, trials=3)
+    run_study(cfg, backend())
+    study = load(cfg)
+    with pytest.warns(UserWarning):
+        live = study.ask()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        study._storage.set_trial_system_attr(live._trial_id, reconcile.OWNER_ATTR,
+                                             {"host": reconcile.host(), "pid": other.pid,
+                                              "start": reconcile.proc_start(other.pid)})
+        assert reconcile.fail_zombies(study) == []
+        assert study.get_trials()[live.number].state == TrialState.RUNNING
+    finally:
+        other.kill()
+        other.wait()
+    assert reconcile.fail_zombies(study) == [live.number]
+
+
+def test_mlflow_is_reconciled_with_the_study_at_start(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = mlflow_uri(tmp_path)
+    cfg = config(tmp_path, trials=8, tracking_uri=uri)
+    first = run_study(cfg, backend())
+    client = MlflowClient(uri)
+    exp_id = first["mlflow"]["experiment_id"]
+    children, parents = trial_runs(client, exp_id)
+    # what a kill -9 leaves behind: runs never written, one cut mid-write, the parent RUNNING
+    gone = {}
+    for r in children[:3]:
+        gone[int(r.data.tags["optuna.trial_number"])] = r
+        client.delete_run(r.info.run_id)
+    cut = children[3]
+    client.set_terminated(cut.info.run_id, "RUNNING")
+    client.create_run(exp_id, run_name="dup", tags={"optuna.trial_number": children[4].data.tags["optuna.trial_number"],
+                                                     "mlflow.parentRunId": parents[0].info.run_id})
+    client.set_terminated(parents[0].info.run_id, "RUNNING")
+    client.set_tag(parents[0].info.run_id, reconcile.OWNER_TAG, f"{reconcile.host()}:{dead_pid()}:1")
+    second = run_study(config(tmp_path, trials=10, tracking_uri=uri), backend())
+    assert second["mlflow"]["experiment_id"] == exp_id
+    children, parents = trial_runs(client, exp_id)
+    numbers = sorted(int(r.data.tags["optuna.trial_number"]) for r in children)
+    done = finished_trials(load(cfg).get_trials())
+    assert numbers == sorted(t.number for t in done)  # one run per finished trial, none missing
+    assert all(r.info.status in ("FINISHED", "FAILED") for r in children)
+    assert {p.info.status for p in parents} == {"KILLED", "FINISHED"}
+    relogged = [r for r in children if r.data.tags.get("reconciled") == "true"]
+    assert {int(r.data.tags["optuna.trial_number"]) for r in relogged} >= set(gone)
+    assert any("MLflow reconciled" in n for n in second["notes"])
+
+
+def test_two_storages_with_one_study_name_get_two_experiments(tmp_path):
+    uri = mlflow_uri(tmp_path)
+    a = run_study(config(tmp_path, trials=3, tracking_uri=uri, study_name="same"), backend())
+    b = run_study(config(tmp_path, trials=3, tracking_uri=uri, study_name="same",
+                         storage=f"sqlite:///{tmp_path / 'other.db'}"), backend())
+    assert a["mlflow"]["experiment"] == "same" and b["mlflow"]["experiment"].startswith("same [")
+    assert a["mlflow"]["experiment_id"] != b["mlflow"]["experiment_id"]
+    again = run_study(config(tmp_path, trials=4, tracking_uri=uri, study_name="same",
+                             storage=f"sqlite:///{tmp_path / 'other.db'}"), backend())
+    assert again["mlflow"]["experiment_id"] == b["mlflow"]["experiment_id"]
+
+
+def _cli(tmp_path, *args, trials=30, workers=2, tracking=None):
+    cmd = [sys.executable, str(HERE / "fault_study.py"), "--model", "m-small", "--space", "fake", "--trials",
+           str(trials), "--workers", str(workers), "--study-name", "fault", "--output-dir", str(tmp_path / "studies"),
+           "--tracking-uri", tracking or f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}", "--no-progress", "--json",
+           *args]
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", TMPDIR=str(tmp_path / "tmp"), FAULT_TRIAL_S="0.03",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return cmd, env
+
+
+def test_two_processes_stop_at_the_total_and_count_their_own(tmp_path):
+    """Two processes (2 workers each) start at once on a fresh SQLite study and MLflow database."""
+    from mlflow import MlflowClient
+
+    cmd, env = _cli(tmp_path, trials=24)
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    summaries = [json.loads(o[0]) for o in outs]
+    study = optuna.load_study(study_name="fault", storage=f"sqlite:///{tmp_path / 'studies' / 'fault.db'}")
+    trials = study.get_trials()
+    done = finished_trials(trials)
+    assert 24 <= len(done) <= 24 + 3  # at most the trials in flight elsewhere when the total was reached
+    assert sum(s["trials"]["this_run"] for s in summaries) == len(done)
+    refs = sorted((t.user_attrs["point"]["mbs"], t.user_attrs["point"]["recompute"]) for t in done
+                  if t.user_attrs.get("reference"))
+    assert refs == [(1, False), (1, True), (2, False), (2, True)]  # each queued trial popped once
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    children, parents = trial_runs(client, client.get_experiment_by_name("fault").experiment_id)
+    assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == sorted(t.number for t in done)
+    assert len(parents) == 2 and {p.info.status for p in parents} == {"FINISHED"}
+    assert not list((tmp_path / "tmp").glob("phaze-spool-*"))
+
+
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    from mlflow import MlflowClient
+
+    cmd, env = _cli(tmp_path, trials=400)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    db = tmp_path / "studies" / "fault.db"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if db.exists() and proc.poll() is None:
+            try:
+                n = len(finished_trials(optuna.load_study(study_name="fault", storage=f"sqlite:///{db}").get_trials()))
+            except Exception:  # noqa: BLE001 - not created yet
+                continue
+            if n >= 6:
+                break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    trials = optuna.load_study(study_name="fault", storage=f"sqlite:///{db}").get_trials()
+    done = finished_trials(trials)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    # interrupted trials are not counted as failures (no failure of the fake here has no result)
+    assert all("result" in t.user_attrs for t in done if t.state == TrialState.FAIL)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    children, parents = trial_runs(client, client.get_experiment_by_name("fault").experiment_id)
+    assert [p.info.status for p in parents] == ["KILLED"]
+    assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == sorted(t.number for t in done)
+    assert not list((tmp_path / "tmp").glob("phaze-spool-*"))
+
+
+def test_workers_die_with_their_parent_and_clean_their_spool(tmp_path):
+    cmd, env = _cli(tmp_path, trials=400)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    spools = tmp_path / "tmp"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(spools.glob("phaze-spool-*/*.json")):
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the workers outlived their parent by 30 s")
+    assert not list(spools.glob("phaze-spool-*"))
+
+
+def test_stale_spools_of_dead_parents_are_removed(tmp_path):
+    stale = tmp_path / f"phaze-spool-{dead_pid()}-abc"
+    mine = tmp_path / f"phaze-spool-{os.getpid()}-abc"
+    old = tmp_path / "phaze-spool-xyz"
+    for d in (stale, mine, old):
+        d.mkdir()
+    assert signals.clean_stale_spools(str(tmp_path)) == 1
+    assert not stale.exists() and mine.exists() and old.exists()
+
+
+def test_mlflow_database_is_built_aside(tmp_path):
+    from phaze_opt.search.tracking import MlflowTracker
+
+    db = tmp_path / "ml" / "mlflow.db"
+    (db.parent).mkdir()
+    (db.parent / ".mlflow.db.building-1").write_text("half a database")  # a build whose process was killed
+    MlflowTracker.prepare(f"sqlite:///{db}", "e")
+    assert db.exists() and not list(db.parent.glob(".mlflow.db.building-*"))
+
+
+def test_schema_creation_retries_a_lost_race(tmp_path):
+    calls = []
+
+    def create():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError('(psycopg2.errors.UniqueViolation) duplicate key value violates unique constraint '
+                               '"pg_type_typname_nsp_index"')
+        return "storage"
+
+    assert locks.create_schema(create, f"sqlite:///{tmp_path / 'x.db'}") == "storage" and len(calls) == 3
+    with pytest.raises(ValueError):
+        locks.create_schema(lambda: (_ for _ in ()).throw(ValueError("bad url")), f"sqlite:///{tmp_path / 'x.db'}")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"seed": 99999999999999999999}, "--seed: at most"),
+    ({"study_name": "../../x"}, "--study-name"),
+    ({"study_name": ".hidden"}, "--study-name"),
+])
+def test_out_of_range_inputs_are_one_line_errors(tmp_path, changes, message):
+    with pytest.raises(PhazeError, match=message):
+        run_study(config(tmp_path, **changes), backend())
+
+
+def test_an_unrelated_sqlite_file_is_refused(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "other.db"
+    con = sqlite3.connect(path)
+    con.execute("create table foo (a int)")
+    con.commit()
+    con.close()
+    with pytest.raises(PhazeError, match="another program's tables"):
+        run_study(config(tmp_path, storage=f"sqlite:///{path}"), backend())
+    con = sqlite3.connect(path)
+    assert {r[0] for r in con.execute("select name from sqlite_master where type='table'")} == {"foo"}  # untouched
+    con.close()
+
+
+def test_an_unreachable_tracking_server_fails_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(PhazeError, match="no MLflow server answers"):
+        run_study(config(tmp_path, tracking_uri="http://127.0.0.1:9"), backend())
+    assert time.monotonic() - start < 60  # not minutes of retries (no tighter bound on a busy machine)
+
+
+def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
+    grid = SimpleNamespace(archs=[{"num_tc": 1, "tc_x": 8}, {"num_tc": 2, "tc_x": 8}], hbms=[16, 32], mbss=[1, 2],
+                           rcs=[False, True])
+    status = np.zeros((2, 4, 2), dtype=np.int8)
+    score = np.full((2, 4, 2), np.nan)
+
+    def trial(point, value, state=TrialState.COMPLETE, feasible=True):
+        return SimpleNamespace(user_attrs={"point": point, "result": {}}, state=state,
+                               values=None if value is None else [value],
+                               constraints={"area": -1.0 if feasible else 1.0})
+
+    trials = [trial({"num_tc": 2, "tc_x": 8, "hbm_gib": 32, "mbs": 2, "recompute": True}, 5.0),
+              trial({"num_tc": 1, "tc_x": 8, "hbm_gib": 16, "mbs": 1, "recompute": False}, 3.0, feasible=False),
+              trial({"num_tc": 1, "tc_x": 8, "hbm_gib": 32, "mbs": 1, "recompute": False}, None, TrialState.FAIL)]
+    assert bb.mark_evaluated(grid, status, score, trials) == 3
+    assert status[1, 3, 1] == 2 and score[1, 3, 1] == 5.0
+    assert status[0, 0, 0] == 2 and score[0, 0, 0] == 0.0
+    assert status[0, 1, 0] == 2 and score[0, 1, 0] == 0.0
+    assert int((status == 2).sum()) == 3
