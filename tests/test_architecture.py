@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "phaze_opt"
 
 # Lowest first. Keep in step with docs/architecture.md.
 LAYERS = (
-    ("errors", "jsonable", "cache", "configs", "training", "system"),
+    ("errors", "jsonable", "cache", "configs", "training", "system", "figures"),
     ("workload", "hardware"),
     ("solve",),
     ("design",),

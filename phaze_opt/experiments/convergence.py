@@ -18,10 +18,10 @@ phases (attribute `bounding_phases`) as a shaded span: no design evaluated yet, 
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import math
-import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Sequence
 import optuna
 
 from ..errors import PhazeError
+from ..figures import pyplot, write_figure
 from ..search.session import finished_trials, is_feasible, quiet_optuna, study_wall_s
 from ..search.setup import clean_name, default_storage
 from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
@@ -89,13 +90,9 @@ def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tu
     return text, url
 
 
-_STORAGES: dict = {}
-
-
+@functools.lru_cache(maxsize=8)  # a comparison reads a handful of storages; each holds a connection pool
 def _storage(url: str):
-    if url not in _STORAGES:
-        _STORAGES[url] = optuna.storages.RDBStorage(driver_url(url))
-    return _STORAGES[url]
+    return optuna.storages.RDBStorage(driver_url(url))
 
 
 def _study_names(url: str) -> list[str]:
@@ -233,15 +230,10 @@ WORKERS_NOTE = "Workers: processes per run of the study (1/2: resumed with anoth
 def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str,
          ylabel: str = "best feasible score so far", threshold: float = 0.99) -> list[str]:
     """Save the best-so-far plot; returns its legend labels, one per mark drawn (see the module docstring)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pct = f"{threshold * 100:g}%"
     top = max((c for c in curves if c.best is not None), key=lambda c: c.best, default=None)
     goal = "the optimum" if top is not None and top.optimum else "the best found"
-    fig, ax = plt.subplots(figsize=(8, 5.2))
+    fig, ax = pyplot().subplots(figsize=(8, 5.2))
     finite = [e for c in curves for e, _, b in c.steps if b is not None and math.isfinite(e) and e > 0]
     log = bool(finite) and max(finite) / max(min(finite), 1e-9) > 100
     left = min(finite) / 2 if log else 0.0  # a span from 0 has no place on a log axis
@@ -274,9 +266,7 @@ def plot(curves: Sequence[Curve], target: float | None, path: Path, title: str,
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    write_figure(fig, path, tight=True)
     return labels
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..figures import pyplot, write_figure
 from .reconcile import count_own
 from .session import finished_trials, is_feasible
 from .setup import default_storage, default_study_name, resolve_prune
@@ -96,11 +97,6 @@ def describe_trial(trial, baselines: dict) -> dict:
 
 def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], path: Path, title: str) -> Path | None:
     """All feasible trials and their Pareto front, one panel per pair of objectives."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     feasible = [t for t in trials if is_feasible(t)]
     if len(objectives) < 2 or not feasible:
         return None
@@ -108,7 +104,7 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
     pairs = [(0, j) for j in range(1, len(objectives))]
     if len(objectives) == 3:
         pairs.append((1, 2))
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.5), squeeze=False)
     labels = {"throughput": "throughput objective", "area": "area (mm$^2$)", "energy": "energy objective"}
     for ax, (i, j) in zip(axes[0], pairs):
         xs = [t.values[j] for t in feasible]
@@ -123,10 +119,7 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_figure(fig, path)
 
 
 def _study_flags(config) -> list[str]:
