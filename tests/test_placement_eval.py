@@ -63,11 +63,17 @@ def test_evaluator_by_hand_with_recompute():
     problem = three_layer_problem(recompute=True)
     r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0,), (1, 2))))
     first, last = r.stages
-    assert first.recompute_s == 1.0 and last.recompute_s == 0.0  # the last stage does not recompute
+    # full recompute (True) on every stage, the last included (Megatron; issue 16)
+    assert first.recompute_s == 1.0 and last.recompute_s == 5.0
     assert first.time_s == 3.0 + 1.0 + (1.0 + 8 / 8.0)
-    # recompute: full activations once + (in flight - 1) stage inputs; layer 0's input is the model's
-    assert first.memory_bytes == 10 * 16 + 100 + (2 - 1) * 4
-    assert last.memory_bytes == 50 * 16 + 500 + 0 * 8
+    # full: each layer's input checkpointed per in-flight microbatch (layer 0's input is the
+    # model's, 4 B; layer 1's is layer 0's output, 8 B; layer 2's 16 B), plus one layer's full
+    # activations during its backward
+    assert first.memory_bytes == 10 * 16 + 2 * 4 + 100
+    assert last.memory_bytes == 50 * 16 + 1 * (8 + 16) + 300
+    split = last.memory_split
+    assert (split["parameters"], split["gradients"], split["optimizer_state"]) == (100, 100, 600)
+    assert (split["activations"], split["recompute_working_set"]) == (24, 300)
 
 
 def test_pipeline_inside_a_node_uses_the_fast_link():
