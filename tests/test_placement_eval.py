@@ -240,3 +240,18 @@ def test_layer_costs_from_a_layer_graph():
     assert costs.tp == 2 and costs.names == ("l0", "l1", "l2") and costs.is_chain()
     assert list(costs.params) == [10, 11, 12] and list(costs.activation_bytes) == [100, 101, 102]
     assert list(costs.input_bytes) == [4, 5, 6] and list(costs.flops) == [3e3] * 3
+
+
+def test_an_overlapped_reduction_makes_time_fall_as_a_backward_grows():
+    """Why the sweep's level-1 bound takes every transfer as free under overlap_grad_reduce
+    (design/upper_bound.placement_throughput): the exposed reduction, max(0, reduction - backward),
+    shrinks as a non-bottleneck stage's backward grows, so lower-bound layer times alone would not
+    give a lower-bound time."""
+    system = make_system(accelerators=4, devices_per_node=1, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+
+    def time_with(bwd0):
+        costs = make_costs(1, [1.0, 5.0], [bwd0, 10.0], [1000, 1], [0, 0], [0, 0])
+        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, overlap_grad_reduce=True)
+        return evaluate_placement(problem, Placement(1, 2, ((0,), (1,)))).time_per_batch_s
+
+    assert time_with(8.0) < time_with(1.0)
