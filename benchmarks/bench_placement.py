@@ -50,12 +50,13 @@ def gpt3_costs(t: int, system, mbs: int = 1, seq: int = 2048, hidden: int = 1228
     )
 
 
-def problem(system, hbm_gib: float, mbs: int, recompute: bool, seq: int = 2048) -> PlacementProblem:
+def problem(system, hbm_gib: float, mbs: int, recompute, seq: int = 2048, **recipe) -> PlacementProblem:
     costs = tuple(gpt3_costs(t, system, mbs=mbs, seq=seq) for t in (1, 2, 4, 8))
     params = 175e9
     return PlacementProblem(
         costs=costs, system=system, hbm_bytes=hbm_gib * GIB, peak_flops=275e12, mbs=mbs,
         recompute=recompute, seq_len=seq, model_flops_per_sequence=6 * params * seq,
+        hbm_bandwidth=1.2e12, interleave_layers=96, **recipe,
     )
 
 
@@ -68,6 +69,13 @@ SCENARIOS = [
     ("gpt3 1TiB (memory never binds) mbs1", "default", 1024, 1, False),
     ("gpt3 1TiB mbs16 (memory caps bind)", "default", 1024, 16, False),
     ("gpt3 8GiB (infeasible)", "default", 8, 1, False),
+    # issue 16: the general search (memory or the per-batch tail depends on d, or in-flight on S)
+    ("gpt3 32GiB selective zero1", "default", 32, 1, "selective", {"zero": 1}),
+    ("gpt3 32GiB full zero1 overlap", "default", 32, 1, "full", {"zero": 1, "overlap_grad_reduce": True}),
+    ("gpt3 32GiB full zero3", "default", 32, 1, "full", {"zero": 3}),
+    ("gpt3 32GiB full v2", "default", 32, 1, "full", {"virtual_stages": 2}),
+    ("gpt3 32GiB full v2 zero1 overlap", "default", 32, 1, "full",
+     {"virtual_stages": 2, "zero": 1, "overlap_grad_reduce": True}),
 ]
 
 
@@ -76,9 +84,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     print(f"{'scenario':40s} {'median ms':>10s} {'min ms':>8s}  result")
-    for name, system_name, hbm, mbs, recompute in SCENARIOS:
+    for name, system_name, hbm, mbs, recompute, *extra in SCENARIOS:
         system = load_system(system_name)
-        prob = problem(system, hbm, mbs, recompute)
+        prob = problem(system, hbm, mbs, recompute, **(extra[0] if extra else {}))
         optimal_placement(prob)  # cold run: imports, allocations
         times = []
         for _ in range(args.runs):

@@ -5,15 +5,23 @@ microbatch), the placement DP's problem (microbatch and recompute), design evalu
 and the search space (which of its fields a study samples). It sits at the bottom of the package
 stack (it imports only `errors`), so every layer can take it without importing upward.
 
-Today it holds
+It holds
 
 - `mbs`: sequences per microbatch (a positive integer);
-- `recompute`: whether activations are recomputed in the backward pass instead of stashed;
+- `recompute`: the activation recompute mode, `none | selective | full` (Korthikanti et al. 2022);
+  a bool is accepted for the old on/off recipe (True -> "full", False -> "none");
 - `placement`: "optimal" (the placement DP chooses TP/PP/DP and the stages), "expert" (the
-  model config's own TP/PP/DP, layers split evenly) or a fixed "tp=T,pp=P,dp=D".
+  model config's own TP/PP/DP, layers split evenly) or a fixed "tp=T,pp=P,dp=D";
+- `sequence_parallel`: Megatron's sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): the
+  norm and dropout regions sharded over the TP group;
+- `virtual_stages`: v model chunks per pipeline device, interleaved 1F1B (Narayanan et al., SC'21);
+- `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
+  optimizer) or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20);
+- `overlap_grad_reduce`: the data-parallel gradient reduction runs beside the backward pass
+  (Megatron `--overlap-grad-reduce`, PyTorch DDP buckets);
+- `attention`: the attention kernel, `unfused | flash` (Dao et al. 2022, 2023); None keeps the
+  model config's own choice.
 
-It is meant to grow: the recompute mode, sequence parallelism, virtual pipeline stages, optimizer
-sharding, gradient-reduce overlap and the attention kernel are further fields of the same recipe.
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
 `SAMPLED_FIELDS`.
@@ -30,6 +38,11 @@ from .errors import PhazeError
 
 # Training fields a search space samples (a space must list each; a one-item list fixes it).
 SAMPLED_FIELDS = ("mbs", "recompute")
+# Recipe fields a space may also sample (each optional in a space; absent means the default below).
+OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 3)
+ATTENTIONS = ("unfused", "flash")
 PLACEMENTS = ("optimal", "expert")  # besides a fixed "tp=T,pp=P,dp=D"
 
 
@@ -46,8 +59,36 @@ def check_mbs(value: Any, name: str = "microbatch size", error: type[Exception] 
     return int(value)
 
 
+def recompute_mode(value: Any) -> str:
+    """The recompute mode of a recipe value: a mode name, or the old on/off forms (on -> "full")."""
+    if isinstance(value, str) and value.strip().lower() in RECOMPUTE_MODES:
+        return value.strip().lower()
+    try:
+        return "full" if recompute_flag(value) else "none"
+    except ValueError:
+        raise ValueError(f"recompute value {value!r} is not one of {', '.join(RECOMPUTE_MODES)} or on/off") from None
+
+
+def bool_flag(value: Any, name: str) -> bool:
+    """A yes/no recipe field: a bool, 0/1 or on/off/true/false/yes/no."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("off", "false", "no", "0"):
+        return False
+    if isinstance(value, (int, float, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise PhazeError(f"{name} must be on/off (a boolean), got {value!r}")
+
+
 def recompute_flag(value: Any) -> bool:
-    """Spaces may write recompute as a boolean or as on/off; the recipe holds a bool."""
+    """Spaces may write recompute as a boolean or as on/off; True for any recompute (a mode other
+    than "none")."""
+    if isinstance(value, str) and value.strip().lower() in ("full", "selective"):
+        return True
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return False
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
@@ -88,14 +129,36 @@ class Training:
     """The recipe for running a model on a design (see the module docstring); immutable, hashable."""
 
     mbs: int = 1
-    recompute: bool = False
+    recompute: str = "none"
     placement: str = "optimal"
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    zero: int = 0
+    overlap_grad_reduce: bool = False
+    attention: str | None = None
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "mbs", check_mbs(self.mbs))
-        object.__setattr__(self, "recompute", recompute_flag(self.recompute))
+        try:
+            object.__setattr__(self, "recompute", recompute_mode(self.recompute))
+        except ValueError as exc:
+            raise PhazeError(str(exc)) from None
+        object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
+        object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
+        object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
+        zero = self.zero
+        if isinstance(zero, str) and zero.strip().isdigit():
+            zero = int(zero.strip())
+        if isinstance(zero, bool) or not isinstance(zero, (int, np.integer)) or int(zero) not in ZERO_STAGES:
+            raise PhazeError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
+        object.__setattr__(self, "zero", int(zero))
+        if self.attention is not None:
+            attention = str(self.attention).strip().lower()
+            if attention not in ATTENTIONS:
+                raise PhazeError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+            object.__setattr__(self, "attention", attention)
         placement = str(self.placement)
         object.__setattr__(self, "placement", placement)
         if placement == "expert":
@@ -106,7 +169,19 @@ class Training:
     @classmethod
     def from_point(cls, point: Mapping[str, Any], placement: str = "optimal") -> "Training":
         """The recipe of a search-space point (its sampled training fields)."""
-        return cls(mbs=int(point["mbs"]), recompute=recompute_flag(point["recompute"]), placement=placement)
+        extra = {k: point[k] for k in OPTIONAL_FIELDS if k in point and point[k] is not None}
+        return cls(mbs=int(point["mbs"]), recompute=point["recompute"], placement=placement, **extra)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any activations are recomputed."""
+        return self.recompute != "none"
+
+    def recipe(self) -> dict:
+        """The recipe's fields as plain values (for reports and tracking)."""
+        return {"mbs": self.mbs, "recompute": self.recompute, "placement": self.placement,
+                "sequence_parallel": self.sequence_parallel, "virtual_stages": self.virtual_stages,
+                "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention}
 
     def with_placement(self, placement: str) -> "Training":
         return replace(self, placement=placement)

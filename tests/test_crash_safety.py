@@ -286,7 +286,7 @@ def test_an_unreachable_tracking_server_fails_at_once(tmp_path):
 
 def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
     grid = SimpleNamespace(archs=[{"num_tc": 1, "tc_x": 8}, {"num_tc": 2, "tc_x": 8}], hbms=[16, 32], mbss=[1, 2],
-                           rcs=[False, True])
+                           rcs=[{"recompute": False}, {"recompute": True}])
     status = np.zeros((2, 4, 2), dtype=np.int8)
     score = np.full((2, 4, 2), np.nan)
 

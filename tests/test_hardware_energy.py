@@ -171,7 +171,7 @@ def test_batch_energy_by_hand():
     assert b.total_j == pytest.approx(b.dynamic_j + b.static_j) and b.recompute_j == 0.0
 
 
-def test_recompute_increases_energy_by_the_forwards_of_all_but_the_last_stage():
+def test_recompute_increases_energy_by_the_forwards_of_every_stage():
     costs = _costs()
     fwd, bwd = _layer_j()
     args = dict(costs=costs, stages=[[0], [1, 2], [3]], dp=2, microbatches=4, time_per_batch_s=1.0,
@@ -179,7 +179,7 @@ def test_recompute_increases_energy_by_the_forwards_of_all_but_the_last_stage():
     off = batch_energy(fwd, bwd, recompute=False, **args)
     on = batch_energy(fwd, bwd, recompute=True, **args)
     assert on.total_j > off.total_j
-    assert on.recompute_j == pytest.approx(3 * fwd[0].sum() * 2 * 4 * 2)  # layers 0, 1, 2; dp x m x tp
+    assert on.recompute_j == pytest.approx(4 * fwd[0].sum() * 2 * 4 * 2)  # every layer, the last stage's too; dp x m x tp
     assert on.dynamic_j - off.dynamic_j == pytest.approx(on.recompute_j)
 
 

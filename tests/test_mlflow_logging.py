@@ -46,7 +46,11 @@ def test_trial_record_of_a_feasible_single_model_trial():
                                  "energy_j": None, "placement": {"tp": 8, "pp": 4, "dp": 32, "microbatches": 64},
                                  "timings": {"graph_s": 1.0, "estimate_s": 0.1, "ilp_s": 2.0, "dp_s": 0.01}}}}
     rec = trial_record(frozen(result=result), study_name="s", sampler="tpe", models=["gpt"], mode="sampled")
-    assert rec.params == {"mbs": "2", "recompute": "True", "arch.num_tc": "8", "arch.name": "x"}
+    assert rec.params == {"mbs": "2", "recompute": "True", "arch.num_tc": "8", "arch.name": "x",
+                          # issue 16: the whole training recipe, the unsampled fields at their defaults
+                          "recipe.recompute": "full", "recipe.sequence_parallel": "False",
+                          "recipe.virtual_stages": "1", "recipe.zero": "0", "recipe.overlap_grad_reduce": "False",
+                          "recipe.attention": "None"}
     m = rec.metrics
     assert m["throughput_seq_per_s"] == 123.0 and m["tokens_per_s"] == 5e5 and m["mfu"] == 0.4
     assert m["area_mm2"] == 250.0 and m["time_per_batch_s"] == 33.3
@@ -57,7 +61,7 @@ def test_trial_record_of_a_feasible_single_model_trial():
     # params the whole space shares are the parent's, not the trial's
     rec = trial_record(frozen(result=result), study_name="s", sampler="tpe", models=["gpt"], mode="sampled",
                        constant=["recompute", "arch.name"])
-    assert rec.params == {"mbs": "2", "arch.num_tc": "8"}
+    assert {k: v for k, v in rec.params.items() if not k.startswith("recipe.")} == {"mbs": "2", "arch.num_tc": "8"}
     assert rec.tags["trial_state"] == "COMPLETE" and rec.tags["feasible"] == "true"
     assert (rec.tags["sampler"], rec.tags["models"], rec.tags["optuna.trial_number"]) == ("tpe", "gpt", "7")
     assert rec.status == "FINISHED" and rec.step == 7

@@ -306,3 +306,100 @@ def test_kmax_is_exact_where_float_division_rounds():
             expected.append(1 + (h - b) // s)
     assert got == expected
     assert expected[0] == 3 and expected[1] == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 16: every recipe option (recompute mode, interleaving, ZeRO 0/1/3, overlapped reduction,
+# the optimizer step) against the brute-force oracle
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def recipe_problems(draw, dag=False, interleaved=False):
+    import dataclasses
+
+    flavour = "tight" if interleaved else draw(FLAVOURS)
+    base = draw(problems(max_layers=6, max_devices=12, dag=dag, flavour=flavour))
+    n = base.n_layers
+    costs = []
+    for c in base.costs:
+        acts = c.activation_bytes
+        selective = [draw(st.integers(0, int(a))) for a in acts]
+        costs.append(dataclasses.replace(
+            c,
+            selective_bytes=selective,
+            checkpoint_bytes=draw(st.lists(st.integers(0, 20), min_size=n, max_size=n)),
+            selective_work_bytes=[int(a) - s for a, s in zip(acts, selective)],
+            full_work_bytes=[int(a) + draw(st.integers(0, 10)) for a in acts],
+            selective_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
+        ))
+    v = draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
+    return dataclasses.replace(
+        base,
+        costs=tuple(costs),
+        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        virtual_stages=v,
+        zero=draw(st.sampled_from([0, 1, 3])),
+        overlap_grad_reduce=draw(st.booleans()),
+        hbm_bandwidth=draw(st.sampled_from([0.0, 50.0, 500.0])),
+        interleave_layers=12 if interleaved else draw(st.sampled_from([n, 2 * n, 12])),
+    )
+
+
+def assert_recipe_matches_oracle(problem, splits, force_dag=False):
+    splits = list(splits)
+    result = optimal_placement(problem, force_dag=force_dag)
+    best_time, best_placement = brute_force(problem, splits)
+    if math.isinf(best_time):
+        assert not result.feasible and result.reason
+        # with ZeRO or interleaving the reported least memory is a lower bound
+        assert result.min_memory_bytes <= brute_min_memory(problem, splits)
+    else:
+        assert result.feasible, (result.reason, best_placement)
+        assert result.time_per_batch_s == pytest.approx(best_time, rel=1e-9), best_placement
+        again = evaluate_placement(problem, result.placement())
+        assert again.time_per_batch_s == pytest.approx(result.time_per_batch_s, rel=1e-12)
+        assert result.peak_memory_bytes <= problem.hbm_bytes
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(recipe_problems())
+def test_chain_dp_equals_brute_force_for_every_recipe_option(problem):
+    assert_recipe_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(recipe_problems(interleaved=True))
+def test_chain_dp_equals_brute_force_interleaved(problem):
+    """Scarce memory, so that interleaved pipelines (v = 2, 3; 12 layers to divide) are chosen."""
+    assert_recipe_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(recipe_problems(dag=True))
+def test_dag_dp_equals_brute_force_for_every_recipe_option(problem):
+    assert_recipe_matches_oracle(problem, dag_splits(problem.n_layers, problem.costs[0].edges), force_dag=True)
+
+
+def test_recompute_is_charged_on_the_last_stage_too():
+    costs = make_costs(1, [1.0, 1.0], [2.0, 2.0], [1, 1], [4, 4], [1, 1])
+    problem = PlacementProblem(costs=(costs,), system=make_system(accelerators=1, global_batch=1), hbm_bytes=1e6,
+                               peak_flops=1.0, mbs=1, recompute="full")
+    r = evaluate_placement(problem, Placement(1, 1, ((0, 1),)))
+    assert r.stages[0].recompute_s == 2.0 and r.time_per_batch_s == 8.0
+    assert optimal_placement(problem).time_per_batch_s == 8.0
+
+
+def test_zero_shards_state_and_interleaving_shrinks_the_bubble():
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [4] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=8, global_batch=8)
+    plain = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1)
+    zero1 = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, zero=1)
+    zero3 = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, zero=3)
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+    split = {p.zero: evaluate_placement(p, pl).stages[0].memory_split for p in (plain, zero1, zero3)}
+    assert split[0]["optimizer_state"] == 20 * 12 and split[1]["optimizer_state"] == 60
+    assert split[3]["parameters"] == 10 and split[1]["parameters"] == 40
+    inter = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, virtual_stages=2)
+    a, b = evaluate_placement(plain, Placement(1, 1, ((0, 1), (2, 3)))), evaluate_placement(inter, Placement(1, 1, ((0, 1), (2, 3))))
+    assert b.bubble_fraction < a.bubble_fraction and b.feasible

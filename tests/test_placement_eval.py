@@ -63,11 +63,17 @@ def test_evaluator_by_hand_with_recompute():
     problem = three_layer_problem(recompute=True)
     r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0,), (1, 2))))
     first, last = r.stages
-    assert first.recompute_s == 1.0 and last.recompute_s == 0.0  # the last stage does not recompute
+    # full recompute (True) on every stage, the last included (Megatron; issue 16)
+    assert first.recompute_s == 1.0 and last.recompute_s == 5.0
     assert first.time_s == 3.0 + 1.0 + (1.0 + 8 / 8.0)
-    # recompute: full activations once + (in flight - 1) stage inputs; layer 0's input is the model's
-    assert first.memory_bytes == 10 * 16 + 100 + (2 - 1) * 4
-    assert last.memory_bytes == 50 * 16 + 500 + 0 * 8
+    # full: each layer's input checkpointed per in-flight microbatch (layer 0's input is the
+    # model's, 4 B; layer 1's is layer 0's output, 8 B; layer 2's 16 B), plus one layer's full
+    # activations during its backward
+    assert first.memory_bytes == 10 * 16 + 2 * 4 + 100
+    assert last.memory_bytes == 50 * 16 + 1 * (8 + 16) + 300
+    split = last.memory_split
+    assert (split["parameters"], split["gradients"], split["optimizer_state"]) == (100, 100, 600)
+    assert (split["activations"], split["recompute_working_set"]) == (24, 300)
 
 
 def test_pipeline_inside_a_node_uses_the_fast_link():
@@ -234,3 +240,18 @@ def test_layer_costs_from_a_layer_graph():
     assert costs.tp == 2 and costs.names == ("l0", "l1", "l2") and costs.is_chain()
     assert list(costs.params) == [10, 11, 12] and list(costs.activation_bytes) == [100, 101, 102]
     assert list(costs.input_bytes) == [4, 5, 6] and list(costs.flops) == [3e3] * 3
+
+
+def test_an_overlapped_reduction_makes_time_fall_as_a_backward_grows():
+    """Why the sweep's level-1 bound takes every transfer as free under overlap_grad_reduce
+    (design/upper_bound.placement_throughput): the exposed reduction, max(0, reduction - backward),
+    shrinks as a non-bottleneck stage's backward grows, so lower-bound layer times alone would not
+    give a lower-bound time."""
+    system = make_system(accelerators=4, devices_per_node=1, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+
+    def time_with(bwd0):
+        costs = make_costs(1, [1.0, 5.0], [bwd0, 10.0], [1000, 1], [0, 0], [0, 0])
+        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, overlap_grad_reduce=True)
+        return evaluate_placement(problem, Placement(1, 2, ((0,), (1,)))).time_per_batch_s
+
+    assert time_with(8.0) < time_with(1.0)

@@ -15,8 +15,23 @@ def add_arguments(p):
     p.add_argument("--model", default="gpt3-175b", help="model config name or path to a YAML file (default gpt3-175b)")
     p.add_argument("--arch", default="tpuv4", help="architecture config name or path (default tpuv4)")
     add_mbs(p)
-    p.add_argument("--recompute", action="store_true", help="recompute activations instead of stashing them")
+    p.add_argument("--recompute", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
+                   help="activation recompute: none, selective (the attention core) or full (each layer's "
+                        "forward from its checkpointed input); a bare --recompute is full")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved 1F1B with V model chunks per pipeline device (default 1)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
+                   help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer) or 3 (FSDP)")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the data-parallel gradient reduction with the backward pass")
+    p.add_argument("--attention", choices=("unfused", "flash"), default=None,
+                   help="attention kernel (default: the model config's)")
     p.add_argument("--system", default="default", help="system config name or path (default: default)")
+    p.add_argument("--devices", type=int, default=None, metavar="N", help="override the system's accelerator count")
+    p.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="override the system's global batch (sequences per optimizer step)")
     p.add_argument(
         "--placement",
         default="optimal",
@@ -27,20 +42,62 @@ def add_arguments(p):
 
 def run(args) -> dict:
     # Imported here so that `phaze-opt --help` and the other subcommands start without torch.
-    from ..hardware.arch import load_arch
+    from dataclasses import replace
+
     from ..design.evaluate import design_evaluator
+    from ..errors import PhazeError
+    from ..hardware.arch import load_arch
+    from ..system import load_system
+    from ..training import Training
 
     arch = load_arch(args.arch)
+    system = load_system(args.system)
+    for flag, field, value in (("--devices", "accelerators", args.devices), ("--global-batch", "global_batch", args.global_batch)):
+        if value is not None:
+            if value < 1:
+                raise PhazeError(f"{flag} must be a positive integer, got {value}")
+            system = replace(system, **{field: value})
+    recipe = Training(check_mbs(args), args.recompute, args.placement, args.sequence_parallel, args.virtual_stages,
+                      args.zero, args.overlap_grad_reduce, args.attention)
     evaluate = design_evaluator(args.ilp_time_limit)
-    result = evaluate(args.model, arch, check_mbs(args), args.recompute, args.system, args.placement).to_json()
+    fields = recipe.recipe()
+    fields.pop("mbs"), fields.pop("recompute"), fields.pop("placement")
+    result = evaluate(args.model, arch, recipe.mbs, recipe.recompute, system, recipe.placement, **fields).to_json()
     result["arch"] = arch.name or args.arch
-    result["mbs"] = args.mbs
-    result["recompute"] = bool(args.recompute)
+    spec = recipe.recipe()
+    spec["placement_spec"] = spec.pop("placement")
+    result.update(spec)
+    result["devices"] = system.accelerators
+    result["global_batch"] = system.global_batch
+    stages = result.get("placement", {}).get("stages", [])
+    if stages:
+        worst = max(stages, key=lambda s: s["memory_bytes"])
+        result["memory_per_device"] = dict(worst.get("memory_split", {}), total=worst["memory_bytes"],
+                                           headroom=worst["headroom_bytes"], stage=worst["index"])
     return result
 
 
 def render(r: dict) -> str:
-    head = f"{r['model']} on {r['arch']}  mbs {r['mbs']}  recompute {'on' if r['recompute'] else 'off'}  area {r['area_mm2']:.1f} mm^2"
+    extras = [f"recompute {r['recompute']}"]
+    if r.get("sequence_parallel"):
+        extras.append("sequence parallel")
+    if r.get("virtual_stages", 1) > 1:
+        extras.append(f"{r['virtual_stages']} virtual stages")
+    if r.get("zero"):
+        extras.append(f"ZeRO-{r['zero']}")
+    if r.get("overlap_grad_reduce"):
+        extras.append("overlapped grad reduce")
+    if r.get("attention"):
+        extras.append(f"{r['attention']} attention")
+    head = f"{r['model']} on {r['arch']}  mbs {r['mbs']}  {', '.join(extras)}  area {r['area_mm2']:.1f} mm^2"
+    mem = r.get("memory_per_device")
+    if mem:
+        gib = 2.0**30
+        head += (f"\nmemory per device (fullest stage {mem['stage']}): parameters {mem.get('parameters', 0) / gib:.2f}, "
+                 f"gradients {mem.get('gradients', 0) / gib:.2f}, optimizer state {mem.get('optimizer_state', 0) / gib:.2f}, "
+                 f"activations {mem.get('activations', 0) / gib:.2f}, recompute working set "
+                 f"{mem.get('recompute_working_set', 0) / gib:.2f}; total {mem['total'] / gib:.2f} GiB, "
+                 f"headroom {mem['headroom'] / gib:.2f} GiB")
     t = r["timings"]
     work = f"graph {t['graph_s']:.3f} s, estimate {t['estimate_s']:.3f} s, ILP {t['ilp_s']:.3f} s, DP {t['dp_s'] * 1e3:.1f} ms"
     if not r["feasible"]:

@@ -103,23 +103,44 @@ def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
 
+def attention_core_s(op_graph, single) -> float:
+    """Forward time of a layer's attention core (what selective recompute runs again), from the op
+    latencies of its forward graph: the activation x activation batched GEMMs (Q K^T, P V) and the
+    softmax, mask and dropout ops over the s x s scores (those with as many elements as Q K^T's
+    output), each at its single-core latency, added in sequence (an upper bound on their part of
+    the schedule: the ILP may overlap them with other ops). A fused flash-attention op counts whole.
+    """
+    ops = op_graph.ops
+    scores = [op.gemm[0] * op.gemm[1] * op.gemm[3] for op in ops if op.kind == "bgemm" and op.gemm]
+    size = scores[0] if scores else -1
+    total = 0.0
+    for i, op in enumerate(ops):
+        if op.kind in ("bgemm", "flash_attention") or (size > 0 and op.unit != "tc" and op.elements == size):
+            total += float(single[i])
+    return total
+
+
 def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int,
-                ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> _TpCosts:
+                ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, sequence_parallel: bool = False,
+                attention: str | None = None) -> _TpCosts:
     """Per-layer forward/backward time and memory facts at TP width tp.
 
     Times are proven-optimal schedules, or incumbents of passes that hit the ILP time limit (then
-    `bound_costs` holds the proven lower bounds as well; see the module docstring).
+    `bound_costs` holds the proven lower bounds as well; see the module docstring). Memory by
+    recompute mode follows the recipe's sequence parallelism; `attention` picks the kernel.
     """
     link = system.tp_link(tp)
-    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision, float(ilp_time_limit_s))
+    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision, float(ilp_time_limit_s),
+           bool(sequence_parallel), attention)
     hit = _COSTS_MEMO.get(key)
     if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     t0 = time.perf_counter()
-    graph = build_layer_graph(model, tp, mbs)
+    graph = build_layer_graph(model, tp, mbs, attention=attention)
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
+    core_s: dict[str, float] = {}
     lower: dict[tuple[str, str], float] = {}
     unproven = []
     statuses: dict[str, int] = {}
@@ -134,6 +155,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
             t2 = time.perf_counter()
             timings["estimate_s"] += t1 - t0
             timings["ilp_s"] += t2 - t1
+            if pass_name == "fwd":
+                core_s[kind] = attention_core_s(op_graph, lat.single[0])
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
@@ -144,17 +167,15 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
                 unproven.append(f"{kind}/{pass_name}: gap {sched.makespan / sched.lower_bound - 1:.1e}")
             modes[(kind, pass_name)] = tuple(sched.split)
     layers = graph.layers
-    costs = LayerCosts(
-        tp=tp,
-        fwd_s=[times[(l.kind, "fwd")] for l in layers],
-        bwd_s=[times[(l.kind, "bwd")] for l in layers],
-        params=[l.params for l in layers],
-        activation_bytes=[l.activation_bytes for l in layers],
-        boundary_bytes=[l.boundary_bytes for l in layers],
-        input_bytes=[l.input_bytes for l in layers],
-        edges=graph.edges,
-        names=tuple(l.name for l in layers),
-        flops=[l.fwd_flops + l.bwd_flops for l in layers],
+    # Selective recompute runs the attention core again only where it was dropped (not with flash,
+    # whose core was never kept).
+    costs = LayerCosts.from_layer_graph(
+        graph,
+        [times[(l.kind, "fwd")] for l in layers],
+        [times[(l.kind, "bwd")] for l in layers],
+        selective_s=[min(core_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) if l.attention_core_bytes > 0 else 0.0
+                     for l in layers],
+        sequence_parallel=sequence_parallel,
     )
     bound_costs = None
     if unproven:
@@ -178,7 +199,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
     return out
 
 
-def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts):
+def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts,
+                      attention: str | None = None):
     """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
     with every op in the mode its schedule chose; memoised by the costs' content key and the constants."""
     constants = load_energy_constants()
@@ -187,7 +209,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
     if hit is not None:
         return hit
     tp = tp_costs.costs.tp
-    graph = build_layer_graph(model, tp, mbs)
+    graph = build_layer_graph(model, tp, mbs, attention=attention)
     intra = system.tp_link(tp) is system.intra_node
     passes = {}
     for kind in graph.kinds:
@@ -201,7 +223,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
 
 
 def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, result, area: float) -> float:
-    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs)
+    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention)
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system).total_j
@@ -221,9 +243,10 @@ class DesignEvaluator:
 
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
 
-    def __call__(self, model, arch: Accelerator, mbs: int, recompute: bool, system="default",
-                 placement: str = "optimal") -> DesignResult:
-        return evaluate_design(model, arch, mbs, recompute, system, placement, self.ilp_time_limit_s)
+    def __call__(self, model, arch: Accelerator, mbs: int, recompute, system="default",
+                 placement: str = "optimal", **recipe) -> DesignResult:
+        """`recipe`: the further Training fields (sequence_parallel, virtual_stages, zero, ...)."""
+        return evaluate_design(model, arch, mbs, recompute, system, placement, self.ilp_time_limit_s, **recipe)
 
 
 def design_evaluator(ilp_time_limit_s: float | None = None) -> DesignEvaluator:
@@ -244,17 +267,21 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
     model = load_model(model)
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
-    per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s) for t in widths}
-    flops_per_seq = build_layer_graph(model, widths[0], training.mbs).train_flops_per_sequence
+    per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
+                             training.attention) for t in widths}
+    graph = build_layer_graph(model, widths[0], training.mbs, attention=training.attention)
+    kinds = [l.kind for l in graph.layers]
+    repeated = max(kinds.count(k) for k in set(kinds))  # the decoder layers Megatron interleaves
     problem = PlacementProblem(
         costs=tuple(v.costs for v in per_tp.values()),
         system=system,
         hbm_bytes=arch.hbm_bytes,
         peak_flops=arch.peak_flops,
-        mbs=training.mbs,
-        recompute=training.recompute,
         seq_len=model.seq,
-        model_flops_per_sequence=flops_per_seq,
+        model_flops_per_sequence=graph.train_flops_per_sequence,
+        hbm_bandwidth=float(arch.hbm_bw),
+        interleave_layers=repeated,
+        training=training,
     )
     return model, system, problem, per_tp
 
@@ -283,12 +310,13 @@ def evaluate_design(
     system="default",
     placement: str = "optimal",
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
+    **recipe,
 ) -> DesignResult:
     """Throughput of one design (architecture, microbatch, recompute) with its best or a given placement.
 
     `ilp_time_limit_s` bounds each layer pass's schedule solve; a shorter limit trades proofs for
     time (passes left open make the result unproven, with its bound; see the module docstring)."""
-    return evaluate(model, arch, Training(mbs, recompute, placement), system, ilp_time_limit_s)
+    return evaluate(model, arch, Training(mbs, recompute, placement, **recipe), system, ilp_time_limit_s)
 
 
 def evaluate(model, arch: Accelerator, training: Training, system="default",
@@ -337,7 +365,8 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         time_per_batch_s=result.time_per_batch_s,
         area_mm2=area,
         mfu=result.mfu,
-        placement=result.placement_dict() if result.feasible else {"tp": 0, "pp": 0, "dp": 0, "microbatches": 0, "stages": []},
+        placement=result.placement_dict() if (result.feasible or result.stages)
+        else {"tp": 0, "pp": 0, "dp": 0, "microbatches": 0, "stages": []},
         timings=timings,
         layers=chosen.table if chosen else [],
         model=model_cfg.name,

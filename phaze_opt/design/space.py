@@ -22,6 +22,10 @@ choices, the values that are tied to another parameter or fixed, and the area ru
 
 Every accelerator field (num_tc, tc_x, tc_y, num_vc, vc_width, glb_mib, hbm_gib, clock_ghz) must be
 sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item list fixes them).
+`recompute` choices are true/false (full/none, as before) or none, selective, full. The further
+recipe fields (issue 16) may be sampled too; a space without one trains with its default:
+`sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 3],
+`overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own).
 
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
@@ -46,14 +50,15 @@ from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
 from ..system import MBS_LIMIT
-from ..training import SAMPLED_FIELDS
+from ..training import ATTENTIONS, OPTIONAL_FIELDS, RECOMPUTE_MODES, SAMPLED_FIELDS, ZERO_STAGES, Training
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
 RUN_FIELDS = SAMPLED_FIELDS  # the training recipe's fields a space samples (training.py)
+RECIPE_FIELDS = OPTIONAL_FIELDS  # further recipe fields a space may sample; absent: the Training default
 INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
 POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
-ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS
+ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS + RECIPE_FIELDS
 # Every choice stays within the reference architectures' limits (hardware.arch.LIMITS); a
 # microbatch is part of one global batch, so it has the global batch's limit.
 FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
@@ -78,8 +83,25 @@ def _native(v):
 
 def _check_value(file, where: str, name: str, v) -> Any:
     if name == "recompute":
+        if not isinstance(v, bool) and v not in RECOMPUTE_MODES:
+            raise config_error(file, where, f"choices must be true or false or one of {', '.join(RECOMPUTE_MODES)}, "
+                                            f"got {v!r}")
+        return v
+    if name in ("sequence_parallel", "overlap_grad_reduce"):
         if not isinstance(v, bool):
             raise config_error(file, where, f"choices must be true or false, got {v!r}")
+        return v
+    if name == "zero":
+        if isinstance(v, bool) or v not in ZERO_STAGES:
+            raise config_error(file, where, f"choices must be among {', '.join(map(str, ZERO_STAGES))}, got {v!r}")
+        return int(v)
+    if name == "attention":
+        if v not in ATTENTIONS:
+            raise config_error(file, where, f"choices must be among {', '.join(ATTENTIONS)}, got {v!r}")
+        return v
+    if name == "virtual_stages":
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > 64:
+            raise config_error(file, where, f"choices must be integers from 1 to 64, got {v!r}")
         return v
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise config_error(file, where, f"values must be positive numbers, got {v!r}")
@@ -325,7 +347,11 @@ class SearchSpace:
             if p == "mbs":
                 point[p] = self.params["mbs"][0] if mbs is None else mbs
             elif p == "recompute":
-                point[p] = (False if False in self.params[p] else self.params[p][0]) if recompute is None else recompute
+                default = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
+                point[p] = default if recompute is None else recompute
+            elif p in RECIPE_FIELDS:  # the Training default where the space offers it, else its first choice
+                default = getattr(Training(), p)
+                point[p] = default if default in self.params[p] else self.params[p][0]
             else:
                 point[p] = have[p]
         def cannot(why):
@@ -381,7 +407,7 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     for f, src in tied.items():
         if f not in ARCH_FIELDS:
             raise config_error(file, f"tied.{f}", f"unknown field; allowed: {', '.join(ARCH_FIELDS)}")
-        if src not in params or src in RUN_FIELDS:
+        if src not in params or src in RUN_FIELDS or src in RECIPE_FIELDS:
             raise config_error(file, f"tied.{f}", f"must name a sampled accelerator parameter, got {src!r}")
     fixed = {}
     for f, v in fixed_raw.items():

@@ -22,25 +22,30 @@ Level 0, `ideal_throughput`: with S stages, TP width t and d replicas (S t d <= 
 m = ceil(B / (mbs d)) microbatches, time per batch >= m x bottleneck >= B / (mbs d) x W_t / S,
 with W_t the per-microbatch sum of all layers' forward + backward lower bounds at width t. So
 throughput <= mbs N / min_t (t W_t): perfect scaling with no bubble, no communication and no
-memory limit. It holds for every HBM capacity and recompute setting of a design whose latencies
-are no lower (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
+memory limit. It holds for every HBM capacity and recipe (recompute, sequence parallelism, virtual
+stages, ZeRO, overlap: each only adds time or memory over the ideal) of a design whose latencies
+are no lower; the attention kernel changes the layer graph, so a space with both kernels takes
+the larger of the two bounds (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
 bandwidth), which lets one bound cover a whole architecture.
 
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
-point (its HBM capacity and recompute setting). The DP is exact for its costs, and its optimum
-can only fall with longer layer times, so its throughput bounds the point's; it also proves
-points with no memory-feasible placement (a placement's memory does not depend on time).
+point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall
+with longer layer times (an overlapped reduction's exposed part is the one term that shrinks as
+the backward grows: with overlap the bound makes every transfer free, see `placement_throughput`),
+so its throughput bounds the point's; it also proves points with no memory-feasible placement (a
+placement's memory does not depend on time).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
 from ..solve.placement import optimal_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
+from ..system import Link
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
 
@@ -124,9 +129,11 @@ class WidthBounds:
         return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind)
 
 
-def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int) -> WidthBounds:
-    """Lower bounds on every layer kind's forward and backward time at TP width `tp`, per design."""
-    graph = build_layer_graph(model, tp, mbs)
+def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
+                       attention: str | None = None) -> WidthBounds:
+    """Lower bounds on every layer kind's forward and backward time at TP width `tp`, per design
+    (with the given attention kernel; None: the model's own)."""
+    graph = build_layer_graph(model, tp, mbs, attention=attention)
     link = system.tp_link(tp)
     num_tc, num_vc = designs.num_tc[:, 0], designs.num_vc[:, 0]
     out = {p: np.empty((len(designs), len(graph.kinds))) for p in PASSES}
@@ -152,18 +159,35 @@ def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> 
         return np.where(device_seconds > 0, mbs * accelerators / device_seconds, np.inf)
 
 
-def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, mbs: int, recompute: bool,
-                         hbm_bytes: float, peak_flops: float) -> float:
+def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, mbs: int, recompute,
+                         hbm_bytes: float, peak_flops: float, sequence_parallel: bool = False,
+                         virtual_stages: int = 1, zero: int = 0, overlap_grad_reduce: bool = False,
+                         attention: str | None = None) -> float:
     """Level 1: the optimal placement's throughput on design `row`'s lower-bound layer times.
 
-    The memory facts (HBM capacity, recompute, microbatch) are the point's own; only the layer
-    times are bounds. 0.0 when no placement fits memory (then no schedule can make one fit).
+    The memory facts (HBM capacity, the recipe: recompute mode, sequence parallelism, virtual
+    stages, ZeRO; the microbatch) are the point's own, so exactly the placements that fit the real
+    evaluation fit here (the same interleaving constraint too); only times are bounds: the layer
+    times (`widths`, which must be those of the recipe's attention kernel), selective recompute's
+    attention-core time (0 here) and the optimizer step (not costed here). Every time term of the
+    placement model grows with the layer times except an overlapped reduction's exposed part
+    (reduction minus backward), which shrinks as the backward grows; with `overlap_grad_reduce`
+    the bound therefore takes every data-parallel and pipeline transfer as free (links of
+    unbounded bandwidth, no latency), which only lowers the time. 0.0 when no placement fits
+    memory (then no schedule can make one fit).
     """
-    graphs = [build_layer_graph(model, w.tp, mbs) for w in widths]
+    graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
+    kinds = [layer.kind for layer in graphs[0].layers]
+    if overlap_grad_reduce:
+        free = Link(1e300, 0.0)
+        system = replace(system, intra_node=free, inter_node=free)
     problem = PlacementProblem(
-        costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row)) for g, w in zip(graphs, widths)),
+        costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel)
+                    for g, w in zip(graphs, widths)),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
+        virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)),
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

@@ -24,7 +24,9 @@ Per training batch for a placement (tp x pp stages x dp replicas, m microbatches
     dp ring  = sum over stages tp x dp x 2 (dp - 1)/dp x gradient bytes per device x link
     static   = W/mm^2 x area x devices used x time per batch
 
-The recomputed forward runs on every stage but the last, as in the placement evaluator
+The recomputed forward runs on every stage, the last included, as in the placement evaluator
+(issue 16; `full` recomputes each layer's forward, `selective` the attention core's share of it,
+in the ratio of its forward time)
 (`solve/placement_eval.py`), and a stage's inputs and output gradients cross the pipeline link as
 there. Left out: the optimizer step (its time is not modelled either), HBM refresh/background power,
 on-chip wires beyond the GLB bank, the PE-array register traffic and the memory traffic of
@@ -264,7 +266,7 @@ def batch_energy(
     stages: Sequence[Sequence[int]],
     dp: int,
     microbatches: int,
-    recompute: bool,
+    recompute: bool | str,
     time_per_batch_s: float,
     area_mm2: float,
     system,
@@ -283,13 +285,19 @@ def batch_energy(
     stage_of = np.empty(costs.n_layers, dtype=int)
     for s, stage in enumerate(stages):
         stage_of[list(stage)] = s
-    recomputed = np.zeros(costs.n_layers, dtype=bool)
-    if recompute:
-        recomputed = stage_of < S - 1  # every stage but the last runs its forward again
-    per_mb = fwd.sum(axis=0) + bwd.sum(axis=0) + fwd[recomputed].sum(axis=0)  # one replica's TP rank, [4]
+    # share of each layer's forward run again in its backward (every stage, as Megatron does)
+    share = np.zeros(costs.n_layers)
+    if recompute is True or recompute == "full":
+        share = np.ones(costs.n_layers)
+    elif recompute == "selective":
+        fwd_s = np.asarray(costs.fwd_s, dtype=float)
+        share = np.divide(np.asarray(costs.selective_s, dtype=float), fwd_s, out=np.zeros(costs.n_layers),
+                          where=fwd_s > 0)
+    again = (fwd * share[:, None]).sum(axis=0)
+    per_mb = fwd.sum(axis=0) + bwd.sum(axis=0) + again  # one replica's TP rank, [4]
     scale = float(d * m * t)
     compute, sram, hbm, tp_link = per_mb * scale
-    recompute_j = float(fwd[recomputed].sum() * scale)
+    recompute_j = float(again.sum() * scale)
 
     # pipeline: each stage receives its inputs forward and its outputs' gradients backward (placement_eval)
     boundary = np.asarray(costs.boundary_bytes, dtype=float)

@@ -5,7 +5,8 @@ has 703,128 points. Most of them provably cannot beat the best design found, so 
 by a bound instead (`upper_bound` explains both bounds and why they hold):
 
 1. level 0, vectorised: an ideal-scaling throughput bound for every (architecture, HBM, microbatch),
-   covering both recompute settings. Computed in tasks of `LEVEL0_ROWS` designs of one microbatch,
+   covering every recipe (recompute, and the further recipe fields a space samples; the larger
+   over the attention kernels). Computed in tasks of `LEVEL0_ROWS` designs of one microbatch,
    so the processes share the work and its progress is reported as the tasks finish.
 2. level 1: the exact placement DP on lower-bound layer times of one point (~10-30 ms).
 3. full evaluation, logged as a trial like any sampled or swept point.
@@ -52,6 +53,7 @@ from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
+from ..training import OPTIONAL_FIELDS, Training
 from ..workload.models import load_model
 from . import objective, signals
 from .report import finish, unproven_points
@@ -69,19 +71,22 @@ BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED = range(3)
 # -- the grid, as arrays -----------------------------------------------------------------------------
 
 class Grid:
-    """Points as (microbatch index, design row, recompute index); design row = arch x HBM."""
+    """Points as (microbatch index, design row, recipe index); design row = arch x HBM; a recipe is
+    one choice of recompute and of each further recipe field the space samples (issue 16)."""
 
     def __init__(self, space):
         self.space = space
         self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.architectures(order="grid")]
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
-        self.rcs = list(space.params["recompute"])
+        names = ["recompute"] + [f for f in OPTIONAL_FIELDS if f in space.params]
+        self.rcs = [dict(zip(names, values)) for values in itertools.product(*(space.params[n] for n in names))]
+        self.attns = list(space.params.get("attention", [None]))  # level 0 and 1 bound each kernel's graph
         self.n_rows = len(self.archs) * len(self.hbms)
 
     def point(self, m: int, row: int, r: int) -> dict:
         arch = self.archs[row // len(self.hbms)]
-        return {**arch, "hbm_gib": self.hbms[row % len(self.hbms)], "mbs": self.mbss[m], "recompute": self.rcs[r]}
+        return {**arch, "hbm_gib": self.hbms[row % len(self.hbms)], "mbs": self.mbss[m], **self.rcs[r]}
 
     def accelerators(self):
         return [self.space.accelerator(self.point(0, row, 0)) for row in range(self.n_rows)]
@@ -103,31 +108,40 @@ def _init_worker(model: str, system: str, ctx) -> None:
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
-def _level0(space, mbs: int, lo: int, hi: int) -> list[WidthBounds]:
+def _level0(space, mbs: int, lo: int, hi: int, attention=None) -> list[WidthBounds]:
     """Lower-bound layer times of design rows lo..hi at one microbatch, at every TP width."""
     model, system = _W["model"], _W["system"]
     key = (space.name, id(space))
     if _W.get("designs_of") != key:  # 88k designs take seconds to build; a worker keeps one space's for every chunk
         _W.update(designs_of=key, designs=DesignArrays.from_accelerators(Grid(space).accelerators()))
     designs = slice_designs(_W["designs"], lo, hi)
-    return [layer_lower_bounds(model, designs, mbs, system, tp) for tp in tp_widths(model, system)]
+    return [layer_lower_bounds(model, designs, mbs, system, tp, attention) for tp in tp_widths(model, system)]
 
 
 def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[WidthBounds]]]:
-    """Level 0 for every (microbatch, design row): the ideal bound [n_m, n_rows] and each microbatch's
-    lower-bound layer times, computed in chunks whose progress is reported as they finish."""
-    tasks = [(m, lo, min(lo + LEVEL0_ROWS, grid.n_rows)) for m in range(len(grid.mbss))
+    """Level 0 for every (microbatch, design row): the ideal bound [n_m, n_rows] (the largest over
+    the space's attention kernels) and each microbatch's lower-bound layer times per kernel
+    (widths[m][a][t]), computed in chunks whose progress is reported as they finish."""
+    n_a = len(grid.attns)
+    tasks = [(m, a, lo, min(lo + LEVEL0_ROWS, grid.n_rows)) for m in range(len(grid.mbss)) for a in range(n_a)
              for lo in range(0, grid.n_rows, LEVEL0_ROWS)]
-    progress = session.progress(len(grid.mbss) * grid.n_rows, "design", phase="bounding")
+    progress = session.progress(len(grid.mbss) * n_a * grid.n_rows, "design", phase="bounding")
     results: list = [None] * len(tasks)
-    for i, part in _as_completed(pool, _level0, [(session.space, grid.mbss[m], lo, hi) for m, lo, hi in tasks]):
+    calls = [(session.space, grid.mbss[m], lo, hi, grid.attns[a]) for m, a, lo, hi in tasks]
+    for i, part in _as_completed(pool, _level0, calls):
         results[i] = part
-        progress.update(tasks[i][2] - tasks[i][1])
+        progress.update(tasks[i][3] - tasks[i][2])
     progress.close()
     accelerators = load_system(session.config.system).accelerators
-    parts = [[part for (m, _, _), part in zip(tasks, results) if m == k] for k in range(len(grid.mbss))]
-    widths = [[_concat([chunk[t] for chunk in chunks]) for t in range(len(chunks[0]))] for chunks in parts]
-    ub0 = np.stack([ideal_throughput(w, mbs, accelerators) for w, mbs in zip(widths, grid.mbss)])
+    widths = []
+    for k in range(len(grid.mbss)):
+        per_attn = []
+        for a in range(n_a):
+            chunks = [part for (m, aa, _, _), part in zip(tasks, results) if m == k and aa == a]
+            per_attn.append([_concat([chunk[t] for chunk in chunks]) for t in range(len(chunks[0]))])
+        widths.append(per_attn)
+    ub0 = np.stack([np.max(np.stack([ideal_throughput(w, mbs, accelerators) for w in per_attn]), axis=0)
+                    for per_attn, mbs in zip(widths, grid.mbss)])
     return ub0, widths
 
 
@@ -137,9 +151,17 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
                        np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
 
 
-def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list) -> list[float]:
-    return [placement_throughput(_W["model"], widths, 0, system=_W["system"], mbs=mbs, recompute=bool(rc),
-                                 hbm_bytes=hbm_bytes, peak_flops=peak_flops) for rc in rcs]
+def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list) -> list[float]:
+    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds."""
+    out = []
+    for rc in rcs:
+        recipe = Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"})
+        out.append(placement_throughput(
+            _W["model"], widths[attns.index(rc.get("attention"))], 0, system=_W["system"], mbs=mbs,
+            recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
+            sequence_parallel=recipe.sequence_parallel, virtual_stages=recipe.virtual_stages, zero=recipe.zero,
+            overlap_grad_reduce=recipe.overlap_grad_reduce, attention=recipe.attention))
+    return out
 
 
 def _evaluate(points: list[dict]) -> list[tuple]:
@@ -297,9 +319,9 @@ def run_branch_bound(session) -> dict:
                     pos += 1
                     m, row = divmod(flat, grid.n_rows)
                     a = accel(row)
-                    rows = [w.take([row]) for w in widths[m]]
+                    rows = [[w.take([row]) for w in per_attn] for per_attn in widths[m]]
                     inflight[pool.submit(_level1, rows, grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
-                                         grid.rcs)] = ("l1", m, row)
+                                         grid.rcs, grid.attns)] = ("l1", m, row)
                     stats["level1_runs"] += n_r
             if not inflight:
                 break
@@ -375,7 +397,8 @@ def mark_evaluated(grid, status, score, trials) -> int:
     rows = {tuple(key(a[k]) for k in fields): i for i, a in enumerate(grid.archs)}
     hbm = {key(h): i for i, h in enumerate(grid.hbms)}
     mbs = {int(m): i for i, m in enumerate(grid.mbss)}
-    rc = {key(r): i for i, r in enumerate(grid.rcs)}
+    rc = {key(r): i for i, r in enumerate(grid.rcs)}  # a recipe: {recompute, further sampled fields}
+    names = list(grid.rcs[0]) if grid.rcs else []
     marked = 0
     for t in trials:
         point = t.user_attrs.get("point")
@@ -385,7 +408,7 @@ def mark_evaluated(grid, status, score, trials) -> int:
             continue
         try:
             a = rows[tuple(key(point[k]) for k in fields)]
-            m, h, r = mbs[int(point["mbs"])], hbm[key(point["hbm_gib"])], rc[key(point["recompute"])]
+            m, h, r = mbs[int(point["mbs"])], hbm[key(point["hbm_gib"])], rc[key({n: point[n] for n in names})]
         except (KeyError, TypeError, ValueError):
             continue
         row = a * len(grid.hbms) + h
@@ -407,7 +430,8 @@ def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
     frame = pd.DataFrame({k: np.asarray([a[k] for a in grid.archs])[arch_idx] for k in grid.archs[0]})
     frame["hbm_gib"] = np.asarray(grid.hbms)[hbm_idx]
     frame["mbs"] = np.asarray(grid.mbss)[m_idx]
-    frame["recompute"] = np.asarray(grid.rcs)[r_idx]
+    for name in grid.rcs[0]:
+        frame[name] = np.asarray([rc[name] for rc in grid.rcs], dtype=object)[r_idx]
     frame["settled"] = np.asarray(SETTLED)[status.ravel()]
     frame["upper_bound"] = bound.ravel()
     frame["throughput"] = score.ravel()

@@ -188,6 +188,20 @@ def area_violation(ok: bool, area: float, budget: float) -> float:
     return max(excess, MIN_AREA_VIOLATION)
 
 
+def recompute_arg(training: Training):
+    """The recompute argument of an Evaluator call: a bool for none/full (what every evaluator
+    takes), the mode name for selective."""
+    return training.recompute if training.recompute == "selective" else training.recompute == "full"
+
+
+def recipe_kwargs(training: Training) -> dict:
+    """The recipe fields beyond mbs/recompute/placement that differ from their defaults (so an
+    evaluator without them keeps working for today's spaces)."""
+    defaults = Training()
+    return {k: getattr(training, k) for k in ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce",
+                                               "attention") if getattr(training, k) != getattr(defaults, k)}
+
+
 def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     """Evaluate one design point for every model of the study (see the module docstring)."""
     start = time.perf_counter()
@@ -208,8 +222,8 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     training = Training.from_point(point)
     results = {}
     for model in ctx.models:
-        results[model] = ctx.evaluator(model, accel, training.mbs, training.recompute, system=ctx.system,
-                                       placement=training.placement)
+        results[model] = ctx.evaluator(model, accel, training.mbs, recompute_arg(training), system=ctx.system,
+                                       placement=training.placement, **recipe_kwargs(training))
     infeasible = [m for m, r in results.items() if not r.feasible]
     constraints["memory"] = float(len(infeasible))
     if len(ctx.models) == 1:

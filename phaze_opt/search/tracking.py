@@ -30,6 +30,7 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import PhazeError
 from ..jsonable import jsonable
+from ..training import Training
 from . import locks
 from .urls import redact
 
@@ -152,9 +153,20 @@ def objective_metric(name: str, n_models: int = 1) -> str:
 
 
 def trial_params(trial) -> dict[str, str]:
-    """A trial's design: its point, and its accelerator's fields as `arch.<field>`."""
+    """A trial's design: its point, its accelerator's fields as `arch.<field>`, and its whole
+    training recipe as `recipe.<field>` (issue 16: the fields a space does not sample at their
+    defaults, the recompute mode by name)."""
     ua = trial.user_attrs
-    params = {_key(k): str(v)[:MAX_PARAM] for k, v in (ua.get("point") or {}).items()}
+    point = ua.get("point") or {}
+    params = {_key(k): str(v)[:MAX_PARAM] for k, v in point.items()}
+    if "mbs" in point and "recompute" in point:
+        try:
+            recipe = Training.from_point(point).recipe()
+        except (PhazeError, ValueError, TypeError):
+            recipe = {}
+        for k, v in recipe.items():
+            if k not in ("mbs", "placement"):
+                params[_key(f"recipe.{k}")] = str(v)[:MAX_PARAM]
     for k, v in ((ua.get("result") or {}).get("accelerator") or {}).items():
         params[_key(f"arch.{k}")] = str(v)[:MAX_PARAM]
     return params

@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import PhazeError
 from .placement_eval import evaluate_placement, format_bytes
-from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result
+from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -87,8 +87,8 @@ class _Stack:
     sizes: np.ndarray  # [R] layers in each row's downset
     masks: list | None  # DAG: bitmask per row; chain: None (row r = the first r layers)
     dst: np.ndarray  # [R, W] int
-    work1: np.ndarray  # [T, R, W] compute time as the last stage (k = 1)
-    work2: np.ndarray  # [T, R, W] compute time elsewhere (recompute adds a forward)
+    work1: np.ndarray  # [T, R, W] compute time per microbatch, recompute included (every stage)
+    work2: np.ndarray  # [T, R, W] the same (kept apart for the sweeps' last-stage column)
     bytes_in: np.ndarray  # [T, R, W] activations received from earlier stages
     has_in: np.ndarray  # [T, R, W] bool: something is received from earlier stages
     bytes_out: np.ndarray  # [T, R, W] output gradients received back from later stages
@@ -97,6 +97,10 @@ class _Stack:
     base: np.ndarray  # [T, R, W] state + one microbatch's activations
     stash: np.ndarray  # [T, R, W] bytes per further in-flight microbatch
     kmax: np.ndarray  # [T, R, W] most in-flight microbatches that fit HBM (0: never)
+    params: np.ndarray  # [T, R, W] parameters per device of the stage
+    acts: np.ndarray  # [T, R, W] activations kept per in-flight microbatch (by recompute mode)
+    workmax: np.ndarray  # [T, R, W] recompute working set (+ ZeRO-3's gathered layer parameters)
+    bwdwin: np.ndarray  # [T, R, W] backward time per microbatch (recompute included)
     cuts: list  # cuts[k]: rows that leave at least k layers for k stages, k = 0..layers
     colcuts: list  # colcuts[k]: columns that can leave k - 1 layers for the later stages
 
@@ -104,10 +108,11 @@ class _Stack:
     def rows(self) -> int:
         return int(self.sizes.shape[0])
 
-    def stage_time(self, link) -> tuple[np.ndarray, np.ndarray]:
-        """Stage time per microbatch on this pipeline link: (last stage, other stages)."""
-        comm = (0.0 + np.where(self.has_in, link.latency + self.bytes_in / link.bandwidth, 0.0)) + np.where(
-            self.has_out, link.latency + self.bytes_out / link.bandwidth, 0.0
+    def stage_time(self, link, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Stage time per microbatch on this pipeline link: (last stage, other stages); v virtual
+        stages send v times the messages."""
+        comm = (0.0 + np.where(self.has_in, v * (link.latency + self.bytes_in / link.bandwidth), 0.0)) + np.where(
+            self.has_out, v * (link.latency + self.bytes_out / link.bandwidth), 0.0
         )
         valid = np.isfinite(self.grad)
         return np.where(valid, self.work1 + comm, INF), np.where(valid, self.work2 + comm, INF)
@@ -140,23 +145,52 @@ def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
     return q.astype(np.int64)
 
 
+def _layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer, by the recipe's recompute mode: (bytes kept per in-flight microbatch, working set
+    during its backward, recompute time); see placement_eval for the model and its sources."""
+    if problem.recompute == "full":
+        kept, work, rec = c.checkpoint_bytes, c.full_work_bytes, c.fwd_s
+    elif problem.recompute == "selective":
+        kept, work, rec = c.selective_bytes, c.selective_work_bytes, c.selective_s
+    else:
+        kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
+    if problem.zero == 3:
+        work = work + c.params * state_split(problem.system)[0]
+    return kept, work, rec
+
+
+def _state(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
+    """Model state bytes per device of stages with `params` parameters at d replicas (ZeRO)."""
+    w, g, o = state_split(problem.system)
+    if problem.zero == 0:
+        return params * (w + g + o)
+    with np.errstate(invalid="ignore"):
+        if problem.zero == 1:
+            return params * (w + g) + np.ceil(params * o / d)
+        return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
+
+
 def _chain_width(problem: PlacementProblem, costs) -> int:
     """The longest chain stage that fits HBM at all (one microbatch in flight), over all widths.
 
-    A stage's smallest footprint grows with its length, so from each start the stages that fit are
-    a prefix of lengths; longer candidates are never needed.
+    A stage's smallest footprint (state at the most replicas, 1/v of one microbatch's kept
+    activations) grows with its length, so from each start the stages that fit are a prefix of
+    lengths; longer candidates are never needed.
     """
-    bpp = problem.system.state_bytes_per_param
+    w, g, o = state_split(problem.system)
     L = costs[0].n_layers
     width = 1
     for c in costs:
-        prefix = np.concatenate([[0.0], np.cumsum(c.params * bpp + c.activation_bytes)])
+        dmax = max(1, problem.system.accelerators // c.tp) if problem.zero else 1
+        state = c.params * ((w + g + o) / dmax if problem.zero == 3 else (w + g + o / dmax))
+        footprint = (state + _layer_terms(problem, c)[0] / problem.virtual_stages) * (1 - 1e-9)
+        prefix = np.concatenate([[0.0], np.cumsum(footprint)])
         ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1
         width = max(width, int(np.max(ends - np.arange(L))))
     return min(width, L)
 
 
-def _chain_stack(problem: PlacementProblem, costs, width: int) -> _Stack:
+def _chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> _Stack:
     """Stages of a chain are ranges [i, i + w], w < width; all widths at once, [T, L + 1, width]."""
     system = problem.system
     T = len(costs)
@@ -172,11 +206,14 @@ def _chain_stack(problem: PlacementProblem, costs, width: int) -> _Stack:
         return np.stack([getattr(c, name) for c in costs])
 
     fwd, bwd = stacked("fwd_s"), stacked("bwd_s")
+    terms = [_layer_terms(problem, c) for c in costs]
+    kept, wset, rec = (np.stack([tm[i] for tm in terms]) for i in range(3))
     # Running sums from each stage's first layer: the evaluator adds in the same order.
-    work = np.cumsum(window(fwd + bwd), axis=2)
-    fwd_sum = np.cumsum(window(fwd), axis=2)
+    work = np.cumsum(window(fwd + bwd), axis=2) + np.cumsum(window(rec), axis=2)
+    bwdwin = np.cumsum(window(bwd + rec), axis=2)
     params = np.cumsum(window(stacked("params")), axis=2)
-    acts = np.cumsum(window(stacked("activation_bytes")), axis=2)
+    acts = np.cumsum(window(kept), axis=2)
+    workmax = np.maximum.accumulate(window(wset), axis=2)
     boundary = stacked("boundary_bytes")
     i = np.arange(L)[:, None]
     j = i + np.arange(W)[None, :]
@@ -186,10 +223,8 @@ def _chain_stack(problem: PlacementProblem, costs, width: int) -> _Stack:
     bytes_in = np.broadcast_to(prev_boundary[:, :, None], (T, L, W))
     has_out = np.broadcast_to(j < L - 1, (T, L, W))
     bytes_out = boundary[:, np.minimum(j, L - 1)]
-    first_input = np.stack([c.input_bytes[0] for c in costs])[:, None]
-    stage_input = np.where(np.arange(L)[None, :] > 0, prev_boundary, first_input)  # [T, L]
-    base = params * system.state_bytes_per_param + acts
-    stash = np.broadcast_to(stage_input[:, :, None], (T, L, W)) if problem.recompute else acts
+    base = _state(problem, params, shard_d) + acts + workmax
+    stash = acts
 
     def full(a, fill, dtype=np.float64):
         out = np.full((T, R, W), fill, dtype=dtype)
@@ -207,7 +242,11 @@ def _chain_stack(problem: PlacementProblem, costs, width: int) -> _Stack:
         masks=None,
         dst=dst,
         work1=full(work + 0.0, INF),
-        work2=full(work + fwd_sum if problem.recompute else work + 0.0, INF),
+        work2=full(work + 0.0, INF),
+        params=full(params, INF),
+        acts=full(acts, INF),
+        workmax=full(workmax, INF),
+        bwdwin=full(bwdwin, INF),
         bytes_in=full(bytes_in, 0.0),
         has_in=full(has_in, False, bool),
         bytes_out=full(bytes_out, 0.0),
@@ -244,7 +283,7 @@ def _downsets(n: int, edges) -> list[int]:
     return sorted(seen, key=lambda m: (m.bit_count(), m))
 
 
-def _dag_stack(problem: PlacementProblem, costs) -> _Stack:
+def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
     """Stages of a DAG: every difference of two nested downsets, [T, downsets, most supersets]."""
     system = problem.system
     first = costs[0]
@@ -264,7 +303,9 @@ def _dag_stack(problem: PlacementProblem, costs) -> _Stack:
     T = len(costs)
     shape = (T, R, W)
     dst = np.full((R, W), R, dtype=np.int64)
-    arrays = {name: np.full(shape, INF) for name in ("work1", "work2", "grad", "base", "stash")}
+    arrays = {name: np.full(shape, INF) for name in ("work1", "work2", "grad", "base", "stash", "params", "acts",
+                                                     "workmax", "bwdwin")}
+    terms = [_layer_terms(problem, c) for c in costs]
     arrays.update(bytes_in=np.zeros(shape), bytes_out=np.zeros(shape))
     has_in = np.zeros(shape, dtype=bool)
     has_out = np.zeros(shape, dtype=bool)
@@ -274,27 +315,32 @@ def _dag_stack(problem: PlacementProblem, costs) -> _Stack:
             layers = [v for v in range(n) if (m2 & ~m) >> v & 1]
             producers_in = sorted({u for v in layers for u in preds[v] if not (m2 & ~m) >> u & 1})
             producers_out = [v for v in layers if any(not (m2 >> w & 1) for w in succs[v])]
-            sources = [v for v in layers if not preds[v]]
             for ti, c in enumerate(costs):
+                kept, wset, rec = terms[ti]
                 work = 0.0
-                fwd = 0.0
+                recs = 0.0
+                bwdwin = 0.0
                 for v in layers:
                     work += float(c.fwd_s[v]) + float(c.bwd_s[v])
-                    fwd += float(c.fwd_s[v])
+                    recs += float(rec[v])
+                    bwdwin += float(c.bwd_s[v]) + float(rec[v])
                 params = float(sum(c.params[v] for v in layers))
-                acts = float(sum(c.activation_bytes[v] for v in layers))
+                acts = float(sum(kept[v] for v in layers))
+                workmax = float(max(wset[v] for v in layers))
                 b_in = float(sum(c.boundary_bytes[u] for u in producers_in))
-                arrays["work1"][ti, r, a] = work + 0.0
-                arrays["work2"][ti, r, a] = work + fwd if problem.recompute else work + 0.0
+                arrays["work1"][ti, r, a] = work + recs
+                arrays["work2"][ti, r, a] = work + recs
+                arrays["params"][ti, r, a] = params
+                arrays["acts"][ti, r, a] = acts
+                arrays["workmax"][ti, r, a] = workmax
+                arrays["bwdwin"][ti, r, a] = bwdwin
                 arrays["bytes_in"][ti, r, a] = b_in
                 arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
                 has_in[ti, r, a] = bool(producers_in)
                 has_out[ti, r, a] = bool(producers_out)
                 arrays["grad"][ti, r, a] = params * system.grad_bytes_per_param
-                arrays["base"][ti, r, a] = params * system.state_bytes_per_param + acts
-                arrays["stash"][ti, r, a] = (
-                    b_in + float(sum(c.input_bytes[v] for v in sources)) if problem.recompute else acts
-                )
+                arrays["base"][ti, r, a] = float(_state(problem, np.float64(params), shard_d)) + acts + workmax
+                arrays["stash"][ti, r, a] = acts
     sizes = np.array([m.bit_count() for m in masks])
     return _Stack(
         widths=tuple(c.tp for c in costs),
@@ -311,11 +357,13 @@ def _dag_stack(problem: PlacementProblem, costs) -> _Stack:
     )
 
 
-def _stack(problem: PlacementProblem, costs, force_dag: bool, full_width: bool = False) -> _Stack:
+def _stack(problem: PlacementProblem, costs, force_dag: bool, full_width: bool = False, shard_d=1) -> _Stack:
+    """The candidate stages; `base` holds the state sharded over shard_d replicas (ZeRO; scalar
+    or [T, 1, 1]), the fast path's 1 when ZeRO is off."""
     if costs[0].is_chain() and not force_dag:
         width = costs[0].n_layers if full_width else _chain_width(problem, costs)
-        return _chain_stack(problem, costs, width)
-    return _dag_stack(problem, costs)
+        return _chain_stack(problem, costs, width, shard_d)
+    return _dag_stack(problem, costs, shard_d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,11 +499,15 @@ class _Pairs:
     ring_bw: np.ndarray
     ring_lat: np.ndarray
     g_floor: np.ndarray  # least largest-stage gradient bytes of any S-stage split
+    step_rate: float = 0.0  # optimizer step seconds per gradient byte of a stage
 
     def allreduce(self, G: np.ndarray) -> np.ndarray:
+        """The per-batch tail of the stage with the largest gradient G: its all-reduce plus its
+        optimizer step (both grow with the stage's parameters, so the largest stage is slowest)."""
         steps = 2.0 * (self.d - 1)
         with np.errstate(invalid="ignore"):
-            return np.where(self.d > 1, steps * self.ring_lat + steps / self.d * G / self.ring_bw, 0.0)
+            ar = np.where(self.d > 1, steps * self.ring_lat + steps / self.d * G / self.ring_bw, 0.0)
+            return ar + G * self.step_rate if self.step_rate else ar
 
 
 def _pairs(problem: PlacementProblem, costs) -> _Pairs:
@@ -490,7 +542,17 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
         ring_bw=np.where(ring_intra, system.intra_node.bandwidth, system.inter_node.bandwidth),
         ring_lat=np.where(ring_intra, system.intra_node.latency, system.inter_node.latency),
         g_floor=g_floor,
+        step_rate=_step_rate(problem),
     )
+
+
+def _step_rate(problem: PlacementProblem) -> float:
+    """Optimizer step seconds per gradient byte (fast path, no ZeRO): params x (w + g + 2 o) bytes
+    of HBM traffic per stage, read and written once per batch, over the HBM bandwidth."""
+    if problem.hbm_bandwidth <= 0:
+        return 0.0
+    w, g, o = state_split(problem.system)
+    return (w + g + 2 * o) / g / problem.hbm_bandwidth
 
 
 def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _Best:
@@ -607,6 +669,155 @@ def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _
 
 
 # --------------------------------------------------------------------------------------------
+# The general search: ZeRO, overlapped reduction or interleaving
+# --------------------------------------------------------------------------------------------
+
+
+def _half(nbytes, d: int, link) -> np.ndarray:
+    """Ring reduce-scatter / all-gather of nbytes per device over d replicas (placement_eval)."""
+    if d <= 1:
+        return np.zeros_like(nbytes)
+    with np.errstate(invalid="ignore"):
+        return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
+
+
+def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _Best:
+    """Exact search when memory or the per-batch tail depends on the replica count d (ZeRO,
+    overlapped reduction) or the in-flight count on the stage count S (interleaving).
+
+    Every (width, d) and the links S picks form groups; with v > 1 each S is its own group (its
+    in-flight count depends on S). Within a group memory at position k is monotone in k, so "the
+    stage fits at position k" is kmax >= k with the microbatch cap folded into kmax, and the
+    per-batch tail of a stage (exposed reduction + optimizer step, seconds) is a per-stage number
+    whose maximum adds to the pipeline time: the epsilon-constraint on it (as in `_search`, with the
+    tail in place of the gradient bytes) is exact. Groups are visited by a lower bound (the
+    memory-free bottleneck x the pipeline multiplier) and skipped once that cannot beat the best.
+    """
+    system = problem.system
+    N = system.accelerators
+    dpn = system.devices_per_node
+    v = problem.virtual_stages
+    w_b, g_b, o_b = state_split(system)
+    st = _stack(problem, costs, force_dag)
+    links = {0: system.inter_node, 1: system.intra_node}
+    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
+    L = st.n_layers
+    T = len(costs)
+    blocks = np.arange(T)
+    tops = [min(L, N // c.tp) for c in costs]
+    free = {h: _sweep(st, blocks, lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
+                      *_start(st, T)) for h in (0, 1)}
+    groups: dict = {}
+    for b, c in enumerate(costs):
+        t = c.tp
+        total_params = float(np.sum(c.params))
+        for d in range(1, N // t + 1):
+            m = problem.microbatches(d)
+            for S in range(1, min(L, N // (t * d)) + 1):
+                if problem.interleaves(S, d):
+                    continue
+                h = int(dpn % (S * t) == 0)
+                ring = int(S * t * d <= dpn)
+                mult = m + (S - 1) / v
+                # Lower bounds: the memory-free bottleneck, ZeRO-3's per-microbatch collectives and
+                # the per-batch tail of the largest stage (at least the average), all exposed parts
+                # only (the overlap can hide the reductions).
+                link = system.intra_node if ring else system.inter_node
+                big = total_params / S
+                c_lb = float(free[h].f[S - 1, b, 0])
+                tail_lb = 0.0
+                if problem.zero == 3:
+                    c_lb = max(c_lb, float(2.0 * _half(np.float64(big * w_b), d, link)))
+                elif not problem.overlap_grad_reduce:
+                    tail_lb = float(_half(np.float64(big * g_b), d, link) + _half(np.float64(big * (g_b if problem.zero == 0 else w_b)), d, link))
+                if problem.hbm_bandwidth > 0:
+                    tail_lb += big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
+                lb = c_lb * mult + tail_lb
+                if not math.isfinite(lb):
+                    continue
+                key = (b, d, h, ring, S if (v > 1 and S > 1) else 0)
+                groups.setdefault(key, []).append((lb, S, mult))
+    order = sorted(groups.items(), key=lambda kv: min(x[0] for x in kv[1]))
+    best = _Best()
+    valid = np.isfinite(st.grad)
+    for (b, d, h, ring_intra, S_only), items in order:
+        items = [x for x in items if x[0] < best.time]
+        if not items:
+            continue
+        stats["groups"] = stats.get("groups", 0) + 1
+        m = problem.microbatches(d)
+        ring = system.intra_node if ring_intra else system.inter_node
+        sl = slice(b, b + 1)
+        params, acts, workmax, bwdwin = st.params[sl], st.acts[sl], st.workmax[sl], st.bwdwin[sl]
+        params0 = np.where(valid[sl], params, 0.0)
+        time_g = times[h][sl]
+        tail = np.zeros(params.shape)
+        if problem.zero == 3:
+            scatter = _half(params0 * g_b, d, ring)
+            if problem.overlap_grad_reduce:
+                scatter = np.maximum(0.0, scatter - bwdwin)
+            time_g = time_g + (2.0 * _half(params0 * w_b, d, ring) + scatter)
+        else:
+            if problem.zero == 0:
+                with np.errstate(invalid="ignore"):
+                    reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+            else:
+                reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
+            if problem.overlap_grad_reduce:
+                reduce = np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0))
+            tail = tail + reduce
+        if problem.hbm_bandwidth > 0:
+            step_bytes = params0 * (w_b + g_b + 2 * o_b)
+            if problem.zero:
+                step_bytes = step_bytes / d
+            tail = tail + step_bytes / problem.hbm_bandwidth
+        tail = np.where(valid[sl], tail, INF)
+        state = _state(problem, params0, d)
+        if S_only:  # interleaved: memory at position k from Megatron's in-flight chunk count
+            fits = np.zeros(params.shape, dtype=np.int64)
+            for k in range(1, S_only + 1):
+                chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
+                mem = state + np.ceil(chunks * np.where(valid[sl], acts, 0.0) / v) + np.where(valid[sl], workmax, 0.0)
+                fits += (mem <= problem.hbm_bytes) & (fits == k - 1)
+            kmax = np.where(valid[sl], fits, 0)
+            kmax = np.where(kmax >= S_only, _KMAX_CAP, kmax)
+        else:
+            base = np.where(valid[sl], state + acts + workmax, INF)
+            kmax = _kmax(base, np.where(valid[sl], acts, INF), problem.hbm_bytes)
+            kmax = np.where(kmax >= m, _KMAX_CAP, kmax)  # q = min(k, m): past m nothing grows
+        time_g = np.where(valid[sl] & (kmax >= 1), time_g, INF)
+        st_g = replace(st, grad=tail)
+        active = {S: mult for _, S, mult in items}
+        x = INF
+        while active:
+            stats["sweeps"] = stats.get("sweeps", 0) + 1
+            allowed = tail < x
+
+            def cost_at(k, cut, cols, allowed=allowed):
+                return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
+
+            sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
+            nxt = {}
+            for S, mult in active.items():
+                C = float(sw.f[S - 1, 0, 0])
+                G = float(sw.g[S - 1, 0, 0])
+                if not math.isfinite(C):
+                    continue
+                total = C * mult + G
+                if total < best.time:
+                    best.time = total
+                    best.tp = costs[b].tp
+                    best.dp = d
+                    best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
+                if C * mult < best.time and G > 0:
+                    nxt[S] = (mult, G)
+            active = {S: mg[0] for S, mg in nxt.items()}
+            if active:
+                x = max(mg[1] for mg in nxt.values())
+    return best
+
+
+# --------------------------------------------------------------------------------------------
 # Smallest memory any placement needs (the reason when nothing fits)
 # --------------------------------------------------------------------------------------------
 
@@ -623,7 +834,8 @@ def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tup
     costs = [c for c in problem.costs if c.tp <= N]
     if not costs:
         return INF, {}
-    st = _stack(problem, costs, force_dag, full_width=True)
+    # ZeRO: the state sharded over the most replicas any width has (a lower bound, for the message).
+    st = _stack(problem, costs, force_dag, full_width=True, shard_d=max(1, N // costs[0].tp))
     blocks = np.arange(len(costs))
     base = st.base
     stash = np.where(np.isfinite(st.stash), st.stash, 0.0)
@@ -684,7 +896,8 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
             min_memory_bytes=INF,
             solve_s=time.perf_counter() - start,
         )
-    best = _search(problem, costs, force_dag, stats)
+    search = _search if problem.simple else _search_general
+    best = search(problem, costs, force_dag, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (

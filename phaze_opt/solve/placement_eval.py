@@ -8,23 +8,49 @@ disagreement in the tests. The model it implements (the definition the DP must o
   difference of two downsets of the layer DAG (every edge runs forward or within a stage). Each
   stage runs on t devices in each of the d replicas; S*t*d must not exceed the accelerators.
 - Microbatches per pipeline: m = ceil(global batch / (mbs * d)).
-- Stage time per microbatch = sum of its layers' forward + backward time, plus one more forward
-  when recomputing (every stage but the last, which runs its backward right after its forward),
-  plus receiving its inputs and the gradients of its outputs. Inputs are the outputs of producers in
-  earlier stages that feed the stage (each producer's `boundary_bytes` once); output gradients are
-  those of the stage's layers that feed later stages. Each direction with anything to receive costs
-  one message on the pipeline link: latency + bytes / bandwidth.
-- Memory per device = parameters x the System's state bytes per parameter + stashed activations.
-  The stage k-th from the end holds q = min(k, m) microbatches in flight under 1F1B (Narayanan et
-  al., SOSP'19, PipeDream-Flush). Without recompute it keeps q microbatches' activations. With
-  recompute it keeps the stage input of each in-flight microbatch and materialises one
-  microbatch's full activations at a time; the input of that microbatch is part of them, so
-  memory = full + (q - 1) x stage input (the same accounting as the published Phaze DP). The stage
-  input is what it receives from earlier stages plus the model input of its source layers.
-- Time per batch = bottleneck stage time x (m + S - 1) + the data-parallel gradient all-reduce: a
-  ring over the d replicas of each stage's gradients, 2 (d - 1) / d x bytes / bandwidth +
-  2 (d - 1) x latency (Patarasuk and Yuan, JPDC 2009; Thakur et al., IJHPCA 2005), the slowest
-  stage counting; zero when d = 1.
+- Stage time per microbatch = sum of its layers' forward + backward time, plus the recompute of
+  the recipe's mode on every stage, the last included, as Megatron does (Korthikanti et al. 2022,
+  Sec. 5): `full` adds each layer's forward, `selective` the attention core's forward
+  (`LayerCosts.selective_s`), `none` nothing; plus receiving its inputs and the gradients of its
+  outputs. Inputs are the outputs of producers in earlier stages that feed the stage (each
+  producer's `boundary_bytes` once); output gradients are those of the stage's layers that feed
+  later stages. Each direction with anything to receive costs one message on the pipeline link:
+  latency + bytes / bandwidth; with v virtual stages (interleaved 1F1B) every microbatch crosses
+  v times as many stage boundaries, so v times the messages (Narayanan et al., SC'21, Sec. 2.2).
+  With ZeRO-3 the stage also all-gathers its parameters over the d replicas before its forward and
+  again before its backward, and reduce-scatters its gradients after the backward, every
+  microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x bytes / bw +
+  (d - 1) x latency each); with overlap_grad_reduce only the part of that reduce-scatter longer
+  than the stage's backward is exposed.
+- Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
+  parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part and with
+  ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
+  activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
+  `activation_bytes` (none), `selective_bytes` (selective) or `checkpoint_bytes` (full). Under
+  1F1B (PipeDream-Flush; Narayanan et al., SOSP'19) the stage k-th from the end holds q = min(k, m)
+  microbatches. Interleaved (v > 1, pp > 1), Megatron's schedule holds on the device k-th from the
+  end min(2 (k - 1) + (v - 1) p + 1, m v) model chunks of one microbatch in flight (its warm-up
+  count plus one; Megatron-LM `forward_backward_pipelining_with_interleaving`), each 1/v of the
+  stage's activations: ceil(chunks x stash / v) bytes (on the first device (1 + (p - 1)/(p v)) p
+  microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
+  the stage's layers, of what exists only during that layer's backward: its attention core
+  (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
+  Interleaving also needs (Megatron) the layer count divisible by p v and m a multiple of p;
+  otherwise the placement is infeasible.
+- Time per batch = bottleneck stage time x (m + (S - 1) / v) (the bubble of the interleaved
+  schedule is (p - 1) / v stage times; Narayanan et al., SC'21, Sec. 2.2) + the slowest stage's
+  per-batch tail: its data-parallel gradient reduction plus its optimizer step. The reduction is a
+  ring all-reduce of its gradients over the d replicas, 2 (d - 1) / d x bytes / bandwidth +
+  2 (d - 1) x latency (Patarasuk and Yuan, JPDC 2009; Thakur et al., IJHPCA 2005), zero when
+  d = 1; under ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the 16-bit weights
+  (the same bytes when they have the same width); under ZeRO-3 none (it ran per microbatch). With
+  overlap_grad_reduce the reduction of a stage's gradients runs beside the backward of the last
+  microbatch (Megatron's `--overlap-grad-reduce` launches each bucket's reduction as soon as its
+  gradients are final, i.e. during the last microbatch's backward; Li et al., VLDB 2020, PyTorch
+  DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed. The
+  optimizer step reads the gradients and the optimizer state and writes the state and the
+  weights once per batch on HBM: params x (weight + gradient + 2 x optimizer) bytes / HBM
+  bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
 - Throughput = global batch / time per batch; MFU = model FLOP per sequence x global batch /
   (devices used x peak FLOP/s x time per batch); bubble fraction = (S - 1) / (m + S - 1).
 """
@@ -38,6 +64,7 @@ from .placement_types import (
     StageResult,
     check_placement_shape,
     infeasible_result,
+    state_split,
 )
 
 
@@ -54,6 +81,18 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float, latency: fl
         return 0.0
     steps = 2 * (replicas - 1)
     return steps * latency + steps / replicas * nbytes / bandwidth
+
+
+def ring_half_s(nbytes: float, replicas: int, bandwidth: float, latency: float) -> float:
+    """A ring reduce-scatter or all-gather of `nbytes` per device: half of a ring all-reduce."""
+    if replicas <= 1:
+        return 0.0
+    steps = replicas - 1
+    return steps * latency + steps / replicas * nbytes / bandwidth
+
+
+def _ceil(x: float) -> float:
+    return float(-(-x // 1))
 
 
 def evaluate_placement(
@@ -80,41 +119,85 @@ def evaluate_placement(
         preds[v].append(u)
         succs[u].append(v)
 
+    mode = problem.recompute
+    v_virt = problem.virtual_stages
+    zero = problem.zero
+    w_b, g_b, o_b = state_split(system)
     stages = []
     for s, stage in enumerate(placement.stages):
         layers = sorted(int(v) for v in stage)
         k = S - s  # position from the end: the last stage is 1
         compute = 0.0
-        forward = 0.0
+        backward = 0.0
+        recompute = 0.0
         params = 0.0
-        activations = 0.0
+        stash = 0.0
+        working = 0.0
         flops = 0.0
-        source_input = 0.0
         for v in layers:
             compute += float(costs.fwd_s[v]) + float(costs.bwd_s[v])
-            forward += float(costs.fwd_s[v])
             params += float(costs.params[v])
-            activations += float(costs.activation_bytes[v])
             flops += float(costs.flops[v])
-            if not preds[v]:
-                source_input += float(costs.input_bytes[v])
+            if mode == "full":  # Korthikanti et al. 2022, Sec. 5: the whole forward again
+                rec, kept, work = float(costs.fwd_s[v]), float(costs.checkpoint_bytes[v]), float(costs.full_work_bytes[v])
+            elif mode == "selective":  # only the attention core again
+                rec, kept, work = float(costs.selective_s[v]), float(costs.selective_bytes[v]), float(costs.selective_work_bytes[v])
+            else:
+                rec, kept, work = 0.0, float(costs.activation_bytes[v]), 0.0
+            if zero == 3:  # the layer's gathered parameters live through its forward and backward
+                work += float(costs.params[v]) * w_b
+            recompute += rec
+            backward += float(costs.bwd_s[v]) + rec
+            stash += kept
+            working = max(working, work)
         producers_in = {u for v in layers for u in preds[v] if stage_of[u] != s}
         producers_out = {v for v in layers if any(stage_of[w] != s for w in succs[v])}
         bytes_in = sum(float(costs.boundary_bytes[u]) for u in producers_in)
         bytes_out = sum(float(costs.boundary_bytes[u]) for u in producers_out)
         comm = 0.0
         if producers_in:
-            comm += hop.latency + bytes_in / hop.bandwidth
+            comm += v_virt * (hop.latency + bytes_in / hop.bandwidth)
         if producers_out:
-            comm += hop.latency + bytes_out / hop.bandwidth
-        recompute = forward if (problem.recompute and k > 1) else 0.0
-        inflight = min(k, m)
-        if problem.recompute:
-            stashed = activations + (inflight - 1) * (bytes_in + source_input)
+            comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
+        grad_bytes = params * g_b
+        weight_bytes = params * w_b
+        zero3_s = 0.0
+        if zero == 3:
+            gather = ring_half_s(weight_bytes, d, ring.bandwidth, ring.latency)
+            scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
+            if problem.overlap_grad_reduce:
+                scatter = max(0.0, scatter - backward)
+            zero3_s = 2.0 * gather + scatter
+        # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
+        if v_virt > 1 and S > 1:
+            chunks = min(2 * (k - 1) + (v_virt - 1) * S + 1, m * v_virt)
+            inflight = chunks / v_virt
+            stashed = _ceil(chunks * stash / v_virt)
         else:
-            stashed = inflight * activations
-        memory = params * system.state_bytes_per_param + stashed
-        grad_bytes = params * system.grad_bytes_per_param
+            inflight = min(k, m)
+            stashed = inflight * stash
+        # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5).
+        if zero == 0:
+            state = params * (w_b + g_b + o_b)
+        elif zero == 1:
+            state = params * (w_b + g_b) + _ceil(params * o_b / d)
+        else:
+            state = _ceil(params * w_b / d) + _ceil(params * g_b / d) + _ceil(params * o_b / d)
+        memory = state + stashed + working
+        # The per-batch tail: gradient reduction (exposed part) and the optimizer step.
+        if zero == 0:
+            reduce = ring_allreduce_s(grad_bytes, d, ring.bandwidth, ring.latency)
+        elif zero == 1:
+            reduce = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency) + ring_half_s(
+                weight_bytes, d, ring.bandwidth, ring.latency)
+        else:
+            reduce = 0.0
+        if problem.overlap_grad_reduce:
+            reduce = max(0.0, reduce - backward)
+        step_bytes = params * (w_b + g_b + 2 * o_b)
+        if zero:
+            step_bytes = step_bytes / d
+        step = step_bytes / problem.hbm_bandwidth if problem.hbm_bandwidth > 0 else 0.0
         stages.append(
             StageResult(
                 index=s,
@@ -124,27 +207,37 @@ def evaluate_placement(
                 devices=t,
                 ranks=[t * s, t * s + t - 1],
                 inflight_microbatches=inflight,
-                time_s=compute + recompute + comm,
+                time_s=compute + recompute + comm + zero3_s,
                 compute_s=compute,
                 recompute_s=recompute,
-                comm_s=comm,
+                comm_s=comm + zero3_s,
                 params=params,
                 memory_bytes=memory,
                 headroom_bytes=hbm - memory,
-                allreduce_s=ring_allreduce_s(grad_bytes, d, ring.bandwidth, ring.latency),
+                allreduce_s=reduce,
                 flops=flops,
+                optimizer_step_s=step,
+                memory_split={
+                    "parameters": params * w_b if zero < 3 else _ceil(params * w_b / d),
+                    "gradients": params * g_b if zero < 3 else _ceil(params * g_b / d),
+                    "optimizer_state": params * o_b if zero == 0 else _ceil(params * o_b / d),
+                    "activations": stashed,
+                    "recompute_working_set": working,
+                },
             )
         )
 
     bottleneck = max(st.time_s for st in stages)
-    pipeline = bottleneck * (m + S - 1)
+    pipeline = bottleneck * (m + (S - 1) / v_virt)
+    tail = max(st.allreduce_s + st.optimizer_step_s for st in stages)
     allreduce = max(st.allreduce_s for st in stages)
-    total = pipeline + allreduce
+    total = pipeline + tail
     peak_memory = max(st.memory_bytes for st in stages)
     common = dict(
         tp=t, pp=S, dp=d, microbatches=m, devices_used=t * S * d, stages=stages,
         bottleneck_s=bottleneck, pipeline_s=pipeline, allreduce_s=allreduce,
-        bubble_fraction=(S - 1) / (m + S - 1), peak_memory_bytes=peak_memory, method=method,
+        bubble_fraction=(S - 1) / v_virt / (m + (S - 1) / v_virt), peak_memory_bytes=peak_memory, method=method,
+        optimizer_step_s=max(st.optimizer_step_s for st in stages),
     )
 
     reasons = []
@@ -152,6 +245,9 @@ def evaluate_placement(
         reasons.append(
             f"needs {t * S * d} accelerators (tp {t} x pp {S} x dp {d}) but the system has {system.accelerators}"
         )
+    why = problem.interleaves(S, d)
+    if why:
+        reasons.append(why)
     if peak_memory > hbm:
         worst = max(stages, key=lambda st: st.memory_bytes)
         reasons.append(

@@ -52,7 +52,16 @@ class LayerCosts:
     - `input_bytes`: the model input a source layer reads (token ids for an embedding); only used
       for layers without predecessors, whose stage input it is;
     - `edges`: the layer DAG as (producer, consumer) pairs with producer < consumer; default chain;
-    - `flops`: forward + backward FLOP per device per microbatch (reported per stage only).
+    - `flops`: forward + backward FLOP per device per microbatch (reported per stage only);
+    - by recompute mode (Korthikanti et al. 2022, Table 2; `workload.ops.Layer`, already for the
+      recipe's sequence parallelism): `selective_bytes` (kept per microbatch under selective: all
+      but the attention core; default `activation_bytes`), `checkpoint_bytes` (kept under full: the
+      layer's input; default the producers' `boundary_bytes`, or `input_bytes` for a source layer),
+      `selective_work_bytes` (the attention core, rebuilt during the layer's backward; default 0),
+      `full_work_bytes` (all of the layer's activations, rebuilt from the checkpoint during its
+      backward; default `activation_bytes`);
+    - `selective_s`: the forward time of the attention core, what selective recompute adds to the
+      backward (default 0); full recompute adds `fwd_s`.
     """
 
     tp: int
@@ -65,6 +74,11 @@ class LayerCosts:
     edges: tuple[tuple[int, int], ...] | None = None
     names: tuple[str, ...] = ()
     flops: np.ndarray | None = None
+    selective_bytes: np.ndarray | None = None
+    checkpoint_bytes: np.ndarray | None = None
+    selective_work_bytes: np.ndarray | None = None
+    full_work_bytes: np.ndarray | None = None
+    selective_s: np.ndarray | None = None
 
     def __post_init__(self):
         if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
@@ -88,22 +102,48 @@ class LayerCosts:
                 if not 0 <= u < v < n:
                     raise ValueError(f"LayerCosts.edges: ({u}, {v}) must satisfy 0 <= producer < consumer < {n}")
         object.__setattr__(self, "edges", edges)
+        defaults = {
+            "selective_bytes": self.activation_bytes,
+            "selective_work_bytes": np.zeros(n),
+            "full_work_bytes": self.activation_bytes,
+            "checkpoint_bytes": None,
+        }
+        if self.checkpoint_bytes is None:
+            inputs = np.array(self.input_bytes, dtype=np.float64)
+            has_pred = np.zeros(n, dtype=bool)
+            fed = np.zeros(n)
+            for u, v in edges:
+                has_pred[v] = True
+                fed[v] += self.boundary_bytes[u]
+            defaults["checkpoint_bytes"] = np.where(has_pred, fed, inputs)
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, _array(name, default if value is None else value, n, whole=True))
+        sel_s = np.zeros(n) if self.selective_s is None else self.selective_s
+        object.__setattr__(self, "selective_s", _array("selective_s", sel_s, n, whole=False))
         names = tuple(self.names) if self.names else tuple(f"layer{i}" for i in range(n))
         if len(names) != n:
             raise ValueError(f"LayerCosts.names: expected {n} names, got {len(names)}")
         object.__setattr__(self, "names", names)
 
     @classmethod
-    def from_layer_graph(cls, graph, fwd_s, bwd_s) -> "LayerCosts":
+    def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False) -> "LayerCosts":
         """Per-layer arrays of a workload `LayerGraph` at its TP width, with each layer's forward
-        and backward time (seconds per microbatch, e.g. from its kind's schedules)."""
+        and backward time (seconds per microbatch, e.g. from its kind's schedules), the attention
+        core's forward time (selective recompute) and the memory of every recompute mode."""
         layers = graph.layers
+        sp = bool(sequence_parallel)
         return cls(
+            selective_bytes=[l.activation_bytes_for("selective", sp) for l in layers],
+            checkpoint_bytes=[l.checkpoint_bytes(sp) for l in layers],
+            selective_work_bytes=[l.recompute_working_bytes("selective", sp) for l in layers],
+            full_work_bytes=[l.recompute_working_bytes("full", sp) for l in layers],
+            selective_s=selective_s,
             tp=graph.tp,
             fwd_s=fwd_s,
             bwd_s=bwd_s,
             params=[layer.params for layer in layers],
-            activation_bytes=[layer.activation_bytes for layer in layers],
+            activation_bytes=[layer.activation_bytes_for("none", sp) for layer in layers],
             boundary_bytes=[layer.boundary_bytes for layer in layers],
             input_bytes=[layer.input_bytes for layer in layers],
             edges=tuple(graph.edges),
@@ -119,6 +159,18 @@ class LayerCosts:
         return self.edges == tuple((i, i + 1) for i in range(self.n_layers - 1))
 
 
+def state_split(system: System) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer state) bytes per parameter: the System's state bytes split into
+    the 16-bit (or fp32) weight, its gradient, and the rest (fp32 master weight and Adam's moments
+    under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1)."""
+    e = system.bytes_per_element
+    return e, system.grad_bytes_per_param, system.state_bytes_per_param - e - system.grad_bytes_per_param
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 3)
+
+
 @dataclass(frozen=True, eq=False)
 class PlacementProblem:
     """Everything the placement needs for one design, microbatch and recompute choice.
@@ -127,16 +179,29 @@ class PlacementProblem:
     `hbm_bytes`: HBM capacity per accelerator; `peak_flops`: its peak FLOP/s (for MFU);
     `seq_len`: tokens per sequence (for tokens/s); `model_flops_per_sequence`: forward + backward
     FLOP of the whole model for one sequence, without recompute (the MFU numerator).
+
+    The training recipe's placement-level fields: `recompute` (none | selective | full; a bool
+    means full | none), `virtual_stages` (interleaved 1F1B), `zero` (0, 1, 3), `overlap_grad_reduce`;
+    `hbm_bandwidth` (bytes/s, the optimizer step's HBM traffic; 0: the step is not costed) and
+    `interleave_layers` (the layer count Megatron's interleaving constraint divides by p*v; 0: all
+    layers). Sequence parallelism and the attention kernel are already in the LayerCosts. `training`
+    (a `training.Training`), when given, sets mbs and the recipe fields from itself.
     """
 
     costs: tuple[LayerCosts, ...]
     system: System
     hbm_bytes: float
     peak_flops: float
-    mbs: int
-    recompute: bool
+    mbs: int = 1
+    recompute: str = "none"
     seq_len: int = 0
     model_flops_per_sequence: float = 0.0
+    virtual_stages: int = 1
+    zero: int = 0
+    overlap_grad_reduce: bool = False
+    hbm_bandwidth: float = 0.0
+    interleave_layers: int = 0
+    training: object = None
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -151,12 +216,31 @@ class PlacementProblem:
             if c.n_layers != first.n_layers or c.edges != first.edges:
                 raise ValueError(f"PlacementProblem: TP width {c.tp} has a different layer graph than {first.tp}")
         object.__setattr__(self, "costs", costs)
-        check_mbs(self.mbs, "PlacementProblem.mbs", ValueError)
         if not (self.hbm_bytes >= 0 and math.isfinite(self.hbm_bytes)):
             raise ValueError(f"PlacementProblem.hbm_bytes must be finite and non-negative, got {self.hbm_bytes!r}")
         # Whole bytes, like every other memory figure (see the module docstring).
         object.__setattr__(self, "hbm_bytes", float(math.floor(self.hbm_bytes)))
-        object.__setattr__(self, "recompute", bool(self.recompute))
+        if self.training is not None:
+            tr = self.training
+            for name in ("mbs", "recompute", "virtual_stages", "zero", "overlap_grad_reduce"):
+                object.__setattr__(self, name, getattr(tr, name))
+        check_mbs(self.mbs, "PlacementProblem.mbs", ValueError)
+        rc = self.recompute
+        if isinstance(rc, (bool, np.bool_)):
+            rc = "full" if rc else "none"
+        if rc not in RECOMPUTE_MODES:
+            raise ValueError(f"PlacementProblem.recompute must be one of {RECOMPUTE_MODES} or a bool, got {rc!r}")
+        object.__setattr__(self, "recompute", rc)
+        check_mbs(self.virtual_stages, "PlacementProblem.virtual_stages", ValueError)
+        object.__setattr__(self, "virtual_stages", int(self.virtual_stages))
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ValueError(f"PlacementProblem.zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        object.__setattr__(self, "zero", int(self.zero))
+        object.__setattr__(self, "overlap_grad_reduce", bool(self.overlap_grad_reduce))
+        if not (self.hbm_bandwidth >= 0 and math.isfinite(self.hbm_bandwidth)):
+            raise ValueError(f"PlacementProblem.hbm_bandwidth must be finite and non-negative, got {self.hbm_bandwidth!r}")
+        il = int(self.interleave_layers) or first.n_layers
+        object.__setattr__(self, "interleave_layers", il)
         for c in costs:
             largest = largest_memory_bytes(
                 float(np.sum(c.params)), self.system.state_bytes_per_param, c.n_layers,
@@ -179,6 +263,26 @@ class PlacementProblem:
                 return c
         widths = ", ".join(map(str, self.tp_widths))
         raise PhazeError(f"no layer costs for TP width {tp}; available widths are {widths}")
+
+    @property
+    def simple(self) -> bool:
+        """No option that makes memory or the per-batch term depend on the replica count or the
+        stage count: the DP's fast path (see placement.py)."""
+        return self.virtual_stages == 1 and self.zero == 0 and not self.overlap_grad_reduce
+
+    def interleaves(self, pp: int, dp: int) -> str:
+        """'' when interleaving with this problem's v is allowed at pp stages and dp replicas, else
+        why not (Megatron: layers divisible by p*v, microbatches a multiple of p; pp = 1 runs no
+        pipeline, so v has no effect there)."""
+        v = self.virtual_stages
+        if v == 1 or pp == 1:
+            return ""
+        if self.interleave_layers % (pp * v):
+            return f"interleaving needs the {self.interleave_layers} layers divisible by pp x v = {pp * v}"
+        m = self.microbatches(dp)
+        if m % pp:
+            return f"interleaving needs the {m} microbatches to be a multiple of pp {pp}"
+        return ""
 
     def microbatches(self, dp: int) -> int:
         """Microbatches per pipeline per step: ceil(global batch / (microbatch * replicas))."""
@@ -221,8 +325,11 @@ class StageResult:
     params: float  # per device
     memory_bytes: float  # per device
     headroom_bytes: float  # HBM minus memory
-    allreduce_s: float
+    allreduce_s: float  # the exposed data-parallel gradient reduction per batch
     flops: float  # per device per microbatch
+    optimizer_step_s: float = 0.0  # the optimizer step's HBM traffic per batch
+    # memory per device: parameters, gradients, optimizer_state, activations, recompute_working_set
+    memory_split: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -249,6 +356,7 @@ class PlacementResult:
     solve_s: float = 0.0
     min_memory_bytes: float | None = None  # when no placement fits: the least any placement needs
     info: dict = field(default_factory=dict)
+    optimizer_step_s: float = 0.0  # the slowest stage's optimizer step
 
     def placement(self) -> Placement | None:
         if not self.stages:
@@ -264,6 +372,9 @@ class PlacementResult:
             "microbatches": self.microbatches,
             "devices_used": self.devices_used,
             "bubble_fraction": self.bubble_fraction,
+            "allreduce_s": self.allreduce_s,
+            "optimizer_step_s": self.optimizer_step_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
             "stages": [asdict(s) for s in self.stages],
         }
 

@@ -1,0 +1,61 @@
+"""Issue 16: every published run of Narayanan et al. SC'21 (Table 1) and Korthikanti et al. 2022
+(Table 5) fits its A100 80 GB GPUs in `evaluate` with its published TP, PP, GPUs, batch, microbatch,
+recompute, sequence parallelism and virtual stages, with positive HBM headroom, as it did in reality."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from phaze_opt import cli
+from phaze_opt.design.evaluate import evaluate
+from phaze_opt.hardware.arch import load_arch
+from phaze_opt.system import load_system
+from phaze_opt.training import Training
+from phaze_opt.validation.suites import load_suite
+
+ROWS = [(name, i) for name in ("narayanan-sc21", "korthikanti-2022") for i in range(len(load_suite(name).rows))]
+
+
+@pytest.mark.parametrize("suite_name, index", ROWS)
+def test_published_run_fits_its_gpus(suite_name, index):
+    suite = load_suite(suite_name)
+    row = suite.rows[index]
+    system = replace(load_system(suite.system), accelerators=row.gpus, global_batch=row.batch)
+    training = Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}",
+                        row.sequence_parallel, row.virtual_stages)
+    result = evaluate(row.model, load_arch(suite.arch), training, system)
+    assert result.feasible, result.reason
+    stages = result.placement["stages"]
+    assert len(stages) == row.pp and result.placement["dp"] == row.dp
+    for stage in stages:
+        assert stage["headroom_bytes"] > 0
+        split = stage["memory_split"]
+        assert sum(split.values()) == stage["memory_bytes"]
+
+
+def test_evaluate_cli_takes_the_recipe_and_the_cluster(capsys):
+    code = cli.main(["evaluate", "--model", "megatron-gpt-22b", "--arch", "a100-80gb", "--system", "dgx-a100",
+                     "--mbs", "4", "--recompute", "selective", "--sequence-parallel", "--placement", "tp=8,pp=1,dp=1",
+                     "--devices", "8", "--global-batch", "4", "--zero", "1", "--overlap-grad-reduce", "--json"])
+    assert code == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and (out["devices"], out["global_batch"]) == (8, 4)
+    assert (out["recompute"], out["sequence_parallel"], out["zero"], out["overlap_grad_reduce"]) == ("selective", True, 1, True)
+    mem = out["memory_per_device"]
+    for key in ("parameters", "gradients", "optimizer_state", "activations", "recompute_working_set"):
+        assert mem[key] >= 0
+    assert mem["headroom"] > 0
+
+
+def test_bare_recompute_flag_is_full():
+    from phaze_opt.commands import evaluate as command
+    import argparse
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    assert p.parse_args(["--recompute"]).recompute == "full"
+    assert p.parse_args([]).recompute == "none"
