@@ -51,7 +51,7 @@ from .session import (
     quiet_optuna,
     run_pool,
 )
-from .setup import load_study
+from .setup import load_study, release_storage
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 from .tracking import NullTracker
 
@@ -236,6 +236,7 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     quiet_optuna()
     signals.worker_started(spec.spool_dir)
     reconcile.adopt(spec.owner)
+    study = None
     try:
         study = load_study(spec.config, spec.storage_url, spec.study_name)
         clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
@@ -248,6 +249,8 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
                 sweeper.run_point(point)
         return {"evaluated": sweeper.evaluated}
     except KeyboardInterrupt:
+        if study is not None:
+            release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
         return {"interrupted": True}
     finally:
         signals.worker_finished()

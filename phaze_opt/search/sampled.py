@@ -31,7 +31,7 @@ from .session import (
     split_quota,
     tally,
 )
-from .setup import Backend, StudyConfig, load_study
+from .setup import Backend, StudyConfig, load_study, release_storage
 from .tracking import NullTracker
 
 
@@ -102,8 +102,12 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         if on_trial is not None:
             on_trial(frozen)
 
-    study.optimize(objective, n_trials=quota, catch=(TrialError,), gc_after_trial=False,
-                   callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
+    try:
+        study.optimize(objective, n_trials=quota, catch=(TrialError,), gc_after_trial=False,
+                       callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
+    except KeyboardInterrupt:
+        release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
+        raise
     return counts
 
 

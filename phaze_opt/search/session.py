@@ -40,7 +40,7 @@ from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from . import reconcile, signals
 from .progress import Progress, close_bar
-from .setup import Backend, StudyConfig, prepare
+from .setup import Backend, StudyConfig, prepare, release_storage
 from .tracking import (
     NOTE_TAG,
     TRIALS_VIEW,
@@ -316,6 +316,7 @@ class Session:
             raise
         finally:
             if status != "FINISHED":  # this process's (and its dead workers') trials cut short: interrupted, re-queued
+                release_storage(self.study)
                 try:
                     reconcile.fail_zombies(self.study)
                 except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error

@@ -290,6 +290,21 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     return storage
 
 
+def release_storage(study_or_storage) -> None:
+    """Close this process's connections to a study's database, rolling back whatever transaction an
+    interrupt cut short. With SQLite every transaction takes the write lock (`BEGIN IMMEDIATE`), so a
+    connection that Ctrl-C or SIGTERM leaves inside one would block every other process of the study
+    for good (seen: an interrupted worker kept it while its peer waited and the parent waited for
+    both). The storage reconnects on its next use."""
+    storage = getattr(study_or_storage, "_storage", study_or_storage)
+    backend = getattr(storage, "_backend", storage)
+    for close in (lambda: backend.scoped_session.remove(), lambda: backend.engine.dispose()):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - best effort on the way out; the caller's error matters
+            pass
+
+
 def _sqlite_wal(storage) -> None:
     """WAL journal and NORMAL sync: a trial's dozen small writes cost a third less, and readers
     (the progress poll, other workers) no longer block the writer."""
