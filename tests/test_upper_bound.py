@@ -143,10 +143,12 @@ area:
 """
 
 
-@pytest.mark.slow
-def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
-    space_file = tmp_path / "tiny.yaml"
-    space_file.write_text(TINY_SPACE)
+def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str):
+    """The same space swept in full and with bound pruning; checks what every pruned sweep must
+    hold (the same optimum, every point settled, no pruned bound above the optimum) and returns
+    (full summary, pruned summary, the points file's rows)."""
+    space_file = tmp_path / name
+    space_file.write_text(space_text)
     base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
                 output_dir=str(tmp_path), progress=False)
     full = run_study(StudyConfig(**base, prune="off"))
@@ -156,15 +158,20 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
     assert full["exhaustive"]["evaluated"] == len(points) == ex["points"]
     assert pruned["best"]["score"] == pytest.approx(full["best"]["score"], rel=1e-12)
     assert ex["settled"]["evaluated"] + ex["evaluated_by_bound"] == len(points)
-    assert ex["evaluated_by_bound"] > 0  # the bound did prune here
     with gzip.open(ex["points_file"], "rt") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(points)
-    # every pruned point's bound is no better than the optimum, and no point beats it
-    best = full["best"]["score"]
-    for r in rows:
+    for r in rows:  # every pruned point's bound is no better than the optimum, and no point beats it
         if r["settled"] != "evaluated":
-            assert float(r["upper_bound"]) <= best * (1 + 1e-6)
+            assert float(r["upper_bound"]) <= full["best"]["score"] * (1 + 1e-6)
+    return full, pruned, rows
+
+
+@pytest.mark.slow
+def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
+    full, pruned, _ = _full_and_pruned_sweeps(tmp_path, TINY_SPACE, "tiny.yaml")
+    ex = pruned["exhaustive"]
+    assert ex["evaluated_by_bound"] > 0  # the bound did prune here
     assert pruned["trials"]["finished"] == ex["settled"]["evaluated"]
     # its bounding phase (start to first full evaluation) is stored, and compare shades it for this sweep only
     from phaze_opt.experiments.convergence import compare, load_curve
@@ -185,23 +192,8 @@ RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace(
 def test_pruned_sweep_is_exact_over_the_recipe_fields(tmp_path):
     """The pruned sweep over recompute modes, overlap and the attention kernel finds the optimum of
     the full sweep, and every pruned point's bound is no better than it."""
-    space_file = tmp_path / "recipes.yaml"
-    space_file.write_text(RECIPE_SPACE)
-    base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
-                output_dir=str(tmp_path), progress=False)
-    full = run_study(StudyConfig(**base, prune="off"))
-    pruned = run_study(StudyConfig(**base, prune="bound"))
-    points = load_space(str(space_file)).grid_points("grid")
-    ex = pruned["exhaustive"]
-    assert full["exhaustive"]["evaluated"] == len(points) == ex["points"]
-    assert pruned["best"]["score"] == pytest.approx(full["best"]["score"], rel=1e-12)
-    assert ex["settled"]["evaluated"] + ex["evaluated_by_bound"] == len(points)
-    with gzip.open(ex["points_file"], "rt") as f:
-        rows = list(csv.DictReader(f))
+    _, _, rows = _full_and_pruned_sweeps(tmp_path, RECIPE_SPACE, "recipes.yaml")
     assert {r["attention"] for r in rows} == {"unfused", "flash"}
-    for r in rows:
-        if r["settled"] != "evaluated":
-            assert float(r["upper_bound"]) <= full["best"]["score"] * (1 + 1e-6)
 
 
 @pytest.mark.slow
