@@ -13,6 +13,7 @@ it (or a re-computation) would give back identically, so its bound trades time, 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Generic, Hashable, TypeVar
@@ -26,6 +27,21 @@ def cache_root() -> Path:
     """`$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder."""
     env = os.environ.get("PHAZE_OPT_CACHE")
     return Path(env) if env else _PROJECT / ".cache" / "phaze_opt"
+
+
+def write_atomic(path: Path, text: str) -> bool:
+    """Write a cache file whole or not at all: written beside its place and renamed into it, so a
+    concurrent reader or a kill never leaves half a file. False when the disk refused (read-only,
+    full): a cache that cannot be written only costs the work again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
 
 
 class BoundedMemo(Generic[V]):

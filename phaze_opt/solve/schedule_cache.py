@@ -33,11 +33,9 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from pathlib import Path
 
-from ..cache import BoundedMemo, cache_root
+from ..cache import BoundedMemo, cache_root, write_atomic
 from .bounds import lower_bound as problem_lower_bound
 from .schedule_ilp import PROVEN_REL_GAP
 from .types import Schedule, ScheduleProblem
@@ -202,15 +200,7 @@ def put(key: str, schedule: Schedule, solver: str, time_limit_s: float, disk: bo
     _memory[key] = rec
     if not disk:
         return
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only or full disk only costs a re-solve later
+    write_atomic(_path(key), json.dumps(rec))  # a refused write only costs a re-solve later
 
 
 def clear_memory() -> None:

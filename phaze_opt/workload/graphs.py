@@ -27,12 +27,10 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
-from ..cache import BoundedMemo, cache_root
+from ..cache import BoundedMemo, cache_root, write_atomic
 from ..configs import positive_arg
 from ..errors import PhazeError
 from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
@@ -151,15 +149,11 @@ def _write(path: Path, key: str, graph: LayerGraph) -> None:
     except (TypeError, ValueError) as exc:  # a value JSON cannot hold: keep the graph in memory only
         log.warning("graph cache %s: not written (%s)", path, exc)
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.write(text)
-            tmp = f.name
-        os.replace(tmp, path)  # atomic: concurrent readers never see half a file
-        path.with_suffix(".pkl").unlink(missing_ok=True)  # the old format's file is never loaded
-    except OSError:
-        pass  # a read-only or full disk only costs a re-extraction next time
+    if write_atomic(path, text):
+        try:
+            path.with_suffix(".pkl").unlink(missing_ok=True)  # the old format's file is never loaded
+        except OSError:
+            pass
 
 
 def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> dict:
