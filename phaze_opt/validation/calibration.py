@@ -58,7 +58,8 @@ def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int
 
 
 def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = evaluate,
-               fractions: Sequence[float] = FRACTIONS, overheads: Sequence[float] = OVERHEADS) -> Fit:
+               intra_fractions: Sequence[float] = FRACTIONS, inter_fractions: Sequence[float] = FRACTIONS,
+               overheads: Sequence[float] = OVERHEADS) -> Fit:
     """The efficiency block of `system_name` that minimises the MAPE over the fit rows (see the module
     docstring). Ties go to the value nearest the identity (larger fractions, smaller overhead)."""
     chosen = fit_rows(suites, system_name)
@@ -68,8 +69,8 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
     over = np.asarray(overheads, dtype=float)
     best = None
     # Larger fractions first, so that on a tie the value nearest the identity is kept.
-    for intra in sorted(fractions, reverse=True):
-        for inter in sorted(fractions, reverse=True):
+    for intra in sorted(intra_fractions, reverse=True):
+        for inter in sorted(inter_fractions, reverse=True):
             eff = SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter)
             times = []
             for s, i in chosen:
@@ -88,6 +89,6 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
                efficiency=SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter,
                                            iteration_overhead_s=overhead),
                objective=objective, rows=len(chosen), suites=tuple(sorted({s.name for s, _ in chosen})),
-               grid={"fractions": [min(fractions), max(fractions), len(fractions)],
+               grid={"intra_node_bandwidth": sorted(intra_fractions), "inter_node_bandwidth": sorted(inter_fractions),
                      "overhead_s": [min(overheads), max(overheads), len(overheads)]})
 

@@ -1,0 +1,47 @@
+"""`phaze-opt validate`: the cost models against published training runs and measured layers."""
+
+from __future__ import annotations
+
+HELP = "compare the model's predictions with published training runs (validation suites)"
+DESCRIPTION = (
+    "Evaluate every row of the validation suites (configs/validation/; default all shipped) with its "
+    "published recipe, print predicted vs published per row with the signed error and per suite the "
+    "MAPE on the fit subset (odd rows), the held-out rows (even rows) and all; write validation.md, "
+    "validation.json and validation.png to --out, and with --tracking-uri one MLflow run. --fit first "
+    "fits the system presets' efficiency blocks on the fit subset and reports the suites with them."
+)
+DEFAULT_OUT = "reports/validation"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--suite", action="append", metavar="NAME_OR_PATH",
+                   help="a suite name in configs/validation or a path to a suite YAML; repeat (default: all)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"folder for validation.md, validation.json and validation.png (default {DEFAULT_OUT})")
+    p.add_argument("--tracking-uri", default="off", metavar="URI",
+                   help="MLflow tracking URI for one run with the report, or 'off' (default off)")
+    p.add_argument("--fit", action="store_true",
+                   help="fit each training system's efficiency (link bandwidth fractions, per-iteration overhead) "
+                        "on the fit subset, then report with the fitted values (the preset files are not changed)")
+
+
+def command_line(args) -> str:
+    parts = ["phaze-opt validate"]
+    for s in args.suite or ():
+        parts.append(f"--suite {s}")
+    if args.fit:
+        parts.append("--fit")
+    return " ".join(parts)
+
+
+def run(args) -> dict:
+    from ..validation.workflow import validate
+
+    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit,
+                    command=command_line(args))
+
+
+def render(result: dict) -> str:
+    from ..validation.report import render_text
+
+    return render_text(result)
