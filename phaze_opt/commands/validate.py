@@ -21,23 +21,28 @@ def add_arguments(p) -> None:
     p.add_argument("--tracking-uri", default="off", metavar="URI",
                    help="MLflow tracking URI for one run with the report, or 'off' (default off)")
     p.add_argument("--fit", action="store_true",
-                   help="fit each training system's efficiency (link bandwidth fractions, per-iteration overhead) "
-                        "on the fit subset, then report with the fitted values (the preset files are not changed)")
+                   help="fit each training system's per-iteration overhead on the fit subset (odd rows), then report "
+                        "with the fitted value (the preset files are not changed)")
+    p.add_argument("--fit-links", action="store_true",
+                   help="with --fit: fit the achieved link bandwidth fractions too (0.50-1.00 grid) instead of "
+                        "keeping the preset's NCCL-sourced values")
 
 
 def command_line(args) -> str:
     parts = ["phaze-opt validate"]
     for s in args.suite or ():
         parts.append(f"--suite {s}")
-    if args.fit:
+    if args.fit or args.fit_links:
         parts.append("--fit")
+    if args.fit_links:
+        parts.append("--fit-links")
     return " ".join(parts)
 
 
 def run(args) -> dict:
     from ..validation.workflow import validate
 
-    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit,
+    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit or args.fit_links, fit_links=args.fit_links,
                     command=command_line(args))
 
 

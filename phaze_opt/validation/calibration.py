@@ -6,18 +6,22 @@ Three global physical parameters, one value each for the whole preset (no per-ro
 per-suite parameter): the achieved fractions of the intra-node and the inter-node link bandwidth, and a
 fixed per-iteration overhead in seconds (see system.SystemEfficiency for what each means physically).
 
+What is fitted. The link fractions are measured quantities with a source (NCCL's achieved bus
+bandwidth, cited in the preset files), so by default they stay at the preset's values and only the
+overhead, which no microbenchmark gives, is fitted. `fit_links=True` (`phaze-opt validate --fit-links`)
+fits the fractions as well, on the grid `FRACTIONS` (0.50 to 1.00 in steps of 0.05); on the shipped
+suites it drives the NVLink fraction to the grid's floor, far below anything NCCL measures, i.e. it
+absorbs an error that is not the link's (see docs/validation.md), which is why it is not the default.
+
 Only the rows of the fit subset (`runner.in_fit_subset`: odd 0-based index in each training suite)
 enter the objective; the held-out rows are never read here, so changing a held-out row's published
 number cannot move a fitted value (tested). The objective is the mean absolute relative error over
 the fit rows of every suite that runs on the preset.
 
-Search. The two fractions on a grid (`FRACTIONS`, 0.50 to 1.00 in steps of 0.05: NCCL's achieved
-bus bandwidth is a few percent to a few tens of percent below the datasheet, so nothing finer is
-meaningful). For each grid point every fit row is evaluated once with no overhead, giving its
-iteration time T; an overhead o then moves each row analytically (T + o), so the best overhead per
-grid point is found on a fine 1-D grid (`OVERHEADS`, 0 to 2 s in 5 ms steps). The evaluations are
-the project's own `evaluate` (memoised per-layer schedules), so the grid costs about one full
-evaluation per fit row and distinct intra-node fraction.
+Search. For each pair of fractions every fit row is evaluated once with no overhead, giving its
+iteration time T; an overhead o then moves each row analytically (T + o), so the best overhead is
+found on a fine 1-D grid (`OVERHEADS`, 0 to 2 s in 5 ms steps). The evaluations are the project's
+own `evaluate` (memoised per-layer schedules): one evaluation per fit row and pair of fractions.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 
 from ..design.evaluate import evaluate
 from ..errors import PhazeError
-from ..system import SystemEfficiency
+from ..system import SystemEfficiency, load_system
 from .runner import METRIC_SI, evaluate_row, in_fit_subset, predicted_value
 from .suites import TRAINING_METRICS, Suite
 
@@ -45,9 +49,11 @@ class Fit:
     rows: int  # fit rows used
     suites: tuple[str, ...]
     grid: dict = field(default_factory=dict)  # the search grid, for the report
+    fitted: tuple[str, ...] = ("iteration_overhead_s",)  # which fields were fitted (the rest: the preset's)
 
     def to_json(self) -> dict:
-        return {"system": self.system, "efficiency": self.efficiency.to_dict(), "fit_mape": self.objective,
+        return {"system": self.system, "efficiency": self.efficiency.to_dict(), "fitted": list(self.fitted),
+                "fit_mape": self.objective,
                 "fit_rows": self.rows, "suites": list(self.suites), "grid": self.grid}
 
 
@@ -57,14 +63,20 @@ def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int
             for i in range(len(s.rows)) if in_fit_subset(i)]
 
 
-def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = evaluate,
-               intra_fractions: Sequence[float] = FRACTIONS, inter_fractions: Sequence[float] = FRACTIONS,
+def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = evaluate, fit_links: bool = False,
+               intra_fractions: Sequence[float] | None = None, inter_fractions: Sequence[float] | None = None,
                overheads: Sequence[float] = OVERHEADS) -> Fit:
     """The efficiency block of `system_name` that minimises the MAPE over the fit rows (see the module
-    docstring). Ties go to the value nearest the identity (larger fractions, smaller overhead)."""
+    docstring). Fractions not given: the preset's own (`fit_links`: the grid `FRACTIONS`). Ties go to
+    the value nearest the identity (larger fractions, smaller overhead)."""
     chosen = fit_rows(suites, system_name)
     if not chosen:
         raise PhazeError(f"no training suite with fit rows runs on system '{system_name}'")
+    preset = load_system(system_name).efficiency
+    if intra_fractions is None:
+        intra_fractions = FRACTIONS if fit_links else (preset.intra_node_bandwidth,)
+    if inter_fractions is None:
+        inter_fractions = FRACTIONS if fit_links else (preset.inter_node_bandwidth,)
     published = np.array([s.rows[i].value for s, i in chosen], dtype=float)
     over = np.asarray(overheads, dtype=float)
     best = None
@@ -88,7 +100,10 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
     return Fit(system=system_name,
                efficiency=SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter,
                                            iteration_overhead_s=overhead),
-               objective=objective, rows=len(chosen), suites=tuple(sorted({s.name for s, _ in chosen})),
+               objective=objective, rows=len(chosen),
+               fitted=tuple(k for k, grid in (("intra_node_bandwidth", intra_fractions),
+                                              ("inter_node_bandwidth", inter_fractions)) if len(grid) > 1)
+               + ("iteration_overhead_s",), suites=tuple(sorted({s.name for s, _ in chosen})),
                grid={"intra_node_bandwidth": sorted(intra_fractions), "inter_node_bandwidth": sorted(inter_fractions),
                      "overhead_s": [min(overheads), max(overheads), len(overheads)]})
 

@@ -67,6 +67,20 @@ def _efficiency_line(suite: SuiteResult) -> str:
             f"{e['inter_node_bandwidth']:.3g}, overhead {e['iteration_overhead_s']:.3g} s per iteration")
 
 
+def fit_lines(result: dict) -> list[str]:
+    """One line per fitted system, and the `efficiency:` block to put in its preset file."""
+    lines = []
+    for system, f in (result.get("fits") or {}).items():
+        e = f["efficiency"]
+        lines += [f"fit of {system} on {f['fit_rows']} rows ({FIT_SUBSET}) of {', '.join(f['suites'])}; fitted "
+                  f"{', '.join(f['fitted'])}; fit MAPE {_pct(f['fit_mape'])}:",
+                  "  efficiency:",
+                  f"    intra_node_bandwidth: {e['intra_node_bandwidth']:g}",
+                  f"    inter_node_bandwidth: {e['inter_node_bandwidth']:g}",
+                  f"    iteration_overhead: {e['iteration_overhead_s']:g} s"]
+    return lines
+
+
 def render_text(result: dict) -> str:
     lines = []
     for s in result["_suites"]:
@@ -84,10 +98,7 @@ def render_text(result: dict) -> str:
         if _efficiency_line(s):
             lines.append("  " + _efficiency_line(s))
         lines.append("")
-    if result.get("fit"):
-        f = result["fit"]
-        lines.append(f"fit on {f['fit_rows']} rows ({FIT_SUBSET}) of {', '.join(f['suites'])}: "
-                     f"{json.dumps(f['efficiency'])}, fit MAPE {_pct(f['fit_mape'])}")
+    lines += fit_lines(result)
     files = result.get("files") or {}
     if files:
         lines.append("wrote " + ", ".join(str(v) for v in files.values()))
@@ -110,6 +121,8 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {s.name} | {s.metric} | {_pct(m['fitted'])} | {_pct(m['held_out'])} | {_pct(m['all'])} "
                      f"| {len(s.rows)} |")
     lines.append("")
+    if result.get("fits"):
+        lines += ["```"] + fit_lines(result) + ["```", ""]
     if result.get("plot"):
         lines += [f"![predicted vs published]({Path(result['plot']).name})", ""]
     for s in result["_suites"]:
