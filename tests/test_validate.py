@@ -60,7 +60,7 @@ def _fake_evaluator(times):
         base = times[system.accelerators]
         eff = system.efficiency
         return _Result(True, base * (0.7 + 0.3 / eff.intra_node_bandwidth) / (0.9 + 0.1 * eff.inter_node_bandwidth)
-                       + eff.iteration_overhead_s)
+                       / arch.efficiency.tc_fraction + eff.iteration_overhead_s)
 
     return run
 
@@ -121,6 +121,23 @@ def test_fit_uses_only_the_declared_subset(tmp_path):
     assert moved_held_out.efficiency == fit.efficiency and moved_held_out.objective == fit.objective
     moved_fitted = _fit(tmp_path, (1.5, 2.9, 3.5, 4.5), "c.yaml")  # the test can fail: a fit row moves it
     assert moved_fitted.efficiency != fit.efficiency
+
+
+def test_fit_of_the_tensor_core_fraction_uses_only_the_declared_subset(tmp_path):
+    times = {4: 1.0, 8: 2.0, 12: 3.0, 16: 4.0}
+
+    def fit(values, name):
+        suite = load_suite(_tiny_suite(tmp_path, metric="iteration_time_s", values=values, name=name))
+        return fit_system([suite], "dgx-a100", evaluator=_fake_evaluator(times), intra_fractions=(1.0,),
+                          inter_fractions=(1.0,), overheads=OVERHEADS, fit_tc=True)
+
+    # rows 1 and 3 as a chip at 83% of its tensor-core peak with a 0.3 s overhead would run them
+    exact = [t / 0.83 + 0.3 for t in times.values()]
+    base = fit((9.0, exact[1], 9.0, exact[3]), "tc-a.yaml")
+    assert base.arch_efficiency.tc_fraction == pytest.approx(0.83) and "tc_fraction" in base.fitted
+    assert base.efficiency.iteration_overhead_s == pytest.approx(0.3) and base.objective < 1e-9
+    assert fit((0.5, exact[1], 20.0, exact[3]), "tc-b.yaml").arch_efficiency == base.arch_efficiency
+    assert fit((9.0, exact[1] * 1.2, 9.0, exact[3]), "tc-c.yaml").arch_efficiency != base.arch_efficiency
 
 
 def test_fit_needs_rows_on_the_system(tmp_path):

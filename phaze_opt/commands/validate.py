@@ -26,23 +26,29 @@ def add_arguments(p) -> None:
     p.add_argument("--fit-links", action="store_true",
                    help="with --fit: fit the achieved link bandwidth fractions too (0.50-1.00 grid) instead of "
                         "keeping the preset's NCCL-sourced values")
+    p.add_argument("--fit-tc", action="store_true",
+                   help="with --fit: fit the arch's tensor-core fraction (efficiency.tc_fraction) too; minutes: every "
+                        "value re-schedules the layers")
 
 
 def command_line(args) -> str:
     parts = ["phaze-opt validate"]
     for s in args.suite or ():
         parts.append(f"--suite {s}")
-    if args.fit or args.fit_links:
+    if args.fit or args.fit_links or args.fit_tc:
         parts.append("--fit")
     if args.fit_links:
         parts.append("--fit-links")
+    if args.fit_tc:
+        parts.append("--fit-tc")
     return " ".join(parts)
 
 
 def run(args) -> dict:
     from ..validation.workflow import validate
 
-    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit or args.fit_links, fit_links=args.fit_links,
+    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit or args.fit_links or args.fit_tc,
+                    fit_links=args.fit_links, fit_tc=args.fit_tc,
                     command=command_line(args))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..figures import pyplot, write_figure
+from ..hardware.efficiency import IDENTITY
 from ..jsonable import jsonable
 from .runner import FIT_SUBSET, RowResult, SuiteResult
 
@@ -63,8 +64,10 @@ def _efficiency_line(suite: SuiteResult) -> str:
     e = suite.efficiency
     if not e:
         return ""
+    a = {k: v for k, v in (suite.arch_efficiency or {}).items() if v != IDENTITY.fields()[k]}
     return (f"system efficiency: intra-node bandwidth x{e['intra_node_bandwidth']:.3g}, inter-node x"
-            f"{e['inter_node_bandwidth']:.3g}, overhead {e['iteration_overhead_s']:.3g} s per iteration")
+            f"{e['inter_node_bandwidth']:.3g}, overhead {e['iteration_overhead_s']:.3g} s per iteration"
+            + ("; arch efficiency: " + ", ".join(f"{k} {v:g}" for k, v in a.items()) if a else ""))
 
 
 def fit_lines(result: dict) -> list[str]:
@@ -78,6 +81,9 @@ def fit_lines(result: dict) -> list[str]:
                   f"    intra_node_bandwidth: {e['intra_node_bandwidth']:g}",
                   f"    inter_node_bandwidth: {e['inter_node_bandwidth']:g}",
                   f"    iteration_overhead: {e['iteration_overhead_s']:g} s"]
+        if f.get("arch_efficiency"):
+            lines += [f"  and in {f['arch']}'s arch file:", "  efficiency:"]
+            lines += [f"    {k}: {v:g}" for k, v in f["arch_efficiency"].items()]
     return lines
 
 

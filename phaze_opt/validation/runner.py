@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from ..design.evaluate import evaluate
+from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
+from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
 from ..training import Training
 from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, load_suite
@@ -86,6 +88,7 @@ class SuiteResult:
     system: str | None
     rows: tuple[RowResult, ...]
     efficiency: dict = field(default_factory=dict)  # the system efficiency the rows ran with
+    arch_efficiency: dict = field(default_factory=dict)  # the arch's (hardware/efficiency.py)
     flops_formula: str | None = None
     skipped: str = ""  # why the suite was not run (e.g. no comparison for its metric)
 
@@ -107,6 +110,7 @@ class SuiteResult:
     def to_json(self) -> dict:
         return {"suite": self.name, "description": self.description, "metric": self.metric, "arch": self.arch,
                 "system": self.system, "flops_formula": self.flops_formula, "efficiency": self.efficiency,
+                "arch_efficiency": self.arch_efficiency,
                 "skipped": self.skipped, "mape": self.mape(), "infeasible": len(self.infeasible),
                 "rows": [r.to_json() for r in self.rows]}
 
@@ -138,9 +142,16 @@ def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
     raise ValueError(f"predicted_value: {suite.metric} is not a training metric")
 
 
+def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Accelerator:
+    """The suite's arch, with `arch_efficiency` in place of its preset's efficiency if given."""
+    arch = load_arch(suite.arch)
+    return arch if arch_efficiency is None else replace(arch, efficiency=arch_efficiency)
+
+
 def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficiency | None = None,
-                 evaluator: Callable = evaluate) -> RowResult:
-    result = evaluator(row.model, load_arch(suite.arch), row_training(row), row_system(suite, row, efficiency))
+                 evaluator: Callable = evaluate, arch_efficiency: Efficiency | None = None) -> RowResult:
+    result = evaluator(row.model, row_arch(suite, arch_efficiency), row_training(row),
+                       row_system(suite, row, efficiency))
     predicted = predicted_value(suite, row, result.time_per_batch_s) if result.feasible else None
     return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
                      published=row.value * METRIC_SI[suite.metric], predicted=predicted,
@@ -160,9 +171,9 @@ def _layers_module():
 
 
 def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
-              evaluator: Callable = evaluate) -> SuiteResult:
+              evaluator: Callable = evaluate, arch_efficiency: Efficiency | None = None) -> SuiteResult:
     """Every row of a suite, evaluated (training) or compared (layers); `efficiency` overrides the
-    system preset's efficiency block (None: the preset's own, as shipped)."""
+    system preset's efficiency block, `arch_efficiency` the arch's (None: the presets' own, as shipped)."""
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     common = dict(name=suite.name, description=suite.description, metric=suite.metric, arch=suite.arch,
                   system=suite.system, flops_formula=suite.flops_formula)
@@ -172,9 +183,11 @@ def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
             return SuiteResult(rows=(), skipped="no per-layer comparison (phaze_opt/validation/layers.py) yet",
                                **common)
         return SuiteResult(rows=tuple(layer_rows(suite, layers)), **common)
-    rows = tuple(evaluate_row(suite, row, i, efficiency, evaluator) for i, row in enumerate(suite.rows))
+    rows = tuple(evaluate_row(suite, row, i, efficiency, evaluator, arch_efficiency)
+                 for i, row in enumerate(suite.rows))
     used = (efficiency if efficiency is not None else load_system(suite.system).efficiency).to_dict()
-    return SuiteResult(rows=rows, efficiency=used, **common)
+    return SuiteResult(rows=rows, efficiency=used, arch_efficiency=row_arch(suite, arch_efficiency).efficiency.fields(),
+                       **common)
 
 
 def layer_rows(suite: Suite, layers) -> list[RowResult]:

@@ -21,15 +21,16 @@ EXPERIMENT = "phaze_opt-validate"
 
 
 def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "reports/validation",
-             tracking_uri: str | None = "off", fit: bool = False, fit_links: bool = False, command: str = "phaze-opt validate") -> dict:
+             tracking_uri: str | None = "off", fit: bool = False, fit_links: bool = False, fit_tc: bool = False, command: str = "phaze-opt validate") -> dict:
     """Run the suites and write the report. The returned dict is what `--json` prints (its `_suites`
     entry holds the SuiteResults for the text and Markdown renderers and is dropped from the JSON)."""
     suites = [load_suite(n) for n in (names or list_suites())]  # every name checked before any work
     fits = {}
     if fit:
         for system in sorted({s.system for s in suites if s.metric in TRAINING_METRICS}):
-            fits[system] = fit_system(suites, system, fit_links=fit_links)
-    results = [run_suite(s, fits[s.system].efficiency if s.system in fits else None) for s in suites]
+            fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc)
+    results = [run_suite(s, fits[s.system].efficiency, arch_efficiency=fits[s.system].arch_efficiency)
+               if s.system in fits and s.metric in TRAINING_METRICS else run_suite(s) for s in suites]
     result = {"command": command, "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
               "_suites": results}
     if fits:
