@@ -300,3 +300,24 @@ def test_selective_recompute_costs_the_attention_core_not_the_forward():
     assert 0 < costs.selective_s[block] < 0.25 * costs.fwd_s[block]
     # what the single-core sum made of it: more than the whole forward (then capped at it)
     assert attention_core_s(fwd, lat.single[0]) > costs.fwd_s[block]
+
+
+def test_layer_suite_rows_come_from_the_layer_comparison(monkeypatch):
+    """layers-h100 rows: published = measured fwd + bwd, predicted = layers.compare_layers's, fitted = the
+    operator fit's declared TP widths (fit_operators.FIT_TP)."""
+    from phaze_opt.validation import runner
+    from phaze_opt.validation.fit_operators import FIT_TP
+    from phaze_opt.validation.layers import LayerResult
+
+    suite = load_suite("layers-h100")
+    fake = [LayerResult(row=r, fwd_s=r.fwd_s * 1.1, bwd_s=r.bwd_s * 0.9) for r in suite.rows]
+    monkeypatch.setattr(runner, "compare_layers", lambda s, arch=None: fake)
+    result = run_suite(suite)
+    assert len(result.rows) == len(suite.rows) and result.metric == "layer_seconds"
+    for got, r in zip(result.rows, suite.rows):
+        assert got.published == r.fwd_bwd_s
+        assert got.predicted == pytest.approx(r.fwd_s * 1.1 + r.bwd_s * 0.9)
+        assert got.fitted == (r.tp in FIT_TP)
+        assert got.config == {"model": r.model, "tp": r.tp, "mbs": r.microbatch,
+                              "attention": "flash" if r.flash else "unfused"}
+    assert {r.fitted for r in result.rows} == {True, False}

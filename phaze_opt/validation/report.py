@@ -17,7 +17,7 @@ from .runner import FIT_SUBSET, RowResult, SuiteResult
 
 # (display scale from SI, unit) per metric
 DISPLAY = {"per_gpu_tflops": (1e-12, "TFLOP/s per GPU"), "iteration_time_s": (1.0, "s per iteration"),
-           "layer_seconds": (1e3, "ms per layer pass")}
+           "layer_seconds": (1e3, "ms per layer, forward + backward")}
 BAND = 0.10  # the +-10% band drawn around y = x (the target)
 SCHEMA = "phaze_opt.validation/1"
 
@@ -33,7 +33,7 @@ def _signed(x: float | None) -> str:
 def _config(r: RowResult) -> str:
     c = r.config
     if "pp" not in c:  # a layer row
-        return " ".join(f"{k} {v}" for k, v in c.items())
+        return f"{c['model']} tp{c['tp']} mbs {c['mbs']} {c['attention']}"
     extras = f"rc {c['recompute']}" + (" sp" if c["sequence_parallel"] else "") + \
         (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "")
     return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']} gpus {c['gpus']} batch {c['batch']} "

@@ -19,13 +19,13 @@ Fit subset (declared once, here, for every training suite): rows with an odd 0-b
 suite are the calibration's fit subset (`validation/calibration.py`), rows with an even index are held
 out. MAPE (mean absolute percentage error, as a fraction) is reported over each part and over all.
 
-Layer suites (`layer_seconds`) are compared by `validation/layers.py` (the per-layer comparison);
-this module only turns its rows into the same RowResult form.
+Layer suites (`layer_seconds`) are compared by `validation/layers.py` (the per-layer comparison): one
+RowResult per measured block (forward + backward seconds), fitted = the operator fit's own declared
+subset (`fit_operators.FIT_TP`).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
@@ -35,6 +35,8 @@ from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
 from ..training import Training
+from .fit_operators import FIT_TP
+from .layers import compare_layers
 from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, load_suite
 
 # Published values are stored in the paper's units; these convert them to SI.
@@ -160,16 +162,6 @@ def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficienc
                      source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
 
 
-def _layers_module():
-    """validation/layers.py (the per-layer comparison), or None where it is not installed yet."""
-    try:
-        return importlib.import_module(f"{__package__}.layers")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"{__package__}.layers":
-            return None
-        raise
-
-
 def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
               evaluator: Callable = evaluate, arch_efficiency: Efficiency | None = None) -> SuiteResult:
     """Every row of a suite, evaluated (training) or compared (layers); `efficiency` overrides the
@@ -178,11 +170,8 @@ def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
     common = dict(name=suite.name, description=suite.description, metric=suite.metric, arch=suite.arch,
                   system=suite.system, flops_formula=suite.flops_formula)
     if suite.metric in LAYER_METRICS:
-        layers = _layers_module()
-        if layers is None:
-            return SuiteResult(rows=(), skipped="no per-layer comparison (phaze_opt/validation/layers.py) yet",
-                               **common)
-        return SuiteResult(rows=tuple(layer_rows(suite, layers)), **common)
+        arch = row_arch(suite, arch_efficiency)
+        return SuiteResult(rows=tuple(layer_rows(suite, arch)), arch_efficiency=arch.efficiency.fields(), **common)
     rows = tuple(evaluate_row(suite, row, i, efficiency, evaluator, arch_efficiency)
                  for i, row in enumerate(suite.rows))
     used = (efficiency if efficiency is not None else load_system(suite.system).efficiency).to_dict()
@@ -190,13 +179,18 @@ def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
                        **common)
 
 
-def layer_rows(suite: Suite, layers) -> list[RowResult]:
-    """A layer suite's comparison (validation/layers.py) as RowResults: one per layer row and pass."""
+def layer_rows(suite: Suite, arch: Accelerator | None = None) -> list[RowResult]:
+    """A layer suite's rows compared by validation/layers.py (one block's TP shard, forward + backward
+    seconds, compute only), as RowResults; fitted = in the operator fit's declared subset
+    (fit_operators.FIT_TP: TP 1 and 4; TP 2 and 8 held out)."""
     out = []
-    for i, entry in enumerate(layers.compare_suite(suite)):
-        out.append(RowResult(suite=suite.name, index=i, label=entry["label"], config=dict(entry["config"]),
-                             published=float(entry["published"]), predicted=entry.get("predicted"),
-                             fitted=bool(entry.get("fitted", False)), source=dict(entry.get("source", {}))))
+    for i, r in enumerate(compare_layers(suite, arch)):
+        row = r.row
+        out.append(RowResult(suite=suite.name, index=i, label=row.source.row,
+                             config={"model": row.model, "tp": row.tp, "mbs": row.microbatch,
+                                     "attention": "flash" if row.flash else "unfused"},
+                             published=row.fwd_bwd_s, predicted=r.fwd_bwd_s, fitted=row.tp in FIT_TP,
+                             source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row}))
     return out
 
 
