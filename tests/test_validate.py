@@ -37,7 +37,7 @@ def _tiny_suite(tmp_path, metric="per_gpu_tflops", values=(100.0, 120.0, 140.0, 
         rows.append({"model": "megatron-gpt-1.7b", "tp": 1, "pp": 1, "gpus": 4 * (i + 1), "batch": 64 * (i + 1),
                      "microbatch": 4, "recompute": "full", metric: value,
                      "source": {"paper": "p", "table": "1", "row": f"r{i}"}})
-    data = {"suite": "tiny", "description": "a hand-made suite", "arch": "a100-80gb", "system": "dgx-a100",
+    data = {"suite": "tiny", "description": "a hand-made suite", "arch": "a100-like", "system": "dgx-a100",
             "metric": metric, "flops_formula": "megatron-hardware-full-recompute", "papers": {"p": "a paper"},
             "rows": rows}
     path = tmp_path / name
