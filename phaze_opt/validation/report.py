@@ -75,7 +75,7 @@ def fit_lines(result: dict) -> list[str]:
     lines = []
     for system, f in (result.get("fits") or {}).items():
         e = f["efficiency"]
-        lines += [f"fit of {system} on {f['fit_rows']} rows ({FIT_SUBSET}) of {', '.join(f['suites'])}; fitted "
+        lines += [f"fit of {system} on {f['fit_rows']} rows (odd 0-based index) of {', '.join(f['suites'])}; fitted "
                   f"{', '.join(f['fitted'])}; fit MAPE {_pct(f['fit_mape'])}:",
                   "  efficiency:",
                   f"    intra_node_bandwidth: {e['intra_node_bandwidth']:g}",
@@ -196,11 +196,11 @@ def plot(suites: Sequence[SuiteResult], path: Path) -> Path:
         ax.set_xlabel(f"published ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
         ax.set_title(metric)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         ax.grid(True, alpha=0.3)
     fig.suptitle("phaze_opt validate: predicted vs published")
     fig.tight_layout()
-    return write_figure(fig, path)
+    return write_figure(fig, path, tight=True)
 
 
 def write_report(result: dict, out: Path) -> dict:

@@ -41,7 +41,8 @@ from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, loa
 
 # Published values are stored in the paper's units; these convert them to SI.
 METRIC_SI = {"per_gpu_tflops": 1e12, "iteration_time_s": 1.0, "layer_seconds": 1.0}
-FIT_SUBSET = "odd 0-based row index in each training suite (held out: even index)"
+FIT_SUBSET = ("training suites: odd 0-based row index (held out: even); layer suites: the operator fit's "
+              f"rows at TP {' and '.join(map(str, FIT_TP))} (validation/fit_operators.py; held out: the other widths)")
 
 
 def in_fit_subset(index: int) -> bool:
