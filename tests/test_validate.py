@@ -321,3 +321,25 @@ def test_layer_suite_rows_come_from_the_layer_comparison(monkeypatch):
         assert got.config == {"model": r.model, "tp": r.tp, "mbs": r.microbatch,
                               "attention": "flash" if r.flash else "unfused"}
     assert {r.fitted for r in result.rows} == {True, False}
+
+
+def test_tracking_uri_logs_one_mlflow_run(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from phaze_opt.validation import runner, workflow
+    from test_study_fakes import mlflow_uri  # tests/ is on sys.path (rootdir conftest)
+
+    monkeypatch.setattr(runner, "evaluate", _fake_evaluator({4: 2.0, 8: 3.0, 12: 4.0, 16: 5.0}))
+    uri = mlflow_uri(tmp_path)
+    result = workflow.validate([str(_tiny_suite(tmp_path))], out=tmp_path / "out", tracking_uri=uri)
+    assert not result["mlflow"]["errors"]
+    client = MlflowClient(uri)
+    run = client.get_run(result["mlflow"]["run_id"])
+    assert run.data.params["suites"] == "tiny" and run.data.params["presets"] == "a100-like/dgx-a100"
+    assert float(run.data.params["efficiency.dgx-a100.iteration_overhead_s"]) == \
+        load_system("dgx-a100").efficiency.iteration_overhead_s
+    (suite,) = result["suites"]
+    for part in ("fitted", "held_out", "all"):
+        assert run.data.metrics[f"mape.tiny.{part}"] == pytest.approx(suite["mape"][part])
+    assert {f.path for f in client.list_artifacts(run.info.run_id)} == \
+        {"validation.md", "validation.json", "validation.png"}

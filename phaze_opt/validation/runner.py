@@ -152,8 +152,9 @@ def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Acceler
 
 
 def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficiency | None = None,
-                 evaluator: Callable = evaluate, arch_efficiency: Efficiency | None = None) -> RowResult:
-    result = evaluator(row.model, row_arch(suite, arch_efficiency), row_training(row),
+                 evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> RowResult:
+    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time)."""
+    result = (evaluator or evaluate)(row.model, row_arch(suite, arch_efficiency), row_training(row),
                        row_system(suite, row, efficiency))
     predicted = predicted_value(suite, row, result.time_per_batch_s) if result.feasible else None
     return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
@@ -164,7 +165,7 @@ def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficienc
 
 
 def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
-              evaluator: Callable = evaluate, arch_efficiency: Efficiency | None = None) -> SuiteResult:
+              evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> SuiteResult:
     """Every row of a suite, evaluated (training) or compared (layers); `efficiency` overrides the
     system preset's efficiency block, `arch_efficiency` the arch's (None: the presets' own, as shipped)."""
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
