@@ -238,6 +238,14 @@ def test_malformed_suite_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
 
 
+def test_unwritable_out_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = _cli("--suite", "korthikanti-2022", "--out", str(blocker / "sub"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "--out" in out.stderr
+
+
 def test_json_schema_and_report(tmp_path, capsys):
     code = cli.main(["validate", "--suite", "korthikanti-2022", "--out", str(tmp_path), "--json"])
     assert code == 0

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import PhazeError
 from ..search.tracking import MlflowTracker, tracking_enabled
 from ..system import load_system
 from .calibration import fit_system
@@ -36,7 +37,10 @@ def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "re
     if fits:
         result["fits"] = {k: v.to_json() for k, v in fits.items()}
     if out is not None:
-        write_report(result, Path(out))
+        try:
+            write_report(result, Path(out))
+        except OSError as exc:
+            raise PhazeError(f"--out {out}: cannot write the report: {exc.strerror or exc}") from None
     result["mlflow"] = _log_mlflow(result, tracking_uri) if tracking_enabled(tracking_uri) else None
     json_view = to_json(result)
     json_view["_suites"] = results
