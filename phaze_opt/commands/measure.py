@@ -67,9 +67,9 @@ def render(r: dict) -> str:
     for row, s in zip(r["layers"], r["summary"]):
         lines.append(f"  {row['model']:<14} {row['tp']:>3} {row['mbs']:>4} {'flash' if row['flash'] else 'unfused':>9} "
                      f"{row['fwd_s'] * 1e3:>9.3f} {row['bwd_s'] * 1e3:>9.3f} {row['fwd_bwd_s'] * 1e3:>11.3f} "
-                     f"{s['fwd_tflops']:>12.2f} {s['bwd_tflops']:>12.2f}")
+                     f"{s['fwd_tflops']:>12.3g} {s['bwd_tflops']:>12.3g}")
     for g in r["gemm"]:
-        lines.append(f"  gemm M {g['M']} N {g['N']} K {g['K']}: {g['s'] * 1e3:.3f} ms, {g['tflops']:.2f} TFLOP/s")
+        lines.append(f"  gemm M {g['M']} N {g['N']} K {g['K']}: {g['s'] * 1e3:.3f} ms, {g['tflops']:.3g} TFLOP/s")
     for s in r["skipped"]:
         what = f"gemm {s['gemm']}" if "gemm" in s else f"{s['model']} tp {s['tp']} mbs {s['mbs']}"
         lines.append(f"  skipped {what}: {s['reason']}")
