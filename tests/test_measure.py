@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,74 @@ def test_bad_input_from_the_command_line_has_no_traceback(configs, tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and words in proc.stderr and "Traceback" not in proc.stderr
         assert proc.stdout == ""
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda to follow `time_cuda`'s order of calls without a GPU: a clock that
+    the timed function and graph replays advance, events that read it, a capture that may fail."""
+
+    def __init__(self, capture_error=None):
+        self.log, self.now, self.side, self.capturing = [], 0.0, False, False
+        self.capture_error = capture_error
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                fake.log.append("wait")
+
+        class Graph:
+            def replay(self):
+                fake.log.append("replay")
+                fake.now += 2.0
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                self.t = fake.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+        @contextmanager
+        def stream(s):
+            fake.side = True
+            yield
+            fake.side = False
+
+        @contextmanager
+        def graph(g):
+            fake.log.append("capture")
+            fake.capturing = True
+            yield
+            fake.capturing = False
+            if fake.capture_error:
+                raise RuntimeError(fake.capture_error)
+
+        self.attrs = {"Stream": Stream, "stream": stream, "current_stream": lambda: Stream(), "CUDAGraph": Graph,
+                      "graph": graph, "Event": Event, "synchronize": lambda: fake.log.append("sync")}
+
+    def fn(self):
+        self.log.append("side" if self.side else "capture-run" if self.capturing else "eager")
+        self.now += 1.0
+
+
+@pytest.mark.parametrize("error", [None, "operation not permitted when stream is capturing"])
+def test_cuda_timing_warms_up_on_a_side_stream_then_replays_a_graph_or_falls_back(monkeypatch, error):
+    fake = _FakeCuda(error)
+    for name, value in fake.attrs.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    timed = M.time_cuda(fake.fn, warmup=2, repeats=5)
+    log = [e for e in fake.log if e not in ("wait", "sync")]
+    assert log[:3] == ["side", "side", "capture"]  # warm-up on the side stream, before the capture
+    if error is None:
+        assert timed == M.Timed(2.0, "cuda-graph")
+        assert log[3:] == ["capture-run"] + ["replay"] * 7  # 2 warm-up replays, 5 timed
+    else:
+        assert timed.seconds == 1.0 and timed.method == f"cuda-events (eager: CUDA graph capture failed: {error})"
+        assert log[3:] == ["capture-run"] + ["eager"] * 7
+    assert M.time_cuda(fake.fn, warmup=0, repeats=1, graphs=False).method == "cuda-events (eager)"

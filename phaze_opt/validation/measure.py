@@ -50,8 +50,6 @@ from ..workload.ops import NET, TC, TCVC, LayerGraph
 
 DEVICES = ("cuda", "cpu")
 TOOL = "phaze-opt measure"
-LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")  # the truth file's, in order
-GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 WEIGHT_STD = 0.02  # GPT-2/Megatron's initialisation (Radford et al. 2019); the values do not change the work
 NO_CUDA = ("measure: --device cuda: no CUDA device is available (torch.cuda.is_available() is false); "
            "use --device cpu")
