@@ -294,6 +294,10 @@ def timer(device: torch.device, graphs: bool = True):
 # --- measurements ---------------------------------------------------------------------------------
 
 
+class NoiseBound(Exception):
+    """The backward's time, a difference of two medians, is not positive: the clock's noise is larger."""
+
+
 def time_block(block: Block, clock, warmup: int, repeats: int) -> tuple[dict, str]:
     """One truth-file `layers` entry's times, and how they were taken."""
     with torch.autograd.set_grad_enabled(True):
@@ -301,10 +305,8 @@ def time_block(block: Block, clock, warmup: int, repeats: int) -> tuple[dict, st
         both = clock(block.forward_backward, warmup, repeats)
     bwd = both.seconds - fwd.seconds
     if not bwd > 0:
-        raise PhazeError(
-            f"measure: the forward-and-backward median ({both.seconds:.3g} s) is not above the forward median "
-            f"({fwd.seconds:.3g} s): the timings are noise at this size; raise --repeats"
-        )
+        raise NoiseBound(f"the forward-and-backward median ({both.seconds:.3g} s) is not above the forward median "
+                         f"({fwd.seconds:.3g} s): the timings are noise at this size; raise --repeats")
     method = fwd.method if fwd.method == both.method else f"forward {fwd.method}; forward+backward {both.method}"
     return {"fwd_s": fwd.seconds, "bwd_s": bwd, "fwd_bwd_s": fwd.seconds + bwd}, method
 
@@ -336,8 +338,9 @@ def measure(model: ModelConfig, tps=1, mbss=1, *, device: str = "cuda", attentio
 
     `tps`, `mbss` and `attentions` are one value or a list each; an attention of None is the model's
     own kernel choice. Every argument is checked before anything runs: a bad one, or a missing
-    device, is a one-line PhazeError. A configuration that does not fit in the device's memory is
-    left out of `layers` and listed under `skipped`, so one large shard does not lose a grid.
+    device, is a one-line PhazeError. A configuration that does not fit in the device's memory, or
+    whose backward time drowns in the clock's noise, is left out of `layers` and listed under
+    `skipped` with the reason, so that one shard does not lose a grid; none measured is an error.
     """
     dev = check_device(device)
     grid = []
@@ -360,7 +363,10 @@ def measure(model: ModelConfig, tps=1, mbss=1, *, device: str = "cuda", attentio
             block = materialise_block(m, tp, mbs, dev, dtype, seed)
             times, method = time_block(block, clock, warmup, repeats)
         except torch.OutOfMemoryError:
-            skipped.append({**key, "reason": f"out of memory on {device_name(dev)}"})
+            skipped.append({**key, "reason": f"out of memory on {device_name(dev)} (try a larger --tp or a smaller --mbs)"})
+            continue
+        except NoiseBound as exc:
+            skipped.append({**key, "reason": str(exc)})
             continue
         finally:
             block = None
@@ -381,8 +387,8 @@ def measure(model: ModelConfig, tps=1, mbss=1, *, device: str = "cuda", attentio
             except torch.OutOfMemoryError:
                 skipped.append({"gemm": list(shape), "reason": f"out of memory on {device_name(dev)}"})
     if not rows:
-        raise PhazeError(f"measure: no configuration of {model.name} fits in the memory of {device_name(dev)} "
-                         "(try a larger --tp or a smaller --mbs)")
+        raise PhazeError(f"measure: nothing measured: {model.name} tp {skipped[0]['tp']} mbs {skipped[0]['mbs']}: "
+                         f"{skipped[0]['reason']}")
     return {
         "device": device_name(dev),
         "torch": torch.__version__,
