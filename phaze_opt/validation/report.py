@@ -92,9 +92,6 @@ def render_text(result: dict) -> str:
     for s in result["_suites"]:
         _, unit = DISPLAY[s.metric]
         lines.append(f"{s.name} ({unit}; arch {s.arch}" + (f", system {s.system}" if s.system else "") + ")")
-        if s.skipped:
-            lines += [f"  skipped: {s.skipped}", ""]
-            continue
         rows = [HEADER] + table_rows(s)
         widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
         for r in rows:
@@ -120,9 +117,6 @@ def render_markdown(result: dict) -> str:
              f"Fit subset: {FIT_SUBSET}.", ""]
     lines += ["| suite | metric | MAPE fitted | MAPE held out | MAPE all | rows |", "|---|---|---|---|---|---|"]
     for s in result["_suites"]:
-        if s.skipped:
-            lines.append(f"| {s.name} | {s.metric} | skipped: {s.skipped} | | | 0 |")
-            continue
         m = s.mape()
         lines.append(f"| {s.name} | {s.metric} | {_pct(m['fitted'])} | {_pct(m['held_out'])} | {_pct(m['all'])} "
                      f"| {len(s.rows)} |")
@@ -132,8 +126,6 @@ def render_markdown(result: dict) -> str:
     if result.get("plot"):
         lines += [f"![predicted vs published]({Path(result['plot']).name})", ""]
     for s in result["_suites"]:
-        if s.skipped:
-            continue
         _, unit = DISPLAY[s.metric]
         lines += [f"## {s.name}", "", s.description + ".", "",
                   f"Metric: {unit}; arch `{s.arch}`" + (f", system `{s.system}`" if s.system else "") +

@@ -93,7 +93,6 @@ class SuiteResult:
     efficiency: dict = field(default_factory=dict)  # the system efficiency the rows ran with
     arch_efficiency: dict = field(default_factory=dict)  # the arch's (hardware/efficiency.py)
     flops_formula: str | None = None
-    skipped: str = ""  # why the suite was not run (e.g. no comparison for its metric)
 
     @property
     def fitted(self) -> tuple[RowResult, ...]:
@@ -114,7 +113,7 @@ class SuiteResult:
         return {"suite": self.name, "description": self.description, "metric": self.metric, "arch": self.arch,
                 "system": self.system, "flops_formula": self.flops_formula, "efficiency": self.efficiency,
                 "arch_efficiency": self.arch_efficiency,
-                "skipped": self.skipped, "mape": self.mape(), "infeasible": len(self.infeasible),
+                "mape": self.mape(), "infeasible": len(self.infeasible),
                 "rows": [r.to_json() for r in self.rows]}
 
 
