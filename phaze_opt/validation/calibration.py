@@ -10,8 +10,9 @@ What is fitted. The link fractions are measured quantities with a source (NCCL's
 bandwidth, cited in the preset files), so by default they stay at the preset's values and only the
 overhead, which no microbenchmark gives, is fitted. `fit_links=True` (`phaze-opt validate --fit-links`)
 fits the fractions as well, on the grid `FRACTIONS` (0.50 to 1.00 in steps of 0.05); on the shipped
-suites it drives the NVLink fraction to the grid's floor, far below anything NCCL measures, i.e. it
-absorbs an error that is not the link's (see docs/validation.md), which is why it is not the default.
+suites (with the bare a100-80gb template) it drove the NVLink fraction to the grid's floor, far below
+anything NCCL measures, i.e. it absorbs an error that is not the link's (README, Validation), which is
+why it is not the default.
 
 Only the rows of the fit subset (`runner.in_fit_subset`: odd 0-based index in each training suite)
 enter the objective; the held-out rows are never read here, so changing a held-out row's published
