@@ -351,3 +351,17 @@ def test_tracking_uri_logs_one_mlflow_run(tmp_path, monkeypatch):
         assert run.data.metrics[f"mape.tiny.{part}"] == pytest.approx(suite["mape"][part])
     assert {f.path for f in client.list_artifacts(run.info.run_id)} == \
         {"validation.md", "validation.json", "validation.png"}
+
+
+def test_shipped_calibration_is_a_point_of_the_fit_grids():
+    """The committed fitted values are answers the fit can give (the command in the preset comments
+    reproduces them; it re-schedules every layer per value, minutes, so it is not run here)."""
+    from phaze_opt.validation.calibration import OVERHEADS, TC_COARSE
+
+    a100 = load_arch("a100-80gb").efficiency
+    fine = {round(c + 0.01 * k, 2) for c in TC_COARSE for k in range(-4, 5)}
+    assert a100.tc_fraction in fine
+    dgx = load_system("dgx-a100").efficiency
+    assert any(abs(dgx.iteration_overhead_s - o) < 1e-12 for o in OVERHEADS)
+    # the fractions are the NCCL figures cited in the file, not fitted
+    assert (dgx.intra_node_bandwidth, dgx.inter_node_bandwidth) == (0.80, 0.96)
