@@ -250,7 +250,7 @@ def test_json_schema_and_report(tmp_path, capsys):
     code = cli.main(["validate", "--suite", "korthikanti-2022", "--out", str(tmp_path), "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["schema"] == SCHEMA and out["mlflow"] is None and "fit_subset" in out
+    assert out["schema"] == SCHEMA and out["mlflow"] is None and "fit_subset" in out and "_suites" not in out
     assert set(out["files"]) == {"markdown", "json", "plot"}
     (suite,) = out["suites"]
     assert suite["suite"] == "korthikanti-2022" and suite["metric"] == "iteration_time_s"

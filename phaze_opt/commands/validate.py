@@ -47,9 +47,12 @@ def command_line(args) -> str:
 def run(args) -> dict:
     from ..validation.workflow import validate
 
-    return validate(args.suite, out=args.out, tracking_uri=args.tracking_uri, fit=args.fit or args.fit_links or args.fit_tc,
-                    fit_links=args.fit_links, fit_tc=args.fit_tc,
-                    command=command_line(args))
+    result = validate(args.suite, out=args.out, tracking_uri=args.tracking_uri,
+                      fit=args.fit or args.fit_links or args.fit_tc, fit_links=args.fit_links, fit_tc=args.fit_tc,
+                      command=command_line(args))
+    if getattr(args, "json", False):  # the SuiteResults are for the text renderer; the JSON has `suites`
+        result.pop("_suites")
+    return result
 
 
 def render(result: dict) -> str:
