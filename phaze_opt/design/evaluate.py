@@ -279,7 +279,7 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
         peak_flops=arch.peak_flops,
         seq_len=model.seq,
         model_flops_per_sequence=graph.train_flops_per_sequence,
-        hbm_bandwidth=float(arch.hbm_bw),
+        hbm_bandwidth=float(arch.hbm_bw * arch.efficiency.hbm_fraction),  # a streaming kernel (efficiency.py)
         interleave_layers=repeated,
         training=training,
     )
