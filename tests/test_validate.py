@@ -318,14 +318,16 @@ def test_layer_suite_rows_come_from_the_layer_comparison(monkeypatch):
     from phaze_opt.validation.layers import LayerResult
 
     suite = load_suite("layers-h100")
-    fake = [LayerResult(row=r, fwd_s=r.fwd_s * 1.1, bwd_s=r.bwd_s * 0.9) for r in suite.rows]
-    monkeypatch.setattr(runner, "compare_layers", lambda s, arch=None: fake)
+    fake = [LayerResult(row=r, fwd_s=r.fwd_s * 1.1, bwd_s=r.bwd_s * 0.9, proven=i % 2 == 0, gap=0.001 * (i % 2))
+            for i, r in enumerate(suite.rows)]
+    monkeypatch.setattr(runner, "compare_layers", lambda s, arch=None, time_limit_s=None: fake)
     result = run_suite(suite)
     assert len(result.rows) == len(suite.rows) and result.metric == "layer_seconds"
     for got, r in zip(result.rows, suite.rows):
         assert got.published == r.fwd_bwd_s
         assert got.predicted == pytest.approx(r.fwd_s * 1.1 + r.bwd_s * 0.9)
         assert got.fitted == (r.tp in FIT_TP)
+        assert got.schedule_gap == (0.001 if got.index % 2 else 0.0)
         assert got.config == {"model": r.model, "tp": r.tp, "mbs": r.microbatch,
                               "attention": "flash" if r.flash else "unfused"}
     assert {r.fitted for r in result.rows} == {True, False}

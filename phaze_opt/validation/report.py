@@ -57,7 +57,17 @@ def _mape_line(suite: SuiteResult) -> str:
     m = suite.mape()
     return (f"MAPE fitted {_pct(m['fitted'])} ({len(suite.fitted)} rows), held out {_pct(m['held_out'])} "
             f"({len(suite.held_out)} rows), all {_pct(m['all'])}"
-            + (f"; {len(suite.infeasible)} infeasible" if suite.infeasible else ""))
+            + (f"; {len(suite.infeasible)} infeasible" if suite.infeasible else "")
+            + _gap_note(suite))
+
+
+def _gap_note(suite: SuiteResult) -> str:
+    """Layer rows whose schedule search stopped at its time limit, and how far above the proven bound."""
+    open_rows = [r for r in suite.rows if r.schedule_gap > 0]
+    if not open_rows:
+        return ""
+    return (f"; {len(open_rows)} rows' schedules within {_pct(max(r.schedule_gap for r in open_rows))}"
+            " of their proven bound (search time limit)")
 
 
 def _efficiency_line(suite: SuiteResult) -> str:
