@@ -681,6 +681,65 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
+def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
+    """The (width, d, links[, S]) groups of `_search_general`, each with its (lower bound, S,
+    pipeline multiplier) items, least bound first; items whose bound is infinite are left out.
+
+    Lower bounds on the time per batch of any placement of the item (exposed parts only: an overlap
+    can hide the reductions): C x (m + (S - 1) / v) + tail, with C at least the memory-free least
+    bottleneck (`free`) and, under ZeRO-3, at least the mean stage time, which is at least
+    (all layers' work + 2 S gathers of P / S parameters) / S, since a ring all-gather's time is
+    affine in its bytes (so the gathers of the S stages add up to S gathers of the mean stage); the
+    tail at least the reduction and optimizer step of the mean stage (the largest is no smaller).
+    Vectorised over every (d, S) of a width: a 1024-device system has thousands of them.
+    """
+    system = problem.system
+    N, dpn = system.accelerators, system.devices_per_node
+    w_b, g_b, o_b = state_split(system)
+    L = costs[0].n_layers
+    intra, inter = system.intra_node, system.inter_node
+    groups: dict = {}
+    for b, c in enumerate(costs):
+        t = c.tp
+        total_params = float(np.sum(c.params))
+        rec = _layer_terms(problem, c)[2]
+        work_total = float(np.sum(c.fwd_s + c.bwd_s) + np.sum(rec))
+        ds = np.arange(1, N // t + 1, dtype=np.int64)
+        counts = np.minimum(L, N // (t * ds))
+        d = np.repeat(ds, counts)
+        S = np.concatenate([np.arange(1, k + 1) for k in counts]).astype(np.int64)
+        m = -(-system.global_batch // (problem.mbs * d))
+        ok = np.ones(d.shape, dtype=bool)
+        if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
+            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        h = (dpn % (S * t) == 0).astype(np.int64)
+        ring = (S * t * d <= dpn).astype(np.int64)
+        mult = m + (S - 1) / v
+        lat = np.where(ring == 1, intra.latency, inter.latency)
+        bw = np.where(ring == 1, intra.bandwidth, inter.bandwidth)
+
+        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement_eval.ring_half_s)
+            return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
+
+        big = total_params / S
+        c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
+        tail_lb = np.zeros(d.shape)
+        if problem.zero == 3:
+            c_lb = np.maximum(c_lb, work_total / S + 2.0 * half(big * w_b))
+        elif not problem.overlap_grad_reduce:
+            tail_lb = half(big * g_b) + half(big * (g_b if problem.zero == 0 else w_b))
+        if problem.hbm_bandwidth > 0:
+            tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
+        with np.errstate(invalid="ignore"):
+            lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
+        keep = np.flatnonzero(ok & np.isfinite(lb))
+        s_key = np.where((v > 1) & (S > 1), S, 0)
+        for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
+            key = (b, int(d[i]), int(h[i]), int(ring[i]), int(s_key[i]))
+            groups.setdefault(key, []).append((float(lb[i]), int(S[i]), float(mult[i])))
+    return groups
+
+
 def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _Best:
     """Exact search when memory or the per-batch tail depends on the replica count d (ZeRO,
     overlapped reduction) or the in-flight count on the stage count S (interleaving).
@@ -707,43 +766,14 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     tops = [min(L, N // c.tp) for c in costs]
     free = {h: _sweep(st, blocks, lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
                       *_start(st, T)) for h in (0, 1)}
-    groups: dict = {}
-    for b, c in enumerate(costs):
-        t = c.tp
-        total_params = float(np.sum(c.params))
-        for d in range(1, N // t + 1):
-            m = problem.microbatches(d)
-            for S in range(1, min(L, N // (t * d)) + 1):
-                if problem.interleaves(S, d):
-                    continue
-                h = int(dpn % (S * t) == 0)
-                ring = int(S * t * d <= dpn)
-                mult = m + (S - 1) / v
-                # Lower bounds: the memory-free bottleneck, ZeRO-3's per-microbatch collectives and
-                # the per-batch tail of the largest stage (at least the average), all exposed parts
-                # only (the overlap can hide the reductions).
-                link = system.intra_node if ring else system.inter_node
-                big = total_params / S
-                c_lb = float(free[h].f[S - 1, b, 0])
-                tail_lb = 0.0
-                if problem.zero == 3:
-                    c_lb = max(c_lb, float(2.0 * _half(np.float64(big * w_b), d, link)))
-                elif not problem.overlap_grad_reduce:
-                    tail_lb = float(_half(np.float64(big * g_b), d, link) + _half(np.float64(big * (g_b if problem.zero == 0 else w_b)), d, link))
-                if problem.hbm_bandwidth > 0:
-                    tail_lb += big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
-                lb = c_lb * mult + tail_lb
-                if not math.isfinite(lb):
-                    continue
-                key = (b, d, h, ring, S if (v > 1 and S > 1) else 0)
-                groups.setdefault(key, []).append((lb, S, mult))
-    order = sorted(groups.items(), key=lambda kv: min(x[0] for x in kv[1]))
+    groups = _general_groups(problem, costs, free, v)
+    order = sorted(groups.items(), key=lambda kv: kv[1][0][0])
     best = _Best()
     valid = np.isfinite(st.grad)
     for (b, d, h, ring_intra, S_only), items in order:
+        if items[0][0] >= best.time:  # groups come by their least bound: none after this one can win
+            break
         items = [x for x in items if x[0] < best.time]
-        if not items:
-            continue
         stats["groups"] = stats.get("groups", 0) + 1
         m = problem.microbatches(d)
         ring = system.intra_node if ring_intra else system.inter_node
@@ -764,7 +794,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             else:
                 reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.overlap_grad_reduce:
-                reduce = np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0))
+                reduce = (np.zeros_like(reduce) if problem.reduction_hidden
+                          else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)

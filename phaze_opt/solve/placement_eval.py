@@ -47,7 +47,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   overlap_grad_reduce the reduction of a stage's gradients runs beside the backward of the last
   microbatch (Megatron's `--overlap-grad-reduce` launches each bucket's reduction as soon as its
   gradients are final, i.e. during the last microbatch's backward; Li et al., VLDB 2020, PyTorch
-  DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed. The
+  DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed (0 in the
+  lower-bound mode `PlacementProblem.reduction_hidden`, see design/upper_bound.py). The
   optimizer step reads the gradients and the optimizer state and writes the state and the
   weights once per batch on HBM: params x (weight + gradient + 2 x optimizer) bytes / HBM
   bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
@@ -193,7 +194,7 @@ def evaluate_placement(
         else:
             reduce = 0.0
         if problem.overlap_grad_reduce:
-            reduce = max(0.0, reduce - backward)
+            reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
         if zero:
             step_bytes = step_bytes / d
