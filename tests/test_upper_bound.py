@@ -188,7 +188,7 @@ def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str):
             key = tuple(sorted(base + list(zip(names, recipe))))
             true = truth[key]
             if r["settled"] == "evaluated":
-                assert float(r["throughput"]) == pytest.approx(true, rel=1e-6)
+                assert float(r["throughput"]) == pytest.approx(true, rel=1e-5)
             else:
                 assert true <= float(r["upper_bound"]) * (1 + 1e-5), (r, true)  # the file keeps 6 digits
                 assert float(r["upper_bound"]) <= full["best"]["score"] * (1 + 1e-5)

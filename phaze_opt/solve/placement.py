@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import PhazeError
-from .placement_eval import evaluate_placement, format_bytes
+from .placement_eval import evaluate_placement, format_bytes, fsdp_exposed_s
 from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 INF = math.inf
@@ -103,6 +103,10 @@ class _Stack:
     bwdwin: np.ndarray  # [T, R, W] backward time per microbatch (recompute included)
     cuts: list  # cuts[k]: rows that leave at least k layers for k stages, k = 0..layers
     colcuts: list  # colcuts[k]: columns that can leave k - 1 layers for the later stages
+    # per layer [T, L]: forward, backward + recompute, parameters (ZeRO-3's prefetched gathers)
+    layer_fwd: np.ndarray | None = None
+    layer_bwd: np.ndarray | None = None
+    layer_params: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -257,6 +261,7 @@ def _chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> _St
         kmax=_kmax(base_f, stash_f, problem.hbm_bytes),
         cuts=[L - k + 1 for k in range(L + 1)],
         colcuts=[max(1, min(W, L - k + 1)) for k in range(L + 1)],
+        layer_fwd=fwd, layer_bwd=bwd + rec, layer_params=stacked("params"),
     )
 
 
@@ -353,6 +358,8 @@ def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
         kmax=_kmax(arrays["base"], arrays["stash"], problem.hbm_bytes),
         cuts=[int(np.searchsorted(sizes, n - k, side="right")) for k in range(n + 1)],
         colcuts=[W] * (n + 1),
+        layer_fwd=np.stack([c.fwd_s for c in costs]), layer_bwd=np.stack([c.bwd_s + tm[2] for c, tm in zip(costs, terms)]),
+        layer_params=np.stack([c.params for c in costs]),
         **arrays,
     )
 
@@ -681,6 +688,42 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
+def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> np.ndarray:
+    """[1, R, W]: the all-gather time each candidate stage of width b exposes per microbatch under
+    ZeRO-3 with FSDP's prefetch (`placement_eval.fsdp_exposed_s`), forward and backward pass, from
+    the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
+    g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
+    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms."""
+    f, bw = st.layer_fwd[b], st.layer_bwd[b]
+    L = st.n_layers
+    R, W = st.dst.shape
+    out = np.full((1, R, W), INF)
+    if st.masks is None:
+        pf = np.zeros(L)
+        pf[:-1] = np.maximum(f[:-1], gather[1:]) - f[:-1]
+        pb = np.zeros(L)
+        pb[1:] = np.maximum(bw[1:], gather[:-1]) - bw[1:]
+
+        def window(row):
+            padded = np.concatenate([row, np.zeros(W)])
+            return np.lib.stride_tricks.sliding_window_view(padded, W)[:L, :]
+
+        wf, wb, wg = window(pf), window(pb), window(gather)
+        fwd = wg[:, :1] + (np.cumsum(wf, axis=1) - wf)
+        bwd = wg + (np.cumsum(wb, axis=1) - wb[:, :1])
+        out[0, :L] = fwd + bwd
+        return out
+    for r in range(R - 1):
+        for a in range(W):
+            if int(st.dst[r, a]) >= R:
+                continue
+            members = st.members(r, a)
+            g = [float(gather[v]) for v in members]
+            out[0, r, a] = (fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
+                            + fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True))
+    return out
+
+
 def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
     """The (width, d, links[, S]) groups of `_search_general`, each with its (lower bound, S,
     pipeline multiplier) items, least bound first; items whose bound is infinite are left out.
@@ -725,7 +768,14 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
         tail_lb = np.zeros(d.shape)
         if problem.zero == 3:
-            c_lb = np.maximum(c_lb, work_total / S + 2.0 * half(big * w_b))
+            # Each pass of a stage takes at least its compute and at least its layers' gathers (one
+            # link, each layer waits for its own), and at least its compute plus one gather; summed
+            # over the stages (max(0, x) is convex) the mean stage is at least this.
+            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
+            f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
+            over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
+            first_last = 2.0 * S * np.where(d > 1, (d - 1) * lat, 0.0)
+            c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last)) / S)
         elif not problem.overlap_grad_reduce:
             tail_lb = half(big * g_b) + half(big * (g_b if problem.zero == 0 else w_b))
         if problem.hbm_bandwidth > 0:
@@ -786,7 +836,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             scatter = _half(params0 * g_b, d, ring)
             if problem.overlap_grad_reduce:
                 scatter = np.maximum(0.0, scatter - bwdwin)
-            time_g = time_g + (2.0 * _half(params0 * w_b, d, ring) + scatter)
+            gather = _half(st.layer_params[b] * w_b, d, ring)
+            time_g = time_g + (_zero3_exposed(st, b, gather) + scatter)
         else:
             if problem.zero == 0:
                 with np.errstate(invalid="ignore"):
