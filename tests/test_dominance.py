@@ -120,9 +120,22 @@ def test_sequence_parallel_changes_no_layer_time_and_only_lowers_memory():
     from phaze_opt.workload.graphs import build_layer_graph
     from phaze_opt.workload.models import load_model
 
-    model, system, arch = load_model("gpt2-xl"), load_system("default"), load_arch("tpuv4")
+    from phaze_opt.hardware.latency import estimate
+    from phaze_opt.workload.graphs import SP_COLLECTIVE, sequence_parallel_graph
+
+    model, system, arch = load_model("megatron-gpt-1.7b"), load_system("default"), load_arch("tpuv4")
     for tp in (1, 4):
         for attention in ("unfused", "flash"):
+            graph = build_layer_graph(model, tp, 1, attention=attention)
+            sp = sequence_parallel_graph(graph)
+            pairs = 0
+            for kind in graph.kinds:  # SP's reduce-scatter + all-gather cost what the all-reduce did
+                for name in ("fwd", "bwd"):
+                    a, b = graph.op_graphs[kind][name], sp.op_graphs[kind][name]
+                    pairs += sum(op.collective == SP_COLLECTIVE for op in b.ops)
+                    la, lb = (estimate(g, [arch], interconnect=system.tp_link(tp)) for g in (a, b))
+                    assert np.array_equal(la.single, lb.single) and np.array_equal(la.split, lb.split)
+            assert (pairs > 0) == (tp > 1)
             off = layer_costs(model, arch, 1, system, tp, sequence_parallel=False, attention=attention).costs
             on = layer_costs(model, arch, 1, system, tp, sequence_parallel=True, attention=attention).costs
             for name in ("fwd_s", "bwd_s", "selective_s"):
@@ -132,7 +145,6 @@ def test_sequence_parallel_changes_no_layer_time_and_only_lowers_memory():
                 assert np.all(getattr(on, name) <= getattr(off, name)), name
             if tp > 1:
                 assert np.any(on.activation_bytes < off.activation_bytes)  # SP does shard something
-            graph = build_layer_graph(model, tp, 1, attention=attention)
             cores = [layer.attention_core_bytes for layer in graph.layers]
             assert (max(cores) == 0) == (attention == "flash")
 

@@ -69,6 +69,10 @@ LEVEL0_ROWS = CHUNK
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated", "dominated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED, DOMINATED = range(4)
+# Best-first hands out level-1 cells while their level-0 bound beats every level-1 bound; after this
+# many with no evaluation in flight, the best level-1 point is evaluated anyway (its score, the
+# incumbent, then settles cells at level 0). Only the order changes: exactness does not depend on it.
+DIVE_AFTER = 8
 
 
 # -- the grid, as arrays -----------------------------------------------------------------------------
@@ -318,6 +322,7 @@ def run_branch_bound(session) -> dict:
             return accels[row]
 
         pos = 0  # next level-0 candidate in `order`
+        since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
         heap: list = []  # (-bound, seq, m, row, {r: ub1})
         seq = itertools.count()
         inflight: dict[Future, tuple] = {}
@@ -355,8 +360,20 @@ def run_branch_bound(session) -> dict:
                 top1 = -heap[0][0] if heap else -np.inf
                 if max(top0, top1) <= incumbent:
                     break
-                if top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
+                evaluating = any(tag[0] == "eval" for tag in inflight.values())
+                dive = heap and not evaluating and since_eval >= DIVE_AFTER
+                if dive:  # evaluate the best bounded recipe early: an incumbent prunes cells at level 0
                     _, _, m, row, ub1 = heapq.heappop(heap)
+                    r_best = max(ub1, key=ub1.get)
+                    rest = {r: b for r, b in ub1.items() if r != r_best}
+                    if rest:
+                        heapq.heappush(heap, (-max(rest.values()), next(seq), m, row, rest))
+                    ub1 = {r_best: ub1[r_best]}
+                    since_eval = 0
+                if dive or top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
+                    if not dive:
+                        _, _, m, row, ub1 = heapq.heappop(heap)
+                        since_eval = 0
                     status, bound, score = cells.get(m, row)
                     todo, todo_cells = [], []
                     for r, b in ub1.items():
@@ -383,6 +400,7 @@ def run_branch_bound(session) -> dict:
                     inflight[pool.submit(_level1, rows, grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
                                          [grid.rcs[r] for r in canon[m]], grid.attns)] = ("l1", m, row)
                     stats["level1_runs"] += len(canon[m])
+                    since_eval += 1
             if not inflight:
                 break
             finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)

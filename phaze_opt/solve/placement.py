@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import PhazeError
-from .placement_eval import evaluate_placement, format_bytes, fsdp_exposed_s
+from .placement_eval import evaluate_placement, format_bytes, fsdp_exposed_s, ring_allreduce_s
 from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 INF = math.inf
@@ -65,6 +65,7 @@ MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains hav
 MAX_TRANSITIONS = 2_000_000
 _KMAX_CAP = 1 << 30  # "any number of microbatches fits"
 RTOL = 1e-9  # DP value vs evaluator
+NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -745,7 +746,8 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     for b, c in enumerate(costs):
         t = c.tp
         total_params = float(np.sum(c.params))
-        rec = _layer_terms(problem, c)[2]
+        kept, _, rec = _layer_terms(problem, c)
+        kept_total = float(np.sum(kept))
         work_total = float(np.sum(c.fwd_s + c.bwd_s) + np.sum(rec))
         ds = np.arange(1, N // t + 1, dtype=np.int64)
         counts = np.minimum(L, N // (t * ds))
@@ -775,13 +777,22 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
             over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
             first_last = 2.0 * S * np.where(d > 1, (d - 1) * lat, 0.0)
-            c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last)) / S)
+            # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
+            scatter = 0.0 if problem.overlap_grad_reduce else S * half(big * g_b)
+            c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
         elif not problem.overlap_grad_reduce:
             tail_lb = half(big * g_b) + half(big * (g_b if problem.zero == 0 else w_b))
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
             lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
+        # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
+        # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
+        # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
+        coef = {0: w_b + g_b + o_b, 1: w_b + g_b + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.zero]
+        inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
+        mem_lb = (total_params * coef + inflight * kept_total) / S
+        ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
         keep = np.flatnonzero(ok & np.isfinite(lb))
         s_key = np.where((v > 1) & (S > 1), S, 0)
         for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
@@ -825,6 +836,13 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             break
         items = [x for x in items if x[0] < best.time]
         stats["groups"] = stats.get("groups", 0) + 1
+        if stats["groups"] == NO_FIT_CHECK and not math.isfinite(best.time):
+            # Many groups and no placement that fits yet: when even the least memory any placement
+            # needs (a lower bound under ZeRO and interleaving) exceeds HBM, none will.
+            need = min_memory_needed(problem, force_dag)
+            stats["min_memory"] = need
+            if need[0] > problem.hbm_bytes:
+                return best
         m = problem.microbatches(d)
         ring = system.intra_node if ring_intra else system.inter_node
         sl = slice(b, b + 1)
@@ -870,6 +888,21 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         time_g = np.where(valid[sl] & (kmax >= 1), time_g, INF)
         st_g = replace(st, grad=tail)
         active = {S: mult for _, S, mult in items}
+        # The least largest-stage tail an S-stage split can have: the optimizer step, and without
+        # overlap the reduction, grow with the stage's parameters (affine in them), and the largest
+        # stage holds at least max(P / S, the largest layer); an overlapped reduction can be 0.
+        floor = {}
+        c = costs[b]
+        for S in active:
+            p = np.float64(max(float(np.sum(c.params)) / S, float(np.max(c.params))))
+            red = 0.0  # ZeRO-3 reduces per microbatch; an overlapped reduction may hide entirely
+            if problem.zero == 0 and not problem.overlap_grad_reduce:
+                red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
+            elif problem.zero == 1 and not problem.overlap_grad_reduce:
+                red = float(_half(p * g_b, d, ring) + _half(p * w_b, d, ring))
+            step = p * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth \
+                if problem.hbm_bandwidth > 0 else 0.0
+            floor[S] = (red + step) * (1.0 - 1e-12)
         x = INF
         while active:
             stats["sweeps"] = stats.get("sweeps", 0) + 1
@@ -891,7 +924,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                     best.tp = costs[b].tp
                     best.dp = d
                     best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
-                if C * mult < best.time and G > 0:
+                if C * mult + floor[S] < best.time and G > floor[S]:
                     nxt[S] = (mult, G)
             active = {S: mg[0] for S, mg in nxt.items()}
             if active:
@@ -981,7 +1014,7 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     search = _search if problem.simple else _search_general
     best = search(problem, costs, force_dag, stats)
     if not math.isfinite(best.time):
-        need, where = min_memory_needed(problem, force_dag)
+        need, where = stats.get("min_memory") or min_memory_needed(problem, force_dag)
         reason = (
             f"no placement fits in HBM: the smallest memory any placement needs is {format_bytes(need)} per "
             f"device (tp {where.get('tp')}, pp {where.get('pp')}, dp {where.get('dp')}), more than the "
