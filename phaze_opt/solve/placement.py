@@ -771,12 +771,13 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         tail_lb = np.zeros(d.shape)
         if problem.zero == 3:
             # Each pass of a stage takes at least its compute and at least its layers' gathers (one
-            # link, each layer waits for its own), and at least its compute plus one gather; summed
-            # over the stages (max(0, x) is convex) the mean stage is at least this.
+            # link, each layer waits for its own), and at least its compute plus its first layer's
+            # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
+            # the mean stage is at least this.
             gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
             over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
-            first_last = 2.0 * S * np.where(d > 1, (d - 1) * lat, 0.0)
+            first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
             scatter = 0.0 if problem.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
