@@ -272,3 +272,19 @@ def test_zero3_gathers_are_prefetched_under_the_previous_layers_compute():
     assert st.comm_s == pytest.approx(3.0 + 0.5 + scatter)
     assert st.time_s == pytest.approx(9.5 + 3.5 + scatter)
     assert optimal_placement(problem).time_per_batch_s <= r.time_per_batch_s
+
+
+def test_zero3_stage_time_never_falls_as_a_backward_grows():
+    """The overlapped ZeRO-3 reduce-scatter runs beside the whole backward pass: a layer whose
+    backward hides under the next gather lengthens the compute but not the pass, so measuring the
+    overlap window by compute alone would make the stage time fall as that backward grows (and the
+    sweep's level-1 bound, on lower-bound layer times, too high); by the pass it cannot."""
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+
+    def time_with(bwd1):
+        costs = make_costs(1, [0.1, 0.1], [0.1, bwd1], [100, 100], [0, 0], [0, 0])
+        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, zero=3, overlap_grad_reduce=True)
+        return evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].time_s
+
+    times = [time_with(b) for b in (0.1, 0.5, 0.9, 1.5)]
+    assert all(a <= b for a, b in zip(times, times[1:])), times

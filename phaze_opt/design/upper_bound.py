@@ -204,9 +204,10 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     placement model grows with the layer times except an overlapped per-batch reduction's exposed
     part (reduction minus backward), which shrinks as the backward grows; with
     `overlap_grad_reduce` the bound therefore counts that part as 0 (`reduction_hidden`), which only
-    lowers the time. (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: with
-    the stage's compute c >= its backward b it adds c - b + max(b, scatter) to the stage time,
-    non-decreasing in every layer time.) 0.0 when no placement fits memory (then no schedule can
+    lowers the time. (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
+    runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
+    holds max(B, scatter), non-decreasing in every layer time; against the backward compute alone
+    it would not be, since compute hidden under gathers lengthens the window but not the pass.) 0.0 when no placement fits memory (then no schedule can
     make one fit).
     """
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]

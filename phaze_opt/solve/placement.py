@@ -689,8 +689,8 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
-def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> np.ndarray:
-    """[1, R, W]: the all-gather time each candidate stage of width b exposes per microbatch under
+def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
     ZeRO-3 with FSDP's prefetch (`placement_eval.fsdp_exposed_s`), forward and backward pass, from
     the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
     g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
@@ -699,6 +699,7 @@ def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> np.ndarray:
     L = st.n_layers
     R, W = st.dst.shape
     out = np.full((1, R, W), INF)
+    out_b = np.full((1, R, W), INF)
     if st.masks is None:
         pf = np.zeros(L)
         pf[:-1] = np.maximum(f[:-1], gather[1:]) - f[:-1]
@@ -712,17 +713,18 @@ def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> np.ndarray:
         wf, wb, wg = window(pf), window(pb), window(gather)
         fwd = wg[:, :1] + (np.cumsum(wf, axis=1) - wf)
         bwd = wg + (np.cumsum(wb, axis=1) - wb[:, :1])
-        out[0, :L] = fwd + bwd
-        return out
+        out[0, :L] = fwd
+        out_b[0, :L] = bwd
+        return out, out_b
     for r in range(R - 1):
         for a in range(W):
             if int(st.dst[r, a]) >= R:
                 continue
             members = st.members(r, a)
             g = [float(gather[v]) for v in members]
-            out[0, r, a] = (fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
-                            + fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True))
-    return out
+            out[0, r, a] = fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
+            out_b[0, r, a] = fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True)
+    return out, out_b
 
 
 def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
@@ -853,10 +855,11 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         tail = np.zeros(params.shape)
         if problem.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
-            if problem.overlap_grad_reduce:
-                scatter = np.maximum(0.0, scatter - bwdwin)
             gather = _half(st.layer_params[b] * w_b, d, ring)
-            time_g = time_g + (_zero3_exposed(st, b, gather) + scatter)
+            exposed_f, exposed_b = _zero3_exposed(st, b, gather)
+            if problem.overlap_grad_reduce:  # beside the whole backward pass (placement_eval)
+                scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
+            time_g = time_g + (exposed_f + exposed_b + scatter)
         else:
             if problem.zero == 0:
                 with np.errstate(invalid="ignore"):

@@ -23,7 +23,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   bytes / bw + (d - 1) x latency each). The gathers are prefetched as FSDP does (`fsdp_exposed_s`:
   each layer's gather runs during the previous layer's compute of the same pass; only what does not
   fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
-  than the stage's backward is exposed.
+  than the stage's backward pass (its compute and exposed gathers) is exposed, so the stage time
+  holds max(backward pass, reduce-scatter), non-decreasing in every layer time.
 - Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
   parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part and with
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
@@ -189,9 +190,10 @@ def evaluate_placement(
             fwds = [float(costs.fwd_s[v]) for v in layers]
             bwds = [float(costs.bwd_s[v]) + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
-            if problem.overlap_grad_reduce:
-                scatter = max(0.0, scatter - backward)
-            zero3_s = fsdp_exposed_s(fwds, gathers, reverse=False) + fsdp_exposed_s(bwds, gathers, reverse=True) + scatter
+            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
+            if problem.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
+                scatter = max(0.0, scatter - (backward + exposed_bwd))
+            zero3_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
         if v_virt > 1 and S > 1:
             chunks = min(2 * (k - 1) + (v_virt - 1) * S + 1, m * v_virt)
