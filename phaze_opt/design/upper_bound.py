@@ -207,8 +207,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     lowers the time. (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
     runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
     holds max(B, scatter), non-decreasing in every layer time; against the backward compute alone
-    it would not be, since compute hidden under gathers lengthens the window but not the pass.) 0.0 when no placement fits memory (then no schedule can
-    make one fit).
+    it would not be, since compute hidden under gathers lengthens the window but not the pass.)
+    0.0 when no placement fits memory (then no schedule can make one fit).
     """
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
@@ -217,6 +217,52 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
                     for g, w in zip(graphs, widths)),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
+        virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
+    )
+    result = optimal_placement(problem)
+    return float(result.throughput) if result.feasible else 0.0
+
+
+def group_placement_throughput(model, widths_by_attention: dict, row: int, *, system, mbs: int, recomputes,
+                               sequence_parallels, hbm_bytes: float, peak_flops: float, virtual_stages: int = 1,
+                               zero: int = 0, overlap_grad_reduce: bool = False) -> float:
+    """Level 1 for a group of recipes at once: every combination of the given attention kernels
+    (`widths_by_attention`: kernel -> its lower-bound layer times), recompute modes and sequence
+    parallelism choices, at one virtual stage count, ZeRO stage and overlap choice.
+
+    One placement DP on a relaxed problem: per layer the least forward and backward lower bound over
+    the kernels, no recompute time, the least bytes kept per microbatch over every kernel, mode and
+    SP choice, no recompute working set, the least boundary bytes. Every recipe of the group has,
+    for every placement, no less time (each time term is non-decreasing in the layer, recompute and
+    transfer times; see `placement_throughput`) and no less memory, under the same constraints, so
+    this bound is at least each of their level-1 bounds. inf when the kernels' layer graphs differ
+    in shape (no relaxation then).
+    """
+    per_kernel = {}
+    for attention, widths in widths_by_attention.items():
+        per_kernel[attention] = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
+    graphs0 = next(iter(per_kernel.values()))
+    shape = [(len(g.layers), tuple(g.edges)) for g in graphs0]
+    if any([(len(g.layers), tuple(g.edges)) for g in graphs] != shape for graphs in per_kernel.values()):
+        return float("inf")
+    costs = []
+    for i, w0 in enumerate(next(iter(widths_by_attention.values()))):
+        fwd = np.min([widths[i].layer_rows(row)[0] for widths in widths_by_attention.values()], axis=0)
+        bwd = np.min([widths[i].layer_rows(row)[1] for widths in widths_by_attention.values()], axis=0)
+        layers = [graphs[i].layers for graphs in per_kernel.values()]
+        kept = [min(l.activation_bytes_for(mode, sp) for ls in layers for l in (ls[j],) for mode in recomputes
+                    for sp in sequence_parallels) for j in range(len(layers[0]))]
+        g0 = graphs0[i]
+        costs.append(LayerCosts(
+            tp=w0.tp, fwd_s=fwd, bwd_s=bwd, params=[l.params for l in g0.layers], activation_bytes=kept,
+            boundary_bytes=[min(ls[j].boundary_bytes for ls in layers) for j in range(len(g0.layers))],
+            input_bytes=[min(ls[j].input_bytes for ls in layers) for j in range(len(g0.layers))],
+            edges=tuple(g0.edges), names=tuple(l.name for l in g0.layers)))
+    kinds = [layer.kind for layer in graphs0[0].layers]
+    problem = PlacementProblem(
+        costs=tuple(costs), system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute="none",
+        seq_len=model.seq, model_flops_per_sequence=graphs0[0].train_flops_per_sequence,
         virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
         interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
     )

@@ -48,8 +48,8 @@ import numpy as np
 
 from ..design.dominance import dominators
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import (CHUNK, WidthBounds, ideal_throughput, layer_lower_bounds, pipeline_throughput,
-                                  placement_throughput,
+from ..design.upper_bound import (CHUNK, WidthBounds, group_placement_throughput, ideal_throughput,
+                                  layer_lower_bounds, pipeline_throughput, placement_throughput,
                                   slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
@@ -162,16 +162,38 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
                        np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
 
 
-def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list) -> list[float]:
-    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds."""
-    out = []
-    for rc in rcs:
-        recipe = Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"})
-        out.append(placement_throughput(
-            _W["model"], widths[attns.index(rc.get("attention"))], 0, system=_W["system"], mbs=mbs,
-            recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
-            sequence_parallel=recipe.sequence_parallel, virtual_stages=recipe.virtual_stages, zero=recipe.zero,
-            overlap_grad_reduce=recipe.overlap_grad_reduce, attention=recipe.attention))
+def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,
+            incumbent: float = 0.0) -> list[float]:
+    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds.
+
+    Recipes are grouped by (virtual stages, ZeRO, overlap); each group is first bounded at once
+    (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
+    bound cannot beat `incumbent` (the best score when the task was handed out; the best only
+    grows) gives all its recipes that bound; the others are bounded one by one."""
+    model, system = _W["model"], _W["system"]
+    recipes = [Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"}) for rc in rcs]
+    groups: dict = {}
+    for i, recipe in enumerate(recipes):
+        groups.setdefault((recipe.virtual_stages, recipe.zero, recipe.overlap_grad_reduce), []).append(i)
+    out = [0.0] * len(rcs)
+    for (v, zero, overlap), members in groups.items():
+        group_bound = float("inf")
+        if len(members) > 1:
+            kernels = {recipes[i].attention: widths[attns.index(rcs[i].get("attention"))] for i in members}
+            group_bound = group_placement_throughput(
+                model, kernels, 0, system=system, mbs=mbs, recomputes={recipes[i].recompute for i in members},
+                sequence_parallels={recipes[i].sequence_parallel for i in members}, hbm_bytes=hbm_bytes,
+                peak_flops=peak_flops, virtual_stages=v, zero=zero, overlap_grad_reduce=overlap)
+        for i in members:
+            if group_bound <= incumbent:
+                out[i] = group_bound
+                continue
+            recipe = recipes[i]
+            out[i] = min(group_bound, placement_throughput(
+                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, mbs=mbs,
+                recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
+                sequence_parallel=recipe.sequence_parallel, virtual_stages=v, zero=zero,
+                overlap_grad_reduce=overlap, attention=recipe.attention))
     return out
 
 
@@ -398,7 +420,7 @@ def run_branch_bound(session) -> dict:
                     a = accel(row)
                     rows = [[w.take([row]) for w in per_attn] for per_attn in widths[m]]
                     inflight[pool.submit(_level1, rows, grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
-                                         [grid.rcs[r] for r in canon[m]], grid.attns)] = ("l1", m, row)
+                                         [grid.rcs[r] for r in canon[m]], grid.attns, incumbent)] = ("l1", m, row)
                     stats["level1_runs"] += len(canon[m])
                     since_eval += 1
             if not inflight:
