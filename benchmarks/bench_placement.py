@@ -76,6 +76,9 @@ SCENARIOS = [
     ("gpt3 32GiB full v2", "default", 32, 1, "full", {"virtual_stages": 2}),
     ("gpt3 32GiB full v2 zero1 overlap", "default", 32, 1, "full",
      {"virtual_stages": 2, "zero": 1, "overlap_grad_reduce": True}),
+    ("gpt3 32GiB full zero3 overlap", "default", 32, 1, "full", {"zero": 3, "overlap_grad_reduce": True}),
+    ("gpt3 32GiB full v2 zero3 overlap", "default", 32, 1, "full",
+     {"virtual_stages": 2, "zero": 3, "overlap_grad_reduce": True}),
 ]
 
 

@@ -287,8 +287,7 @@ def test_an_unreachable_tracking_server_fails_at_once(tmp_path):
 def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
     grid = SimpleNamespace(archs=[{"num_tc": 1, "tc_x": 8}, {"num_tc": 2, "tc_x": 8}], hbms=[16, 32], mbss=[1, 2],
                            rcs=[{"recompute": False}, {"recompute": True}])
-    status = np.zeros((2, 4, 2), dtype=np.int8)
-    score = np.full((2, 4, 2), np.nan)
+    cells = bb.Cells(2)
 
     def trial(point, value, state=TrialState.COMPLETE, feasible=True):
         return SimpleNamespace(user_attrs={"point": point, "result": {}}, state=state,
@@ -298,8 +297,13 @@ def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
     trials = [trial({"num_tc": 2, "tc_x": 8, "hbm_gib": 32, "mbs": 2, "recompute": True}, 5.0),
               trial({"num_tc": 1, "tc_x": 8, "hbm_gib": 16, "mbs": 1, "recompute": False}, 3.0, feasible=False),
               trial({"num_tc": 1, "tc_x": 8, "hbm_gib": 32, "mbs": 1, "recompute": False}, None, TrialState.FAIL)]
-    assert bb.mark_evaluated(grid, status, score, trials) == 3
+    assert bb.mark_evaluated(grid, cells, trials) == 3
+    status = np.zeros((2, 4, 2), dtype=np.int8)  # the cells as one array [mbs, row, recipe]
+    score = np.full((2, 4, 2), np.nan)
+    for (m, row), (st, _, sc) in cells.items():
+        status[m, row], score[m, row] = st, sc
     assert status[1, 3, 1] == 2 and score[1, 3, 1] == 5.0
     assert status[0, 0, 0] == 2 and score[0, 0, 0] == 0.0
     assert status[0, 1, 0] == 2 and score[0, 1, 0] == 0.0
     assert int((status == 2).sum()) == 3
+    assert cells.unsure == {(0, 1, 0)}  # the failed trial: its throughput is not known

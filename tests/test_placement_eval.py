@@ -243,8 +243,8 @@ def test_layer_costs_from_a_layer_graph():
 
 
 def test_an_overlapped_reduction_makes_time_fall_as_a_backward_grows():
-    """Why the sweep's level-1 bound takes every transfer as free under overlap_grad_reduce
-    (design/upper_bound.placement_throughput): the exposed reduction, max(0, reduction - backward),
+    """Why the sweep's level-1 bound counts an overlapped reduction as hidden
+    (design/upper_bound.placement_throughput, PlacementProblem.reduction_hidden): the exposed reduction, max(0, reduction - backward),
     shrinks as a non-bottleneck stage's backward grows, so lower-bound layer times alone would not
     give a lower-bound time."""
     system = make_system(accelerators=4, devices_per_node=1, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
@@ -255,3 +255,36 @@ def test_an_overlapped_reduction_makes_time_fall_as_a_backward_grows():
         return evaluate_placement(problem, Placement(1, 2, ((0,), (1,)))).time_per_batch_s
 
     assert time_with(8.0) < time_with(1.0)
+
+
+def test_zero3_gathers_are_prefetched_under_the_previous_layers_compute():
+    """FSDP's prefetch by hand: 3 layers in one stage, 2 replicas on a 100 B/s link without latency;
+    each layer's gather is (d-1)/d x params x 2 bytes / 100 = params / 100 s. Forward: layer 0's gather
+    (1 s) shows, layer 1's (3 s) under layer 0's 1 s forward shows 2 s, layer 2's (0.5 s) under layer
+    1's 2 s shows nothing: 3 s. Backward, descending: layer 2's gather 0.5 s, layer 1's 3 s under
+    layer 2's 3 s backward: 0, layer 0's 1 s under layer 1's 1 s: 0: 0.5 s."""
+    costs = make_costs(1, [1.0, 2.0, 0.5], [2.0, 1.0, 3.0], [100, 300, 50], [0, 0, 0], [0, 0, 0])
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+    problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, zero=3)
+    r = evaluate_placement(problem, Placement(1, 2, ((0, 1, 2),)))
+    scatter = 0.5 * 450 * 2 / 100.0  # the reduce-scatter of all gradients, exposed in full
+    st = r.stages[0]
+    assert st.comm_s == pytest.approx(3.0 + 0.5 + scatter)
+    assert st.time_s == pytest.approx(9.5 + 3.5 + scatter)
+    assert optimal_placement(problem).time_per_batch_s <= r.time_per_batch_s
+
+
+def test_zero3_stage_time_never_falls_as_a_backward_grows():
+    """The overlapped ZeRO-3 reduce-scatter runs beside the whole backward pass: a layer whose
+    backward hides under the next gather lengthens the compute but not the pass, so measuring the
+    overlap window by compute alone would make the stage time fall as that backward grows (and the
+    sweep's level-1 bound, on lower-bound layer times, too high); by the pass it cannot."""
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+
+    def time_with(bwd1):
+        costs = make_costs(1, [0.1, 0.1], [0.1, bwd1], [100, 100], [0, 0], [0, 0])
+        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, zero=3, overlap_grad_reduce=True)
+        return evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].time_s
+
+    times = [time_with(b) for b in (0.1, 0.5, 0.9, 1.5)]
+    assert all(a <= b for a, b in zip(times, times[1:])), times

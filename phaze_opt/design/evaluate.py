@@ -48,7 +48,7 @@ from ..solve.placement_types import LayerCosts, PlacementProblem
 from ..solve.schedule import schedule_graph
 from ..system import System, load_system
 from ..training import Training
-from ..workload.graphs import build_layer_graph
+from ..workload.graphs import build_layer_graph, sequence_parallel_graph
 from ..workload.models import ModelConfig, load_model
 
 PASSES = ("fwd", "bwd")
@@ -143,6 +143,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     t0 = time.perf_counter()
     graph = build_layer_graph(model, tp, mbs, attention=attention)
+    if sequence_parallel:  # its collectives: reduce-scatter + all-gather (the same cost as the all-reduce)
+        graph = sequence_parallel_graph(graph)
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}

@@ -65,7 +65,7 @@ FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
 TOP_KEYS_REQUIRED = ("params", "area")
 TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps")
 AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
-MAX_GRID = 20_000_000
+MAX_GRID = 20_000_000  # points `grid_points` lists one by one (the unpruned sweep)
 
 
 def _is_pow2(v) -> bool:
@@ -252,8 +252,6 @@ class SearchSpace:
             return self._cache["grid"]
         names = list(self.params)
         shape = tuple(len(self.params[n]) for n in names)
-        if math.prod(shape) > MAX_GRID:
-            raise PhazeError(f"space '{self.name}': {math.prod(shape):,} points is more than the {MAX_GRID:,} this tool enumerates")
 
         def axis_values(field_name):
             if field_name in self.fixed:
@@ -315,6 +313,10 @@ class SearchSpace:
         system's sweep order, ties in grid order.
         """
         names, shape, area, ok = self._grid_arrays()
+        if math.prod(shape) > MAX_GRID:  # a list of dicts this long would not fit in memory
+            raise PhazeError(f"space '{self.name}': {math.prod(shape):,} grid cells is more than the {MAX_GRID:,} "
+                             "this tool lists point by point (the pruned sweep enumerates architectures x recipes "
+                             "itself; use --prune bound)")
         ok_full = np.broadcast_to(ok, shape)
         idx = np.nonzero(ok_full)
         if idx[0].size == 0:
@@ -326,7 +328,10 @@ class SearchSpace:
     def size(self) -> int:
         """Number of area-feasible full points (what `grid_points` returns)."""
         names, shape, _, ok = self._grid_arrays()
-        return int(np.broadcast_to(ok, shape).sum())
+        # Area depends only on the area axes: count those cells and multiply by the other axes' choices
+        # (no product-sized array, so a space may list every recipe field with all its choices).
+        other = math.prod(n for name, n in zip(names, shape) if name not in self.area_params)
+        return self.count() * other
 
     # ---- reference designs ----------------------------------------------------------------------
 

@@ -28,24 +28,26 @@ are no lower; the attention kernel changes the layer graph, so a space with both
 the larger of the two bounds (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
 bandwidth), which lets one bound cover a whole architecture.
 
+`pipeline_throughput` tightens level 0 with what every placement pays whatever its recipe: whole
+microbatches and replicas, the pipeline bubble at the space's most virtual stages, and no stage
+faster than its slowest layer. The sweep takes the smaller of the two.
+
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
 point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall
-with longer layer times (an overlapped reduction's exposed part is the one term that shrinks as
-the backward grows: with overlap the bound makes every transfer free, see `placement_throughput`),
-so its throughput bounds the point's; it also proves points with no memory-feasible placement (a
-placement's memory does not depend on time).
+with longer layer times, so its throughput bounds the point's; it also proves points with no memory-feasible placement (a
+placement's memory does not depend on time). An overlapped reduction's exposed part is the one
+term that shrinks as the backward grows: the bound counts it as 0, see `placement_throughput`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
 from ..solve.placement import optimal_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
-from ..system import Link
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
 
@@ -159,6 +161,35 @@ def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> 
         return np.where(device_seconds > 0, mbs * accelerators / device_seconds, np.inf)
 
 
+def pipeline_throughput(widths: list[WidthBounds], mbs: int, accelerators: int, global_batch: int,
+                        max_virtual_stages: int = 1) -> np.ndarray:
+    """Level 0 too, tighter: sequences/s no placement of any HBM or recipe can exceed, [n_designs].
+
+    With TP width t, S stages and d replicas (S t d <= N, S <= layers), the bottleneck stage time is
+    at least max(W_t / S, the slowest layer's forward + backward) (a split's largest stage holds at
+    least the mean and at least one layer), and the time per batch at least that times
+    m + (S - 1) / v with m = ceil(B / (mbs d)) microbatches (Narayanan et al., SC'21, Sec. 2.2: the
+    interleaved bubble, v at most the space's largest virtual stage count). Communication, memory,
+    recompute and the per-batch tail only add. For each (t, S) the most replicas d = N // (S t)
+    give the fewest microbatches; vectorised over designs.
+    """
+    best = np.full(widths[0].kind_fwd.shape[0], np.inf)
+    v = max(1, int(max_virtual_stages))
+    for w in widths:
+        per_kind = w.kind_fwd + w.kind_bwd
+        present = np.unique(w.layer_kind)
+        slowest = per_kind[:, present].max(axis=1)
+        work = w.work
+        n_layers = int(w.layer_kind.shape[0])
+        for S in range(1, min(n_layers, accelerators // w.tp) + 1):
+            d = accelerators // (S * w.tp)
+            m = -(-global_batch // (mbs * d))
+            time = np.maximum(work / S, slowest) * (m + (S - 1) / v)
+            np.minimum(best, time, out=best)
+    with np.errstate(divide="ignore"):
+        return np.where(best > 0, global_batch / best, np.inf)
+
+
 def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, mbs: int, recompute,
                          hbm_bytes: float, peak_flops: float, sequence_parallel: bool = False,
                          virtual_stages: int = 1, zero: int = 0, overlap_grad_reduce: bool = False,
@@ -170,24 +201,70 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     evaluation fit here (the same interleaving constraint too); only times are bounds: the layer
     times (`widths`, which must be those of the recipe's attention kernel), selective recompute's
     attention-core time (0 here) and the optimizer step (not costed here). Every time term of the
-    placement model grows with the layer times except an overlapped reduction's exposed part
-    (reduction minus backward), which shrinks as the backward grows; with `overlap_grad_reduce`
-    the bound therefore takes every data-parallel and pipeline transfer as free (links of
-    unbounded bandwidth, no latency), which only lowers the time. 0.0 when no placement fits
-    memory (then no schedule can make one fit).
+    placement model grows with the layer times except an overlapped per-batch reduction's exposed
+    part (reduction minus backward), which shrinks as the backward grows; with
+    `overlap_grad_reduce` the bound therefore counts that part as 0 (`reduction_hidden`), which only
+    lowers the time. (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
+    runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
+    holds max(B, scatter), non-decreasing in every layer time; against the backward compute alone
+    it would not be, since compute hidden under gathers lengthens the window but not the pass.)
+    0.0 when no placement fits memory (then no schedule can make one fit).
     """
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
-    if overlap_grad_reduce:
-        free = Link(1e300, 0.0)
-        system = replace(system, intra_node=free, inter_node=free)
     problem = PlacementProblem(
         costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel)
                     for g, w in zip(graphs, widths)),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
         virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
-        interleave_layers=max(kinds.count(k) for k in set(kinds)),
+        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
+    )
+    result = optimal_placement(problem)
+    return float(result.throughput) if result.feasible else 0.0
+
+
+def group_placement_throughput(model, widths_by_attention: dict, row: int, *, system, mbs: int, recomputes,
+                               sequence_parallels, hbm_bytes: float, peak_flops: float, virtual_stages: int = 1,
+                               zero: int = 0, overlap_grad_reduce: bool = False) -> float:
+    """Level 1 for a group of recipes at once: every combination of the given attention kernels
+    (`widths_by_attention`: kernel -> its lower-bound layer times), recompute modes and sequence
+    parallelism choices, at one virtual stage count, ZeRO stage and overlap choice.
+
+    One placement DP on a relaxed problem: per layer the least forward and backward lower bound over
+    the kernels, no recompute time, the least bytes kept per microbatch over every kernel, mode and
+    SP choice, no recompute working set, the least boundary bytes. Every recipe of the group has,
+    for every placement, no less time (each time term is non-decreasing in the layer, recompute and
+    transfer times; see `placement_throughput`) and no less memory, under the same constraints, so
+    this bound is at least each of their level-1 bounds. inf when the kernels' layer graphs differ
+    in shape (no relaxation then).
+    """
+    per_kernel = {}
+    for attention, widths in widths_by_attention.items():
+        per_kernel[attention] = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
+    graphs0 = next(iter(per_kernel.values()))
+    shape = [(len(g.layers), tuple(g.edges)) for g in graphs0]
+    if any([(len(g.layers), tuple(g.edges)) for g in graphs] != shape for graphs in per_kernel.values()):
+        return float("inf")
+    costs = []
+    for i, w0 in enumerate(next(iter(widths_by_attention.values()))):
+        fwd = np.min([widths[i].layer_rows(row)[0] for widths in widths_by_attention.values()], axis=0)
+        bwd = np.min([widths[i].layer_rows(row)[1] for widths in widths_by_attention.values()], axis=0)
+        layers = [graphs[i].layers for graphs in per_kernel.values()]
+        kept = [min(l.activation_bytes_for(mode, sp) for ls in layers for l in (ls[j],) for mode in recomputes
+                    for sp in sequence_parallels) for j in range(len(layers[0]))]
+        g0 = graphs0[i]
+        costs.append(LayerCosts(
+            tp=w0.tp, fwd_s=fwd, bwd_s=bwd, params=[l.params for l in g0.layers], activation_bytes=kept,
+            boundary_bytes=[min(ls[j].boundary_bytes for ls in layers) for j in range(len(g0.layers))],
+            input_bytes=[min(ls[j].input_bytes for ls in layers) for j in range(len(g0.layers))],
+            edges=tuple(g0.edges), names=tuple(l.name for l in g0.layers)))
+    kinds = [layer.kind for layer in graphs0[0].layers]
+    problem = PlacementProblem(
+        costs=tuple(costs), system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute="none",
+        seq_len=model.seq, model_flops_per_sequence=graphs0[0].train_flops_per_sequence,
+        virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

@@ -259,7 +259,8 @@ def _vector_seconds(elements, cpe, nbytes, d: DesignArrays, k, share):
 def collective_traffic(op) -> tuple[float, int]:
     """(bytes one device sends, message steps) of a collective, by its algorithm: ring all-reduce
     2(g-1)/g x bytes in 2(g-1) steps; all-gather / reduce-scatter / all-to-all (g-1)/g x bytes in
-    g-1 steps; point to point the bytes in one step. The latency and the energy model share it."""
+    g-1 steps; sequence parallelism's reduce-scatter + all-gather pair both of those; point to
+    point the bytes in one step. The latency and the energy model share it."""
     g = op.group
     if g <= 1:
         return 0.0, 0
@@ -269,6 +270,12 @@ def collective_traffic(op) -> tuple[float, int]:
         return 2.0 * (g - 1) / g * nbytes, 2 * (g - 1)
     if kind in ("allgather", "reducescatter", "alltoall"):
         return (g - 1) / g * nbytes, g - 1
+    if kind == "reducescatter+allgather":
+        # Sequence parallelism's pair in place of a TP all-reduce (Korthikanti et al. 2022, Sec.
+        # 4.2.2, the g / g-bar conjugates): a ring reduce-scatter of the full tensor then a ring
+        # all-gather back to it, (g-1)/g x bytes in g-1 steps each: the all-reduce's bandwidth term
+        # and step count exactly (a ring all-reduce is this pair; Patarasuk and Yuan, JPDC 2009).
+        return 2.0 * (g - 1) / g * nbytes, 2 * (g - 1)
     if kind in ("sendrecv", "p2p", "send", "recv"):
         return float(nbytes), 1
     raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")

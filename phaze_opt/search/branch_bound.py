@@ -46,14 +46,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ..design.dominance import dominators
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import (CHUNK, WidthBounds, ideal_throughput, layer_lower_bounds, placement_throughput,
+from ..design.upper_bound import (CHUNK, WidthBounds, group_placement_throughput, ideal_throughput,
+                                  layer_lower_bounds, pipeline_throughput, placement_throughput,
                                   slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
 from ..training import OPTIONAL_FIELDS, Training
+from ..workload.graphs import build_layer_graph
 from ..workload.models import load_model
 from . import objective, signals
 from .report import finish, unproven_points
@@ -64,8 +67,12 @@ from .trials import add_trial, best_history, existing_scores, frozen_trial, poin
 # the slice of designs it saw when a task bounded all of them (the same numbers, bit for bit).
 LEVEL0_ROWS = CHUNK
 
-SETTLED = ("bound-ideal", "bound-placement", "evaluated")
-BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED = range(3)
+SETTLED = ("bound-ideal", "bound-placement", "evaluated", "dominated")
+BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED, DOMINATED = range(4)
+# Best-first hands out level-1 cells while their level-0 bound beats every level-1 bound; after this
+# many with no evaluation in flight, the best level-1 point is evaluated anyway (its score, the
+# incumbent, then settles cells at level 0). Only the order changes: exactness does not depend on it.
+DIVE_AFTER = 8
 
 
 # -- the grid, as arrays -----------------------------------------------------------------------------
@@ -132,7 +139,9 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
         results[i] = part
         progress.update(tasks[i][3] - tasks[i][2])
     progress.close()
-    accelerators = load_system(session.config.system).accelerators
+    system = load_system(session.config.system)
+    accelerators = system.accelerators
+    v_max = max([1] + [int(v) for v in session.space.params.get("virtual_stages", [1])])
     widths = []
     for k in range(len(grid.mbss)):
         per_attn = []
@@ -140,7 +149,9 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
             chunks = [part for (m, aa, _, _), part in zip(tasks, results) if m == k and aa == a]
             per_attn.append([_concat([chunk[t] for chunk in chunks]) for t in range(len(chunks[0]))])
         widths.append(per_attn)
-    ub0 = np.stack([np.max(np.stack([ideal_throughput(w, mbs, accelerators) for w in per_attn]), axis=0)
+    ub0 = np.stack([np.max(np.stack([np.minimum(ideal_throughput(w, mbs, accelerators),
+                                                pipeline_throughput(w, mbs, accelerators, system.global_batch, v_max))
+                                     for w in per_attn]), axis=0)
                     for per_attn, mbs in zip(widths, grid.mbss)])
     return ub0, widths
 
@@ -151,16 +162,38 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
                        np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
 
 
-def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list) -> list[float]:
-    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds."""
-    out = []
-    for rc in rcs:
-        recipe = Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"})
-        out.append(placement_throughput(
-            _W["model"], widths[attns.index(rc.get("attention"))], 0, system=_W["system"], mbs=mbs,
-            recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
-            sequence_parallel=recipe.sequence_parallel, virtual_stages=recipe.virtual_stages, zero=recipe.zero,
-            overlap_grad_reduce=recipe.overlap_grad_reduce, attention=recipe.attention))
+def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,
+            incumbent: float = 0.0) -> list[float]:
+    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds.
+
+    Recipes are grouped by (virtual stages, ZeRO, overlap); each group is first bounded at once
+    (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
+    bound cannot beat `incumbent` (the best score when the task was handed out; the best only
+    grows) gives all its recipes that bound; the others are bounded one by one."""
+    model, system = _W["model"], _W["system"]
+    recipes = [Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"}) for rc in rcs]
+    groups: dict = {}
+    for i, recipe in enumerate(recipes):
+        groups.setdefault((recipe.virtual_stages, recipe.zero, recipe.overlap_grad_reduce), []).append(i)
+    out = [0.0] * len(rcs)
+    for (v, zero, overlap), members in groups.items():
+        group_bound = float("inf")
+        if len(members) > 1:
+            kernels = {recipes[i].attention: widths[attns.index(rcs[i].get("attention"))] for i in members}
+            group_bound = group_placement_throughput(
+                model, kernels, 0, system=system, mbs=mbs, recomputes={recipes[i].recompute for i in members},
+                sequence_parallels={recipes[i].sequence_parallel for i in members}, hbm_bytes=hbm_bytes,
+                peak_flops=peak_flops, virtual_stages=v, zero=zero, overlap_grad_reduce=overlap)
+        for i in members:
+            if group_bound <= incumbent:
+                out[i] = group_bound
+                continue
+            recipe = recipes[i]
+            out[i] = min(group_bound, placement_throughput(
+                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, mbs=mbs,
+                recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
+                sequence_parallel=recipe.sequence_parallel, virtual_stages=v, zero=zero,
+                overlap_grad_reduce=overlap, attention=recipe.attention))
     return out
 
 
@@ -225,6 +258,47 @@ def run_pruned(session: Session) -> dict:
                                                "best_history": history}})
 
 
+class Cells:
+    """The recipe-level state of the (microbatch, design row) cells the sweep expanded.
+
+    A cell is expanded once level 1 bounds its recipes (or a resumed run evaluated one of them);
+    every recipe of a cell never expanded is settled by its level-0 bound, valid for all recipes, so
+    the sweep holds [recipes] arrays only for expanded cells (a space listing every recipe field has
+    over 50 million points, 351,564 cells for gpt3-175b on `phaze-recipes`).
+    """
+
+    def __init__(self, n_r: int, ub0: np.ndarray | None = None):
+        self.n_r, self.ub0, self.cells = n_r, ub0, {}
+        self.unsure: set = set()  # (m, row, r) evaluated without a proven throughput (failed or unproven)
+
+    def get(self, m: int, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(status, bound, score) of the cell's recipes, created as settled by level 0."""
+        cell = self.cells.get((m, row))
+        if cell is None:
+            b0 = float(self.ub0[m, row]) if self.ub0 is not None else 0.0
+            cell = (np.full(self.n_r, BOUND_IDEAL, dtype=np.int8), np.full(self.n_r, b0), np.full(self.n_r, np.nan))
+            self.cells[(m, row)] = cell
+        return cell
+
+    def __contains__(self, key) -> bool:
+        return key in self.cells
+
+    def items(self):
+        return self.cells.items()
+
+
+def recipe_dominators(grid: Grid, model, system) -> list[list[int]]:
+    """Per microbatch, for each recipe the index of the recipe that dominates it
+    (`design.dominance`; its own index when none does)."""
+    out = []
+    for mbs in grid.mbss:
+        def keeps_no_core(attention, mbs=mbs):
+            return all(layer.attention_core_bytes == 0 for tp in tp_widths(model, system)
+                       for layer in build_layer_graph(model, tp, mbs, attention=attention).layers)
+        out.append(dominators(grid.rcs, system, keeps_no_core))
+    return out
+
+
 def run_branch_bound(session) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
     config = session.config
@@ -235,9 +309,6 @@ def run_branch_bound(session) -> dict:
     incumbent = max((s for s in done.values() if s is not None), default=0.0)
 
     n_m, n_r = len(grid.mbss), len(grid.rcs)
-    status = np.full((n_m, grid.n_rows, n_r), BOUND_IDEAL, dtype=np.int8)
-    bound = np.zeros((n_m, grid.n_rows, n_r))
-    score = np.full((n_m, grid.n_rows, n_r), np.nan)
     stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0, "failed": []}
 
     pool = _executor(config.workers, (model_name, config.system, session.context()))
@@ -245,14 +316,25 @@ def run_branch_bound(session) -> dict:
         t0 = time.perf_counter()
         ub0, widths = _bound_level0(session, grid, pool)  # [n_m, n_rows], per microbatch per TP width
         stats["level0_s"] = time.perf_counter() - t0
-        bound[:] = ub0[:, :, None]
+        model, system = load_model(model_name), load_system(config.system)
+        dom = recipe_dominators(grid, model, system)
+        canon = [[r for r in range(n_r) if d[r] == r] for d in dom]  # the recipes level 1 bounds, per microbatch
+        stats["recipes"] = n_r
+        stats["recipes_not_dominated"] = [len(c) for c in canon]
+        cells = Cells(n_r, ub0)
         # Settled so far: evaluated, or bounded at or below the best (best-first never evaluates those).
         progress = session.progress(grid.size, "point", phase="settled", steady=False)
         progress.update(0, incumbent if incumbent > 0 else None)
 
         def report():
-            progress.set_done(int(np.count_nonzero((bound <= incumbent) | ~np.isnan(score))),
-                              incumbent if incumbent > 0 else None, evaluated=int(np.count_nonzero(~np.isnan(score))))
+            settled = n_r * int(np.count_nonzero(ub0 <= incumbent))
+            evaluated = 0
+            for (m, row), (st_, b, sc) in cells.items():
+                settled -= n_r * int(ub0[m, row] <= incumbent)
+                done_here = ~np.isnan(sc) | (b <= incumbent) | (np.asarray(dom[m]) != np.arange(n_r))
+                settled += int(np.count_nonzero(done_here))
+                evaluated += int(np.count_nonzero(~np.isnan(sc)))
+            progress.set_done(settled, incumbent if incumbent > 0 else None, evaluated=evaluated)
         order = np.argsort(-ub0, axis=None, kind="stable")
         accels: dict[int, object] = {}
 
@@ -262,14 +344,15 @@ def run_branch_bound(session) -> dict:
             return accels[row]
 
         pos = 0  # next level-0 candidate in `order`
+        since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
         heap: list = []  # (-bound, seq, m, row, {r: ub1})
         seq = itertools.count()
         inflight: dict[Future, tuple] = {}
         failed_keys: set = set()
 
-        def record(cells, results):
+        def record(cells_done, results):
             nonlocal incumbent
-            for (m, row, r), (point, outcome, error, started, ended, trial_s) in zip(cells, results):
+            for (m, row, r), (point, outcome, error, started, ended, trial_s) in zip(cells_done, results):
                 extra = {"elapsed_s": session.elapsed(), "trial_s": trial_s, "settled": "evaluated"}
                 value = 0.0
                 if outcome is not None and outcome.feasible:
@@ -281,11 +364,14 @@ def run_branch_bound(session) -> dict:
                                                            extra, session.space))
                 session.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
                 done[point_key(session.codec, point)] = value if error is None else None
-                score[m, row, r] = value
+                status, bound, score = cells.get(m, row)
+                score[r] = value
+                if error is not None or (outcome is not None and outcome.feasible and outcome.score_bound > value):
+                    cells.unsure.add((m, row, r))
                 stats["evaluated_this_run"] += 1
                 if error is not None:  # its throughput is unknown, so it may have beaten the optimum
                     failed_keys.add(point_key(session.codec, point))
-                    stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[m, row, r]),
+                    stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[r]),
                                             "error": error})
                 if extra.get("new_best"):
                     session.tracker.log_best(incumbent, frozen.number)
@@ -296,24 +382,37 @@ def run_branch_bound(session) -> dict:
                 top1 = -heap[0][0] if heap else -np.inf
                 if max(top0, top1) <= incumbent:
                     break
-                if top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
+                evaluating = any(tag[0] == "eval" for tag in inflight.values())
+                dive = heap and not evaluating and since_eval >= DIVE_AFTER
+                if dive:  # evaluate the best bounded recipe early: an incumbent prunes cells at level 0
                     _, _, m, row, ub1 = heapq.heappop(heap)
-                    todo, cells = [], []
+                    r_best = max(ub1, key=ub1.get)
+                    rest = {r: b for r, b in ub1.items() if r != r_best}
+                    if rest:
+                        heapq.heappush(heap, (-max(rest.values()), next(seq), m, row, rest))
+                    ub1 = {r_best: ub1[r_best]}
+                    since_eval = 0
+                if dive or top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
+                    if not dive:
+                        _, _, m, row, ub1 = heapq.heappop(heap)
+                        since_eval = 0
+                    status, bound, score = cells.get(m, row)
+                    todo, todo_cells = [], []
                     for r, b in ub1.items():
                         if b <= incumbent:
                             continue
-                        status[m, row, r] = EVALUATED
+                        status[r] = EVALUATED
                         point = grid.point(m, row, r)
                         key = point_key(session.codec, point)
                         if key in done:  # finished in an earlier run of this study
-                            score[m, row, r] = done[key] or 0.0
+                            score[r] = done[key] or 0.0
                             stats["resumed"] += 1
                         else:
                             todo.append(point)
-                            cells.append((m, row, r))
+                            todo_cells.append((m, row, r))
                     if todo:
                         _end_bounding(session, stats)
-                        inflight[pool.submit(_evaluate, todo)] = ("eval", cells)
+                        inflight[pool.submit(_evaluate, todo)] = ("eval", todo_cells)
                 else:
                     flat = int(order[pos])
                     pos += 1
@@ -321,8 +420,9 @@ def run_branch_bound(session) -> dict:
                     a = accel(row)
                     rows = [[w.take([row]) for w in per_attn] for per_attn in widths[m]]
                     inflight[pool.submit(_level1, rows, grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
-                                         grid.rcs, grid.attns)] = ("l1", m, row)
-                    stats["level1_runs"] += n_r
+                                         [grid.rcs[r] for r in canon[m]], grid.attns, incumbent)] = ("l1", m, row)
+                    stats["level1_runs"] += len(canon[m])
+                    since_eval += 1
             if not inflight:
                 break
             finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
@@ -332,10 +432,11 @@ def run_branch_bound(session) -> dict:
                     record(tag[1], f.result())
                     continue
                 _, m, row = tag
-                ub1 = dict(enumerate(f.result()))
+                status, bound, _ = cells.get(m, row)
+                ub1 = dict(zip(canon[m], f.result()))
                 for r, b in ub1.items():
-                    status[m, row, r] = BOUND_PLACEMENT
-                    bound[m, row, r] = b
+                    status[r] = BOUND_PLACEMENT
+                    bound[r] = b
                 live = {r: b for r, b in ub1.items() if b > incumbent}
                 if live:
                     heapq.heappush(heap, (-max(live.values()), next(seq), m, row, live))
@@ -348,7 +449,9 @@ def run_branch_bound(session) -> dict:
 
     _end_bounding(session, stats)  # nothing left to evaluate in this run: it was all bounding
     stats["wall_s"] = time.perf_counter() - t_start
-    counts = {name: int(np.sum(status == code)) for code, name in enumerate(SETTLED)}
+    mark_evaluated(grid, cells, session.study.get_trials(deepcopy=False))  # resumed points too
+    settle_dominated(cells, dom)
+    counts = count_settled(cells, n_m * grid.n_rows, n_r)
     # The optimum is proven only if no point that could beat it failed to evaluate (an ILP that hit its
     # time limit, say); resumed failures count too.
     stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
@@ -361,17 +464,41 @@ def run_branch_bound(session) -> dict:
     if not stats["optimum_proven"]:
         stats["optimum_upper_bound"] = (None if None in open_bounds
                                         else max([incumbent] + [b for b in open_bounds if b is not None]))
-    stats.update(points=grid.size, settled=counts, evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"],
+    stats.update(points=grid.size, settled=counts, cells=n_m * grid.n_rows, cells_expanded=len(cells.cells),
+                 evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"] + counts["dominated"],
                  optimum=incumbent)
-    mark_evaluated(grid, status, score, session.study.get_trials(deepcopy=False))  # resumed points too
-    path = _write_points(grid, status, bound, score, Path(config.output_dir) / f"{session.name}-points.csv.gz")
+    path = _write_points(grid, cells, ub0, Path(config.output_dir) / f"{session.name}-points.csv.gz")
     stats["points_file"] = str(path)
     session.tracker.log_parent(metrics={"points": grid.size, "evaluated": counts["evaluated"],
                                         "evaluated_by_bound": stats["evaluated_by_bound"],
                                         "bound_ideal": counts["bound-ideal"],
-                                        "bound_placement": counts["bound-placement"]})
+                                        "bound_placement": counts["bound-placement"],
+                                        "dominated": counts["dominated"]})
     session.tracker.log_parent_file(path)
     return stats
+
+
+def settle_dominated(cells: Cells, dom: list[list[int]]) -> None:
+    """Every dominated recipe of an expanded cell that was not itself evaluated is settled by the
+    recipe dominating it: its throughput is at most that recipe's, so its bound is that recipe's
+    score when it was evaluated in this run with a proven throughput, else that recipe's bound."""
+    for (m, row), (status, bound, score) in cells.items():
+        for r, d in enumerate(dom[m]):
+            if d != r and status[r] != EVALUATED:
+                status[r] = DOMINATED
+                proven = status[d] == EVALUATED and not np.isnan(score[d]) and (m, row, d) not in cells.unsure
+                bound[r] = score[d] if proven else bound[d]
+
+
+def count_settled(cells: Cells, n_cells: int, n_r: int) -> dict:
+    """How every point was settled: the expanded cells' recipes as recorded, every recipe of the other
+    cells by level 0."""
+    counts = {name: 0 for name in SETTLED}
+    for status, _, _ in (c for _, c in cells.items()):
+        for code, name in enumerate(SETTLED):
+            counts[name] += int(np.sum(status == code))
+    counts["bound-ideal"] += (n_cells - len(cells.cells)) * n_r
+    return counts
 
 
 def _end_bounding(session, stats: dict) -> None:
@@ -384,12 +511,11 @@ def _end_bounding(session, stats: dict) -> None:
     session.study.set_user_attr("bounding_phases", [*phases, [session.offset_s, end]])
 
 
-def mark_evaluated(grid, status, score, trials) -> int:
+def mark_evaluated(grid, cells: Cells, trials) -> int:
     """Mark every grid point the study holds a finished trial of as evaluated, with its throughput (0
     when infeasible or failed), so the points file of a resumed sweep agrees with the study:
     a point evaluated by an earlier run stays `evaluated` even when this run's bounds would have
-    settled it. Returns how many cells it marked. `status`, `score`: the arrays `[mbs, row, recompute]`
-    of `run_branch_bound`."""
+    settled it (its cell is expanded if it was not). Returns how many points it marked."""
     def key(value) -> str:  # a stored point went through JSON: compare in that form
         return json.dumps(jsonable(value), sort_keys=True)
 
@@ -411,30 +537,47 @@ def mark_evaluated(grid, status, score, trials) -> int:
             m, h, r = mbs[int(point["mbs"])], hbm[key(point["hbm_gib"])], rc[key({n: point[n] for n in names})]
         except (KeyError, TypeError, ValueError):
             continue
-        row = a * len(grid.hbms) + h
-        status[m, row, r] = EVALUATED
+        status, _, score = cells.get(m, a * len(grid.hbms) + h)
+        status[r] = EVALUATED
         feasible = t.state.name == "COMPLETE" and all(v <= 0 for v in t.constraints.values()) and t.values
-        score[m, row, r] = float(t.values[0]) if feasible else 0.0  # as `run_branch_bound` records them
+        score[r] = float(t.values[0]) if feasible else 0.0  # as `run_branch_bound` records them
+        result = t.user_attrs.get("result")
+        if t.state.name == "FAIL" or (isinstance(result, dict) and result.get("proven") is False):
+            cells.unsure.add((m, a * len(grid.hbms) + h, r))
         marked += 1
     return marked
 
 
-def _write_points(grid: Grid, status, bound, score, path: Path) -> Path:
-    """Every point, how it was settled and its bound (the file users check the pruning with)."""
+def _write_points(grid: Grid, cells: Cells, ub0: np.ndarray, path: Path) -> Path:
+    """Every point, how it was settled and its bound (the file users check the pruning with). A cell
+    (architecture, HBM, microbatch) whose recipes were all settled by the ideal-scaling bound is one
+    row with `*` in every recipe column (it stands for every recipe, with that bound); an expanded
+    cell has one row per recipe."""
     import pandas as pd
 
-    n_m, n_rows, n_r = status.shape
-    m_idx, row_idx, r_idx = (a.ravel() for a in np.meshgrid(np.arange(n_m), np.arange(n_rows), np.arange(n_r),
-                                                            indexing="ij"))
+    n_m, n_rows = ub0.shape
+    n_r = len(grid.rcs)
+    expanded = sorted(cells.cells)
+    flat = np.ones(n_m * n_rows, dtype=bool)
+    for m, row in expanded:
+        flat[m * n_rows + row] = False
+    whole = np.flatnonzero(flat)  # cells settled whole by level 0
+    m_idx = np.concatenate([whole // n_rows, np.repeat([m for m, _ in expanded], n_r).astype(int)])
+    row_idx = np.concatenate([whole % n_rows, np.repeat([row for _, row in expanded], n_r).astype(int)])
+    r_idx = np.concatenate([np.full(whole.size, -1), np.tile(np.arange(n_r), len(expanded))]).astype(int)
+    status = np.concatenate([np.full(whole.size, BOUND_IDEAL, dtype=np.int8)] + [cells.cells[k][0] for k in expanded])
+    bound = np.concatenate([ub0.ravel()[whole]] + [cells.cells[k][1] for k in expanded])
+    score = np.concatenate([np.full(whole.size, np.nan)] + [cells.cells[k][2] for k in expanded])
     arch_idx, hbm_idx = np.divmod(row_idx, len(grid.hbms))
     frame = pd.DataFrame({k: np.asarray([a[k] for a in grid.archs])[arch_idx] for k in grid.archs[0]})
     frame["hbm_gib"] = np.asarray(grid.hbms)[hbm_idx]
     frame["mbs"] = np.asarray(grid.mbss)[m_idx]
     for name in grid.rcs[0]:
-        frame[name] = np.asarray([rc[name] for rc in grid.rcs], dtype=object)[r_idx]
-    frame["settled"] = np.asarray(SETTLED)[status.ravel()]
-    frame["upper_bound"] = bound.ravel()
-    frame["throughput"] = score.ravel()
+        values = np.asarray([rc[name] for rc in grid.rcs] + ["*"], dtype=object)
+        frame[name] = values[r_idx]  # -1: the "*" of a whole cell
+    frame["settled"] = np.asarray(SETTLED)[status]
+    frame["upper_bound"] = bound
+    frame["throughput"] = score
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written aside, moved into place: never half a file
     frame.to_csv(partial, index=False, compression="gzip", float_format="%.6g")

@@ -290,7 +290,8 @@ def render(summary: dict) -> str:
             c = ex["settled"]
             lines.append(f"  exhaustive: all {ex['points']:,} grid points settled: {c['evaluated']:,} evaluated, "
                          f"{ex['evaluated_by_bound']:,} by a proven bound ({c['bound-ideal']:,} ideal-scaling, "
-                         f"{c['bound-placement']:,} placement DP on lower-bound layer times)")
+                         f"{c['bound-placement']:,} placement DP on lower-bound layer times, "
+                         f"{c.get('dominated', 0):,} dominated by another recipe of their design)")
             lines.append(f"    every point and how it was settled: {ex['points_file']}")
             if not ex.get("optimum_proven", True):
                 bound = ex.get("optimum_upper_bound")

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import PhazeError
-from .placement_eval import evaluate_placement, format_bytes
+from .placement_eval import evaluate_placement, format_bytes, fsdp_exposed_s, ring_allreduce_s
 from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 INF = math.inf
@@ -65,6 +65,7 @@ MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains hav
 MAX_TRANSITIONS = 2_000_000
 _KMAX_CAP = 1 << 30  # "any number of microbatches fits"
 RTOL = 1e-9  # DP value vs evaluator
+NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +104,10 @@ class _Stack:
     bwdwin: np.ndarray  # [T, R, W] backward time per microbatch (recompute included)
     cuts: list  # cuts[k]: rows that leave at least k layers for k stages, k = 0..layers
     colcuts: list  # colcuts[k]: columns that can leave k - 1 layers for the later stages
+    # per layer [T, L]: forward, backward + recompute, parameters (ZeRO-3's prefetched gathers)
+    layer_fwd: np.ndarray | None = None
+    layer_bwd: np.ndarray | None = None
+    layer_params: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -257,6 +262,7 @@ def _chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> _St
         kmax=_kmax(base_f, stash_f, problem.hbm_bytes),
         cuts=[L - k + 1 for k in range(L + 1)],
         colcuts=[max(1, min(W, L - k + 1)) for k in range(L + 1)],
+        layer_fwd=fwd, layer_bwd=bwd + rec, layer_params=stacked("params"),
     )
 
 
@@ -353,6 +359,8 @@ def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
         kmax=_kmax(arrays["base"], arrays["stash"], problem.hbm_bytes),
         cuts=[int(np.searchsorted(sizes, n - k, side="right")) for k in range(n + 1)],
         colcuts=[W] * (n + 1),
+        layer_fwd=np.stack([c.fwd_s for c in costs]), layer_bwd=np.stack([c.bwd_s + tm[2] for c, tm in zip(costs, terms)]),
+        layer_params=np.stack([c.params for c in costs]),
         **arrays,
     )
 
@@ -681,6 +689,121 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
+def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
+    ZeRO-3 with FSDP's prefetch (`placement_eval.fsdp_exposed_s`), forward and backward pass, from
+    the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
+    g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
+    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms."""
+    f, bw = st.layer_fwd[b], st.layer_bwd[b]
+    L = st.n_layers
+    R, W = st.dst.shape
+    out = np.full((1, R, W), INF)
+    out_b = np.full((1, R, W), INF)
+    if st.masks is None:
+        pf = np.zeros(L)
+        pf[:-1] = np.maximum(f[:-1], gather[1:]) - f[:-1]
+        pb = np.zeros(L)
+        pb[1:] = np.maximum(bw[1:], gather[:-1]) - bw[1:]
+
+        def window(row):
+            padded = np.concatenate([row, np.zeros(W)])
+            return np.lib.stride_tricks.sliding_window_view(padded, W)[:L, :]
+
+        wf, wb, wg = window(pf), window(pb), window(gather)
+        fwd = wg[:, :1] + (np.cumsum(wf, axis=1) - wf)
+        bwd = wg + (np.cumsum(wb, axis=1) - wb[:, :1])
+        out[0, :L] = fwd
+        out_b[0, :L] = bwd
+        return out, out_b
+    for r in range(R - 1):
+        for a in range(W):
+            if int(st.dst[r, a]) >= R:
+                continue
+            members = st.members(r, a)
+            g = [float(gather[v]) for v in members]
+            out[0, r, a] = fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
+            out_b[0, r, a] = fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True)
+    return out, out_b
+
+
+def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
+    """The (width, d, links[, S]) groups of `_search_general`, each with its (lower bound, S,
+    pipeline multiplier) items, least bound first; items whose bound is infinite are left out.
+
+    Lower bounds on the time per batch of any placement of the item (exposed parts only: an overlap
+    can hide the reductions): C x (m + (S - 1) / v) + tail, with C at least the memory-free least
+    bottleneck (`free`) and, under ZeRO-3, at least the mean stage time, which is at least
+    (all layers' work + 2 S gathers of P / S parameters) / S, since a ring all-gather's time is
+    affine in its bytes (so the gathers of the S stages add up to S gathers of the mean stage); the
+    tail at least the reduction and optimizer step of the mean stage (the largest is no smaller).
+    Vectorised over every (d, S) of a width: a 1024-device system has thousands of them.
+    """
+    system = problem.system
+    N, dpn = system.accelerators, system.devices_per_node
+    w_b, g_b, o_b = state_split(system)
+    L = costs[0].n_layers
+    intra, inter = system.intra_node, system.inter_node
+    groups: dict = {}
+    for b, c in enumerate(costs):
+        t = c.tp
+        total_params = float(np.sum(c.params))
+        kept, _, rec = _layer_terms(problem, c)
+        kept_total = float(np.sum(kept))
+        work_total = float(np.sum(c.fwd_s + c.bwd_s) + np.sum(rec))
+        ds = np.arange(1, N // t + 1, dtype=np.int64)
+        counts = np.minimum(L, N // (t * ds))
+        d = np.repeat(ds, counts)
+        S = np.concatenate([np.arange(1, k + 1) for k in counts]).astype(np.int64)
+        m = -(-system.global_batch // (problem.mbs * d))
+        ok = np.ones(d.shape, dtype=bool)
+        if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
+            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        h = (dpn % (S * t) == 0).astype(np.int64)
+        ring = (S * t * d <= dpn).astype(np.int64)
+        mult = m + (S - 1) / v
+        lat = np.where(ring == 1, intra.latency, inter.latency)
+        bw = np.where(ring == 1, intra.bandwidth, inter.bandwidth)
+
+        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement_eval.ring_half_s)
+            return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
+
+        big = total_params / S
+        c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
+        tail_lb = np.zeros(d.shape)
+        if problem.zero == 3:
+            # Each pass of a stage takes at least its compute and at least its layers' gathers (one
+            # link, each layer waits for its own), and at least its compute plus its first layer's
+            # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
+            # the mean stage is at least this.
+            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
+            f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
+            over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
+            first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
+            # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
+            scatter = 0.0 if problem.overlap_grad_reduce else S * half(big * g_b)
+            c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
+        elif not problem.overlap_grad_reduce:
+            tail_lb = half(big * g_b) + half(big * (g_b if problem.zero == 0 else w_b))
+        if problem.hbm_bandwidth > 0:
+            tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
+        with np.errstate(invalid="ignore"):
+            lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
+        # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
+        # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
+        # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
+        coef = {0: w_b + g_b + o_b, 1: w_b + g_b + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.zero]
+        inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
+        mem_lb = (total_params * coef + inflight * kept_total) / S
+        ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
+        keep = np.flatnonzero(ok & np.isfinite(lb))
+        s_key = np.where((v > 1) & (S > 1), S, 0)
+        for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
+            key = (b, int(d[i]), int(h[i]), int(ring[i]), int(s_key[i]))
+            groups.setdefault(key, []).append((float(lb[i]), int(S[i]), float(mult[i])))
+    return groups
+
+
 def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _Best:
     """Exact search when memory or the per-batch tail depends on the replica count d (ZeRO,
     overlapped reduction) or the in-flight count on the stage count S (interleaving).
@@ -707,44 +830,22 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     tops = [min(L, N // c.tp) for c in costs]
     free = {h: _sweep(st, blocks, lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
                       *_start(st, T)) for h in (0, 1)}
-    groups: dict = {}
-    for b, c in enumerate(costs):
-        t = c.tp
-        total_params = float(np.sum(c.params))
-        for d in range(1, N // t + 1):
-            m = problem.microbatches(d)
-            for S in range(1, min(L, N // (t * d)) + 1):
-                if problem.interleaves(S, d):
-                    continue
-                h = int(dpn % (S * t) == 0)
-                ring = int(S * t * d <= dpn)
-                mult = m + (S - 1) / v
-                # Lower bounds: the memory-free bottleneck, ZeRO-3's per-microbatch collectives and
-                # the per-batch tail of the largest stage (at least the average), all exposed parts
-                # only (the overlap can hide the reductions).
-                link = system.intra_node if ring else system.inter_node
-                big = total_params / S
-                c_lb = float(free[h].f[S - 1, b, 0])
-                tail_lb = 0.0
-                if problem.zero == 3:
-                    c_lb = max(c_lb, float(2.0 * _half(np.float64(big * w_b), d, link)))
-                elif not problem.overlap_grad_reduce:
-                    tail_lb = float(_half(np.float64(big * g_b), d, link) + _half(np.float64(big * (g_b if problem.zero == 0 else w_b)), d, link))
-                if problem.hbm_bandwidth > 0:
-                    tail_lb += big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
-                lb = c_lb * mult + tail_lb
-                if not math.isfinite(lb):
-                    continue
-                key = (b, d, h, ring, S if (v > 1 and S > 1) else 0)
-                groups.setdefault(key, []).append((lb, S, mult))
-    order = sorted(groups.items(), key=lambda kv: min(x[0] for x in kv[1]))
+    groups = _general_groups(problem, costs, free, v)
+    order = sorted(groups.items(), key=lambda kv: kv[1][0][0])
     best = _Best()
     valid = np.isfinite(st.grad)
     for (b, d, h, ring_intra, S_only), items in order:
+        if items[0][0] >= best.time:  # groups come by their least bound: none after this one can win
+            break
         items = [x for x in items if x[0] < best.time]
-        if not items:
-            continue
         stats["groups"] = stats.get("groups", 0) + 1
+        if stats["groups"] == NO_FIT_CHECK and not math.isfinite(best.time):
+            # Many groups and no placement that fits yet: when even the least memory any placement
+            # needs (a lower bound under ZeRO and interleaving) exceeds HBM, none will.
+            need = min_memory_needed(problem, force_dag)
+            stats["min_memory"] = need
+            if need[0] > problem.hbm_bytes:
+                return best
         m = problem.microbatches(d)
         ring = system.intra_node if ring_intra else system.inter_node
         sl = slice(b, b + 1)
@@ -754,9 +855,11 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         tail = np.zeros(params.shape)
         if problem.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
-            if problem.overlap_grad_reduce:
-                scatter = np.maximum(0.0, scatter - bwdwin)
-            time_g = time_g + (2.0 * _half(params0 * w_b, d, ring) + scatter)
+            gather = _half(st.layer_params[b] * w_b, d, ring)
+            exposed_f, exposed_b = _zero3_exposed(st, b, gather)
+            if problem.overlap_grad_reduce:  # beside the whole backward pass (placement_eval)
+                scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
+            time_g = time_g + (exposed_f + exposed_b + scatter)
         else:
             if problem.zero == 0:
                 with np.errstate(invalid="ignore"):
@@ -764,7 +867,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             else:
                 reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.overlap_grad_reduce:
-                reduce = np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0))
+                reduce = (np.zeros_like(reduce) if problem.reduction_hidden
+                          else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)
@@ -788,6 +892,21 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         time_g = np.where(valid[sl] & (kmax >= 1), time_g, INF)
         st_g = replace(st, grad=tail)
         active = {S: mult for _, S, mult in items}
+        # The least largest-stage tail an S-stage split can have: the optimizer step, and without
+        # overlap the reduction, grow with the stage's parameters (affine in them), and the largest
+        # stage holds at least max(P / S, the largest layer); an overlapped reduction can be 0.
+        floor = {}
+        c = costs[b]
+        for S in active:
+            p = np.float64(max(float(np.sum(c.params)) / S, float(np.max(c.params))))
+            red = 0.0  # ZeRO-3 reduces per microbatch; an overlapped reduction may hide entirely
+            if problem.zero == 0 and not problem.overlap_grad_reduce:
+                red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
+            elif problem.zero == 1 and not problem.overlap_grad_reduce:
+                red = float(_half(p * g_b, d, ring) + _half(p * w_b, d, ring))
+            step = p * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth \
+                if problem.hbm_bandwidth > 0 else 0.0
+            floor[S] = (red + step) * (1.0 - 1e-12)
         x = INF
         while active:
             stats["sweeps"] = stats.get("sweeps", 0) + 1
@@ -809,7 +928,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                     best.tp = costs[b].tp
                     best.dp = d
                     best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
-                if C * mult < best.time and G > 0:
+                if C * mult + floor[S] < best.time and G > floor[S]:
                     nxt[S] = (mult, G)
             active = {S: mg[0] for S, mg in nxt.items()}
             if active:
@@ -899,7 +1018,7 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     search = _search if problem.simple else _search_general
     best = search(problem, costs, force_dag, stats)
     if not math.isfinite(best.time):
-        need, where = min_memory_needed(problem, force_dag)
+        need, where = stats.get("min_memory") or min_memory_needed(problem, force_dag)
         reason = (
             f"no placement fits in HBM: the smallest memory any placement needs is {format_bytes(need)} per "
             f"device (tp {where.get('tp')}, pp {where.get('pp')}, dp {where.get('dp')}), more than the "

@@ -17,11 +17,14 @@ disagreement in the tests. The model it implements (the definition the DP must o
   later stages. Each direction with anything to receive costs one message on the pipeline link:
   latency + bytes / bandwidth; with v virtual stages (interleaved 1F1B) every microbatch crosses
   v times as many stage boundaries, so v times the messages (Narayanan et al., SC'21, Sec. 2.2).
-  With ZeRO-3 the stage also all-gathers its parameters over the d replicas before its forward and
-  again before its backward, and reduce-scatters its gradients after the backward, every
-  microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x bytes / bw +
-  (d - 1) x latency each); with overlap_grad_reduce only the part of that reduce-scatter longer
-  than the stage's backward is exposed.
+  With ZeRO-3 the stage also all-gathers each layer's parameters over the d replicas before the
+  layer's forward and again before its backward, and reduce-scatters its gradients after the
+  backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
+  bytes / bw + (d - 1) x latency each). The gathers are prefetched as FSDP does (`fsdp_exposed_s`:
+  each layer's gather runs during the previous layer's compute of the same pass; only what does not
+  fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
+  than the stage's backward pass (its compute and exposed gathers) is exposed, so the stage time
+  holds max(backward pass, reduce-scatter), non-decreasing in every layer time.
 - Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
   parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part and with
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
@@ -47,7 +50,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   overlap_grad_reduce the reduction of a stage's gradients runs beside the backward of the last
   microbatch (Megatron's `--overlap-grad-reduce` launches each bucket's reduction as soon as its
   gradients are final, i.e. during the last microbatch's backward; Li et al., VLDB 2020, PyTorch
-  DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed. The
+  DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed (0 in the
+  lower-bound mode `PlacementProblem.reduction_hidden`, see design/upper_bound.py). The
   optimizer step reads the gradients and the optimizer state and writes the state and the
   weights once per batch on HBM: params x (weight + gradient + 2 x optimizer) bytes / HBM
   bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
@@ -89,6 +93,23 @@ def ring_half_s(nbytes: float, replicas: int, bandwidth: float, latency: float) 
         return 0.0
     steps = replicas - 1
     return steps * latency + steps / replicas * nbytes / bandwidth
+
+
+def fsdp_exposed_s(compute: list, gathers: list, reverse: bool) -> float:
+    """The all-gather time one pass of a ZeRO-3 stage exposes, with FSDP's prefetch: the first
+    layer's parameters are gathered before it runs, and each further layer's gather runs while the
+    layer before it (in the pass's order: forward ascending, backward descending) computes, so only
+    max(0, gather - that compute) of it shows (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3.2,
+    forward and backward prefetching; Rajbhandari et al., ZeRO, SC'20, Sec. 7). Written as
+    gather_first + sum of (max(compute_prev, gather_next) - compute_prev): the pass time, compute
+    plus this, is non-decreasing in every compute time (the bound of design/upper_bound relies on it)."""
+    order = list(range(len(compute)))[::-1] if reverse else list(range(len(compute)))
+    if not order:
+        return 0.0
+    exposed = gathers[order[0]]
+    for prev, nxt in zip(order[:-1], order[1:]):
+        exposed += max(compute[prev], gathers[nxt]) - compute[prev]
+    return exposed
 
 
 def _ceil(x: float) -> float:
@@ -134,6 +155,7 @@ def evaluate_placement(
         stash = 0.0
         working = 0.0
         flops = 0.0
+        rec_of = {}
         for v in layers:
             compute += float(costs.fwd_s[v]) + float(costs.bwd_s[v])
             params += float(costs.params[v])
@@ -147,6 +169,7 @@ def evaluate_placement(
             if zero == 3:  # the layer's gathered parameters live through its forward and backward
                 work += float(costs.params[v]) * w_b
             recompute += rec
+            rec_of[v] = rec
             backward += float(costs.bwd_s[v]) + rec
             stash += kept
             working = max(working, work)
@@ -163,11 +186,14 @@ def evaluate_placement(
         weight_bytes = params * w_b
         zero3_s = 0.0
         if zero == 3:
-            gather = ring_half_s(weight_bytes, d, ring.bandwidth, ring.latency)
+            gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
+            fwds = [float(costs.fwd_s[v]) for v in layers]
+            bwds = [float(costs.bwd_s[v]) + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
-            if problem.overlap_grad_reduce:
-                scatter = max(0.0, scatter - backward)
-            zero3_s = 2.0 * gather + scatter
+            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
+            if problem.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
+                scatter = max(0.0, scatter - (backward + exposed_bwd))
+            zero3_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
         if v_virt > 1 and S > 1:
             chunks = min(2 * (k - 1) + (v_virt - 1) * S + 1, m * v_virt)
@@ -193,7 +219,7 @@ def evaluate_placement(
         else:
             reduce = 0.0
         if problem.overlap_grad_reduce:
-            reduce = max(0.0, reduce - backward)
+            reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
         if zero:
             step_bytes = step_bytes / d

@@ -202,6 +202,11 @@ class PlacementProblem:
     hbm_bandwidth: float = 0.0
     interleave_layers: int = 0
     training: object = None
+    # Lower-bound mode (design/upper_bound.placement_throughput): an overlapped data-parallel
+    # reduction counts as wholly hidden (exposed 0). Its exposed part max(0, reduction - backward) is
+    # the one time term that falls as layer times grow, so a bound on lower-bound layer times must not
+    # charge it; every other term keeps its cost. Never set for an evaluation.
+    reduction_hidden: bool = False
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -237,6 +242,7 @@ class PlacementProblem:
             raise ValueError(f"PlacementProblem.zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         object.__setattr__(self, "zero", int(self.zero))
         object.__setattr__(self, "overlap_grad_reduce", bool(self.overlap_grad_reduce))
+        object.__setattr__(self, "reduction_hidden", bool(self.reduction_hidden))
         if not (self.hbm_bandwidth >= 0 and math.isfinite(self.hbm_bandwidth)):
             raise ValueError(f"PlacementProblem.hbm_bandwidth must be finite and non-negative, got {self.hbm_bandwidth!r}")
         il = int(self.interleave_layers) or first.n_layers

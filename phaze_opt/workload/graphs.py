@@ -106,6 +106,29 @@ def build_layer_graph(
     return graph
 
 
+SP_COLLECTIVE = "reducescatter+allgather"
+
+
+def sequence_parallel_graph(graph: LayerGraph) -> LayerGraph:
+    """The layer graph with sequence parallelism's collectives (Korthikanti et al. 2022, Sec. 4.2.2):
+    every TP all-reduce of the residual stream (a payload as large as the layer's output, the
+    hidden states of the microbatch) becomes a reduce-scatter into the sequence-parallel region plus
+    an all-gather out of it (`collective` SP_COLLECTIVE, costed as that pair by the hardware model).
+    The vocabulary-parallel loss's smaller reductions stay all-reduces. Memory by SP is priced by
+    `Layer.activation_bytes_for`; at t = 1 there is nothing to change."""
+    if graph.tp == 1:
+        return graph
+    sizes = {layer.kind: layer.boundary_bytes for layer in graph.layers}
+    op_graphs = {}
+    for kind, passes in graph.op_graphs.items():
+        op_graphs[kind] = {}
+        for name, og in passes.items():
+            ops = tuple(dataclasses.replace(op, collective=SP_COLLECTIVE)
+                        if op.collective == "allreduce" and op.comm_bytes == sizes.get(kind) else op for op in og.ops)
+            op_graphs[kind][name] = dataclasses.replace(og, ops=ops)
+    return dataclasses.replace(graph, op_graphs=op_graphs)
+
+
 def _check_exact(model: ModelConfig, graph: LayerGraph) -> None:
     """Each field may be within its limit and the whole still too large: the placement adds every
     layer's bytes once per microbatch in flight, and float64 adds whole bytes exactly only below
