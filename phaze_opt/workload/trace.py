@@ -349,6 +349,13 @@ class _Mapper:
                     param_only.add(n)
         self.const, self.act_dep, self.param_only = const, act_dep, param_only
 
+    def _param_grad_bases(self) -> set:
+        """The nodes whose values (or views of them) are the parameter gradients."""
+        if not hasattr(self, "_pgrad"):
+            start = self.n_outs + self.n_grad_inputs
+            self._pgrad = {self._alias_base(g) for g in self.outputs[start:] if isinstance(g, torch.fx.Node)}
+        return self._pgrad
+
     def _producer(self, node):
         """The op node that computes a value: getitems stand for their multi-output parent."""
         while node.op == "call_function" and node.target is operator.getitem:
@@ -466,8 +473,9 @@ class _Mapper:
             bt, m, k, cols = (int(x) for x in dims)
             epilogue = bt * m * cols if name in ("addmm", "baddbmm") else 0  # bias add into the accumulators
             kind = _GEMMS[name]
-            if name == "bmm" and any(self._alias_base(x) in self.param_ph for x in n.args[-2:]):
-                kind = "grouped_gemm"  # a MoE's experts, one GEMM each, batched (not attention)
+            if name == "bmm" and (any(self._alias_base(x) in self.param_ph for x in n.args[-2:])
+                                  or n in self._param_grad_bases()):
+                kind = "grouped_gemm"  # a MoE's experts (and their weight gradients), batched; not attention
             return _Cost(TC, kind, gemm=(bt, m, k, cols), flops=2.0 * bt * m * k * cols + epilogue)
         kind, vkind = _VECTOR.get(name) or _OTHER_VECTOR.get(name) or (None, None)
         if kind is None:
