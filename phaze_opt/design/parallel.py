@@ -27,6 +27,7 @@ import numpy as np
 from ..hardware.latency import estimate
 from ..solve.placement_types import LayerCosts
 from ..workload.graphs import build_layer_graph, routed_expert_params
+from ..workload.layers import layer_sequence
 from ..workload.models import ModelConfig
 
 CP_MIN_SEQ = 8192
@@ -60,6 +61,30 @@ def _expert_s(op_graph, single) -> float:
     return float(sum(single[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
 
 
+def parallel_sizes(costs: LayerCosts, model: ModelConfig, mbs: int, cp: int = 1) -> LayerCosts:
+    """`costs` (at its TP width, for `model`'s sequence) with the EP/CP per-layer sizes (routed
+    expert parameters, all-to-all and K/V bytes) and no time terms: what the bounds use
+    (design/upper_bound.py), the time terms being non-negative additions."""
+    t = costs.tp
+    kinds = _layer_kinds(model)
+    e_bytes = model.bytes_per_element
+    tokens = mbs * model.seq
+    expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
+    dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
+    kv = 2.0 * tokens * (model.kv_heads // t) * model.head_dim * e_bytes
+    return replace(
+        costs,
+        expert_params=[expert_params if k == "block" and model.moe else 0.0 for k in kinds],
+        dispatch_bytes=[dispatch if k == "block" and model.moe else 0.0 for k in kinds],
+        kv_bytes=[kv if k in ("block", "dense_block") else 0.0 for k in kinds],
+        cp=cp,
+    )
+
+
+def _layer_kinds(model: ModelConfig) -> list[str]:
+    return [kind for _, kind in layer_sequence(model)]
+
+
 def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, system, attention, cp: int = 1) -> LayerCosts:
     """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms."""
     t = costs.tp
@@ -74,22 +99,13 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, s
             "expert": (_expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
                        _expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
         }
-    e_bytes = model.bytes_per_element
-    tokens = mbs * graph.seq
-    expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
-    dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
-    kv = 2.0 * tokens * (model.kv_heads // t) * model.head_dim * e_bytes
     rows = [(l.kind, l.kind == "block" and model.moe, l.kind in ("block", "dense_block")) for l in graph.layers]
     return replace(
-        costs,
-        expert_params=[expert_params if moe else 0.0 for _, moe, _ in rows],
-        dispatch_bytes=[dispatch if moe else 0.0 for _, moe, _ in rows],
+        parallel_sizes(costs, model, mbs, cp),
         expert_fwd_s=[per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows],
         expert_bwd_s=[per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows],
         core_fwd_s=[per_kind[k]["core"][0] if attn else 0.0 for k, _, attn in rows],
         core_bwd_s=[per_kind[k]["core"][1] if attn else 0.0 for k, _, attn in rows],
-        kv_bytes=[kv if attn else 0.0 for _, _, attn in rows],
-        cp=cp,
     )
 
 

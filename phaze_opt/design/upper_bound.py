@@ -28,6 +28,15 @@ are no lower; the attention kernel changes the layer graph, so a space with both
 the larger of the two bounds (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
 bandwidth), which lets one bound cover a whole architecture.
 
+Expert and context parallelism (issue 19). EP adds no work per device (the balanced experts'
+FLOPs are the traced ones; imbalance and all-to-alls only add), so level 0 stands. With CP c a
+stage's t c devices share each microbatch: time per batch >= B / (mbs d S) x W_{t,c} with W_{t,c}
+the lower-bound work of the layers traced at s / c (the further ring-attention blocks only add), so
+level 0 takes min over t and c of t c W_{t,c} (`WidthBounds.cp_bounds`). Level 1 runs the EP/CP
+placement search with the sizes exact (expert parameters, all-to-all and K/V bytes) and the time
+terms at their lower bounds: the experts' imbalance and the attention cores at zero (CP's per-step
+time (c - 1) max(core, K/V hop) is non-decreasing in the core, so zero bounds it).
+
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
 point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall
 with longer layer times (an overlapped reduction's exposed part is the one term that shrinks as
@@ -43,11 +52,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
-from ..solve.placement import optimal_placement
+from ..solve.expert_parallel import optimal_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
 from ..system import Link
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
+from .parallel import cp_widths, ep_widths, parallel_sizes
 
 PASSES = ("fwd", "bwd")
 LAMBDAS = np.linspace(0.0, 1.0, 21)
@@ -115,6 +125,8 @@ class WidthBounds:
     kind_fwd: np.ndarray
     kind_bwd: np.ndarray
     layer_kind: np.ndarray  # [n_layers] index into the kinds
+    cp: int = 1  # the context-parallel width: these are the layers traced at seq / cp
+    cp_bounds: tuple = ()  # the same at each further CP width of the model (cp > 1), for long sequences
 
     @property
     def work(self) -> np.ndarray:
@@ -126,13 +138,31 @@ class WidthBounds:
         return self.kind_fwd[row, self.layer_kind], self.kind_bwd[row, self.layer_kind]
 
     def take(self, rows) -> "WidthBounds":
-        return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind)
+        return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind, self.cp,
+                           tuple(w.take(rows) for w in self.cp_bounds))
+
+    def all_cp(self) -> list["WidthBounds"]:
+        """These bounds and those of every further CP width."""
+        return [self, *self.cp_bounds]
+
+
+def concat_bounds(chunks: list[WidthBounds]) -> WidthBounds:
+    """Design rows of several chunks of one width, in order (CP bounds included)."""
+    first = chunks[0]
+    return WidthBounds(first.tp, np.concatenate([c.kind_fwd for c in chunks]), np.concatenate([c.kind_bwd for c in chunks]),
+                       first.layer_kind, first.cp,
+                       tuple(concat_bounds([c.cp_bounds[i] for c in chunks]) for i in range(len(first.cp_bounds))))
 
 
 def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
-                       attention: str | None = None) -> WidthBounds:
+                       attention: str | None = None, cp: int = 1) -> WidthBounds:
     """Lower bounds on every layer kind's forward and backward time at TP width `tp`, per design
-    (with the given attention kernel; None: the model's own)."""
+    (with the given attention kernel; None: the model's own); for a model whose sequence CP may
+    split, also at every further CP width (`cp_bounds`)."""
+    further = ()
+    if cp == 1:
+        further = tuple(layer_lower_bounds(replace(model, seq=model.seq // c), designs, mbs, system, tp, attention, c)
+                        for c in cp_widths(model)[1:] if tp * c <= system.accelerators)
     graph = build_layer_graph(model, tp, mbs, attention=attention)
     link = system.tp_link(tp)
     num_tc, num_vc = designs.num_tc[:, 0], designs.num_vc[:, 0]
@@ -145,7 +175,7 @@ def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
                 lat = estimate(og, slice_designs(designs, lo, hi), interconnect=link)
                 out[pass_name][lo:hi, k] = pass_lower_bounds(og, lat.single, lat.split, num_tc[lo:hi], num_vc[lo:hi])
     layer_kind = np.array([graph.kinds.index(layer.kind) for layer in graph.layers], dtype=int)
-    return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind)
+    return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind, cp=cp, cp_bounds=further)
 
 
 def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
@@ -154,7 +184,7 @@ def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
 
 def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> np.ndarray:
     """Level 0: sequences/s no placement of any HBM or recompute setting can exceed, [n_designs]."""
-    device_seconds = np.min(np.stack([w.tp * w.work for w in widths]), axis=0)
+    device_seconds = np.min(np.stack([w.tp * w.cp * w.work for width in widths for w in width.all_cp()]), axis=0)
     with np.errstate(divide="ignore"):
         return np.where(device_seconds > 0, mbs * accelerators / device_seconds, np.inf)
 
@@ -181,9 +211,17 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     if overlap_grad_reduce:
         free = Link(1e300, 0.0)
         system = replace(system, intra_node=free, inter_node=free)
+
+    def costs_of(w):
+        m = replace(model, seq=model.seq // w.cp) if w.cp > 1 else model
+        g = build_layer_graph(m, w.tp, mbs, attention=attention)
+        return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel),
+                              m, mbs, w.cp)
+
+    further = [costs_of(cw) for w in widths for cw in w.cp_bounds]
     problem = PlacementProblem(
-        costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel)
-                    for g, w in zip(graphs, widths)),
+        costs=tuple(costs_of(w) for w in widths),
+        ep_widths=ep_widths(model), cp_widths=tuple(sorted({1, *(c.cp for c in further)})), cp_costs=tuple(further),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
         virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,

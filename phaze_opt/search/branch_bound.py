@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import (CHUNK, WidthBounds, ideal_throughput, layer_lower_bounds, placement_throughput,
-                                  slice_designs)
+from ..design.upper_bound import (CHUNK, WidthBounds, concat_bounds, ideal_throughput, layer_lower_bounds,
+                                  placement_throughput, slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
@@ -146,9 +146,7 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
 
 
 def _concat(chunks: list[WidthBounds]) -> WidthBounds:
-    first = chunks[0]
-    return WidthBounds(first.tp, np.concatenate([c.kind_fwd for c in chunks]),
-                       np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
+    return concat_bounds(chunks)  # issue 19: keeps the CP widths' bounds
 
 
 def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list) -> list[float]:
