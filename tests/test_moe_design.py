@@ -147,3 +147,37 @@ def test_mlflow_logs_ep_and_cp():
     rec = trial_record(frozen(result=result), study_name="s", sampler="tpe", models=["m"], mode="sampled")
     assert (rec.metrics["ep"], rec.metrics["cp"]) == (8, 2)
     assert "TP 8 x PP 4 x DP 32 (EP 8) x CP 2" in trial_note("COMPLETE", result)
+
+
+def test_published_comparison_gains_the_extra_rows(tmp_path):
+    """The MoE / long-context section: rows 1, 2 and 4 per extra model, ratios to row 1, rendered."""
+    from phaze_opt.experiments.published import EXTRA_ROWS, PublishedConfig, render, run_published
+    from test_study_fakes import backend
+
+    cfg = PublishedConfig(models=("m-small",), systems=("default",), space="fake", trials=12,
+                          output_dir=str(tmp_path / "published"), tracking_uri="off", extra_models=("m-big",))
+    result = run_published(cfg, backend())
+    extra = result["systems"]["default"]["extra_rows"]
+    assert list(extra) == ["m-big"] and list(extra["m-big"]) == list(EXTRA_ROWS)
+    rows = extra["m-big"]
+    assert rows["tpuv4_expert"].ratio == pytest.approx(1.0)
+    assert rows["co_optimised"].throughput >= rows["tpuv4_optimal"].throughput  # the study evaluates TPUv4 first
+    text = render(result)
+    assert "### MoE and long context, system `default`" in text and "| m-big |" in text
+
+
+def test_published_cli_defaults_to_the_moe_and_long_context_models():
+    from phaze_opt.commands.published import add_arguments, config_from_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args([])).extra_models == ("mixtral-8x7b", "llama2-7b-32k")
+    assert config_from_args(p.parse_args(["--no-extra"])).extra_models == ()
+
+
+def test_expert_placements_may_name_ep_and_cp():
+    assert load_model("mixtral-8x7b").expert_placement == {"tp": 4, "pp": 8, "dp": 32, "ep": 8}
+    assert load_model("llama2-7b-32k").expert_placement == {"tp": 8, "pp": 4, "dp": 8, "cp": 4}
+    with pytest.raises(PhazeError, match="'xp': unknown field; allowed fields are cp, dp, ep, pp, tp"):
+        parse_model(dict(TINY, expert_placement={"tp": 1, "pp": 1, "dp": 1, "xp": 2}), "t.yaml")

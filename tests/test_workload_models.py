@@ -38,7 +38,7 @@ MEGATRON = tuple(f"megatron-gpt-{size}" for size in (
 
 
 # Mixture-of-experts models (issue 19); their sizes are tested in test_workload_moe.py.
-MOE = ("mixtral-8x7b", "deepseek-moe-16b")
+MOE = ("mixtral-8x7b", "deepseek-moe-16b", "llama2-7b-32k")  # and the long-context Llama
 
 
 def test_every_shipped_config_is_listed():

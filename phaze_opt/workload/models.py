@@ -238,8 +238,8 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     expert = data["expert_placement"]
     if not isinstance(expert, dict):
         raise config_error(file, "expert_placement", f"must be a mapping with tp, pp and dp, got {expert!r}")
-    configs.check_keys(expert, file, ("tp", "pp", "dp"))
-    for key in ("tp", "pp", "dp"):
+    configs.check_keys(expert, file, ("tp", "pp", "dp"), ("ep", "cp"))  # ep, cp: expert / context parallelism
+    for key in ("tp", "pp", "dp", *(k for k in ("ep", "cp") if k in expert)):
         configs.positive_int(expert, key, file, limit=EXPERT_LIMIT, field=f"expert_placement.{key}")
     if expert["tp"] not in tp_widths:
         raise config_error(
@@ -256,7 +256,7 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         name=name.strip(), family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
         ffn=ffn, seq=seq, vocab=vocab, activation=activation, norm=norm, position=position,
         tied_embeddings=tied, tp_widths=tp_widths,
-        expert_placement={"tp": expert["tp"], "pp": expert["pp"], "dp": expert["dp"]},
+        expert_placement={k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert},
         positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
         norm_eps=norm_eps, attention=attention, source=str(file), **moe,
     )
