@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,7 +60,8 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
     moe = (lc.expert_params > 0) | (lc.expert_fwd_s > 0)
     expert = lc.expert_params.copy()
     if np.any(moe):
-        a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in lc.dispatch_bytes])
+        sizes, where = np.unique(lc.dispatch_bytes, return_inverse=True)
+        a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
         fwd = np.where(moe, fwd + (imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a, fwd)
         bwd = np.where(moe, bwd + (imb - 1.0) * lc.expert_bwd_s + 2.0 * a2a, bwd)
         expert = np.where(moe, np.ceil(expert / e), expert)
@@ -74,8 +75,12 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
         fwd = fwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
         bwd = bwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
         extra = (c - 1) * core_bytes
-    return replace(
-        lc,
+    zeros = np.zeros(lc.n_layers)
+    # Every array below is finite, non-negative and whole where it must be (built from validated
+    # ones by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
+    out = object.__new__(LayerCosts)
+    out.__dict__.update(lc.__dict__)
+    out.__dict__.update(
         fwd_s=fwd,
         bwd_s=bwd,
         params=lc.params - lc.expert_params + expert,
@@ -85,9 +90,10 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
         selective_work_bytes=c * lc.selective_work_bytes,
         selective_s=c * lc.selective_s,
         # the arrays below only feed `effective_costs` itself; zero so nothing is added twice
-        dispatch_bytes=None, expert_fwd_s=None, expert_bwd_s=None, core_fwd_s=None, core_bwd_s=None, kv_bytes=None,
+        dispatch_bytes=zeros, expert_fwd_s=zeros, expert_bwd_s=zeros, core_fwd_s=zeros, core_bwd_s=zeros, kv_bytes=zeros,
         cp=1,
     )
+    return out
 
 
 def _stage_sums(st, per_layer: np.ndarray) -> np.ndarray:
@@ -134,126 +140,176 @@ def _degrees(problem: PlacementProblem, top: int, e: int) -> list[int]:
     return out
 
 
-def _search_ec(problem: PlacementProblem, costs: list, e: int, c: int, best: _Best, stats: dict, force_dag: bool):
-    """The exact search at fixed (e, c) over TP widths, d, S and splits; improves `best` in place."""
+@dataclass
+class _Prepared:
+    """One (e, c): the stage stack of its effective costs, per-stage expert parameters, stage times
+    per pipeline link, and every (width, d, S) with its lower bound, grouped."""
+
+    e: int
+    c: int
+    costs: list
+    st: object
+    experts: np.ndarray
+    times: dict
+    groups: list  # [(min lower bound, (b, d, h, ring, S_only), [(lb, S, mult), ...]), ...]
+
+
+def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool) -> _Prepared | None:
+    """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays."""
     system = problem.system
     N = system.accelerators
     dpn = system.devices_per_node
     v = problem.virtual_stages
-    w_b, g_b, o_b = state_split(system)
-    st = _stack(problem, costs, force_dag)
-    valid = np.isfinite(st.grad)
-    experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
-    links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
-    L = st.n_layers
+    L = costs[0].n_layers
     T = len(costs)
     tops = [min(L, N // (lc.tp * c)) for lc in costs]
     if max(tops) < 1:
-        return
+        return None
+    st = _stack(problem, costs, force_dag)
+    experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
+    links = {0: system.inter_node, 1: system.intra_node}
+    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
     free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
-                      *_start(st, T)) for h in (0, 1)}
-    groups: dict = {}
+                      *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
+    n_seq = -(-system.global_batch // problem.mbs)
+    groups = []
     for b, lc in enumerate(costs):
         w = lc.tp * c  # devices per stage and replica
         if N // w < 1:
             continue
-        for d in _degrees(problem, N // w, e):
-            m = problem.microbatches(d)
-            for S in range(1, min(L, N // (w * d)) + 1):
-                if problem.interleaves(S, d):
-                    continue
-                h = int(dpn % (S * w) == 0)
-                ring = int(S * w * d <= dpn)
-                mult = m + (S - 1) / v
-                lb = float(free[h].f[S - 1, b, 0]) * mult
-                if not math.isfinite(lb):
-                    continue
-                key = (b, d, h, ring, S if (v > 1 and S > 1) else 0)
-                groups.setdefault(key, []).append((lb, S, mult))
-    for (b, d, h, ring_intra, S_only), items in sorted(groups.items(), key=lambda kv: min(x[0] for x in kv[1])):
-        items = [x for x in items if x[0] < best.time]
-        if not items:
+        ds = np.array(_degrees(problem, N // w, e), dtype=np.int64)
+        counts = np.minimum(L, N // (w * ds))
+        keep = counts >= 1
+        ds, counts = ds[keep], counts[keep]
+        if ds.size == 0:
             continue
-        stats["groups"] = stats.get("groups", 0) + 1
-        m = problem.microbatches(d)
-        ring = system.intra_node if ring_intra else system.inter_node
-        ranks, expert_ranks = d * c, max(1, d * c // e)
-        sl = slice(b, b + 1)
-        ok = valid[sl]
-        params0 = np.where(ok, st.params[sl], 0.0)
-        expert0 = experts[sl]
-        dense0 = params0 - expert0
-        acts, workmax, bwdwin = st.acts[sl], st.workmax[sl], st.bwdwin[sl]
-        parts = [(dense0, ranks), (expert0, expert_ranks)] if e > 1 else [(params0, ranks)]
-        reduce = np.zeros(params0.shape)
-        for n_params, n_ranks in parts:
-            if problem.zero == 0:
-                r = _ring_allreduce(n_params * g_b, n_ranks, ring)
-            else:
-                r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
-            reduce = reduce + (np.where(n_params > 0, r, 0.0) if e > 1 else r)
-        if problem.overlap_grad_reduce:
-            reduce = np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
-        tail = reduce
-        if problem.hbm_bandwidth > 0:
-            per = w_b + g_b + 2 * o_b
-            if problem.zero and e > 1:
-                step = (dense0 / ranks + expert0 / expert_ranks) * per
-            elif problem.zero:
-                step = params0 * per / ranks
-            else:
-                step = params0 * per
-            tail = tail + step / problem.hbm_bandwidth
-        tail = np.where(ok, tail, INF)
+        d = np.repeat(ds, counts)
+        S = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+        m = -(-n_seq // d)
+        if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
+            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+            d, S, m = d[ok], S[ok], m[ok]
+        h = (dpn % (S * w) == 0).astype(np.int64)
+        ring = (S * w * d <= dpn).astype(np.int64)
+        mult = m + (S - 1) / v
+        lb = np.where(h == 1, free[1][S - 1, b], free[0][S - 1, b]) * mult
+        fin = np.isfinite(lb)
+        d, S, h, ring, mult, lb = d[fin], S[fin], h[fin], ring[fin], mult[fin], lb[fin]
+        s_only = np.where((v > 1) & (S > 1), S, 0)
+        order = np.lexsort((lb, s_only, ring, h, d))
+        keys = np.stack([d, h, ring, s_only], axis=1)[order]
+        cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
+        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(order)]])):
+            if hi <= lo:
+                continue
+            idx = order[lo:hi]  # ascending lower bound within the group
+            key = (b, int(d[idx[0]]), int(h[idx[0]]), int(ring[idx[0]]), int(s_only[idx[0]]))
+            groups.append((float(lb[idx[0]]), key, (lb[idx], S[idx], mult[idx])))
+    return _Prepared(e, c, costs, st, experts, times, groups)
+
+
+def _search_all(problem: PlacementProblem, prepared: list, best: _Best, stats: dict) -> None:
+    """Every group of every (e, c), least lower bound first, until none can beat the best."""
+    order = sorted(((g[0], i, j) for i, prep in enumerate(prepared) for j, g in enumerate(prep.groups)))
+    for lb, i, j in order:
+        if lb >= best.time:
+            break
+        prep = prepared[i]
+        _, key, (lbs, Ss, mults) = prep.groups[j]
+        items = [(float(x), int(y), float(z)) for x, y, z in zip(lbs, Ss, mults) if x < best.time]
+        _search_group(problem, prep, key, items, best, stats)
+
+
+def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items: list, best: _Best, stats: dict):
+    """One (width, d, links, S_only) group at fixed (e, c): the epsilon-constraint on the stage tail."""
+    system = problem.system
+    v = problem.virtual_stages
+    w_b, g_b, o_b = state_split(system)
+    e, c, st, experts, costs = prep.e, prep.c, prep.st, prep.experts, prep.costs
+    valid = np.isfinite(st.grad)
+    b, d, h, ring_intra, S_only = key
+    items = [x for x in items if x[0] < best.time]
+    if not items:
+        return
+    stats["groups"] = stats.get("groups", 0) + 1
+    m = problem.microbatches(d)
+    ring = system.intra_node if ring_intra else system.inter_node
+    ranks, expert_ranks = d * c, max(1, d * c // e)
+    sl = slice(b, b + 1)
+    ok = valid[sl]
+    params0 = np.where(ok, st.params[sl], 0.0)
+    expert0 = experts[sl]
+    dense0 = params0 - expert0
+    acts, workmax, bwdwin = st.acts[sl], st.workmax[sl], st.bwdwin[sl]
+    parts = [(dense0, ranks), (expert0, expert_ranks)] if e > 1 else [(params0, ranks)]
+    reduce = np.zeros(params0.shape)
+    for n_params, n_ranks in parts:
         if problem.zero == 0:
-            state = params0 * (w_b + g_b + o_b)
-        elif e > 1:
-            state = params0 * (w_b + g_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
+            r = _ring_allreduce(n_params * g_b, n_ranks, ring)
         else:
-            state = params0 * (w_b + g_b) + np.ceil(params0 * o_b / ranks)
-        if S_only:  # interleaved: Megatron's in-flight chunk count at each position (placement_eval)
-            fits = np.zeros(params0.shape, dtype=np.int64)
-            for k in range(1, S_only + 1):
-                chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
-                mem = state + np.ceil(chunks * np.where(ok, acts, 0.0) / v) + np.where(ok, workmax, 0.0)
-                fits += (mem <= problem.hbm_bytes) & (fits == k - 1)
-            kmax = np.where(ok, fits, 0)
-            kmax = np.where(kmax >= S_only, _KMAX_CAP, kmax)
+            r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
+        reduce = reduce + (np.where(n_params > 0, r, 0.0) if e > 1 else r)
+    if problem.overlap_grad_reduce:
+        reduce = np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
+    tail = reduce
+    if problem.hbm_bandwidth > 0:
+        per = w_b + g_b + 2 * o_b
+        if problem.zero and e > 1:
+            step = (dense0 / ranks + expert0 / expert_ranks) * per
+        elif problem.zero:
+            step = params0 * per / ranks
         else:
-            base = np.where(ok, state + acts + workmax, INF)
-            kmax = _kmax(base, np.where(ok, acts, INF), problem.hbm_bytes)
-            kmax = np.where(kmax >= m, _KMAX_CAP, kmax)
-        time_g = np.where(ok & (kmax >= 1), times[h][sl], INF)
-        st_g = replace(st, grad=tail)
-        active = {S: mult for _, S, mult in items}
-        x = INF
-        while active:
-            stats["sweeps"] = stats.get("sweeps", 0) + 1
-            allowed = tail < x
+            step = params0 * per
+        tail = tail + step / problem.hbm_bandwidth
+    tail = np.where(ok, tail, INF)
+    if problem.zero == 0:
+        state = params0 * (w_b + g_b + o_b)
+    elif e > 1:
+        state = params0 * (w_b + g_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
+    else:
+        state = params0 * (w_b + g_b) + np.ceil(params0 * o_b / ranks)
+    if S_only:  # interleaved: Megatron's in-flight chunk count at each position (placement_eval)
+        fits = np.zeros(params0.shape, dtype=np.int64)
+        for k in range(1, S_only + 1):
+            chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
+            mem = state + np.ceil(chunks * np.where(ok, acts, 0.0) / v) + np.where(ok, workmax, 0.0)
+            fits += (mem <= problem.hbm_bytes) & (fits == k - 1)
+        kmax = np.where(ok, fits, 0)
+        kmax = np.where(kmax >= S_only, _KMAX_CAP, kmax)
+    else:
+        base = np.where(ok, state + acts + workmax, INF)
+        kmax = _kmax(base, np.where(ok, acts, INF), problem.hbm_bytes)
+        kmax = np.where(kmax >= m, _KMAX_CAP, kmax)
+    time_g = np.where(ok & (kmax >= 1), prep.times[h][sl], INF)
+    st_g = replace(st, grad=tail)
+    active = {S: mult for _, S, mult in items}
+    x = INF
+    while active:
+        stats["sweeps"] = stats.get("sweeps", 0) + 1
+        allowed = tail < x
 
-            def cost_at(k, cut, cols, allowed=allowed):
-                return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
+        def cost_at(k, cut, cols, allowed=allowed):
+            return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
 
-            sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
-            nxt = {}
-            for S, mult in active.items():
-                C = float(sw.f[S - 1, 0, 0])
-                G = float(sw.g[S - 1, 0, 0])
-                if not math.isfinite(C):
-                    continue
-                total = C * mult + G
-                if total < best.time:
-                    best.time = total
-                    best.tp = costs[b].tp
-                    best.dp = d
-                    best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
-                    best.ep, best.cp = e, c
-                if C * mult < best.time and G > 0:
-                    nxt[S] = (mult, G)
-            active = {S: mg[0] for S, mg in nxt.items()}
-            if active:
-                x = max(mg[1] for mg in nxt.values())
+        sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
+        nxt = {}
+        for S, mult in active.items():
+            C = float(sw.f[S - 1, 0, 0])
+            G = float(sw.g[S - 1, 0, 0])
+            if not math.isfinite(C):
+                continue
+            total = C * mult + G
+            if total < best.time:
+                best.time = total
+                best.tp = costs[b].tp
+                best.dp = d
+                best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
+                best.ep, best.cp = e, c
+            if C * mult < best.time and G > 0:
+                nxt[S] = (mult, G)
+        active = {S: mg[0] for S, mg in nxt.items()}
+        if active:
+            x = max(mg[1] for mg in nxt.values())
 
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
@@ -275,14 +331,25 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
+    # Each (e, c), least ideal time first (every device busy, no bubble, no communication beyond the
+    # layers' own: time per batch >= ceil(B / mbs) x t x c x W / N, W the layers' forward + backward
+    # time per microbatch at (t, e, c)), prepared only while that bound can still beat the best.
+    n_seq = -(-system.global_batch // problem.mbs)
+    combos = []
     for c in problem.cp_widths if problem.zero != 3 else ():
         costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
-        if not costs:
-            continue
-        for e in problem.ep_widths:
-            if (e > 1 and not has_experts) or (problem.zero == 3 and (e > 1 or c > 1)):
+        for e in problem.ep_widths if costs else ():
+            if e > 1 and not has_experts:
                 continue
-            _search_ec(problem, [effective_costs(problem, lc, e, c) for lc in costs], e, c, best, stats, force_dag)
+            eff = [effective_costs(problem, lc, e, c) for lc in costs]
+            ideal = min(n_seq * lc.tp * c * float(np.sum(lc.fwd_s) + np.sum(lc.bwd_s)) / N for lc in eff)
+            combos.append((ideal, c, e, eff))
+    for ideal, c, e, eff in sorted(combos, key=lambda x: x[:3]):
+        if ideal >= best.time:
+            break
+        prep = _prepare(problem, eff, e, c, force_dag)
+        if prep is not None:
+            _search_all(problem, [prep], best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
