@@ -489,6 +489,23 @@ def _run_extra(cfg: PublishedConfig, system: str, base: Backend, names: dict, mb
     return rows, {m: b.to_json() for m, b in baselines.items()}
 
 
+def run_extra_only(cfg: PublishedConfig, system: str, backend: Backend | None = None) -> dict:
+    """Only the MoE / long-context rows of one system (benchmarks/published_moe.py), rendered by
+    `render_extra`."""
+    backend = backend or Backend()
+    base = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch,
+                                        ilp_time_limit_s=cfg.ilp_time_limit_s))
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    names = study_names(cfg, system)
+    if cfg.fresh:
+        for n in names.values():
+            _remove_storage(n, cfg.output_dir)
+    timings: dict = {}
+    mbs_choices, rc_choices = list(base.space.params["mbs"]), list(base.space.params["recompute"])
+    rows, baselines = _run_extra(cfg, system, base, names, mbs_choices, rc_choices, timings)
+    return {"system": system, "extra_rows": rows, "extra_baselines": baselines, "timings": timings}
+
+
 def render_extra(result: dict) -> str:
     """The MoE / long-context table: TPUv4 against each model's co-designed chip, and the designs."""
     rows = result.get("extra_rows") or {}
