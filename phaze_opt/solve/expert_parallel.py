@@ -151,11 +151,14 @@ class _Prepared:
     st: object
     experts: np.ndarray
     times: dict
-    groups: list  # [(min lower bound, (b, d, h, ring, S_only), [(lb, S, mult), ...]), ...]
+    groups: list  # [(min lower bound, (b, d, h, ring, S_only), (lbs, Ss, mults)), ...]
+    free: dict = None  # the memory-free bounds it used
 
 
-def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool) -> _Prepared | None:
-    """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays."""
+def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool, free=None) -> _Prepared | None:
+    """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays.
+    `free`: memory-free least bottlenecks [S - 1, width] per pipeline link to bound the groups with;
+    those of (1, c) serve every e (EP only adds all-to-alls, so its stage times are no shorter)."""
     system = problem.system
     N = system.accelerators
     dpn = system.devices_per_node
@@ -169,8 +172,9 @@ def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: 
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: system.inter_node, 1: system.intra_node}
     times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
-    free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
-                      *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
+    if free is None:
+        free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
+                          *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
     n_seq = -(-system.global_batch // problem.mbs)
     groups = []
     for b, lc in enumerate(costs):
@@ -205,7 +209,7 @@ def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: 
             idx = order[lo:hi]  # ascending lower bound within the group
             key = (b, int(d[idx[0]]), int(h[idx[0]]), int(ring[idx[0]]), int(s_only[idx[0]]))
             groups.append((float(lb[idx[0]]), key, (lb[idx], S[idx], mult[idx])))
-    return _Prepared(e, c, costs, st, experts, times, groups)
+    return _Prepared(e, c, costs, st, experts, times, groups, free)
 
 
 def _search_all(problem: PlacementProblem, prepared: list, best: _Best, stats: dict) -> None:
@@ -344,11 +348,13 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
             eff = [effective_costs(problem, lc, e, c) for lc in costs]
             ideal = min(n_seq * lc.tp * c * float(np.sum(lc.fwd_s) + np.sum(lc.bwd_s)) / N for lc in eff)
             combos.append((ideal, c, e, eff))
+    free_of: dict = {}  # c -> the memory-free bounds of (1, c), which come first in this order
     for ideal, c, e, eff in sorted(combos, key=lambda x: x[:3]):
         if ideal >= best.time:
             break
-        prep = _prepare(problem, eff, e, c, force_dag)
+        prep = _prepare(problem, eff, e, c, force_dag, free_of.get(c))
         if prep is not None:
+            free_of.setdefault(c, prep.free)
             _search_all(problem, [prep], best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
