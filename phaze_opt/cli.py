@@ -17,7 +17,7 @@ import sys
 from .errors import PhazeError
 from .jsonable import jsonable
 
-COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published")
+COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate")
 
 
 def _command_module(name: str):

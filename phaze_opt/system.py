@@ -25,6 +25,14 @@ consecutive ranks):
 
 Every device has its own link of the stated bandwidth per direction (as in a DGX node with one NIC
 per GPU), so concurrent rings and transfers of different devices do not share bandwidth.
+
+Efficiency (issue 17). A system file may carry an `efficiency:` block of global physical parameters
+that the analytical model cannot know because they belong to the software stack (see
+`SystemEfficiency`): the fraction of each link's bandwidth that collectives and transfers achieve, and
+a fixed per-iteration overhead. Loading applies the fractions to the links (`System.intra_node` and
+`inter_node` are the achieved links; `nominal_intra_node` / `nominal_inter_node` the datasheet ones),
+so every cost model that uses a link uses the achieved one. Without the block every value is the
+identity (fractions 1, overhead 0) and a system means exactly what it meant before.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -81,6 +89,41 @@ class Link:
 
 
 @dataclass(frozen=True)
+class SystemEfficiency:
+    """Global, physical efficiency parameters of a cluster's software stack (issue 17).
+
+    intra_node_bandwidth: the fraction of the intra-node link's datasheet bandwidth that collectives
+        and point-to-point transfers achieve. NCCL's all-reduce on 8 A100 over NVLink 3 / NVSwitch
+        reaches a bus bandwidth of about 230 GB/s of the 300 GB/s per direction (nccl-tests,
+        `all_reduce_perf`, large messages; NVIDIA DGX A100 user guide and NCCL performance notes).
+    inter_node_bandwidth: the same for the inter-node link: NCCL's ring over 200 Gbit/s HDR
+        InfiniBand reaches about 23 of 25 GB/s per GPU on large messages (nccl-tests over IB).
+    iteration_overhead_s: seconds added once per training iteration for work the per-layer model
+        does not see: the optimizer's kernel launches and gradient-norm / loss-scale checks,
+        the data loader, the pipeline flush's synchronisation and the timers' device syncs.
+
+    Identity: (1, 1, 0), the model as it was before the parameters existed.
+    """
+
+    intra_node_bandwidth: float = 1.0
+    inter_node_bandwidth: float = 1.0
+    iteration_overhead_s: float = 0.0
+
+    @property
+    def is_identity(self) -> bool:
+        return self == IDENTITY_EFFICIENCY
+
+    def to_dict(self) -> dict:
+        return {"intra_node_bandwidth": self.intra_node_bandwidth,
+                "inter_node_bandwidth": self.inter_node_bandwidth,
+                "iteration_overhead_s": self.iteration_overhead_s}
+
+
+IDENTITY_EFFICIENCY = SystemEfficiency()
+EFFICIENCY_FIELDS = ("intra_node_bandwidth", "inter_node_bandwidth", "iteration_overhead")
+
+
+@dataclass(frozen=True)
 class System:
     name: str
     accelerators: int
@@ -92,6 +135,24 @@ class System:
     optimizer: str  # adam | sgd
     optimizer_memory: str  # mixed_precision | phaze
     path: str = ""
+    # The links above are the achieved ones: the datasheet link x the efficiency's fraction.
+    efficiency: SystemEfficiency = IDENTITY_EFFICIENCY
+
+    @property
+    def nominal_intra_node(self) -> Link:
+        return Link(self.intra_node.bandwidth / self.efficiency.intra_node_bandwidth, self.intra_node.latency)
+
+    @property
+    def nominal_inter_node(self) -> Link:
+        return Link(self.inter_node.bandwidth / self.efficiency.inter_node_bandwidth, self.inter_node.latency)
+
+    def with_efficiency(self, efficiency: SystemEfficiency) -> "System":
+        """This cluster with other efficiency parameters (the links rescaled from the nominal ones)."""
+        intra, inter = self.nominal_intra_node, self.nominal_inter_node
+        return replace(
+            self, efficiency=efficiency,
+            intra_node=Link(intra.bandwidth * efficiency.intra_node_bandwidth, intra.latency),
+            inter_node=Link(inter.bandwidth * efficiency.inter_node_bandwidth, inter.latency))
 
     @property
     def bytes_per_element(self) -> int:
@@ -181,6 +242,7 @@ class System:
             "optimizer": self.optimizer,
             "optimizer_memory": self.optimizer_memory,
             "state_bytes_per_param": self.state_bytes_per_param,
+            **({} if self.efficiency.is_identity else {"efficiency": self.efficiency.to_dict()}),
         }
 
 
@@ -232,8 +294,33 @@ def _link(data: Mapping[str, Any], key: str, file) -> Link:
     return Link(bandwidth=bandwidth, latency=latency)
 
 
+def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
+    """The optional `efficiency:` block; every field optional, each defaulting to the identity."""
+    raw = data.get("efficiency")
+    if raw is None:
+        return IDENTITY_EFFICIENCY
+    if not isinstance(raw, dict):
+        raise config_error(file, "efficiency", f"expected a mapping of {', '.join(EFFICIENCY_FIELDS)}, got {raw!r}")
+    for key in raw:
+        if key not in EFFICIENCY_FIELDS:
+            raise config_error(file, f"efficiency.{key}",
+                               f"unknown field; allowed fields are {', '.join(EFFICIENCY_FIELDS)}")
+    fractions = {}
+    for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
+        value = raw.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise config_error(file, f"efficiency.{key}", f"must be a fraction in (0, 1], got {value!r}")
+        fractions[key] = float(value)
+    overhead = parse_quantity(raw.get("iteration_overhead", 0.0), _TIME_UNITS, file, "efficiency.iteration_overhead",
+                              allow_zero=True)
+    if overhead > 3600:
+        raise config_error(file, "efficiency.iteration_overhead", f"must be at most 1 h per iteration, got {overhead} s")
+    return SystemEfficiency(iteration_overhead_s=overhead, **fractions)
+
+
 REQUIRED = ("devices_per_node", "intra_node", "inter_node")
-OPTIONAL = ("name", "description", "accelerators", "global_batch", "precision", "optimizer", "optimizer_memory")
+OPTIONAL = ("name", "description", "accelerators", "global_batch", "precision", "optimizer", "optimizer_memory",
+            "efficiency")
 
 
 def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
@@ -255,7 +342,8 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
         raise config_error(file, "intra_node.bandwidth", "must be at least inter_node.bandwidth")
     if intra.latency > inter.latency:
         raise config_error(file, "intra_node.latency", "must be at most inter_node.latency")
-    return System(
+    efficiency = _efficiency(data, file)
+    system = System(
         name=name,
         accelerators=accelerators,
         devices_per_node=devices_per_node,
@@ -267,6 +355,13 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
         optimizer_memory=optimizer_memory,
         path=str(file),
     )
+    if efficiency.is_identity:
+        return system
+    system = system.with_efficiency(efficiency)
+    if system.intra_node.bandwidth < system.inter_node.bandwidth:
+        raise config_error(file, "efficiency.intra_node_bandwidth",
+                           "leaves the achieved intra-node bandwidth below the inter-node one")
+    return system
 
 
 def load_system(name_or_path: str | os.PathLike | System = "default") -> System:

@@ -153,7 +153,7 @@ def test_gpu_presets(name, peak_tflops, hbm_gib, hbm_gbps, glb_mib):
 def test_dgx_presets(name, nvlink, nic):
     s = load_system(name)
     assert (s.name, s.accelerators, s.devices_per_node, s.global_batch) == (name, 1024, 8, 4096)
-    assert s.intra_node.bandwidth == nvlink and s.inter_node.bandwidth == nic
+    assert s.nominal_intra_node.bandwidth == pytest.approx(nvlink) and s.nominal_inter_node.bandwidth == pytest.approx(nic)
     assert s.state_bytes_per_param == 16
 
 

@@ -102,6 +102,10 @@ def render(result: dict) -> str:
         lines.append(f"  {result['architectures']} architectures pass the area rule; {result['points']} points in all")
         return "\n".join(lines)
     bd = result["area_breakdown_mm2"]
+    eff = result.get("efficiency")  # only a calibrated preset has one (hardware/efficiency.py)
+    tail = [f"  efficiency      GEMM tile reuse {eff['gemm_tile_reuse']:g}, wave balance {eff['gemm_wave_balance']:g}, "
+            f"tensor cores {eff['tc_fraction']:g}, HBM {eff['hbm_fraction']:g}, {eff['op_overhead_s'] * 1e6:g} us per op"
+            ] if eff else []
     return "\n".join([
         f"{result['name']}",
         f"  area            {result['area_mm2']:.2f} mm^2  (GLB {bd['glb_sram']:.1f}, TCs {bd['tensor_cores']:.1f}, "
@@ -112,4 +116,5 @@ def render(result: dict) -> str:
         f"  GLB             {result['glb_bytes'] / 2**20:g} MiB at {result['glb_bw'] / 1e9:.0f} GB/s",
         f"  HBM             {result['hbm_bytes'] / 2**30:g} GiB at {result['hbm_bw'] / 1e9:.0f} GB/s",
         f"  clock           {result['clock_hz'] / 1e9:g} GHz",
+        *tail,
     ])

@@ -108,12 +108,17 @@ def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
 
-def attention_core_s(op_graph, single) -> float:
+def attention_core_s(op_graph, split) -> float:
     """Forward time of a layer's attention core (what selective recompute runs again), from the op
     latencies of its forward graph: the activation x activation batched GEMMs (Q K^T, P V) and the
     softmax, mask and dropout ops over the s x s scores (those with as many elements as Q K^T's
-    output), each at its single-core latency, added in sequence (an upper bound on their part of
-    the schedule: the ILP may overlap them with other ops). A fused flash-attention op counts whole.
+    output), each spread over all cores of its type (`split` latency), one after another: a schedule
+    the chip can run, as Megatron's recompute runs these kernels back to back before the layer's
+    backward (Korthikanti et al. 2022, Sec. 5). A fused flash-attention op counts whole.
+
+    (Issue 17: this summed the single-core latencies, i.e. each op on one core with 1/n of the
+    bandwidth, about n times the real time; capped at the forward, it made selective recompute cost
+    as much as full recompute, 14-38% slow against Korthikanti et al.'s Table 5.)
     """
     ops = op_graph.ops
     scores = [op.gemm[0] * op.gemm[1] * op.gemm[3] for op in ops if op.kind == "bgemm" and op.gemm]
@@ -121,7 +126,7 @@ def attention_core_s(op_graph, single) -> float:
     total = 0.0
     for i, op in enumerate(ops):
         if op.kind in ("bgemm", "flash_attention") or (size > 0 and op.unit != "tc" and op.elements == size):
-            total += float(single[i])
+            total += float(split[i])
     return total
 
 
@@ -161,7 +166,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
             timings["estimate_s"] += t1 - t0
             timings["ilp_s"] += t2 - t1
             if pass_name == "fwd":
-                core_s[kind] = attention_core_s(op_graph, lat.single[0])
+                core_s[kind] = attention_core_s(op_graph, lat.split[0])
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
@@ -286,7 +291,7 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
         peak_flops=arch.peak_flops,
         seq_len=model.seq,
         model_flops_per_sequence=graph.train_flops_per_sequence,
-        hbm_bandwidth=float(arch.hbm_bw),
+        hbm_bandwidth=float(arch.hbm_bw * arch.efficiency.hbm_fraction),  # a streaming kernel (efficiency.py)
         interleave_layers=repeated,
         training=training,
     )
@@ -313,6 +318,20 @@ def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, syste
                       ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
     """`training_problem` with the recipe given as microbatch and recompute."""
     return training_problem(model, arch, Training(mbs, recompute), system, tp_widths, ilp_time_limit_s)
+
+
+def with_iteration_overhead(result, system: System):
+    """`result` with the system's fixed per-iteration overhead (`SystemEfficiency.iteration_overhead_s`)
+    added to its time per batch, and throughput and MFU rescaled. The same constant for every
+    placement, so the best placement stays the best and the placement bounds stay bounds (they
+    only get looser); zero overhead returns `result` itself."""
+    overhead = system.efficiency.iteration_overhead_s
+    if overhead <= 0 or not result.feasible:
+        return result
+    time_s = result.time_per_batch_s + overhead
+    scale = result.time_per_batch_s / time_s
+    return replace(result, time_per_batch_s=time_s, throughput=result.throughput * scale,
+                   tokens_per_s=result.tokens_per_s * scale, mfu=result.mfu * scale)
 
 
 def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Training):
@@ -371,6 +390,7 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     else:
         chosen_placement = _fixed_placement(problem, model_cfg, training)
         result = evaluate_placement(problem, chosen_placement)
+    result = with_iteration_overhead(result, system)
     unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
     parallel_bounds, parallel_unproven = _PARALLEL_EXTRAS.get(problem, (None, []))
     unproven += parallel_unproven
@@ -378,8 +398,8 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     if unproven and result.feasible:  # the same placement search on proven lower-bound layer times
         optimistic = replace(problem, **parallel_bounds or {
             "costs": tuple(v.bound_costs or v.costs for v in per_tp.values())})
-        bound = (optimal_placement(optimistic) if fixed is None
-                 else evaluate_placement(optimistic, chosen_placement)).throughput
+        bound = with_iteration_overhead(optimal_placement(optimistic) if fixed is None
+                                        else evaluate_placement(optimistic, chosen_placement), system).throughput
     dp_s = time.perf_counter() - t0
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     for v in per_tp.values():

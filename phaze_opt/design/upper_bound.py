@@ -179,7 +179,7 @@ def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
 
 
 def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
-    return DesignArrays(*(getattr(designs, f)[lo:hi] for f in DesignArrays.FIELDS))
+    return designs.rows(lo, hi)
 
 
 def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> np.ndarray:

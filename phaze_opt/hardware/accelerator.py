@@ -3,12 +3,17 @@
 Only independent design choices are fields; everything that follows from them (peak FLOP/s and
 the like) is a property, so two equal designs can never disagree about a derived figure.
 Units are SI: bytes, bytes/s, Hz.
+
+`efficiency` (hardware/efficiency.py) says how well a preset's software stack uses the template; its
+identity default leaves every latency as the template computes it, and `compute_key` and `fields()`
+then read exactly as they did before the field existed (cache keys and logged parameters unchanged).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from .efficiency import IDENTITY, Efficiency, as_efficiency
 from .memory import l2_bytes
 
 
@@ -25,6 +30,11 @@ class Accelerator:
     hbm_bw: float  # off-chip memory bandwidth, bytes/s
     clock_hz: float
     name: str = ""
+    efficiency: Efficiency = field(default=IDENTITY)
+
+    def __post_init__(self):
+        if not isinstance(self.efficiency, Efficiency):  # e.g. the mapping `fields()` wrote
+            object.__setattr__(self, "efficiency", as_efficiency(self.efficiency))
 
     @property
     def peak_flops(self) -> float:
@@ -34,8 +44,9 @@ class Accelerator:
     @property
     def compute_key(self) -> tuple:
         """The fields that decide operator latencies and schedules (HBM capacity does not)."""
-        return (self.num_tc, self.tc_x, self.tc_y, self.num_vc, self.vc_width, self.glb_bytes,
-                self.glb_bw, self.hbm_bw, self.clock_hz)
+        key = (self.num_tc, self.tc_x, self.tc_y, self.num_vc, self.vc_width, self.glb_bytes,
+               self.glb_bw, self.hbm_bw, self.clock_hz)
+        return key if self.efficiency.is_identity else key + (("efficiency",) + self.efficiency.key(),)
 
     @property
     def tc_pes(self) -> int:
@@ -58,4 +69,8 @@ class Accelerator:
         return int(l2_bytes(self.vc_width))
 
     def fields(self) -> dict:
-        return asdict(self)
+        """The fields as plain values; `efficiency` only when it is not the identity."""
+        out = asdict(self)
+        if self.efficiency.is_identity:
+            del out["efficiency"]
+        return out

@@ -10,6 +10,10 @@ SI on load. Fields:
     glb_bw_gbps                      optional; default: the published system's rule (hardware.memory)
     hbm_gib, hbm_bw_gbps             off-chip memory; bandwidth defaults to the per-capacity table
     clock_ghz
+    efficiency                       optional mapping: how well the software stack uses the template
+                                     (hardware/efficiency.py: gemm_tile_reuse, gemm_wave_balance,
+                                     tc_fraction, hbm_fraction, op_overhead_s); absent = identity,
+                                     the bare template
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from .. import configs
 from ..configs import Limit
 from ..errors import config_error
 from .accelerator import Accelerator
+from .efficiency import efficiency_from_mapping
 from .memory import HBM_BW_BY_GIB, glb_bandwidth
 
 GIB = 2**30
@@ -48,7 +53,7 @@ LIMITS = {
 }
 
 REQUIRED = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
-OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps")
+OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps", "efficiency")
 
 
 def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accelerator:
@@ -73,7 +78,8 @@ def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accele
         raise config_error(file, "name", f"must be a string, got {name!r}")
     return Accelerator(
         glb_bytes=int(round(glb_mib * MIB)), glb_bw=float(glb_bw), hbm_bytes=int(round(hbm_gib * GIB)),
-        hbm_bw=float(hbm_bw), clock_hz=float(clock_hz), name=name, **ints,
+        hbm_bw=float(hbm_bw), clock_hz=float(clock_hz), name=name,
+        efficiency=efficiency_from_mapping(data.get("efficiency"), file), **ints,
     )
 
 

@@ -49,6 +49,13 @@ block of Q rows that fits on chip). The score tiles pass through the GLB (in the
 Collectives (unit "net") use the interconnect link: ring all-reduce 2(g-1)/g x bytes / bw + 2(g-1) x
 latency (Patarasuk and Yuan, JPDC 2009), all-gather / reduce-scatter / all-to-all (g-1)/g x bytes /
 bw + (g-1) x latency. They take the same time on every design. "none" ops take zero time.
+
+Software efficiency (hardware/efficiency.py, one `Efficiency` per preset, carried by the Accelerator
+and by DesignArrays as a scalar): the activation's GLB stream is shared by `gemm_tile_reuse` column
+tiles (A x ceil(col / reuse) instead of A x col), `gemm_wave_balance` takes back that share of the
+last round's idle cores (Stream-K), the array computes at `tc_fraction` of its peak,
+every HBM term runs at `hbm_fraction` of the bandwidth, and each op on the cores costs
+`op_overhead_s` more (single and split alike). The identity leaves every number above unchanged.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import numpy as np
 
 from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
 from .accelerator import Accelerator
+from .efficiency import IDENTITY, Efficiency
 
 BYTES_PER_ELEMENT = 2  # bf16 operands, as the published system
 
@@ -128,18 +136,30 @@ class DesignArrays:
     glb_bw: np.ndarray
     hbm_bw: np.ndarray
     clock_hz: np.ndarray
+    # How the software stack uses the template (hardware/efficiency.py): one per preset, so a scalar
+    # shared by every row; the identity leaves the template's latencies exactly as they were.
+    efficiency: Efficiency = IDENTITY
 
     FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bw", "clock_hz")
 
     @classmethod
     def from_accelerators(cls, designs: Sequence[Accelerator]) -> "DesignArrays":
         rows = np.array([[getattr(d, f) for f in cls.FIELDS] for d in designs], dtype=float).reshape(-1, len(cls.FIELDS))
-        return cls(*(rows[:, i : i + 1] for i in range(len(cls.FIELDS))))
+        effs = {d.efficiency for d in designs}
+        if len(effs) > 1:
+            raise ValueError(f"designs with different efficiencies ({len(effs)}) cannot share one DesignArrays; "
+                             "estimate them apart")
+        eff = effs.pop() if effs else IDENTITY
+        return cls(*(rows[:, i : i + 1] for i in range(len(cls.FIELDS))), efficiency=eff)
 
     @classmethod
-    def from_columns(cls, **columns) -> "DesignArrays":
+    def from_columns(cls, efficiency: Efficiency = IDENTITY, **columns) -> "DesignArrays":
         cols = np.broadcast_arrays(*(np.asarray(columns[f], dtype=float).reshape(-1) for f in cls.FIELDS))
-        return cls(*(c.reshape(-1, 1).copy() for c in cols))
+        return cls(*(c.reshape(-1, 1).copy() for c in cols), efficiency=efficiency)
+
+    def rows(self, lo: int, hi: int) -> "DesignArrays":
+        """Designs lo..hi-1, with the same efficiency."""
+        return DesignArrays(*(getattr(self, f)[lo:hi] for f in self.FIELDS), efficiency=self.efficiency)
 
     def __len__(self) -> int:
         return self.num_tc.shape[0]
@@ -191,19 +211,26 @@ def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
 def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     """(compute, GLB, HBM) seconds of a GEMM, the three bounds `_gemm_seconds` takes the largest of."""
     tx, ty = d.tc_x, d.tc_y
-    # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share
+    eff = d.efficiency
+    # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share,
+    # at the achieved fraction of the bandwidth (efficiency.hbm_fraction)
     cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
     a_b, w_b = M * K * e, K * N * e
     extra = np.minimum((_ceil_div(w_b, cap) - 1.0) * B * a_b, (_ceil_div(a_b, cap) - 1.0) * B * w_b)
-    hbm_s = (hbm_bytes + extra) / (d.hbm_bw * share)
+    hbm_s = (hbm_bytes + extra) / (d.hbm_bw * eff.hbm_fraction * share)
     # compute: the stationary operand (K x N) in folds of tc_y x tc_x, the M rows of A streaming through
     col = _ceil_div(N, tx)
     units = B * col  # independent column tiles, dealt out to the k cores
     parts = np.maximum(1.0, np.floor(k / units))  # cores left over cut the stream
     m_per = _ceil_div(M, parts)
-    cycles = _ceil_div(units, k) * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
-    compute_s = cycles / d.clock_hz
-    glb_s = B * (a_b * col + w_b + M * N * e) / (d.glb_bw * share)
+    rounds = _ceil_div(units, k)
+    # Stream-K balance (efficiency.gemm_wave_balance): the last round's idle cores take a share of the
+    # work; at 1 the time is the work spread over all k cores (units x parts / k rounds of m_per rows)
+    rounds = rounds - eff.gemm_wave_balance * (rounds - units * parts / k)
+    cycles = rounds * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
+    compute_s = cycles / (d.clock_hz * eff.tc_fraction)  # at the sustained fraction of the peak rate
+    # GLB: A streams once per group of `gemm_tile_reuse` column tiles (the template: once per tile)
+    glb_s = B * (a_b * _ceil_div(col, eff.gemm_tile_reuse) + w_b + M * N * e) / (d.glb_bw * share)
     return compute_s, glb_s, hbm_s
 
 
@@ -225,7 +252,7 @@ def _fused_attention_seconds(op, d: DesignArrays, k_tc, k_vc, share, e):
 
 def _vector_seconds(elements, cpe, nbytes, d: DesignArrays, k, share):
     cycles = _ceil_div(elements, d.vc_width * k) * cpe
-    mem_s = nbytes / (np.minimum(d.hbm_bw, d.glb_bw) * share)
+    mem_s = nbytes / (np.minimum(d.hbm_bw * d.efficiency.hbm_fraction, d.glb_bw) * share)
     return np.maximum(cycles / d.clock_hz, mem_s)
 
 
@@ -351,6 +378,11 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
         elements, cpe, nbytes = v
         single[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, 1.0, 1.0 / d.num_vc)
         split[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, d.num_vc, 1.0)
+    overhead = d.efficiency.op_overhead_s
+    if overhead:  # a fixed cost per operator on the cores (efficiency.op_overhead_s); not collectives
+        on_cores = gemm_idx + attention_idx + vec_idx
+        single[:, on_cores] += overhead
+        split[:, on_cores] += overhead
 
     return OpLatencies(
         single=single, split=split, units=tuple(op.unit for op in ops), names=tuple(op.name for op in ops),

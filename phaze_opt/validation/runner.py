@@ -1,0 +1,202 @@
+"""Run validation suites: every published row evaluated by the project's own `evaluate`, compared.
+
+    run_suite(suite, efficiency=None) -> SuiteResult     one suite (training or layer suite)
+    run_suites(names, efficiency=None) -> list[SuiteResult]
+
+A training row is evaluated exactly as `phaze-opt evaluate` would with the row's published recipe:
+the suite's arch and system, `--devices` = the row's GPUs, `--global-batch` = its batch, the placement
+tp=T,pp=P,dp=D, its microbatch, recompute, sequence parallelism and virtual stages. The prediction is
+then put in the suite's metric (SI units: FLOP/s, seconds):
+
+    per_gpu_tflops    iteration_flops(suite.flops_formula, model, batch) / (predicted iteration s x GPUs)
+                      (the FLOP count the paper used, not the project's own, so both sides count alike)
+    iteration_time_s  the predicted iteration time
+
+The signed error is predicted / published - 1: positive means the model predicts more of the metric
+than was published (more FLOP/s: too fast; more seconds: too slow).
+
+Fit subset (declared once, here, for every training suite): rows with an odd 0-based index in their
+suite are the calibration's fit subset (`validation/calibration.py`), rows with an even index are held
+out. MAPE (mean absolute percentage error, as a fraction) is reported over each part and over all.
+
+Layer suites (`layer_seconds`) are compared by `validation/layers.py` (the per-layer comparison): one
+RowResult per measured block (forward + backward seconds), fitted = the operator fit's own declared
+subset (`fit_operators.FIT_TP`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Sequence
+
+from ..design.evaluate import evaluate
+from ..hardware.accelerator import Accelerator
+from ..hardware.arch import load_arch
+from ..hardware.efficiency import Efficiency
+from ..system import System, SystemEfficiency, load_system
+from ..training import Training
+from .fit_operators import FIT_TP
+from .layers import compare_layers
+from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, load_suite
+
+# Published values are stored in the paper's units; these convert them to SI.
+METRIC_SI = {"per_gpu_tflops": 1e12, "iteration_time_s": 1.0, "layer_seconds": 1.0}
+FIT_SUBSET = ("training suites: odd 0-based row index (held out: even); layer suites: the operator fit's "
+              f"rows at TP {' and '.join(map(str, FIT_TP))} (validation/fit_operators.py; held out: the other widths)")
+
+
+def in_fit_subset(index: int) -> bool:
+    """The declared fit subset: odd 0-based indices (rows 1, 3, 5, ... of each training suite)."""
+    return index % 2 == 1
+
+
+@dataclass(frozen=True)
+class RowResult:
+    suite: str
+    index: int
+    label: str  # the row's source row ("1.7B", "22B, present work", ...)
+    config: dict  # model, tp, pp, dp, gpus, batch, mbs, recompute, sequence_parallel, virtual_stages
+    published: float  # SI (FLOP/s per GPU or seconds)
+    predicted: float | None  # SI; None when the model finds the row infeasible
+    fitted: bool  # in the calibration's fit subset
+    feasible: bool = True
+    reason: str = ""
+    time_per_batch_s: float | None = None
+    source: dict = field(default_factory=dict)
+
+    @property
+    def error(self) -> float | None:
+        """Signed relative error: predicted / published - 1."""
+        return None if self.predicted is None else self.predicted / self.published - 1.0
+
+    def to_json(self) -> dict:
+        return {"suite": self.suite, "index": self.index, "label": self.label, **self.config,
+                "published": self.published, "predicted": self.predicted, "error": self.error,
+                "fitted": self.fitted, "feasible": self.feasible, "reason": self.reason,
+                "time_per_batch_s": self.time_per_batch_s, "source": self.source}
+
+
+def mape(rows: Iterable[RowResult]) -> float | None:
+    """Mean absolute relative error over the feasible rows (None when there are none)."""
+    errors = [abs(r.error) for r in rows if r.error is not None]
+    return sum(errors) / len(errors) if errors else None
+
+
+@dataclass(frozen=True)
+class SuiteResult:
+    name: str
+    description: str
+    metric: str
+    arch: str
+    system: str | None
+    rows: tuple[RowResult, ...]
+    efficiency: dict = field(default_factory=dict)  # the system efficiency the rows ran with
+    arch_efficiency: dict = field(default_factory=dict)  # the arch's (hardware/efficiency.py)
+    flops_formula: str | None = None
+
+    @property
+    def fitted(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if r.fitted)
+
+    @property
+    def held_out(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if not r.fitted)
+
+    @property
+    def infeasible(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if not r.feasible)
+
+    def mape(self) -> dict:
+        return {"fitted": mape(self.fitted), "held_out": mape(self.held_out), "all": mape(self.rows)}
+
+    def to_json(self) -> dict:
+        return {"suite": self.name, "description": self.description, "metric": self.metric, "arch": self.arch,
+                "system": self.system, "flops_formula": self.flops_formula, "efficiency": self.efficiency,
+                "arch_efficiency": self.arch_efficiency,
+                "mape": self.mape(), "infeasible": len(self.infeasible),
+                "rows": [r.to_json() for r in self.rows]}
+
+
+def row_config(row: Row) -> dict:
+    return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
+            "mbs": row.microbatch, "recompute": row.recompute, "sequence_parallel": row.sequence_parallel,
+            "virtual_stages": row.virtual_stages}
+
+
+def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
+    """The suite's system sized to the row (`--devices`, `--global-batch`), with `efficiency` if given
+    (None: the preset's own)."""
+    system = replace(load_system(suite.system), accelerators=row.gpus, global_batch=row.batch)
+    return system if efficiency is None else system.with_efficiency(efficiency)
+
+
+def row_training(row: Row) -> Training:
+    return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}", row.sequence_parallel,
+                    row.virtual_stages)
+
+
+def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
+    """The suite's metric (SI) for a predicted iteration time (see the module docstring)."""
+    if suite.metric == "per_gpu_tflops":
+        return iteration_flops(suite.flops_formula, row.model, row.batch) / (time_per_batch_s * row.gpus)
+    if suite.metric == "iteration_time_s":
+        return time_per_batch_s
+    raise ValueError(f"predicted_value: {suite.metric} is not a training metric")
+
+
+def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Accelerator:
+    """The suite's arch, with `arch_efficiency` in place of its preset's efficiency if given."""
+    arch = load_arch(suite.arch)
+    return arch if arch_efficiency is None else replace(arch, efficiency=arch_efficiency)
+
+
+def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficiency | None = None,
+                 evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> RowResult:
+    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time)."""
+    result = (evaluator or evaluate)(row.model, row_arch(suite, arch_efficiency), row_training(row),
+                       row_system(suite, row, efficiency))
+    predicted = predicted_value(suite, row, result.time_per_batch_s) if result.feasible else None
+    return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
+                     published=row.value * METRIC_SI[suite.metric], predicted=predicted,
+                     fitted=in_fit_subset(index), feasible=result.feasible, reason=result.reason,
+                     time_per_batch_s=result.time_per_batch_s if result.feasible else None,
+                     source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
+
+
+def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,
+              evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> SuiteResult:
+    """Every row of a suite, evaluated (training) or compared (layers); `efficiency` overrides the
+    system preset's efficiency block, `arch_efficiency` the arch's (None: the presets' own, as shipped)."""
+    suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    common = dict(name=suite.name, description=suite.description, metric=suite.metric, arch=suite.arch,
+                  system=suite.system, flops_formula=suite.flops_formula)
+    if suite.metric in LAYER_METRICS:
+        arch = row_arch(suite, arch_efficiency)
+        return SuiteResult(rows=tuple(layer_rows(suite, arch)), arch_efficiency=arch.efficiency.fields(), **common)
+    rows = tuple(evaluate_row(suite, row, i, efficiency, evaluator, arch_efficiency)
+                 for i, row in enumerate(suite.rows))
+    used = (efficiency if efficiency is not None else load_system(suite.system).efficiency).to_dict()
+    return SuiteResult(rows=rows, efficiency=used, arch_efficiency=row_arch(suite, arch_efficiency).efficiency.fields(),
+                       **common)
+
+
+def layer_rows(suite: Suite, arch: Accelerator | None = None) -> list[RowResult]:
+    """A layer suite's rows compared by validation/layers.py (one block's TP shard, forward + backward
+    seconds, compute only), as RowResults; fitted = in the operator fit's declared subset
+    (fit_operators.FIT_TP: TP 1 and 4; TP 2 and 8 held out)."""
+    out = []
+    for i, r in enumerate(compare_layers(suite, arch)):
+        row = r.row
+        out.append(RowResult(suite=suite.name, index=i, label=row.source.row,
+                             config={"model": row.model, "tp": row.tp, "mbs": row.microbatch,
+                                     "attention": "flash" if row.flash else "unfused"},
+                             published=row.fwd_bwd_s, predicted=r.fwd_bwd_s, fitted=row.tp in FIT_TP,
+                             source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row}))
+    return out
+
+
+def run_suites(names: Sequence[str] | None = None, efficiency: SystemEfficiency | None = None) -> list[SuiteResult]:
+    """The named suites (names or YAML paths; default every shipped suite), loaded first so that a bad
+    name or file fails before any evaluation."""
+    suites = [load_suite(n) for n in (names or list_suites())]
+    return [run_suite(s, efficiency) for s in suites]
