@@ -158,7 +158,8 @@ class _Prepared:
 def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool, free=None) -> _Prepared | None:
     """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays.
     `free`: memory-free least bottlenecks [S - 1, width] per pipeline link to bound the groups with;
-    those of (1, c) serve every e (EP only adds all-to-alls, so its stage times are no shorter)."""
+    those of (1, c) serve every e (EP only adds all-to-alls, so its stage times are no shorter) whose
+    candidate stages they cover (`free["width"]`)."""
     system = problem.system
     N = system.accelerators
     dpn = system.devices_per_node
@@ -172,9 +173,12 @@ def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: 
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: system.inter_node, 1: system.intra_node}
     times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
-    if free is None:
+    # (1, c)'s bounds hold only if its candidate stages include these: a chain's stages are cut to
+    # the longest that fits HBM, and EP, with fewer expert parameters per device, may fit longer ones.
+    if free is None or free["width"] < st.dst.shape[1]:
         free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
                           *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
+        free["width"] = st.dst.shape[1]
     n_seq = -(-system.global_batch // problem.mbs)
     groups = []
     for b, lc in enumerate(costs):
