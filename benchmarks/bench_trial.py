@@ -1,6 +1,6 @@
 """Benchmark: one study trial end to end on gpt3-175b, by stage (issue 7, target 2).
 
-    python benchmarks/bench_trial.py [--designs 20] [--seed 0] [--model gpt3-175b]
+    python benchmarks/bench_trial.py [--designs 20] [--seed 0] [--model gpt3-175b] [--ilp-time-limit S]
 
 For `--designs` random architectures of the phaze space (seeded; HBM, microbatch and recompute
 drawn too), each trial runs `objective.evaluate_point` exactly as the study does (area check,
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["PHAZE_OPT_CACHE"] = os.environ.get("PHAZE_OPT_BENCH_GRAPHS") or tempfile.mkdtemp(prefix="phaze-trial-")
 
 from phaze_opt.design.space import load_space  # noqa: E402
-from phaze_opt.design.evaluate import evaluate_design, tp_widths  # noqa: E402
+from phaze_opt.design.evaluate import design_evaluator, evaluate_design, tp_widths  # noqa: E402
 from phaze_opt.search.objective import Context, evaluate_point  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
 from phaze_opt.workload.graphs import build_layer_graph  # noqa: E402
@@ -58,13 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--designs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="gpt3-175b")
+    ap.add_argument("--ilp-time-limit", type=float, default=None,
+                    help="per layer-pass ILP limit in seconds (default: the evaluator's, 60)")
     args = ap.parse_args(argv)
     space = load_space("phaze")
     model, system = load_model(args.model), load_system("default")
     for mbs in space.params["mbs"]:  # layer graphs: built once per (model, TP, microbatch) in any study
         for tp in tp_widths(model, system):
             build_layer_graph(model, tp, int(mbs))
-    ctx = Context(models=(args.model,), system="default", space=space, evaluator=evaluate_design)
+    evaluator = evaluate_design if args.ilp_time_limit is None else design_evaluator(args.ilp_time_limit)
+    ctx = Context(models=(args.model,), system="default", space=space, evaluator=evaluator)
     new, seen, failed, stages = [], [], [], {s: [] for s in STAGES}
     for p in random_points(space, args.designs, args.seed):
         t0 = time.perf_counter()

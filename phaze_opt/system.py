@@ -194,6 +194,42 @@ class System:
         """The link of the data-parallel gradient ring (see the module docstring)."""
         return self.intra_node if pp * t * dp <= self.devices_per_node else self.inter_node
 
+    def cp_link(self, t: int, c: int) -> Link:
+        """The link of a context-parallel ring of c ranks at stride t (Megatron-Core's rank order
+        tp, cp, ep/dp, pp: a CP group spans t*c consecutive ranks): intra-node when t*c divides a node."""
+        return self.intra_node if self.devices_per_node % (t * c) == 0 else self.inter_node
+
+    def alltoall_members_per_node(self, e: int, stride: int) -> int:
+        """How many of an all-to-all group's e ranks (at rank `stride` apart; the EP group sits after
+        TP and CP, so stride = t*c) share each member's node: e when the group's e*stride ranks fit a
+        node evenly, dpn/stride when the group spans whole nodes, else 1 (conservative: every peer
+        counted as remote, as `pipeline_link` does for unaligned layouts)."""
+        dpn = self.devices_per_node
+        if dpn % (e * stride) == 0:
+            return e
+        if dpn % stride == 0 and (e * stride) % dpn == 0:
+            return dpn // stride
+        return 1
+
+    def alltoall_s(self, nbytes: float, e: int, stride: int) -> float:
+        """An all-to-all of `nbytes` per device over e ranks (MoE dispatch or combine).
+
+        Pairwise exchange (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+        Operations in MPICH", IJHPCA 2005, Sec. 4.6: p - 1 steps of n/p bytes each): each device
+        sends nbytes / e to each of its e - 1 peers, (e - 1)/e of its bytes crossing. On the two-level
+        network the g - 1 peers in its node are reached on the intra-node link and the e - g others on
+        the inter-node link; every device has its own port on each (the module docstring), so the two
+        parts run at once and the slower sets the time:
+        max((g - 1)(a_intra + n/e / B_intra), (e - g)(a_inter + n/e / B_inter)).
+        """
+        if e <= 1:
+            return 0.0
+        g = self.alltoall_members_per_node(e, stride)
+        part = nbytes / e
+        near = (g - 1) * (self.intra_node.latency + part / self.intra_node.bandwidth)
+        far = (e - g) * (self.inter_node.latency + part / self.inter_node.bandwidth)
+        return max(near, far)
+
     def summary(self) -> dict:
         return {
             "name": self.name,

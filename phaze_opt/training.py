@@ -20,7 +20,12 @@ It holds
 - `overlap_grad_reduce`: the data-parallel gradient reduction runs beside the backward pass
   (Megatron `--overlap-grad-reduce`, PyTorch DDP buckets);
 - `attention`: the attention kernel, `unfused | flash` (Dao et al. 2022, 2023); None keeps the
-  model config's own choice.
+  model config's own choice;
+- `capacity_factor`: a mixture of experts' expert buffers hold capacity_factor x the mean tokens
+  per expert (Fedus et al. 2022, Switch Transformer, eq. 3); the traced expert GEMMs and the
+  all-to-all bytes carry the padded buffers (default 1.0, balanced);
+- `load_imbalance`: tokens received by the busiest expert-parallel rank over the mean (>= 1); the
+  synchronous all-to-all and the experts' compute wait for that rank (default 1.0, balanced).
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -43,7 +48,8 @@ OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_
 RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("unfused", "flash")
-PLACEMENTS = ("optimal", "expert")  # besides a fixed "tp=T,pp=P,dp=D"
+PLACEMENTS = ("optimal", "expert")
+MOE_FACTOR_LIMIT = 64.0  # capacity factor / load imbalance: at most every token on one of 64 experts  # besides a fixed "tp=T,pp=P,dp=D"
 
 
 def is_mbs(value: Any) -> bool:
@@ -101,14 +107,16 @@ def recompute_flag(value: Any) -> bool:
 
 
 def parse_placement_spec(text: str) -> dict:
-    """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; a one-line PhazeError otherwise."""
-    allowed = ("tp", "pp", "dp")
+    """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; `ep=E` and `cp=C` (expert and context
+    parallelism, issue 19) may follow and then appear in the result; a one-line PhazeError otherwise."""
+    allowed = ("tp", "pp", "dp", "ep", "cp")
     out: dict[str, int] = {}
     for part in str(text).split(","):
         key, sep, value = part.strip().partition("=")
         key = key.strip().lower()
         if not sep or key not in allowed:
-            raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D (positive integers), got {part.strip()!r}")
+            raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D[,ep=E,cp=C] (positive integers), "
+                             f"got {part.strip()!r}")
         if key in out:
             raise PhazeError(f"placement {text!r}: {key} given twice")
         try:
@@ -118,7 +126,7 @@ def parse_placement_spec(text: str) -> dict:
         if number < 1:
             raise PhazeError(f"placement {text!r}: {key} must be a positive integer, got {value.strip()!r}")
         out[key] = number
-    missing = [k for k in allowed if k not in out]
+    missing = [k for k in ("tp", "pp", "dp") if k not in out]
     if missing:
         raise PhazeError(f"placement {text!r}: missing {', '.join(missing)}; expected tp=T,pp=P,dp=D")
     return out
@@ -136,6 +144,8 @@ class Training:
     zero: int = 0
     overlap_grad_reduce: bool = False
     attention: str | None = None
+    capacity_factor: float = 1.0
+    load_imbalance: float = 1.0
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -159,6 +169,18 @@ class Training:
             if attention not in ATTENTIONS:
                 raise PhazeError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
             object.__setattr__(self, "attention", attention)
+        for name, low in (("capacity_factor", 0.0), ("load_imbalance", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not (value > low or (low == 1.0 and value == 1.0)) or not value <= MOE_FACTOR_LIMIT:
+                need = "a number in (0, 64]" if low == 0.0 else "a number in [1, 64]"
+                raise PhazeError(f"{name} must be {need}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, float(value))
         placement = str(self.placement)
         object.__setattr__(self, "placement", placement)
         if placement == "expert":
@@ -181,7 +203,10 @@ class Training:
         """The recipe's fields as plain values (for reports and tracking)."""
         return {"mbs": self.mbs, "recompute": self.recompute, "placement": self.placement,
                 "sequence_parallel": self.sequence_parallel, "virtual_stages": self.virtual_stages,
-                "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention}
+                "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention,
+                # the MoE fields only when set, so every earlier recipe (and resumed point key) is unchanged
+                **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
+                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {})}
 
     def with_placement(self, placement: str) -> "Training":
         return replace(self, placement=placement)

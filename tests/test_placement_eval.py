@@ -173,7 +173,7 @@ def test_parse_placement_spec():
 @pytest.mark.parametrize(
     "text, words",
     [("tp=8,pp=16", "missing dp"), ("tp=8,pp=0,dp=1", "positive integer"), ("tp=x,pp=1,dp=1", "positive integer"),
-     ("tp=1,pp=1,dp=1,ep=2", "expected tp=T,pp=P,dp=D"), ("tp=1,tp=2,pp=1,dp=1", "given twice"),
+     ("tp=1,pp=1,dp=1,xp=2", "expected tp=T,pp=P,dp=D"), ("tp=1,pp=1,dp=1,ep=0", "ep must be a positive"), ("tp=1,tp=2,pp=1,dp=1", "given twice"),
      ("optimal", "expected")],
 )
 def test_bad_placement_specs(text, words):

@@ -35,8 +35,15 @@ def add_arguments(p):
     p.add_argument(
         "--placement",
         default="optimal",
-        help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D (layers split evenly)",
+        help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D[,ep=E,cp=C] (layers split "
+             "evenly; ep: expert parallelism, dividing dp; cp: context parallelism)",
     )
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="override the model's sequence length (tokens per sequence)")
+    p.add_argument("--capacity-factor", type=float, default=1.0, metavar="F",
+                   help="MoE expert buffers hold F x the mean tokens per expert (default 1.0)")
+    p.add_argument("--load-imbalance", type=float, default=1.0, metavar="I",
+                   help="MoE: tokens at the busiest expert-parallel rank over the mean, >= 1 (default 1.0, balanced)")
     add_ilp_time_limit(p)
 
 
@@ -58,15 +65,26 @@ def run(args) -> dict:
                 raise PhazeError(f"{flag} must be a positive integer, got {value}")
             system = replace(system, **{field: value})
     recipe = Training(check_mbs(args), args.recompute, args.placement, args.sequence_parallel, args.virtual_stages,
-                      args.zero, args.overlap_grad_reduce, args.attention)
+                      args.zero, args.overlap_grad_reduce, args.attention, args.capacity_factor, args.load_imbalance)
+    model = args.model
+    if args.seq is not None:
+        from ..configs import positive_arg
+        from ..workload.models import LIMITS, load_model
+
+        positive_arg(args.seq, "--seq", LIMITS["seq"])
+        model = load_model(args.model)
+        if model.position == "learned" and args.seq > model.positions:
+            raise PhazeError(f"--seq {args.seq}: {model.name} has {model.positions} learned positions")
+        model = replace(model, seq=args.seq)
     evaluate = design_evaluator(args.ilp_time_limit)
     fields = recipe.recipe()
     fields.pop("mbs"), fields.pop("recompute"), fields.pop("placement")
-    result = evaluate(args.model, arch, recipe.mbs, recipe.recompute, system, recipe.placement, **fields).to_json()
+    result = evaluate(model, arch, recipe.mbs, recipe.recompute, system, recipe.placement, **fields).to_json()
     result["arch"] = arch.name or args.arch
     spec = recipe.recipe()
     spec["placement_spec"] = spec.pop("placement")
     result.update(spec)
+    result["seq"] = args.seq
     result["devices"] = system.accelerators
     result["global_batch"] = system.global_batch
     stages = result.get("placement", {}).get("stages", [])
@@ -89,6 +107,12 @@ def render(r: dict) -> str:
         extras.append("overlapped grad reduce")
     if r.get("attention"):
         extras.append(f"{r['attention']} attention")
+    if r.get("seq"):
+        extras.append(f"sequence {r['seq']}")
+    if r.get("capacity_factor", 1.0) != 1.0:
+        extras.append(f"capacity factor {r['capacity_factor']:g}")
+    if r.get("load_imbalance", 1.0) != 1.0:
+        extras.append(f"load imbalance {r['load_imbalance']:g}")
     head = f"{r['model']} on {r['arch']}  mbs {r['mbs']}  {', '.join(extras)}  area {r['area_mm2']:.1f} mm^2"
     mem = r.get("memory_per_device")
     if mem:
@@ -105,7 +129,9 @@ def render(r: dict) -> str:
     p = r["placement"]
     lines = [
         head,
-        f"placement: TP {p['tp']} x PP {p['pp']} x DP {p['dp']}, {p['microbatches']} microbatches per pipeline, "
+        f"placement: TP {p['tp']} x PP {p['pp']} x DP {p['dp']}"
+        + (f" (EP {p['ep']})" if p.get("ep", 1) > 1 else "") + (f" x CP {p['cp']}" if p.get("cp", 1) > 1 else "")
+        + f", {p['microbatches']} microbatches per pipeline, "
         f"bubble {p.get('bubble_fraction', 0) * 100:.1f}%",
         f"throughput {r['throughput']:.2f} sequences/s ({r['tokens_per_s']:.3e} tokens/s), "
         f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu'] * 100:.1f}%",

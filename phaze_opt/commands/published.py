@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import add_ilp_time_limit
-from ..experiments.published import DEFAULT_TRIALS, MODELS, SYSTEMS
+from ..experiments.published import DEFAULT_TRIALS, EXTRA_MODELS, MODELS, SYSTEMS
 
 HELP = "the published comparison: TPUv4 vs expert-placement search vs co-optimised vs common design"
 DESCRIPTION = (
@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
                    help="MLflow tracking URI for the studies, or 'off' (default off)")
     p.add_argument("--output-dir", default="studies/published",
                    help="study storages, published.json and published.md (default studies/published)")
+    p.add_argument("--extra-model", action="append", metavar="NAME",
+                   help=f"a model compared as TPUv4 against its co-designed chip only (rows 1, 2, 4); repeat "
+                        f"(default {', '.join(EXTRA_MODELS)}: a mixture of experts and a 32K-token context)")
+    p.add_argument("--no-extra", action="store_true", help="leave out the MoE and long-context models")
     add_ilp_time_limit(p)
     p.add_argument("--resume", action="store_true",
                    help="reuse this table's studies in --output-dir instead of starting them afresh")
@@ -40,6 +44,7 @@ def config_from_args(args):
         models=tuple(args.model or MODELS), systems=tuple(args.system or SYSTEMS), space=args.space,
         trials=args.trials, seed=args.seed, workers=args.workers, tracking_uri=args.tracking_uri,
         output_dir=args.output_dir, fresh=not args.resume, ilp_time_limit_s=args.ilp_time_limit,
+        extra_models=() if args.no_extra else tuple(args.extra_model or EXTRA_MODELS),
     )
 
 

@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
     from ..configs import positive_arg
-    from ..workload.graphs import build_layer_graph
+    from ..workload.graphs import active_params, build_layer_graph
     from ..workload.models import LIMITS, load_model
 
     start = time.perf_counter()
@@ -68,6 +68,10 @@ def run(args) -> dict:
         "mbs": graph.mbs,
         "seq": graph.seq,
         "params": graph.total_params,
+        # parameters one token meets: all but the routed experts it is not sent to (= params when dense)
+        "active_params": active_params(model),
+        "experts": model.experts,
+        "top_k": model.top_k,
         "train_flops_per_sequence": graph.train_flops_per_sequence,
         "distinct_layer_kinds": graph.kinds,
         "params_note": "params per layer are per device at this TP width; 'params' at the top is the whole model",
@@ -97,7 +101,8 @@ def render(r: dict) -> str:
     lines = [
         f"model {r['model']} ({r['family']}), TP {r['tp']}, microbatch {r['mbs']}, sequence {r['seq']}, "
         f"{r['attention']} attention",
-        f"  parameters (whole model):     {r['params']:,} ({r['params'] / 1e9:.3f} B)",
+        f"  parameters (whole model):     {r['params']:,} ({r['params'] / 1e9:.3f} B)"
+        + (f", {r['active_params'] / 1e9:.3f} B active ({r['experts']} experts, top-{r['top_k']})" if r["experts"] else ""),
         f"  training FLOPs per sequence:  {_si(r['train_flops_per_sequence'], 'FLOP')} (fwd + bwd, no recompute)",
         f"  distinct layer kinds:         {', '.join(r['distinct_layer_kinds'])}",
         "",

@@ -32,6 +32,7 @@ constants; only the cheap per-placement sum runs on every call.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -42,7 +43,8 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.area import area_mm2
 from ..hardware.energy import batch_energy, layer_energies, load_constants as load_energy_constants, op_energy
 from ..hardware.latency import estimate
-from ..solve.placement import even_placement, optimal_placement
+from ..solve.expert_parallel import optimal_placement
+from ..solve.placement import even_placement
 from ..solve.placement_eval import evaluate_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
 from ..solve.schedule import schedule_graph
@@ -50,6 +52,7 @@ from ..system import System, load_system
 from ..training import Training
 from ..workload.graphs import build_layer_graph, sequence_parallel_graph
 from ..workload.models import ModelConfig, load_model
+from .parallel import ep_widths as model_ep_widths, parallel_setup
 
 PASSES = ("fwd", "bwd")
 PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it (rounding only)
@@ -96,7 +99,9 @@ class _TpCosts:
 # recompute choices run, then moves on). A miss re-reads the schedules from their disk cache.
 MEMO_MAX = 4096
 _COSTS_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
-_ENERGY_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
+_ENERGY_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
+# An EP/CP problem's (lower-bound costs, open passes of its CP traces), for `evaluate`'s bound.
+_PARALLEL_EXTRAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
 
 
 def _link_key(link) -> tuple:
@@ -272,6 +277,8 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
     """The PlacementProblem of a design trained by `training`, plus per-TP cost tables and the work timings."""
     model = load_model(model)
+    if model.moe and training.capacity_factor != model.capacity_factor:
+        model = replace(model, capacity_factor=training.capacity_factor)
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
     per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
@@ -290,6 +297,22 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
         interleave_layers=repeated,
         training=training,
     )
+    # Expert and context parallelism (issue 19; design/parallel.py): nothing changes for a dense
+    # model at a short sequence.
+    fixed = training.fixed if isinstance(training.fixed, dict) else (
+        model.expert_placement if training.fixed == "expert" else None)
+
+    def short_costs(short, t):
+        v = layer_costs(short, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
+                        training.attention)
+        return v.costs, v.bound_costs, v.unproven
+
+    extra = parallel_setup(model, arch, training, system, {t: (v.costs, v.bound_costs) for t, v in per_tp.items()},
+                           short_costs, fixed)
+    if extra:
+        bounds, unproven = extra.pop("bounds"), extra.pop("unproven")
+        problem = replace(problem, **extra)
+        _PARALLEL_EXTRAS[problem] = (bounds, unproven)  # the proven lower-bound times of the same (evaluate)
     return model, system, problem, per_tp
 
 
@@ -320,7 +343,13 @@ def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Tr
         raise PhazeError(
             f"placement tp={tp}: TP width not allowed for {model.name}; allowed: {', '.join(map(str, problem.tp_widths))}"
         )
-    return even_placement(problem, tp, pp, dp)
+    ep, cp = fields.get("ep", 1), fields.get("cp", 1)
+    if ep not in model_ep_widths(model) and not (model.moe and model.experts % ep == 0):
+        raise PhazeError(f"placement ep={ep}: must divide the {model.experts} experts of {model.name}"
+                         if model.moe else f"placement ep={ep}: {model.name} has no experts; use ep=1")
+    if cp > 1 and model.seq % (2 * cp):
+        raise PhazeError(f"placement cp={cp}: the sequence of {model.seq} tokens must split into 2 x cp equal chunks")
+    return replace(even_placement(problem, tp, pp, dp), ep=ep, cp=cp)
 
 
 def evaluate_design(
@@ -365,9 +394,12 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         result = evaluate_placement(problem, chosen_placement)
     result = with_iteration_overhead(result, system)
     unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
+    parallel_bounds, parallel_unproven = _PARALLEL_EXTRAS.get(problem, (None, []))
+    unproven += parallel_unproven
     bound = result.throughput
     if unproven and result.feasible:  # the same placement search on proven lower-bound layer times
-        optimistic = replace(problem, costs=tuple(v.bound_costs or v.costs for v in per_tp.values()))
+        optimistic = replace(problem, **parallel_bounds or {
+            "costs": tuple(v.bound_costs or v.costs for v in per_tp.values())})
         bound = with_iteration_overhead(optimal_placement(optimistic) if fixed is None
                                         else evaluate_placement(optimistic, chosen_placement), system).throughput
     dp_s = time.perf_counter() - t0

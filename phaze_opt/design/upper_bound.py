@@ -30,7 +30,16 @@ bandwidth), which lets one bound cover a whole architecture.
 
 `pipeline_throughput` tightens level 0 with what every placement pays whatever its recipe: whole
 microbatches and replicas, the pipeline bubble at the space's most virtual stages, and no stage
-faster than its slowest layer. The sweep takes the smaller of the two.
+faster than its slowest layer (per TP and CP width). The sweep takes the smaller of the two.
+
+Expert and context parallelism (issue 19). EP adds no work per device (the balanced experts'
+FLOPs are the traced ones; imbalance and all-to-alls only add), so level 0 stands. With CP c a
+stage's t c devices share each microbatch: time per batch >= B / (mbs d S) x W_{t,c} with W_{t,c}
+the lower-bound work of the layers traced at s / c (the further ring-attention blocks only add), so
+level 0 takes min over t and c of t c W_{t,c} (`WidthBounds.cp_bounds`). Level 1 runs the EP/CP
+placement search with the sizes exact (expert parameters, all-to-all and K/V bytes) and the time
+terms at their lower bounds: the experts' imbalance and the attention cores at zero (CP's per-step
+time (c - 1) max(core, K/V hop) is non-decreasing in the core, so zero bounds it).
 
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
 point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall
@@ -41,15 +50,16 @@ term that shrinks as the backward grows: the bound counts it as 0, see `placemen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
-from ..solve.placement import optimal_placement
+from ..solve.expert_parallel import optimal_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
+from .parallel import cp_widths, ep_widths, parallel_sizes
 
 PASSES = ("fwd", "bwd")
 LAMBDAS = np.linspace(0.0, 1.0, 21)
@@ -117,6 +127,8 @@ class WidthBounds:
     kind_fwd: np.ndarray
     kind_bwd: np.ndarray
     layer_kind: np.ndarray  # [n_layers] index into the kinds
+    cp: int = 1  # the context-parallel width: these are the layers traced at seq / cp
+    cp_bounds: tuple = ()  # the same at each further CP width of the model (cp > 1), for long sequences
 
     @property
     def work(self) -> np.ndarray:
@@ -128,13 +140,31 @@ class WidthBounds:
         return self.kind_fwd[row, self.layer_kind], self.kind_bwd[row, self.layer_kind]
 
     def take(self, rows) -> "WidthBounds":
-        return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind)
+        return WidthBounds(self.tp, self.kind_fwd[rows], self.kind_bwd[rows], self.layer_kind, self.cp,
+                           tuple(w.take(rows) for w in self.cp_bounds))
+
+    def all_cp(self) -> list["WidthBounds"]:
+        """These bounds and those of every further CP width."""
+        return [self, *self.cp_bounds]
+
+
+def concat_bounds(chunks: list[WidthBounds]) -> WidthBounds:
+    """Design rows of several chunks of one width, in order (CP bounds included)."""
+    first = chunks[0]
+    return WidthBounds(first.tp, np.concatenate([c.kind_fwd for c in chunks]), np.concatenate([c.kind_bwd for c in chunks]),
+                       first.layer_kind, first.cp,
+                       tuple(concat_bounds([c.cp_bounds[i] for c in chunks]) for i in range(len(first.cp_bounds))))
 
 
 def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
-                       attention: str | None = None) -> WidthBounds:
+                       attention: str | None = None, cp: int = 1) -> WidthBounds:
     """Lower bounds on every layer kind's forward and backward time at TP width `tp`, per design
-    (with the given attention kernel; None: the model's own)."""
+    (with the given attention kernel; None: the model's own); for a model whose sequence CP may
+    split, also at every further CP width (`cp_bounds`)."""
+    further = ()
+    if cp == 1:
+        further = tuple(layer_lower_bounds(replace(model, seq=model.seq // c), designs, mbs, system, tp, attention, c)
+                        for c in cp_widths(model)[1:] if tp * c <= system.accelerators)
     graph = build_layer_graph(model, tp, mbs, attention=attention)
     link = system.tp_link(tp)
     num_tc, num_vc = designs.num_tc[:, 0], designs.num_vc[:, 0]
@@ -147,7 +177,7 @@ def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
                 lat = estimate(og, slice_designs(designs, lo, hi), interconnect=link)
                 out[pass_name][lo:hi, k] = pass_lower_bounds(og, lat.single, lat.split, num_tc[lo:hi], num_vc[lo:hi])
     layer_kind = np.array([graph.kinds.index(layer.kind) for layer in graph.layers], dtype=int)
-    return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind)
+    return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind, cp=cp, cp_bounds=further)
 
 
 def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
@@ -156,7 +186,7 @@ def slice_designs(designs: DesignArrays, lo: int, hi: int) -> DesignArrays:
 
 def ideal_throughput(widths: list[WidthBounds], mbs: int, accelerators: int) -> np.ndarray:
     """Level 0: sequences/s no placement of any HBM or recompute setting can exceed, [n_designs]."""
-    device_seconds = np.min(np.stack([w.tp * w.work for w in widths]), axis=0)
+    device_seconds = np.min(np.stack([w.tp * w.cp * w.work for width in widths for w in width.all_cp()]), axis=0)
     with np.errstate(divide="ignore"):
         return np.where(device_seconds > 0, mbs * accelerators / device_seconds, np.inf)
 
@@ -175,14 +205,17 @@ def pipeline_throughput(widths: list[WidthBounds], mbs: int, accelerators: int, 
     """
     best = np.full(widths[0].kind_fwd.shape[0], np.inf)
     v = max(1, int(max_virtual_stages))
-    for w in widths:
+    # With context parallelism c (issue 19) a stage is t x c devices, each running the layers traced at
+    # seq / c (ring attention's further K/V blocks only add), so the same argument holds per (t, c).
+    for w in (cw for width in widths for cw in width.all_cp()):
         per_kind = w.kind_fwd + w.kind_bwd
         present = np.unique(w.layer_kind)
         slowest = per_kind[:, present].max(axis=1)
         work = w.work
         n_layers = int(w.layer_kind.shape[0])
-        for S in range(1, min(n_layers, accelerators // w.tp) + 1):
-            d = accelerators // (S * w.tp)
+        group = w.tp * w.cp
+        for S in range(1, min(n_layers, accelerators // group) + 1):
+            d = accelerators // (S * group)
             m = -(-global_batch // (mbs * d))
             time = np.maximum(work / S, slowest) * (m + (S - 1) / v)
             np.minimum(best, time, out=best)
@@ -212,9 +245,16 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     """
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
+    def costs_of(w):
+        m = replace(model, seq=model.seq // w.cp) if w.cp > 1 else model
+        g = build_layer_graph(m, w.tp, mbs, attention=attention)
+        return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel),
+                              m, mbs, w.cp)
+
+    further = [costs_of(cw) for w in widths for cw in w.cp_bounds]
     problem = PlacementProblem(
-        costs=tuple(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel)
-                    for g, w in zip(graphs, widths)),
+        costs=tuple(costs_of(w) for w in widths),
+        ep_widths=ep_widths(model), cp_widths=tuple(sorted({1, *(c.cp for c in further)})), cp_costs=tuple(further),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
         virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
@@ -237,8 +277,10 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
     for every placement, no less time (each time term is non-decreasing in the layer, recompute and
     transfer times; see `placement_throughput`) and no less memory, under the same constraints, so
     this bound is at least each of their level-1 bounds. inf when the kernels' layer graphs differ
-    in shape (no relaxation then).
+    in shape, or the model may use expert or context parallelism (no relaxation then).
     """
+    if ep_widths(model) != (1,) or any(w.cp_bounds for ws in widths_by_attention.values() for w in ws):
+        return float("inf")  # the relaxation below fixes EP = CP = 1: no bound for models that may use them
     per_kernel = {}
     for attention, widths in widths_by_attention.items():
         per_kernel[attention] = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]

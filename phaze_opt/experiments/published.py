@@ -51,6 +51,11 @@ from ..search.setup import Backend, StudyConfig, clean_name, default_storage
 from ..search.progress import say
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
+# Issue 19: a mixture of experts and a long context, each TPUv4 (expert and optimal placement) against
+# its own co-designed chip (rows 1, 2 and 4; not in the common design, whose objective they would
+# dominate). `phaze-opt published` runs them unless --no-extra.
+EXTRA_MODELS = ("mixtral-8x7b", "llama2-7b-32k")
+EXTRA_ROWS = ("tpuv4_expert", "tpuv4_optimal", "co_optimised")
 SYSTEMS = ("default", "phaze")
 ROWS = ("tpuv4_expert", "tpuv4_optimal", "expert_search", "co_optimised", "common")
 ROW_TITLES = {
@@ -127,6 +132,7 @@ class PublishedConfig:
     fresh: bool = True  # delete this table's study storages first (False: resume them)
     progress: bool | None = False
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: the default (60 s)
+    extra_models: tuple[str, ...] = ()  # EXTRA_MODELS from the command line (rows 1, 2 and 4 only)
 
 
 def _proof(r: Result) -> tuple:
@@ -136,7 +142,7 @@ def _proof(r: Result) -> tuple:
 
 def _placement_brief(p: dict | None) -> dict:
     p = p or {}
-    return {k: p.get(k) for k in ("tp", "pp", "dp", "microbatches")}
+    return {k: p.get(k) for k in ("tp", "pp", "dp", "ep", "cp", "microbatches")}
 
 
 def _accel_fields(arch: Accelerator) -> dict:
@@ -335,7 +341,7 @@ def _system_tag(system: str) -> str:
 def study_names(cfg: PublishedConfig, system: str) -> dict:
     tag = f"{_system_tag(system)}-{cfg.sampler}-seed{cfg.seed}"
     names = {"common": f"published-{tag}-common"}
-    for m in cfg.models:
+    for m in (*cfg.models, *cfg.extra_models):
         mt = Path(m).stem if str(m).endswith((".yaml", ".yml")) else m
         names[("expert_search", m)] = f"published-{tag}-{mt}-expert"
         names[("co_optimised", m)] = f"published-{tag}-{mt}-coopt"
@@ -446,8 +452,11 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
 
     rows = {m: {k: rows[m][k] for k in ROWS} for m in cfg.models}
     apply_ratios(rows, baselines)
+    extra_rows, extra_baselines = _run_extra(cfg, system, base, names, mbs_choices, rc_choices, timings)
     timings["wall_s"] = time.perf_counter() - t0
     return {
+        "extra_rows": extra_rows,
+        "extra_baselines": extra_baselines,
         "system": system,
         "rows": rows,
         "baselines": {m: b.to_json() for m, b in baselines.items()},
@@ -457,6 +466,62 @@ def run_system(cfg: PublishedConfig, system: str, backend: Backend) -> dict:
         "trials": {n: (s or {}).get("trials") for n, s in summaries.items()},
         "timings": timings,
     }
+
+
+def _run_extra(cfg: PublishedConfig, system: str, base: Backend, names: dict, mbs_choices, rc_choices,
+               timings: dict) -> tuple[dict, dict]:
+    """Rows 1, 2 and 4 of the MoE and long-context models (EXTRA_MODELS), ratios to row 1."""
+    if not cfg.extra_models:
+        return {}, {}
+    say(f"[{system}] MoE and long-context rows: {', '.join(cfg.extra_models)}")
+    t = time.perf_counter()
+    row1, row2, baselines = tpuv4_rows(cfg.extra_models, base.evaluator, base.reference_arch, system, mbs_choices,
+                                       rc_choices)
+    rows = {}
+    for m in cfg.extra_models:
+        name = names[("co_optimised", m)]
+        say(f"[{system}] row 4, {m}: {cfg.trials} trials, co-optimised ({name})")
+        summary = _run(_study_config(cfg, system, (m,), name), base)
+        rows[m] = {"tpuv4_expert": row1[m], "tpuv4_optimal": row2[m],
+                   "co_optimised": row_from_summary(summary, m, f"no feasible design in {cfg.trials} trials")}
+    apply_ratios(rows, baselines)
+    timings["extra_s"] = time.perf_counter() - t
+    return rows, {m: b.to_json() for m, b in baselines.items()}
+
+
+def run_extra_only(cfg: PublishedConfig, system: str, backend: Backend | None = None) -> dict:
+    """Only the MoE / long-context rows of one system (benchmarks/published_moe.py), rendered by
+    `render_extra`."""
+    backend = backend or Backend()
+    base = backend.resolved(StudyConfig(space=cfg.space, reference_arch=cfg.reference_arch,
+                                        ilp_time_limit_s=cfg.ilp_time_limit_s))
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    names = study_names(cfg, system)
+    if cfg.fresh:
+        for n in names.values():
+            _remove_storage(n, cfg.output_dir)
+    timings: dict = {}
+    mbs_choices, rc_choices = list(base.space.params["mbs"]), list(base.space.params["recompute"])
+    rows, baselines = _run_extra(cfg, system, base, names, mbs_choices, rc_choices, timings)
+    return {"system": system, "extra_rows": rows, "extra_baselines": baselines, "timings": timings}
+
+
+def render_extra(result: dict) -> str:
+    """The MoE / long-context table: TPUv4 against each model's co-designed chip, and the designs."""
+    rows = result.get("extra_rows") or {}
+    if not rows:
+        return ""
+    lines = [f"### MoE and long context, system `{result['system']}`", "",
+             "| model | " + " | ".join(ROW_TITLES[k] for k in EXTRA_ROWS) + " |", "|---|" + "---|" * len(EXTRA_ROWS)]
+    for m, by_row in rows.items():
+        lines.append(f"| {m} | " + " | ".join(_cell(by_row[k]) for k in EXTRA_ROWS) + " |")
+    lines += ["", "| model | row | design |", "|---|---|---|"]
+    for m, by_row in rows.items():
+        for k in EXTRA_ROWS:
+            lines.append(f"| {m} | {ROW_TITLES[k]} | {design_brief(by_row[k])} |")
+            if by_row[k].reason:
+                lines.append(f"| | | note: {by_row[k].reason} |")
+    return "\n".join(lines)
 
 
 def run_published(cfg: PublishedConfig, backend: Backend | None = None) -> dict:
@@ -519,7 +584,8 @@ def design_brief(row: Row) -> str:
     parts.append(f"mbs {row.mbs}, rc {rc_text}")
     p = row.placement or {}
     if p.get("tp") is not None:
-        parts.append(f"TP/PP/DP {p.get('tp')}/{p.get('pp')}/{p.get('dp')}")
+        parts.append(f"TP/PP/DP {p.get('tp')}/{p.get('pp')}/{p.get('dp')}"
+                     + (f", EP {p['ep']}" if (p.get("ep") or 1) > 1 else "") + (f", CP {p['cp']}" if (p.get("cp") or 1) > 1 else ""))
     return "; ".join(parts)
 
 
@@ -586,7 +652,8 @@ def render(result: dict) -> str:
             f"(rows 3 and 4 per model, row 5 once per system); wall {result['wall_s']:.0f} s. "
             f"Phaze (ICML 2024): {PUBLISHED['co_optimised']}x model-specific, {PUBLISHED['common']}x common over TPUv4.",
             ""]
-    body = [render_system(s, cfg["trials"]) for s in result["systems"].values()]
+    body = [render_system(s, cfg["trials"]) + ("\n\n" + render_extra(s) if s.get("extra_rows") else "")
+            for s in result["systems"].values()]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n"
 
 

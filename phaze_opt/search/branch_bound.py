@@ -48,7 +48,7 @@ import numpy as np
 
 from ..design.dominance import dominators
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import (CHUNK, WidthBounds, group_placement_throughput, ideal_throughput,
+from ..design.upper_bound import (CHUNK, WidthBounds, concat_bounds, group_placement_throughput, ideal_throughput,
                                   layer_lower_bounds, pipeline_throughput, placement_throughput,
                                   slice_designs)
 from ..errors import PhazeError
@@ -157,9 +157,7 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
 
 
 def _concat(chunks: list[WidthBounds]) -> WidthBounds:
-    first = chunks[0]
-    return WidthBounds(first.tp, np.concatenate([c.kind_fwd for c in chunks]),
-                       np.concatenate([c.kind_bwd for c in chunks]), first.layer_kind)
+    return concat_bounds(chunks)  # issue 19: keeps the CP widths' bounds
 
 
 def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,

@@ -43,7 +43,7 @@ _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
 MODEL_METRICS = {"throughput": "throughput_seq_per_s", "throughput_bound": "throughput_bound_seq_per_s",
                  "tokens_per_s": "tokens_per_s", "time_per_batch_s": "time_per_batch_s", "mfu": "mfu",
                  "energy_j": "energy_j"}
-PLACEMENT_METRICS = ("tp", "pp", "dp", "microbatches")
+PLACEMENT_METRICS = ("tp", "pp", "dp", "ep", "cp", "microbatches")  # ep, cp: expert and context parallelism (issue 19)
 TIMINGS = ("graph_s", "estimate_s", "ilp_s", "dp_s")
 # What every metric means, in its unit: the experiment's description lists them.
 TRIAL_METRICS = {
@@ -259,7 +259,9 @@ def trial_note(state: str, result: Mapping) -> str:
         if _finite(s.get("mfu")) is not None:
             text += f", MFU {s['mfu']:.1%}"
         if p:
-            text += f", placement TP {p.get('tp')} x PP {p.get('pp')} x DP {p.get('dp')}, {p.get('microbatches')} microbatches"
+            text += f", placement TP {p.get('tp')} x PP {p.get('pp')} x DP {p.get('dp')}"
+            text += (f" (EP {p['ep']})" if (p.get("ep") or 1) > 1 else "") + (f" x CP {p['cp']}" if (p.get("cp") or 1) > 1 else "")
+            text += f", {p.get('microbatches')} microbatches"
         parts.append(text)
     if _finite(result.get("area_mm2")) is not None:
         parts.append(f"area {result['area_mm2']:.1f} mm²")

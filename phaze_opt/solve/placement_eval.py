@@ -57,6 +57,31 @@ disagreement in the tests. The model it implements (the definition the DP must o
   bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
 - Throughput = global batch / time per batch; MFU = model FLOP per sequence x global batch /
   (devices used x peak FLOP/s x time per batch); bubble fraction = (S - 1) / (m + S - 1).
+
+Expert parallelism e and context parallelism c (issue 19). Ranks are ordered tp, cp, ep/dp, pp
+(Megatron-Core), so a stage runs on t x c devices per replica, t x c x S x d devices in all, and
+the pipeline and data-parallel links are those of a TP width t x c (`System.pipeline_link`,
+`dp_link`). EP splits each MoE layer's routed experts over e of the d replicas (e divides d;
+expert tensor parallelism = t); CP splits every sequence over c groups of t devices. Per layer, with
+its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load imbalance:
+- MoE: the forward and the backward each run two all-to-alls (dispatch and combine; Lepikhin et
+  al., GShard, 2021, Sec. 3.2) of i x `dispatch_bytes` per device over the e ranks of stride t c,
+  on the two-level network (`System.alltoall_s`, pairwise exchange), none at e = 1; the busiest
+  rank's experts compute i x their balanced time (`expert_fwd_s`, `expert_bwd_s`); the routed
+  experts' parameters are divided by e.
+- CP (ring attention: Liu et al., "Ring Attention with Blockwise Transformers", 2023, Sec. 3;
+  Megatron-Core context parallelism): each device attends its s/c queries to all c K/V blocks, the
+  traced block plus c - 1 more (`core_fwd_s`, `core_bwd_s` each); each of those c - 1 steps passes
+  a K/V block (`kv_bytes`) to the ring neighbour on `System.cp_link`, overlapped with that step's
+  compute: exposed max(0, latency + bytes / bandwidth - core) per step, forward; in backward the
+  K/V block and its gradient travel (twice the bytes) beside the block's backward. Everything else
+  is traced at s/c tokens. Memory: the activations traced at s/c, plus c - 1 more attention cores
+  (the unfused s x s blocks; none with flash) where they are kept (none) or rebuilt (selective
+  working set x c, full working set); selective recompute reruns c attention cores.
+- Gradients: the dense ones are reduced over the d x c ranks that hold the same weights, the routed
+  experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
+  kind over its own group; the optimizer step likewise. ZeRO-3 with e or c > 1 is not modelled
+  (infeasible, with that reason).
 """
 
 from __future__ import annotations
@@ -116,6 +141,35 @@ def _ceil(x: float) -> float:
     return float(-(-x // 1))
 
 
+def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp):
+    """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
+    module docstring): (forward s, backward s, extra activation bytes kept, extra working-set
+    bytes, routed-expert parameters per device)."""
+    fwd = float(costs.fwd_s[v])
+    bwd = float(costs.bwd_s[v])
+    expert = float(costs.expert_params[v])
+    if expert > 0 or costs.expert_fwd_s[v] > 0:
+        fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
+        bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
+        a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, costs.tp * c)
+        fwd += 2.0 * a2a  # dispatch and combine
+        bwd += 2.0 * a2a  # their gradients, the other way
+        expert = _ceil(expert / e)
+    extra_kept = extra_work = 0.0
+    if c > 1:
+        core_f, core_b = float(costs.core_fwd_s[v]), float(costs.core_bwd_s[v])
+        kv = float(costs.kv_bytes[v])
+        steps = c - 1
+        fwd += steps * core_f
+        bwd += steps * core_b
+        if kv > 0:
+            fwd += steps * max(0.0, ring_cp.latency + kv / ring_cp.bandwidth - core_f)
+            bwd += steps * max(0.0, ring_cp.latency + 2.0 * kv / ring_cp.bandwidth - core_b)
+        core_bytes = float(costs.activation_bytes[v]) - float(costs.selective_bytes[v])
+        extra_kept = extra_work = steps * core_bytes
+    return fwd, bwd, extra_kept, extra_work, expert
+
+
 def evaluate_placement(
     problem: PlacementProblem, placement: Placement, *, method: str = "evaluated"
 ) -> PlacementResult:
@@ -123,12 +177,17 @@ def evaluate_placement(
     devices (the result is infeasible with the reason); raises PhazeError for a malformed placement."""
     check_placement_shape(problem, placement)
     system = problem.system
-    costs = problem.costs_for(placement.tp)
+    e, c = int(placement.ep), int(placement.cp)
+    costs = problem.costs_at(placement.tp, c)
     t, d, S = placement.tp, int(placement.dp), placement.pp
     m = problem.microbatches(d)
     hbm = problem.hbm_bytes
-    hop = system.pipeline_link(t, S)
-    ring = system.dp_link(t, S, d)
+    hop = system.pipeline_link(t * c, S)
+    ring = system.dp_link(t * c, S, d)
+    imb = problem.load_imbalance
+    ring_cp = system.cp_link(t, c)
+    ranks = d * c  # holders of the same dense weights
+    expert_ranks = max(1, d * c // e)  # holders of the same routed experts
 
     stage_of = {}
     for s, stage in enumerate(placement.stages):
@@ -155,22 +214,26 @@ def evaluate_placement(
         stash = 0.0
         working = 0.0
         flops = 0.0
-        rec_of = {}
+        rec_of, fwd_of, bwd_of = {}, {}, {}
+        experts = 0.0
         for v in layers:
-            compute += float(costs.fwd_s[v]) + float(costs.bwd_s[v])
-            params += float(costs.params[v])
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp)
+            compute += fwd_v + bwd_v
+            params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
+            experts += expert_v
             flops += float(costs.flops[v])
             if mode == "full":  # Korthikanti et al. 2022, Sec. 5: the whole forward again
-                rec, kept, work = float(costs.fwd_s[v]), float(costs.checkpoint_bytes[v]), float(costs.full_work_bytes[v])
-            elif mode == "selective":  # only the attention core again
-                rec, kept, work = float(costs.selective_s[v]), float(costs.selective_bytes[v]), float(costs.selective_work_bytes[v])
+                rec, kept, work = fwd_v, float(costs.checkpoint_bytes[v]), float(costs.full_work_bytes[v]) + extra_work
+            elif mode == "selective":  # only the attention core again (all c of its blocks under CP)
+                rec, kept = c * float(costs.selective_s[v]), float(costs.selective_bytes[v])
+                work = c * float(costs.selective_work_bytes[v])
             else:
-                rec, kept, work = 0.0, float(costs.activation_bytes[v]), 0.0
+                rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
             if zero == 3:  # the layer's gathered parameters live through its forward and backward
                 work += float(costs.params[v]) * w_b
             recompute += rec
-            rec_of[v] = rec
-            backward += float(costs.bwd_s[v]) + rec
+            rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
+            backward += bwd_v + rec
             stash += kept
             working = max(working, work)
         producers_in = {u for v in layers for u in preds[v] if stage_of[u] != s}
@@ -184,11 +247,12 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
         grad_bytes = params * g_b
         weight_bytes = params * w_b
+        dense = params - experts
         zero3_s = 0.0
         if zero == 3:
             gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
-            fwds = [float(costs.fwd_s[v]) for v in layers]
-            bwds = [float(costs.bwd_s[v]) + rec_of[v] for v in layers]
+            fwds = [fwd_of[v] for v in layers]
+            bwds = [bwd_of[v] + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
             if problem.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
@@ -205,24 +269,31 @@ def evaluate_placement(
         # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5).
         if zero == 0:
             state = params * (w_b + g_b + o_b)
+        elif zero == 1 and e > 1:  # each kind of parameter sharded over its own replicas
+            state = params * (w_b + g_b) + _ceil(dense * o_b / ranks) + _ceil(experts * o_b / expert_ranks)
         elif zero == 1:
-            state = params * (w_b + g_b) + _ceil(params * o_b / d)
+            state = params * (w_b + g_b) + _ceil(params * o_b / ranks)
         else:
             state = _ceil(params * w_b / d) + _ceil(params * g_b / d) + _ceil(params * o_b / d)
         memory = state + stashed + working
         # The per-batch tail: gradient reduction (exposed part) and the optimizer step.
-        if zero == 0:
-            reduce = ring_allreduce_s(grad_bytes, d, ring.bandwidth, ring.latency)
-        elif zero == 1:
-            reduce = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency) + ring_half_s(
-                weight_bytes, d, ring.bandwidth, ring.latency)
-        else:
-            reduce = 0.0
+        groups = [(dense, ranks), (experts, expert_ranks)] if e > 1 else [(params, ranks)]
+        reduce = 0.0
+        for n_params, n_ranks in groups:
+            if e > 1 and n_params == 0:
+                continue
+            if zero == 0:
+                reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+            elif zero == 1:
+                reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
+                    n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
         if problem.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
-        if zero:
-            step_bytes = step_bytes / d
+        if zero and e > 1:
+            step_bytes = (dense / ranks + experts / expert_ranks) * (w_b + g_b + 2 * o_b)
+        elif zero:
+            step_bytes = step_bytes / ranks
         step = step_bytes / problem.hbm_bandwidth if problem.hbm_bandwidth > 0 else 0.0
         stages.append(
             StageResult(
@@ -230,8 +301,8 @@ def evaluate_placement(
                 layers=layers,
                 first_layer=costs.names[layers[0]],
                 last_layer=costs.names[layers[-1]],
-                devices=t,
-                ranks=[t * s, t * s + t - 1],
+                devices=t * c,
+                ranks=[t * c * s, t * c * s + t * c - 1],
                 inflight_microbatches=inflight,
                 time_s=compute + recompute + comm + zero3_s,
                 compute_s=compute,
@@ -259,18 +330,24 @@ def evaluate_placement(
     allreduce = max(st.allreduce_s for st in stages)
     total = pipeline + tail
     peak_memory = max(st.memory_bytes for st in stages)
+    used = t * c * S * d
     common = dict(
-        tp=t, pp=S, dp=d, microbatches=m, devices_used=t * S * d, stages=stages,
+        tp=t, pp=S, dp=d, ep=e, cp=c, microbatches=m, devices_used=used, stages=stages,
         bottleneck_s=bottleneck, pipeline_s=pipeline, allreduce_s=allreduce,
         bubble_fraction=(S - 1) / v_virt / (m + (S - 1) / v_virt), peak_memory_bytes=peak_memory, method=method,
         optimizer_step_s=max(st.optimizer_step_s for st in stages),
     )
 
     reasons = []
-    if t * S * d > system.accelerators:
+    if used > system.accelerators:
+        wide = f" x cp {c}" if c > 1 else ""
         reasons.append(
-            f"needs {t * S * d} accelerators (tp {t} x pp {S} x dp {d}) but the system has {system.accelerators}"
+            f"needs {used} accelerators (tp {t}{wide} x pp {S} x dp {d}) but the system has {system.accelerators}"
         )
+    if d % e:
+        reasons.append(f"expert parallelism {e} must divide the data-parallel degree {d}")
+    if zero == 3 and (e > 1 or c > 1):
+        reasons.append("ZeRO-3 with expert or context parallelism is not modelled")
     why = problem.interleaves(S, d)
     if why:
         reasons.append(why)
@@ -286,7 +363,7 @@ def evaluate_placement(
     batch = problem.system.global_batch
     throughput = batch / total
     flops_per_batch = problem.model_flops_per_sequence * batch
-    mfu = flops_per_batch / (t * S * d * problem.peak_flops * total) if problem.peak_flops > 0 else 0.0
+    mfu = flops_per_batch / (used * problem.peak_flops * total) if problem.peak_flops > 0 else 0.0
     return PlacementResult(
         feasible=True,
         reason="",

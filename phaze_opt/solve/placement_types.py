@@ -62,6 +62,14 @@ class LayerCosts:
       backward; default `activation_bytes`);
     - `selective_s`: the forward time of the attention core, what selective recompute adds to the
       backward (default 0); full recompute adds `fwd_s`.
+
+    Expert and context parallelism (issue 19; the model in `placement_eval`), all default 0:
+    `expert_params` (of `params`, the routed experts' share, divided over the EP group),
+    `dispatch_bytes` (one all-to-all's payload per device: tokens x k x capacity factor x hidden x
+    bytes), `expert_fwd_s` / `expert_bwd_s` (the experts' grouped GEMMs, scaled by the load
+    imbalance), `core_fwd_s` / `core_bwd_s` (one attention block's core, what each further ring
+    step of CP computes) and `kv_bytes` (the K and V block a CP ring step passes on); `cp`: the
+    context-parallel width these costs were traced at (the layer works on seq / cp tokens).
     """
 
     tp: int
@@ -79,6 +87,14 @@ class LayerCosts:
     selective_work_bytes: np.ndarray | None = None
     full_work_bytes: np.ndarray | None = None
     selective_s: np.ndarray | None = None
+    expert_params: np.ndarray | None = None
+    dispatch_bytes: np.ndarray | None = None
+    expert_fwd_s: np.ndarray | None = None
+    expert_bwd_s: np.ndarray | None = None
+    core_fwd_s: np.ndarray | None = None
+    core_bwd_s: np.ndarray | None = None
+    kv_bytes: np.ndarray | None = None
+    cp: int = 1
 
     def __post_init__(self):
         if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
@@ -121,6 +137,15 @@ class LayerCosts:
             object.__setattr__(self, name, _array(name, default if value is None else value, n, whole=True))
         sel_s = np.zeros(n) if self.selective_s is None else self.selective_s
         object.__setattr__(self, "selective_s", _array("selective_s", sel_s, n, whole=False))
+        for name in PARALLEL_ARRAYS:
+            value = getattr(self, name)
+            whole = name.endswith("params") or name.endswith("bytes")
+            object.__setattr__(self, name, _array(name, np.zeros(n) if value is None else value, n, whole=whole))
+        if np.any(self.expert_params > self.params):
+            raise ValueError("LayerCosts.expert_params: more than the layer's params")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, (int, np.integer)) or self.cp < 1:
+            raise ValueError(f"LayerCosts.cp must be a positive integer, got {self.cp!r}")
+        object.__setattr__(self, "cp", int(self.cp))
         names = tuple(self.names) if self.names else tuple(f"layer{i}" for i in range(n))
         if len(names) != n:
             raise ValueError(f"LayerCosts.names: expected {n} names, got {len(names)}")
@@ -169,6 +194,9 @@ def state_split(system: System) -> tuple[int, int, int]:
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 3)
+# LayerCosts' expert- and context-parallel per-layer terms (issue 19), zero by default.
+PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bwd_s", "core_fwd_s", "core_bwd_s",
+                   "kv_bytes")
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,6 +235,12 @@ class PlacementProblem:
     # the one time term that falls as layer times grow, so a bound on lower-bound layer times must not
     # charge it; every other term keeps its cost. Never set for an evaluation.
     reduction_hidden: bool = False
+    # Expert and context parallelism (issue 19): the widths searched, the LayerCosts traced at
+    # seq / c for each c > 1 (their `cp` set; one per TP width), and the load imbalance (recipe).
+    ep_widths: tuple = (1,)
+    cp_widths: tuple = (1,)
+    cp_costs: tuple = ()
+    load_imbalance: float = 1.0
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -229,6 +263,8 @@ class PlacementProblem:
             tr = self.training
             for name in ("mbs", "recompute", "virtual_stages", "zero", "overlap_grad_reduce"):
                 object.__setattr__(self, name, getattr(tr, name))
+            object.__setattr__(self, "load_imbalance", float(getattr(tr, "load_imbalance", 1.0)))
+        self._check_parallel(first)
         check_mbs(self.mbs, "PlacementProblem.mbs", ValueError)
         rc = self.recompute
         if isinstance(rc, (bool, np.bool_)):
@@ -254,6 +290,39 @@ class PlacementProblem:
             )
             if largest >= EXACT_BYTES:
                 raise ValueError("PlacementProblem: byte counts too large to add exactly in float64")
+
+    def _check_parallel(self, first: LayerCosts) -> None:
+        for name in ("ep_widths", "cp_widths"):
+            widths = tuple(sorted({int(w) for w in getattr(self, name)}))
+            if not widths or widths[0] < 1 or 1 not in widths:
+                raise ValueError(f"PlacementProblem.{name} must be positive integers including 1, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, widths)
+        if not (self.load_imbalance >= 1.0 and math.isfinite(self.load_imbalance)):
+            raise ValueError(f"PlacementProblem.load_imbalance must be a finite number >= 1, got {self.load_imbalance!r}")
+        cp_costs = tuple(sorted(self.cp_costs, key=lambda c: (c.cp, c.tp)))
+        for c in cp_costs:
+            if c.n_layers != first.n_layers or c.edges != first.edges or c.cp < 2:
+                raise ValueError("PlacementProblem.cp_costs: each must have cp > 1 and the same layer graph")
+        keys = [(c.tp, c.cp) for c in cp_costs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("PlacementProblem.cp_costs: one LayerCosts per (tp, cp)")
+        object.__setattr__(self, "cp_costs", cp_costs)
+
+    @property
+    def parallel_dims(self) -> bool:
+        """Whether expert or context parallelism (or a load imbalance) is in play: the placement is
+        then searched by `solve/expert_parallel.py`."""
+        return self.ep_widths != (1,) or self.cp_widths != (1,) or (
+            self.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs))
+
+    def costs_at(self, tp: int, cp: int = 1) -> LayerCosts:
+        """The LayerCosts at TP width tp traced at seq / cp tokens (cp = 1: `costs_for`)."""
+        if cp == 1:
+            return self.costs_for(tp)
+        for c in self.cp_costs:
+            if c.tp == tp and c.cp == cp:
+                return c
+        raise PhazeError(f"no layer costs for TP width {tp} at context parallelism {cp}")
 
     @property
     def n_layers(self) -> int:
@@ -305,6 +374,8 @@ class Placement:
     tp: int
     dp: int
     stages: tuple[tuple[int, ...], ...]
+    ep: int = 1  # expert parallelism: experts split over ep of the dp replicas (ep divides dp)
+    cp: int = 1  # context parallelism: each stage's sequence split over cp groups of tp devices
 
     @property
     def pp(self) -> int:
@@ -312,7 +383,7 @@ class Placement:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass
@@ -363,11 +434,13 @@ class PlacementResult:
     min_memory_bytes: float | None = None  # when no placement fits: the least any placement needs
     info: dict = field(default_factory=dict)
     optimizer_step_s: float = 0.0  # the slowest stage's optimizer step
+    ep: int = 1
+    cp: int = 1
 
     def placement(self) -> Placement | None:
         if not self.stages:
             return None
-        return Placement(self.tp, self.dp, tuple(tuple(s.layers) for s in self.stages))
+        return Placement(self.tp, self.dp, tuple(tuple(s.layers) for s in self.stages), self.ep, self.cp)
 
     def placement_dict(self) -> dict:
         """The `placement` entry of a DesignResult."""
@@ -375,6 +448,8 @@ class PlacementResult:
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp,
+            "ep": self.ep,
+            "cp": self.cp,
             "microbatches": self.microbatches,
             "devices_used": self.devices_used,
             "bubble_fraction": self.bubble_fraction,
@@ -406,6 +481,12 @@ def check_placement_shape(problem: PlacementProblem, placement: Placement) -> No
     """
     costs = problem.costs_for(placement.tp)
     n = costs.n_layers
+    for key in ("ep", "cp"):
+        value = getattr(placement, key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise PhazeError(f"placement: {key} must be a positive integer, got {value!r}")
+    if placement.cp > 1:
+        problem.costs_at(placement.tp, placement.cp)
     if isinstance(placement.dp, bool) or not isinstance(placement.dp, (int, np.integer)) or placement.dp < 1:
         raise PhazeError(f"placement: dp must be a positive integer, got {placement.dp!r}")
     if not placement.stages:

@@ -34,7 +34,7 @@ from ..cache import BoundedMemo, cache_root, write_atomic
 from ..configs import positive_arg
 from ..errors import PhazeError
 from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
-from .models import ATTENTIONS, LIMITS, ModelConfig, check_tp, load_model
+from .models import ATTENTIONS, LIMITS, ModelConfig, check_capacity_factor, check_tp, load_model
 from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
                   layer_graph_to_json)
 
@@ -71,7 +71,7 @@ def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True
 
 def build_layer_graph(
     model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool = True,
-    cache: bool = True, attention: str | None = None,
+    cache: bool = True, attention: str | None = None, capacity_factor: float | None = None,
 ) -> LayerGraph:
     """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
 
@@ -85,6 +85,8 @@ def build_layer_graph(
         if attention not in ATTENTIONS:
             raise PhazeError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         model = dataclasses.replace(model, attention=attention)
+    if capacity_factor is not None and model.moe and capacity_factor != model.capacity_factor:
+        model = dataclasses.replace(model, capacity_factor=check_capacity_factor(capacity_factor, "capacity factor"))
     tp = check_tp(model, tp)
     seq = model.seq if seq is None else seq
     positive_arg(mbs, "microbatch size", MBS_LIMIT)
@@ -181,33 +183,54 @@ def _write(path: Path, key: str, graph: LayerGraph) -> None:
 
 def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> dict:
     """Build and trace one module per layer kind: {kind: LayerTrace}."""
-    from .layers import KINDS, build_layer, example_inputs
+    from .layers import build_layer, example_inputs, layer_kinds
     from .trace import trace_layer_details
 
     return {
         kind: trace_layer_details(build_layer(model, kind, tp), example_inputs(model, kind, mbs, seq),
                                   name=kind, fuse=fuse)
-        for kind in KINDS
+        for kind in layer_kinds(model)
     }
 
 
 def model_params(model: ModelConfig) -> int:
     """Parameters of the whole model (no TP), with a tied embedding matrix counted once."""
-    from .layers import build_layer
+    from .layers import build_layer, layer_sequence
 
+    counts: dict[str, int] = {}
+    for _, kind in layer_sequence(model):
+        counts[kind] = counts.get(kind, 0) + 1
     total = 0
-    for kind, count in (("embedding", 1), ("block", model.layers), ("head", 1)):
+    for kind, count in counts.items():
         module = build_layer(model, kind, 1)
         tied = {id(getattr(module, name)) for name in getattr(module, "tied_parameters", ())}
         total += count * sum(p.numel() for p in module.parameters() if id(p) not in tied)
     return total
 
 
+def routed_expert_params(model: ModelConfig) -> int:
+    """Parameters of one routed expert (both linears, no TP); 0 for a dense model."""
+    if not model.moe:
+        return 0
+    from .layers import build_layer
+
+    moe = build_layer(model, "block", 1).mlp
+    return (moe.w1.numel() + moe.w2.numel()) // model.experts
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters one token meets: the whole model less the routed experts it is not sent to,
+    (experts - top_k) per MoE block (Mixtral's and DeepSeek-MoE's "active" counts; shared experts,
+    router, attention and embeddings are all active)."""
+    return model_params(model) - model.moe_layers * (model.experts - model.top_k) * routed_expert_params(model)
+
+
 def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool, cache: bool) -> LayerGraph:
     start = time.perf_counter()
     traces = trace_kinds(model, tp, mbs, seq, fuse)
-    names = ["embedding"] + [f"block.{i}" for i in range(model.layers)] + ["head"]
-    kinds = ["embedding"] + ["block"] * model.layers + ["head"]
+    from .layers import layer_sequence
+
+    names, kinds = (list(x) for x in zip(*layer_sequence(model)))
     edges = tuple((i, i + 1) for i in range(len(names) - 1))
     has_successor = {s for s, _ in edges}
     layers = []

@@ -37,7 +37,7 @@ from .models import ModelConfig
 
 META = torch.device("meta")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KINDS = ("embedding", "block", "head")
+KINDS = ("embedding", "dense_block", "block", "head")  # dense_block: the dense first blocks of a MoE model
 
 
 def _param(dtype, *shape) -> nn.Parameter:
@@ -281,24 +281,98 @@ class SelfAttention(nn.Module):
         return self.proj(ctx)
 
 
+def _activate(y, activation: str):
+    if activation == "swiglu":  # Shazeer 2020, "GLU Variants Improve Transformer"
+        gate, up = torch.chunk(y, 2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(y)
+    return F.relu(y)
+
+
 class MLP(nn.Module):
-    def __init__(self, model: ModelConfig, t: int, dtype):
+    def __init__(self, model: ModelConfig, t: int, dtype, ffn: int | None = None):
         super().__init__()
         self.activation = model.activation
-        width = 2 * model.ffn if model.activation == "swiglu" else model.ffn  # SwiGLU: gate and up
+        ffn = model.ffn if ffn is None else ffn
+        width = 2 * ffn if model.activation == "swiglu" else ffn  # SwiGLU: gate and up
         self.fc1 = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "ffn")
-        self.fc2 = RowParallelLinear(model.ffn, model.hidden, t, model.bias, dtype, "ffn")
+        self.fc2 = RowParallelLinear(ffn, model.hidden, t, model.bias, dtype, "ffn")
 
     def forward(self, x):
-        y = self.fc1(x)
-        if self.activation == "swiglu":  # Shazeer 2020, "GLU Variants Improve Transformer"
-            gate, up = torch.chunk(y, 2, dim=-1)
-            y = F.silu(gate) * up
-        elif self.activation == "gelu":
-            y = F.gelu(y)
-        else:
-            y = F.relu(y)
-        return self.fc2(y)
+        return self.fc2(_activate(self.fc1(x), self.activation))
+
+
+def expert_capacity(model: ModelConfig, tokens: int) -> int:
+    """Token slots per expert: ceil(capacity factor x tokens x k / experts) (Fedus et al. 2022,
+    "Switch Transformers", eq. 3, with k experts per token as in GShard, Lepikhin et al. 2021)."""
+    return max(1, math.ceil(model.capacity_factor * tokens * model.top_k / model.experts))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer on one device (expert parallelism 1), traced as it runs.
+
+    - router: a replicated GEMM onto the experts' logits, softmax in float32, top-k
+      (Shazeer et al. 2017; Mixtral renormalises the k gate weights, `gate_renorm`);
+    - auxiliary load-balancing loss alpha E sum_i f_i P_i, f_i the fraction of routed slots that
+      chose expert i and P_i its mean router probability (Fedus et al. 2022, Switch Transformer,
+      eq. 4-6; f counts slots, not differentiable, as there);
+    - dispatch: the T k (token, expert) slots sorted by expert and their tokens gathered into
+      per-expert buffers of `expert_capacity` rows (Megatron-Core's token permutation; padding when
+      the capacity factor exceeds 1, dropping when below);
+    - the experts' GEMMs grouped: one batched GEMM over the E experts per linear (a grouped GEMM),
+      each expert SwiGLU/GELU of width expert_ffn, sharded over the TP group like a dense MLP
+      (column-parallel first linear, row-parallel second; expert tensor parallelism = TP);
+    - combine: each slot's output scaled by its gate weight and added back to its token (index_add);
+    - `shared_experts` always-on experts (DeepSeek-MoE) as one dense MLP of shared x expert_ffn.
+
+    Under expert parallelism e the same tokens meet the same experts, E/e per device with e times
+    the rows each: the FLOPs are those traced here; the all-to-alls around the experts are costed
+    by the placement (solve/expert_parallel.py).
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t, self.E, self.k, self.model = t, model.experts, model.top_k, model
+        self.activation, self.renorm, self.alpha = model.activation, model.gate_renorm, model.aux_loss_coef
+        local = _shard(model.expert_ffn, t, "expert_ffn")
+        width = 2 * local if model.activation == "swiglu" else local
+        self.router = _param(dtype, model.experts, model.hidden)
+        self.w1 = _param(dtype, model.experts, model.hidden, width)
+        self.w2 = _param(dtype, model.experts, local, model.hidden)
+        self.parallel = {"w1": "column", "w2": "row"}  # read by the tracer (trace.py)
+        shared = model.shared_experts * model.expert_ffn
+        self.shared = MLP(model, t, dtype, ffn=shared) if shared else None
+
+    def forward(self, x):
+        s, b, h = x.shape
+        T, E, k = s * b, self.E, self.k
+        xf = x.reshape(T, h)
+        probs = torch.softmax(F.linear(xf, self.router).float(), dim=-1)  # [T, E]
+        gate, chosen = torch.topk(probs, k, dim=-1)  # [T, k]
+        if self.renorm:
+            gate = gate / gate.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        counts = torch.zeros(E, dtype=torch.float32, device=x.device).scatter_add(
+            0, flat, torch.ones(T * k, dtype=torch.float32, device=x.device))
+        aux = self.alpha * E * (counts / (T * k) * probs.mean(dim=0)).sum()
+        order = torch.argsort(flat)  # slots grouped by expert
+        C = expert_capacity(self.model, T)
+        kept = min(T * k, E * C)  # slots beyond the capacity are dropped
+        order = order[:kept]
+        token = torch.div(order, k, rounding_mode="floor")
+        rows = xf.index_select(0, token)  # dispatch
+        if kept < E * C:
+            rows = F.pad(rows, (0, 0, 0, E * C - kept))
+        y = torch.bmm(rows.view(E, C, h), self.w1)
+        y = torch.bmm(_activate(y, self.activation), self.w2).reshape(E * C, h)[:kept]
+        y = y * gate.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
+        out = torch.zeros(T, h, dtype=x.dtype, device=x.device).index_add(0, token, y)  # combine
+        out = reduce_from_tp(out, self.t)
+        if self.shared is not None:
+            shared, bias = self.shared(x)
+            out = out + (shared.reshape(T, h) if bias is None else (shared + bias).reshape(T, h))
+        return out.view(s, b, h), aux
 
 
 class TransformerBlock(nn.Module):
@@ -325,6 +399,21 @@ class TransformerBlock(nn.Module):
             return self.norm2(self._residual(x, self.mlp(copy_to_tp(x, t))))
         x = self._residual(x, self.attention(copy_to_tp(self.norm1(x), t)))
         return self._residual(x, self.mlp(copy_to_tp(self.norm2(x), t)))
+
+
+class MoEBlock(TransformerBlock):
+    """A pre-norm block whose MLP is a mixture of experts; it also returns the load-balancing loss
+    (a second output, so the traced backward includes the router's gradient through it)."""
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__(model, t, dtype)
+        self.mlp = MoE(model, t, dtype)
+
+    def forward(self, x):
+        t = self.t
+        x = self._residual(x, self.attention(copy_to_tp(self.norm1(x), t)))
+        y, aux = self.mlp(copy_to_tp(self.norm2(x), t))
+        return self._residual(x, (y, None)), aux
 
 
 class Embedding(nn.Module):
@@ -426,12 +515,27 @@ def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
     return _VocabParallelCrossEntropy.apply(logits.float(), labels, t, rows).mean()
 
 
+def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
+    """The layer kinds a model has, in order (a dense model has no `dense_block`)."""
+    return ("embedding", "dense_block", "block", "head") if model.moe and model.dense_layers else ("embedding", "block", "head")
+
+
+def layer_sequence(model: ModelConfig) -> list[tuple[str, str]]:
+    """(name, kind) of every layer in order: embedding, the blocks, head."""
+    dense = model.dense_layers if model.moe else 0
+    return ([("embedding", "embedding")]
+            + [(f"block.{i}", "dense_block" if i < dense else "block") for i in range(model.layers)]
+            + [("head", "head")])
+
+
 def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
     """The module of one layer kind at TP width t, on the meta device."""
     dtype = TORCH_DTYPES[model.dtype]
     if kind == "embedding":
         return Embedding(model, t, dtype)
     if kind == "block":
+        return MoEBlock(model, t, dtype) if model.moe else TransformerBlock(model, t, dtype)
+    if kind == "dense_block":
         return TransformerBlock(model, t, dtype)
     if kind == "head":
         return Head(model, t, dtype)
@@ -444,7 +548,7 @@ def example_inputs(model: ModelConfig, kind: str, mbs: int, seq: int) -> tuple[t
     hidden = torch.empty(seq, mbs, model.hidden, dtype=TORCH_DTYPES[model.dtype], device=META)
     if kind == "embedding":
         return (ids, torch.empty_like(ids)) if model.type_vocab else (ids,)
-    if kind == "block":
+    if kind in ("block", "dense_block"):
         return (hidden,)
     if kind == "head":
         return (hidden, ids)

@@ -51,7 +51,15 @@ LIMITS["type_vocab"] = LIMITS["vocab"]
 # The hand-tuned placement's degrees each use at most every accelerator a system may have.
 EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
 
-OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention")
+OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention",
+            *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
+              "capacity_factor"))
+# Mixture-of-experts fields (see `ModelConfig`): absent means a dense model, and a dense model's
+# identity (hence every cache key) is what it was before they existed.
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
+              "capacity_factor")
+# Most experts of any published MoE: 2,048 (GShard 600B); Switch-C has 2,048 too.
+MOE_LIMIT = configs.Limit(2**16, "32x the most experts of any published MoE, 2,048")
 ATTENTIONS = ("unfused", "flash")  # flash: one fused attention kernel per pass (layers.py, trace.py)
 
 
@@ -86,11 +94,35 @@ class ModelConfig:
     type_vocab: int = 0  # BERT's token-type (segment) embeddings
     norm_eps: float = 1e-5
     attention: str = "unfused"  # or "flash": FlashAttention (Dao et al. 2022), see layers.py
+    # Mixture of experts (layers.MoE): `experts` routed experts of SwiGLU/GELU width `expert_ffn`
+    # per block, `top_k` of them per token, `shared_experts` always-on experts of the same width
+    # (DeepSeek-MoE, Dai et al. 2024), the first `dense_layers` blocks dense with width `ffn`;
+    # `gate_renorm`: the top-k gate weights renormalised to sum to 1 (Mixtral) or not (DeepSeek-MoE);
+    # `aux_loss_coef`: alpha of the load-balancing loss (Fedus et al. 2022, Switch Transformer eq. 4);
+    # `capacity_factor`: each expert's buffer holds capacity_factor x the mean tokens per expert
+    # (Fedus et al. 2022, eq. 3), set from the training recipe. experts = 0: a dense model.
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    gate_renorm: bool = True
+    aux_loss_coef: float = 0.01
+    capacity_factor: float = 1.0
     source: str = field(default="", compare=False)  # the file it came from; not part of its identity
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with routed experts (the first `dense_layers` blocks are dense)."""
+        return self.layers - self.dense_layers if self.moe else 0
 
     @property
     def causal(self) -> bool:
@@ -110,6 +142,9 @@ class ModelConfig:
         d.pop("source")
         if d["attention"] == "unfused":  # the default leaves the identity (and cache keys) as they were
             d.pop("attention")
+        if not self.moe:  # a dense model hashes as it did before MoE fields existed
+            for key in MOE_FIELDS:
+                d.pop(key)
         d["tp_widths"] = list(d["tp_widths"])
         return d
 
@@ -176,8 +211,10 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     if too_many:
         raise config_error(file, "type_vocab", too_many)
 
+    moe = _moe_fields(data, file, ffn, layers, family)
+
     def divides_all(t: int) -> bool:
-        return heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
+        return heads % t == 0 and kv_heads % t == 0 and ffn % t == 0 and moe["expert_ffn"] % t == 0
 
     if "tp_widths" in data:
         raw = data["tp_widths"]
@@ -189,7 +226,8 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
             if not divides_all(t):
                 raise config_error(
                     file, "tp_widths",
-                    f"width {t} must divide heads ({heads}), kv_heads ({kv_heads}) and ffn ({ffn})",
+                    f"width {t} must divide heads ({heads}), kv_heads ({kv_heads}), ffn ({ffn})"
+                    + (f" and expert_ffn ({moe['expert_ffn']})" if moe["experts"] else ""),
                 )
         if len(set(raw)) != len(raw):
             raise config_error(file, "tp_widths", f"has repeated widths: {raw}")
@@ -200,8 +238,8 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     expert = data["expert_placement"]
     if not isinstance(expert, dict):
         raise config_error(file, "expert_placement", f"must be a mapping with tp, pp and dp, got {expert!r}")
-    configs.check_keys(expert, file, ("tp", "pp", "dp"))
-    for key in ("tp", "pp", "dp"):
+    configs.check_keys(expert, file, ("tp", "pp", "dp"), ("ep", "cp"))  # ep, cp: expert / context parallelism
+    for key in ("tp", "pp", "dp", *(k for k in ("ep", "cp") if k in expert)):
         configs.positive_int(expert, key, file, limit=EXPERT_LIMIT, field=f"expert_placement.{key}")
     if expert["tp"] not in tp_widths:
         raise config_error(
@@ -218,10 +256,54 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         name=name.strip(), family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
         ffn=ffn, seq=seq, vocab=vocab, activation=activation, norm=norm, position=position,
         tied_embeddings=tied, tp_widths=tp_widths,
-        expert_placement={"tp": expert["tp"], "pp": expert["pp"], "dp": expert["dp"]},
+        expert_placement={k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert},
         positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
-        norm_eps=norm_eps, attention=attention, source=str(file),
+        norm_eps=norm_eps, attention=attention, source=str(file), **moe,
     )
+
+
+def _moe_fields(data: dict, file, ffn: int, layers: int, family: str) -> dict:
+    """The mixture-of-experts fields, checked; all defaults (a dense model) when `experts` is absent."""
+    present = [k for k in MOE_FIELDS if k in data]
+    if "experts" not in data:
+        if present:
+            raise config_error(file, present[0], "only a mixture-of-experts model (one that sets experts) takes it")
+        return {"experts": 0, "top_k": 0, "expert_ffn": ffn, "shared_experts": 0, "dense_layers": 0,
+                "gate_renorm": True, "aux_loss_coef": 0.01, "capacity_factor": 1.0}
+    if family == "bert":
+        raise config_error(file, "experts", "mixture-of-experts blocks are built for the decoder families only")
+    experts = configs.positive_int(data, "experts", file, limit=MOE_LIMIT)
+    if experts < 2:
+        raise config_error(file, "experts", f"a mixture of experts needs at least 2 experts, got {experts}")
+    if "top_k" not in data:
+        raise config_error(file, "top_k", "missing required field (experts per token)")
+    top_k = configs.positive_int(data, "top_k", file)
+    if top_k > experts:
+        raise config_error(file, "top_k", f"must be at most experts ({experts}), got {top_k}")
+    expert_ffn = configs.positive_int(data, "expert_ffn", file, default=ffn, limit=LIMITS["ffn"])
+    shared = data.get("shared_experts", 0)
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared <= MOE_LIMIT.maximum:
+        raise config_error(file, "shared_experts", f"must be a non-negative integer, got {shared!r}")
+    dense = data.get("dense_layers", 0)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < layers:
+        raise config_error(file, "dense_layers", f"must be an integer in [0, layers = {layers}), got {dense!r}")
+    alpha = data.get("aux_loss_coef", 0.01)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < 1e6:
+        raise config_error(file, "aux_loss_coef", f"must be a non-negative number, got {alpha!r}")
+    return {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn, "shared_experts": shared,
+            "dense_layers": dense, "gate_renorm": _boolean(data, "gate_renorm", file, default=True),
+            "aux_loss_coef": float(alpha),
+            "capacity_factor": check_capacity_factor(data.get("capacity_factor", 1.0), f"{file}: capacity_factor")}
+
+
+CAPACITY_LIMIT = 64.0  # an expert's buffer at most 64x the mean load (every token on one of 64 experts)
+
+
+def check_capacity_factor(value, name: str) -> float:
+    """A capacity factor: a number in (0, 64]; below 1 tokens are dropped (Fedus et al. 2022, Sec. 2.2)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= CAPACITY_LIMIT:
+        raise PhazeError(f"{name} must be a number in (0, {CAPACITY_LIMIT:g}], got {value!r}")
+    return float(value)
 
 
 def _boolean(data: dict, key: str, file, default=None) -> bool:

@@ -105,7 +105,7 @@ VECTOR_OP_FLOPS = {
     "dropout": 2, "dropout_bwd": 2, "layernorm": 8, "layernorm_bwd": 16,
     "softmax": 5, "softmax_bwd": 4, "log_softmax": 5, "log_softmax_bwd": 4,
     "sum": 1, "mean": 1, "amax": 1, "embedding": 0, "embedding_bwd": 1, "gather": 0, "scatter": 1,
-    "nll_loss": 1, "nll_loss_bwd": 1, "copy": 0,
+    "nll_loss": 1, "nll_loss_bwd": 1, "copy": 0, "topk": 1, "sort": 1,
 }
 
 # aten op name -> (op kind, vector-op kind). Anything pointwise is fusable.
@@ -143,7 +143,10 @@ _OTHER_VECTOR = {
     "cat": ("elementwise", "copy"), "stack": ("elementwise", "copy"), "slice_backward": ("elementwise", "copy"),
     "select_backward": ("elementwise", "copy"), "slice_scatter": ("elementwise", "copy"),
     "select_scatter": ("elementwise", "copy"), "constant_pad_nd": ("elementwise", "copy"),
-    "index_select": ("gather", "gather"), "repeat": ("elementwise", "copy"), "copy": ("elementwise", "copy"),
+    "index_select": ("gather", "gather"), "index_add": ("gather", "scatter"), "index_add_": ("gather", "scatter"),
+    # A MoE router's top-k over the experts and the sort of the routed slots by expert: one pass each
+    # over their input (our assumption: E <= 64 logits per token, k <= 8, kept in registers).
+    "topk": ("reduction", "topk"), "sort": ("reduction", "sort"), "repeat": ("elementwise", "copy"), "copy": ("elementwise", "copy"),
     "copy_": ("elementwise", "copy"),
 }
 _GEMMS = {"mm": "gemm", "addmm": "gemm", "bmm": "bgemm", "baddbmm": "bgemm"}
@@ -346,6 +349,13 @@ class _Mapper:
                     param_only.add(n)
         self.const, self.act_dep, self.param_only = const, act_dep, param_only
 
+    def _param_grad_bases(self) -> set:
+        """The nodes whose values (or views of them) are the parameter gradients."""
+        if not hasattr(self, "_pgrad"):
+            start = self.n_outs + self.n_grad_inputs
+            self._pgrad = {self._alias_base(g) for g in self.outputs[start:] if isinstance(g, torch.fx.Node)}
+        return self._pgrad
+
     def _producer(self, node):
         """The op node that computes a value: getitems stand for their multi-output parent."""
         while node.op == "call_function" and node.target is operator.getitem:
@@ -390,7 +400,7 @@ class _Mapper:
 
     def _linear_role(self, node) -> str:
         """"column" / "row" for a GEMM whose weight is a parameter split that way over the TP group."""
-        if _op_name(node) not in ("mm", "addmm"):
+        if _op_name(node) not in ("mm", "addmm", "bmm"):  # bmm: a MoE's grouped expert GEMMs
             return ""
         return self.param_role.get(self._alias_base(node.args[-1]), "")
 
@@ -462,7 +472,11 @@ class _Mapper:
                 dims = (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
             bt, m, k, cols = (int(x) for x in dims)
             epilogue = bt * m * cols if name in ("addmm", "baddbmm") else 0  # bias add into the accumulators
-            return _Cost(TC, _GEMMS[name], gemm=(bt, m, k, cols), flops=2.0 * bt * m * k * cols + epilogue)
+            kind = _GEMMS[name]
+            if name == "bmm" and (any(self._alias_base(x) in self.param_ph for x in n.args[-2:])
+                                  or n in self._param_grad_bases()):
+                kind = "grouped_gemm"  # a MoE's experts (and their weight gradients), batched; not attention
+            return _Cost(TC, kind, gemm=(bt, m, k, cols), flops=2.0 * bt * m * k * cols + epilogue)
         kind, vkind = _VECTOR.get(name) or _OTHER_VECTOR.get(name) or (None, None)
         if kind is None:
             self.unmapped.append(str(n.target))

@@ -1,0 +1,144 @@
+"""Expert and context parallelism for a design (issue 19): which widths are searched, and the
+per-layer terms the placement prices them with (`solve/placement_eval.py`'s docstring).
+
+- EP widths: the powers of two that divide the model's routed experts (1 for a dense model); each
+  EP rank then holds experts / e whole experts.
+- CP widths: 1, and for sequences of at least `CP_MIN_SEQ` tokens the powers of two up to
+  `CP_MAX` that split the sequence into 2c equal chunks (Megatron-Core's load-balanced causal split
+  gives each rank two chunks). Shorter sequences are not split: with a few thousand tokens the
+  per-step K/V hop cannot hide under a block of attention (our choice of search space; Llama 3 used
+  CP only for its long-context stage, Dubey et al. 2024, Sec. 3.3.2).
+- Per layer at TP width t and sequence s (traced at s / c for CP): the routed experts' parameters
+  per device (E x one expert's / t), one all-to-all's payload per device (tokens x k x capacity
+  factor x hidden x bytes: every TP rank dispatches its copy of the tokens; GShard, Lepikhin et
+  al. 2021, Sec. 3.2), the experts' grouped-GEMM time forward and backward (single-core op
+  latencies added in sequence, an upper bound on their part of the schedule, as
+  `evaluate.attention_core_s` does for the attention core), the attention core's forward and
+  backward time (one K/V block's worth), and the K and V block a ring step passes on
+  (2 x s/c x batch x KV heads / t x head size x bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..hardware.latency import estimate
+from ..solve.placement_types import LayerCosts
+from ..workload.graphs import build_layer_graph, routed_expert_params
+from ..workload.layers import layer_sequence
+from ..workload.models import ModelConfig
+
+CP_MIN_SEQ = 8192
+CP_MAX = 32
+
+
+def ep_widths(model: ModelConfig) -> tuple[int, ...]:
+    if not model.moe:
+        return (1,)
+    return tuple(e for e in (2**i for i in range(17)) if e <= model.experts and model.experts % e == 0)
+
+
+def cp_widths(model: ModelConfig) -> tuple[int, ...]:
+    if model.seq < CP_MIN_SEQ:
+        return (1,)
+    return tuple(c for c in (2**i for i in range(6)) if c <= CP_MAX and model.seq % (2 * c) == 0)
+
+
+def _core_s(op_graph, single, forward: bool) -> float:
+    """The attention core's time in one pass: its activation x activation batched GEMMs, the fused
+    attention ops, and the vector ops over the s x s scores (as many elements as the largest
+    batched GEMM's output), single-core latencies added."""
+    ops = op_graph.ops
+    sizes = [op.gemm[0] * op.gemm[1] * op.gemm[3] for op in ops if op.kind == "bgemm" and op.gemm]
+    size = (sizes[0] if forward else max(sizes)) if sizes else -1
+    return float(sum(single[i] for i, op in enumerate(ops)
+                     if op.kind in ("bgemm", "flash_attention") or (size > 0 and op.unit != "tc" and op.elements == size)))
+
+
+def _expert_s(op_graph, single) -> float:
+    return float(sum(single[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
+
+
+def parallel_sizes(costs: LayerCosts, model: ModelConfig, mbs: int, cp: int = 1) -> LayerCosts:
+    """`costs` (at its TP width, for `model`'s sequence) with the EP/CP per-layer sizes (routed
+    expert parameters, all-to-all and K/V bytes) and no time terms: what the bounds use
+    (design/upper_bound.py), the time terms being non-negative additions."""
+    t = costs.tp
+    kinds = _layer_kinds(model)
+    e_bytes = model.bytes_per_element
+    tokens = mbs * model.seq
+    expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
+    dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
+    kv = 2.0 * tokens * (model.kv_heads // t) * model.head_dim * e_bytes
+    return replace(
+        costs,
+        expert_params=[expert_params if k == "block" and model.moe else 0.0 for k in kinds],
+        dispatch_bytes=[dispatch if k == "block" and model.moe else 0.0 for k in kinds],
+        kv_bytes=[kv if k in ("block", "dense_block") else 0.0 for k in kinds],
+        cp=cp,
+    )
+
+
+def _layer_kinds(model: ModelConfig) -> list[str]:
+    return [kind for _, kind in layer_sequence(model)]
+
+
+def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, system, attention, cp: int = 1) -> LayerCosts:
+    """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms."""
+    t = costs.tp
+    graph = build_layer_graph(model, t, mbs, attention=attention)
+    link = system.tp_link(t)
+    per_kind = {}
+    for kind in graph.kinds:
+        lat = {p: estimate(graph.op_graphs[kind][p], [arch], interconnect=link).single[0] for p in ("fwd", "bwd")}
+        per_kind[kind] = {
+            "core": (_core_s(graph.op_graphs[kind]["fwd"], lat["fwd"], True),
+                     _core_s(graph.op_graphs[kind]["bwd"], lat["bwd"], False)),
+            "expert": (_expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
+                       _expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
+        }
+    rows = [(l.kind, l.kind == "block" and model.moe, l.kind in ("block", "dense_block")) for l in graph.layers]
+    return replace(
+        parallel_sizes(costs, model, mbs, cp),
+        expert_fwd_s=[per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows],
+        expert_bwd_s=[per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows],
+        core_fwd_s=[per_kind[k]["core"][0] if attn else 0.0 for k, _, attn in rows],
+        core_bwd_s=[per_kind[k]["core"][1] if attn else 0.0 for k, _, attn in rows],
+    )
+
+
+def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, layer_costs_fn, fixed=None) -> dict:
+    """The PlacementProblem fields for EP and CP: {} for a dense model with short sequences (the
+    problem is then exactly today's). `per_tp`: {t: LayerCosts} at the full sequence;
+    `layer_costs_fn(model_at_seq, t)` gives (LayerCosts, proven lower-bound LayerCosts or None) of a
+    shorter sequence (CP). The result's `bounds` are the costs with proven lower-bound layer times
+    (for the throughput bound), `unproven` what the CP traces left open."""
+    eps = ep_widths(model)
+    cps = cp_widths(model)
+    if fixed is not None:
+        eps = tuple(sorted({1, fixed.get("ep", 1)}))
+        cps = tuple(sorted({1, fixed.get("cp", 1)}))
+    if eps == (1,) and cps == (1,) and not model.moe:
+        return {}
+    mbs, attention = training.mbs, training.attention
+    costs, bounds = [], []
+    for lc, bound in per_tp.values():
+        full = with_parallel_terms(lc, model, arch, mbs, system, attention)
+        costs.append(full)
+        bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
+    cp_costs, cp_bounds, unproven = [], [], []
+    for c in cps:
+        if c == 1:
+            continue
+        short = replace(model, seq=model.seq // c)
+        for t in per_tp:
+            if t * c <= system.accelerators:
+                lc, bound, open_passes = layer_costs_fn(short, t)
+                full = with_parallel_terms(lc, short, arch, mbs, system, attention, c)
+                cp_costs.append(full)
+                cp_bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
+                unproven += [f"tp{t} cp{c} {u}" for u in open_passes]
+    return {"costs": tuple(costs), "cp_costs": tuple(cp_costs), "ep_widths": eps, "cp_widths": cps,
+            "bounds": {"costs": tuple(bounds), "cp_costs": tuple(cp_bounds)}, "unproven": unproven}

@@ -1,0 +1,215 @@
+"""Expert and context parallelism in the placement (issue 19): the evaluator's new terms against
+hand computations, the all-to-all on the two-level network, and the EP/CP DP against a brute-force
+oracle (every TP, CP, EP, DP and stage split scored by the evaluator) on many random problems."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phaze_opt.solve.expert_parallel import effective_costs, optimal_placement
+from phaze_opt.solve.placement import optimal_placement as dense_optimal_placement
+from phaze_opt.solve.placement_eval import evaluate_placement, ring_allreduce_s
+from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem
+from phaze_opt.system import Link, System
+
+from test_placement_oracle import chain_splits, make_system
+
+
+def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
+    """Random chain costs with MoE and attention terms (a layer graph traced at seq / cp)."""
+    fwd = rng.uniform(0.5, 2.0, n) / tp * seq_scale
+    params = np.ceil(rng.integers(8, 60, n) / tp)
+    acts = np.ceil(rng.integers(4, 40, n) * seq_scale / tp)
+    core = np.floor(acts * rng.uniform(0.0, 0.5, n))
+    moe = rng.random(n) < 0.7
+    return LayerCosts(
+        tp=tp, fwd_s=fwd, bwd_s=2 * fwd, params=params, activation_bytes=acts,
+        boundary_bytes=np.ceil(rng.integers(1, 20, n) * seq_scale), input_bytes=[4.0] * n,
+        selective_bytes=acts - core, selective_work_bytes=core, selective_s=0.2 * fwd,
+        expert_params=np.where(moe, np.floor(params * expert_share / 8) * 8, 0.0),
+        dispatch_bytes=np.where(moe, rng.integers(10, 200, n) * seq_scale, 0.0),
+        expert_fwd_s=np.where(moe, 0.4 * fwd, 0.0), expert_bwd_s=np.where(moe, 0.8 * fwd, 0.0),
+        core_fwd_s=0.1 * fwd, core_bwd_s=0.25 * fwd, kv_bytes=np.ceil(rng.integers(1, 50, n) * seq_scale), cp=cp,
+    )
+
+
+def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
+    rng = np.random.default_rng(seed)
+    system = make_system(accelerators=int(kw.pop("accelerators", rng.integers(4, 17))),
+                         devices_per_node=int(kw.pop("devices_per_node", rng.choice([1, 2, 4, 8]))),
+                         global_batch=int(kw.pop("global_batch", rng.integers(1, 24))),
+                         intra=(float(rng.uniform(20, 200)), float(rng.uniform(0, 0.2))),
+                         inter=(float(rng.uniform(0.5, 20)), float(rng.uniform(0.2, 1.0))))
+    base = [moe_costs(t, n, np.random.default_rng(seed * 7 + t)) for t in widths]
+    cp_costs = [moe_costs(t, n, np.random.default_rng(seed * 7 + t + 100 * c), cp=c, seq_scale=1.0 / c)
+                for t in widths for c in cp if c > 1]
+    hbm = float(kw.pop("hbm", rng.uniform(200, 2000)))
+    return PlacementProblem(costs=tuple(base), system=system, hbm_bytes=hbm, peak_flops=1.0, seq_len=8,
+                            ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), **kw)
+
+
+def brute(problem):
+    N = problem.system.accelerators
+    best = (math.inf, None)
+    n = problem.n_layers
+    for lc in problem.costs:
+        for c in problem.cp_widths:
+            for e in problem.ep_widths:
+                for stages in chain_splits(n):
+                    S = len(stages)
+                    for d in range(1, N // (lc.tp * c * S) + 1):
+                        r = evaluate_placement(problem, Placement(lc.tp, d, stages, e, c))
+                        if r.feasible and r.time_per_batch_s < best[0]:
+                            best = (r.time_per_batch_s, (lc.tp, d, e, c, stages))
+    return best
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
+       zero=st.sampled_from([0, 1]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
+       hbm_bw=st.sampled_from([0.0, 50.0]))
+def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw):
+    problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
+                          load_imbalance=imbalance, hbm_bandwidth=hbm_bw)
+    want, where = brute(problem)
+    got = optimal_placement(problem)
+    if not math.isfinite(want):
+        assert not got.feasible
+        return
+    assert got.feasible, (want, where, got.reason)
+    assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), (where, got.tp, got.dp, got.ep, got.cp)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), v=st.sampled_from([1, 2]))
+def test_dp_matches_brute_force_interleaved(seed, v):
+    problem = moe_problem(seed, n=4, virtual_stages=v, global_batch=8)
+    want, where = brute(problem)
+    got = optimal_placement(problem)
+    assert got.feasible == math.isfinite(want)
+    if got.feasible:
+        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), where
+
+
+def test_without_ep_or_cp_the_dense_dp_answers():
+    problem = moe_problem(3, ep=(1,), cp=(1,))
+    assert not problem.parallel_dims
+    assert optimal_placement(problem).time_per_batch_s == dense_optimal_placement(problem).time_per_batch_s
+
+
+def test_ep_and_cp_change_nothing_at_width_one():
+    """At e = c = 1, no imbalance, the evaluator's numbers are today's (every new term vanishes)."""
+    problem = moe_problem(5, ep=(1,), cp=(1,), hbm=1e9)
+    plain = PlacementProblem(costs=tuple(replace_zero(c) for c in problem.costs), system=problem.system,
+                             hbm_bytes=problem.hbm_bytes, peak_flops=1.0, seq_len=8)
+    p = Placement(1, 2, ((0,), (1, 2)))
+    a, b = evaluate_placement(problem, p), evaluate_placement(plain, p)
+    assert a.time_per_batch_s == b.time_per_batch_s and a.peak_memory_bytes == b.peak_memory_bytes
+
+
+def replace_zero(c):
+    from dataclasses import replace
+    return replace(c, expert_params=None, dispatch_bytes=None, expert_fwd_s=None, expert_bwd_s=None,
+                   core_fwd_s=None, core_bwd_s=None, kv_bytes=None)
+
+
+def one_layer(**kw):
+    base = dict(tp=1, fwd_s=[1.0], bwd_s=[2.0], params=[800.0], activation_bytes=[100.0], boundary_bytes=[0.0],
+                input_bytes=[10.0], selective_bytes=[70.0], selective_work_bytes=[30.0], selective_s=[0.25],
+                expert_params=[640.0], dispatch_bytes=[1000.0], expert_fwd_s=[0.5], expert_bwd_s=[1.0],
+                core_fwd_s=[0.1], core_bwd_s=[0.3], kv_bytes=[40.0])
+    base.update(kw)
+    return LayerCosts(**base)
+
+
+def hand_system(dpn=4, accelerators=64, batch=4):
+    return System("hand", accelerators, dpn, Link(100.0, 0.01), Link(10.0, 0.1), batch, "bf16", "adam",
+                  "mixed_precision")
+
+
+def test_alltoall_on_the_two_level_network():
+    s = hand_system(dpn=4)
+    assert s.alltoall_s(800.0, 1, 1) == 0.0
+    # 4 ranks in one node: 3 peers over NVLink, 200 bytes each
+    assert s.alltoall_s(800.0, 4, 1) == pytest.approx(3 * (0.01 + 200 / 100))
+    # 8 ranks at stride 1 over two nodes: 3 peers inside, 4 outside; the slower part sets the time
+    assert s.alltoall_s(800.0, 8, 1) == pytest.approx(max(3 * (0.01 + 100 / 100), 4 * (0.1 + 100 / 10)))
+    # stride 4 = a whole node: every peer is remote
+    assert s.alltoall_s(800.0, 2, 4) == pytest.approx(1 * (0.1 + 400 / 10))
+    # (e - 1) / e of the bytes cross: the bandwidth part is (e - 1)/e x bytes / bandwidth in one node
+    assert hand_system(dpn=8).alltoall_s(800.0, 8, 1) - 7 * 0.01 == pytest.approx(7 / 8 * 800 / 100)
+
+
+def test_evaluator_expert_parallel_terms_by_hand():
+    s = hand_system(dpn=4, batch=4)
+    lc = one_layer()
+    prob = PlacementProblem(costs=(lc,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8, ep_widths=(1, 2),
+                            load_imbalance=1.5)
+    r = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=2, cp=1))
+    a2a = s.alltoall_s(1.5 * 1000.0, 2, 1)  # 2 ranks in one node
+    assert a2a == pytest.approx(0.01 + 750 / 100)
+    fwd = 1.0 + 0.5 * 0.5 + 2 * a2a
+    bwd = 2.0 + 0.5 * 1.0 + 2 * a2a
+    assert r.stages[0].compute_s == pytest.approx(fwd + bwd)
+    assert r.stages[0].params == 160 + 320  # the 640 routed parameters over 2
+    # dense gradients over 4 ranks, the experts' over 4 / 2 = 2; the 4 devices fit one node
+    ring = s.intra_node
+    reduce = ring_allreduce_s(160 * 2, 4, ring.bandwidth, ring.latency) + ring_allreduce_s(320 * 2, 2, ring.bandwidth, ring.latency)
+    assert r.allreduce_s == pytest.approx(reduce)
+    assert r.microbatches == 1 and r.time_per_batch_s == pytest.approx(fwd + bwd + reduce)
+    assert r.stages[0].memory_bytes == 480 * 16 + 100
+    bad = evaluate_placement(prob, Placement(1, 3, ((0,),), ep=2))
+    assert not bad.feasible and "must divide the data-parallel degree 3" in bad.reason
+
+
+def test_evaluator_context_parallel_terms_by_hand():
+    s = hand_system(dpn=4, batch=4)
+    base = one_layer(expert_params=[0.0], dispatch_bytes=[0.0], expert_fwd_s=[0.0], expert_bwd_s=[0.0])
+    half = one_layer(expert_params=[0.0], dispatch_bytes=[0.0], expert_fwd_s=[0.0], expert_bwd_s=[0.0],
+                     fwd_s=[0.6], bwd_s=[1.1], activation_bytes=[50.0], selective_bytes=[40.0],
+                     selective_work_bytes=[10.0], kv_bytes=[20.0], core_fwd_s=[0.05], core_bwd_s=[0.5], cp=2)
+    for mode in ("none", "selective", "full"):
+        prob = PlacementProblem(costs=(base,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8,
+                                cp_widths=(1, 2), cp_costs=(half,), recompute=mode)
+        r = evaluate_placement(prob, Placement(1, 2, ((0,),), cp=2))
+        link = s.cp_link(1, 2)
+        assert link is s.intra_node
+        fwd = 0.6 + 0.05 + max(0.0, 0.01 + 20 / 100 - 0.05)  # one more block; its K/V hop partly exposed
+        bwd = 1.1 + 0.5 + max(0.0, 0.01 + 40 / 100 - 0.5)  # K/V and dK/dV hidden under the block's backward
+        rec = {"none": 0.0, "selective": 2 * 0.25, "full": fwd}[mode]
+        assert r.stages[0].compute_s == pytest.approx(fwd + bwd)
+        assert r.stages[0].recompute_s == pytest.approx(rec)
+        kept = {"none": 50 + 10, "selective": 40, "full": 10}[mode]
+        work = {"none": 0, "selective": 2 * 10, "full": 50 + 10}[mode]  # full: all of it rebuilt, + 1 core
+        assert r.stages[0].memory_bytes == 800 * 16 + kept + work
+        assert r.devices_used == 4 and r.stages[0].devices == 2
+        # dense gradients reduced over d x c = 4 ranks
+        ring = s.dp_link(2, 1, 2)
+        assert r.allreduce_s == pytest.approx(ring_allreduce_s(800 * 2, 4, ring.bandwidth, ring.latency))
+
+
+def test_zero3_with_ep_is_refused_with_a_reason():
+    prob = moe_problem(1, zero=3, hbm=1e9, accelerators=8)
+    r = evaluate_placement(prob, Placement(1, 2, ((0, 1, 2),), ep=2))
+    assert not r.feasible and "ZeRO-3" in r.reason
+    assert optimal_placement(prob).ep == 1  # the DP does not pick it
+
+
+def test_effective_costs_are_the_evaluators_layer_terms():
+    prob = moe_problem(11, load_imbalance=1.25, hbm=1e9)
+    for lc in prob.costs:
+        for c in prob.cp_widths:
+            at = prob.costs_at(lc.tp, c)
+            for e in prob.ep_widths:
+                eff = effective_costs(prob, at, e, c)
+                for v in range(prob.n_layers):
+                    r = evaluate_placement(prob, Placement(lc.tp, 4, ((v,),) if prob.n_layers == 1 else
+                                                           tuple((u,) for u in range(prob.n_layers)), e, c))
+                    st = r.stages[v]
+                    assert st.compute_s == pytest.approx(eff.fwd_s[v] + eff.bwd_s[v])
+                    assert st.params == eff.params[v]

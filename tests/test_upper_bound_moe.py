@@ -1,0 +1,66 @@
+"""The sweep's bounds stay valid with expert and context parallelism (issue 19): level 0 >= level 1
+>= the evaluated throughput for a MoE model at a sequence CP may split, on random designs and
+recipes; and level 0 takes the CP widths' work."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from phaze_opt.design.evaluate import evaluate, tp_widths
+from phaze_opt.design.space import load_space
+from phaze_opt.design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from phaze_opt.hardware.latency import DesignArrays
+from phaze_opt.system import load_system
+from phaze_opt.training import Training
+from phaze_opt.workload.models import parse_model
+
+from test_moe_design import TINY
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path_factory.getbasetemp() / "moe-bound-cache"))
+
+
+HBM = 20 * 2**20
+RECIPES = [dict(recompute="none"), dict(recompute="selective", zero=1), dict(recompute="full", overlap_grad_reduce=True),
+           dict(recompute="none", zero=1, overlap_grad_reduce=True)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()))
+def test_bounds_hold_with_ep_and_cp(recipe):
+    model = parse_model(TINY, "tiny.yaml")
+    system = dataclasses.replace(load_system("default"), accelerators=16, global_batch=32)
+    space = load_space("phaze")
+    archs = space.architectures(order="grid")
+    rng = random.Random(7)
+    points = []
+    for k in rng.sample(range(len(archs)), 2):
+        p = {n: v for n, v in archs[k].items() if n != "area_mm2"}
+        p.update(hbm_gib=rng.choice(space.params["hbm_gib"]), mbs=1, recompute=recipe["recompute"])
+        points.append(p)
+    # HBM so small that only splitting the experts (EP) or the sequence (CP) makes the model fit:
+    # a bound that ignored them would call these designs infeasible (0) below their throughput
+    accels = [dataclasses.replace(space.accelerator(p), hbm_bytes=HBM) for p in points]
+    designs = DesignArrays.from_accelerators(accels)
+    widths = [layer_lower_bounds(model, designs, 1, system, tp) for tp in tp_widths(model, system)]
+    assert {w.cp for w in widths[0].cp_bounds} == {2, 4, 8, 16}
+    ideal = ideal_throughput(widths, 1, system.accelerators)
+    extra = {k: v for k, v in recipe.items() if k != "recompute"}
+    feasible = used_parallel = 0
+    for i, a in enumerate(accels):
+        ub1 = placement_throughput(model, widths, i, system=system, mbs=1, recompute=recipe["recompute"],
+                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops, **extra)
+        result = evaluate(model, a, Training(1, **recipe), system, 2.0)
+        feasible += result.feasible
+        used_parallel += result.feasible and (result.placement["ep"] > 1 or result.placement["cp"] > 1)
+        assert ideal[i] * (1 + 1e-12) >= ub1 >= result.throughput_bound, (ideal[i], ub1, result.throughput_bound)
+        # without the CP widths level 0 would be a different (here: lower) number
+        plain = ideal_throughput([dataclasses.replace(w, cp_bounds=()) for w in widths], 1, system.accelerators)
+        assert plain[i] <= ideal[i]
+    assert feasible
+    assert used_parallel  # the comparison exercised EP or CP
