@@ -12,7 +12,8 @@ import pytest
 
 from phaze_opt.design.evaluate import evaluate, tp_widths
 from phaze_opt.design.space import load_space
-from phaze_opt.design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
+from phaze_opt.design.upper_bound import (WidthBounds, ideal_throughput, layer_lower_bounds, pipeline_throughput,
+                                         placement_throughput)
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.system import load_system
 from phaze_opt.training import Training
@@ -59,8 +60,21 @@ def test_bounds_hold_with_ep_and_cp(recipe):
         feasible += result.feasible
         used_parallel += result.feasible and (result.placement["ep"] > 1 or result.placement["cp"] > 1)
         assert ideal[i] * (1 + 1e-12) >= ub1 >= result.throughput_bound, (ideal[i], ub1, result.throughput_bound)
+        pipe = pipeline_throughput(widths, 1, system.accelerators, system.global_batch, extra.get("virtual_stages", 1))
+        assert pipe[i] * (1 + 1e-12) >= result.throughput_bound, (pipe[i], result.throughput_bound)
         # without the CP widths level 0 would be a different (here: lower) number
         plain = ideal_throughput([dataclasses.replace(w, cp_bounds=()) for w in widths], 1, system.accelerators)
         assert plain[i] <= ideal[i]
     assert feasible
     assert used_parallel  # the comparison exercised EP or CP
+
+
+def test_pipeline_bound_counts_context_parallel_stages():
+    """One layer of 1 s per microbatch at CP 1 and 0.4 s at CP 2 (traced at seq / 2), 2 devices, one
+    sequence: CP 2 runs it in 0.4 s (2.5 seq/s), so a level-0 bound below 2.5 would cut the optimum;
+    without the CP widths the pipeline bound says 1 seq/s."""
+    kinds = np.array([0])
+    cp2 = WidthBounds(tp=1, kind_fwd=np.array([[0.1]]), kind_bwd=np.array([[0.3]]), layer_kind=kinds, cp=2)
+    w = WidthBounds(tp=1, kind_fwd=np.array([[0.25]]), kind_bwd=np.array([[0.75]]), layer_kind=kinds, cp_bounds=(cp2,))
+    assert pipeline_throughput([w], 1, 2, 1)[0] == pytest.approx(2.5)
+    assert pipeline_throughput([dataclasses.replace(w, cp_bounds=())], 1, 2, 1)[0] == pytest.approx(1.0)
