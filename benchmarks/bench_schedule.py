@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from phaze_opt.hardware.arch import load_arch  # noqa: E402
 from phaze_opt.hardware.latency import estimate  # noqa: E402
 from phaze_opt.design.space import load_space  # noqa: E402
-from phaze_opt.solve.schedule import MIP_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
+from phaze_opt.solve.schedule import MIP_FIRST_S, SEARCH_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
 from phaze_opt.solve.schedule_cache import problem_key  # noqa: E402
 from phaze_opt.solve.schedule_instance import prepare  # noqa: E402
 from phaze_opt.solve.schedule_search import warm_up  # noqa: E402
@@ -123,7 +123,14 @@ def main(argv=None) -> int:
     print(f"problems settled without a solver (list schedule met the lower bound): "
           f"{methods.count('bound')}/{n} ({100.0 * methods.count('bound') / n:.0f}%)")
     print(f"series blocks by method: {blocks}")
-    searched = [b for s in results.values() for b in s.extra.get("ilp_blocks", []) if "search" in b]
+    blocks_solved = [b for s in results.values() for b in s.extra.get("ilp_blocks", [])]
+    first = [b for b in blocks_solved if "search_first" in b]
+    if first:
+        closed = [b for b in first if b["search_first"]["complete"]]
+        print(f"blocks that reached a solver: {len(first)}; proven by the search alone in its first "
+              f"{SEARCH_FIRST_S:g} s: {len(closed)} (search time median "
+              f"{statistics.median(b['search_first']['search_s'] for b in closed) * 1e3 if closed else 0.0:.2f} ms)")
+    searched = [b for b in blocks_solved if "search" in b]
     if searched:
         proved = [b for b in searched if b.get("proof") == "search"]
         print(f"blocks the MIP left open after its first {MIP_FIRST_S:g} s: {len(searched)}; proven by the "

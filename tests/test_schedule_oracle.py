@@ -150,3 +150,32 @@ def test_oracle_itself_on_hand_cases():
     assert oracle_makespan(("net", "net", "tc"), (2, 2, 3), (2, 2, 3), (), 1, 1) == 4
     # a chain through a none op
     assert oracle_makespan(("tc", "none", "vc"), (1, 5, 2), (1, 5, 2), ((0, 1), (1, 2)), 1, 1) == 3
+
+
+
+@pytest.fixture(scope="module")
+def first_search_unfinished():
+    """Every search before the MIP stops at once, handing over a legal but poor schedule: every op
+    alone, one after another, in its single mode (view.ops is in topological order)."""
+    from phaze_opt.solve import schedule
+    from phaze_opt.solve.schedule_search import SearchResult
+
+    def stopped_at_once(inst, view, incumbent, deadline):
+        t, start, modes = 0.0, {}, {}
+        for i in view.ops:
+            start[i], modes[i] = t, False
+            t += inst.single[i]
+        return SearchResult(t, start, modes, False, {"search_s": 0.0, "complete": False})
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(schedule, "_search_first", stopped_at_once)
+    yield
+    mp.undo()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems())
+def test_an_unfinished_first_search_hands_over_to_the_mip(first_search_unfinished, p):
+    """The search before the MIP proves nothing when it stops early: its incumbent goes to the MIP,
+    whose answer must still be the optimum. Fails if an unfinished first search is taken as a proof."""
+    _check_against_oracle(p)

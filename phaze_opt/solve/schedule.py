@@ -23,7 +23,11 @@ How it is solved exactly (each step is argued where it is implemented):
 3. `schedule_heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
    bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
    (method "bound").
-4. Otherwise `schedule_ilp.solve_block`: the MIP with the heuristic as warm start and upper bound,
+4. Otherwise, on a block of at most SEARCH_MAX_OPS ops, the compiled decision-point search
+   (`schedule_search.search_block`, below) runs from the list schedule for SEARCH_FIRST_S; if it
+   finishes, its schedule is proven optimal (method "search") and no MIP is built. Most blocks close
+   here in under a millisecond, where building and solving the MIP costs 0.1-2 s.
+   Otherwise `schedule_ilp.solve_block`: the MIP with the best schedule so far as warm start and upper bound,
    zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"; "search"
    when the decision-point search below gave the proof). A run
    that stops at the time limit returns its best schedule as status "time_limit" with the proven
@@ -56,6 +60,12 @@ from .verify import assign_cores, expected_duration, verify_schedule
 
 SOLVERS = ("highs", "cbc")
 BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
+# A block the list schedule does not prove goes first to the compiled search for at most this long:
+# on 612 benchmark blocks that reach a solver it closed 605 with a median of 0.26 ms (BENCHMARKS.md,
+# "Per-layer scheduling"), where the MIP takes 0.1-2 s a block on chips of two tensor cores. A search
+# that finishes is a proof (schedule_search's docstring), so nothing is lost when it does; one that
+# does not hands its incumbent, at least as good as the list schedule, to the MIP.
+SEARCH_FIRST_S = 0.5
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
 
@@ -80,15 +90,32 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
         info.update(method="bound", status="optimal", makespan=ms, lower_bound=min(lb, ms), start=start,
                     modes=modes, binaries=0)
         return info
+    incumbent = (ms, start, modes)
+    probe = None
+    if skip_by_bound and len(view.ops) <= SEARCH_MAX_OPS and deadline > time.perf_counter():
+        probe = _search_first(inst, view, incumbent, deadline)
+        if probe.complete:
+            info.update(method="search", status="optimal", makespan=probe.makespan, lower_bound=probe.makespan,
+                        start=probe.start, modes=probe.modes, binaries=0,
+                        ilp={"proof": "search", "search_first": probe.stats})
+            return info
+        incumbent = (probe.makespan, probe.start, probe.modes)
     left = max(deadline - time.perf_counter(), 0.0)
-    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S))
+    res = solve_block(inst, view, incumbent, lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S))
     stats = dict(res.stats)
+    if probe is not None:
+        stats["search_first"] = probe.stats
     if res.status == "time_limit" and len(view.ops) <= SEARCH_MAX_OPS and deadline > time.perf_counter():
         res, stats = _search_then_mip(inst, view, res, stats, solver, deadline)
     method = "search" if stats.get("proof") == "search" else "ilp"
     info.update(method=method, status=res.status, makespan=res.makespan, lower_bound=min(res.lower_bound, res.makespan),
                 start=res.start, modes=res.modes, binaries=stats.get("binaries", 0), ilp=stats)
     return info
+
+
+def _search_first(inst, view, incumbent, deadline: float):
+    """The short search before the MIP (step 4 of the module docstring); complete only if it finished."""
+    return search_block(inst, view, incumbent, min(deadline, time.perf_counter() + SEARCH_FIRST_S))
 
 
 def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
@@ -132,7 +159,8 @@ def solve_schedule(problem: ScheduleProblem, *, solver: str = "highs", time_limi
     `solver` is "highs" (in-process, default) or "cbc"; `time_limit_s` bounds the whole call.
     With `cache`, results are memoised by content in memory and under `$PHAZE_OPT_CACHE`.
     `skip_by_bound=False` runs the ILP on every block even when the list schedule already meets
-    the lower bound (for tests and measurements; results are the same, only slower).
+    the lower bound or a short search could prove it (for tests and measurements of the MIP; results
+    are the same, only slower).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
