@@ -37,7 +37,9 @@ from .placement import (
     INF,
     RTOL,
     _Best,
+    _chain_width,
     _kmax,
+    _layer_terms,
     _stack,
     _start,
     _sweep,
@@ -141,110 +143,179 @@ def _degrees(problem: PlacementProblem, top: int, e: int) -> list[int]:
 
 
 @dataclass
-class _Prepared:
-    """One (e, c): the stage stack of its effective costs, per-stage expert parameters, stage times
-    per pipeline link, and every (width, d, S) with its lower bound, grouped."""
+class _Blocks:
+    """Every (c, e, t) at once: one stage stack over the effective costs of all of them (a block
+    each; the layer graph is the same, so rows and candidate stages are shared), the per-stage
+    expert parameters, and the stage times per pipeline link."""
 
-    e: int
-    c: int
-    costs: list
+    costs: list  # effective LayerCosts per block
+    e: np.ndarray  # [T] EP width of each block
+    c: np.ndarray  # [T] CP width
+    t: np.ndarray  # [T] TP width
     st: object
-    experts: np.ndarray
-    times: dict
-    groups: list  # [(min lower bound, (b, d, h, ring, S_only), (lbs, Ss, mults)), ...]
-    free: dict = None  # the memory-free bounds it used
+    experts: np.ndarray  # [T, R, W]
+    times: dict  # pipeline link (0 inter, 1 intra) -> [T, R, W] stage time per microbatch
 
 
-def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool, free=None) -> _Prepared | None:
-    """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays.
-    `free`: memory-free least bottlenecks [S - 1, width] per pipeline link to bound the groups with;
-    those of (1, c) serve every e (EP only adds all-to-alls, so its stage times are no shorter) whose
-    candidate stages they cover (`free["width"]`)."""
-    system = problem.system
-    N = system.accelerators
-    dpn = system.devices_per_node
-    v = problem.virtual_stages
-    L = costs[0].n_layers
-    T = len(costs)
-    tops = [min(L, N // (lc.tp * c)) for lc in costs]
-    if max(tops) < 1:
+def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
+    """[T, R, W] bool: candidate stages some placement of the block could use, for the memory-free
+    bounds (None: all). Without ZeRO and interleaving a stage's memory at one microbatch in flight
+    does not depend on d or S, and every placement holds at least one microbatch, so a stage with
+    kmax = 0 (`_chain_stack`/`_dag_stack`: state + one microbatch's activations + working set >
+    HBM) is in none. Otherwise a chain stage longer than its own width's `_chain_width` (the
+    longest that fits at the most replicas and 1/v microbatch) is in none."""
+    st = b.st
+    if problem.zero == 0 and problem.virtual_stages == 1:
+        return st.kmax >= 1
+    if st.masks is not None:
         return None
+    own = np.array([_chain_width(problem, [lc]) for lc in b.costs])
+    return np.broadcast_to(np.arange(st.dst.shape[1])[None, None, :] < own[:, None, None], st.grad.shape)
+
+
+def _build(problem: PlacementProblem, blocks: list, force_dag: bool) -> _Blocks:
+    costs = [lc for _, _, lc in blocks]
     st = _stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
-    links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
-    # (1, c)'s bounds hold only if its candidate stages include these: a chain's stages are cut to
-    # the longest that fits HBM, and EP, with fewer expert parameters per device, may fit longer ones.
-    if free is None or free["width"] < st.dst.shape[1]:
-        free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
-                          *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
-        free["width"] = st.dst.shape[1]
+    links = {0: problem.system.inter_node, 1: problem.system.intra_node}
+    times = {h: st.stage_time(links[h], problem.virtual_stages)[1] for h in (0, 1)}
+    return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
+                   np.array([lc.tp for lc in costs]), st, experts, times)
+
+
+def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
+    """Every (block, d, S) worth searching with its lower bound, as flat arrays; items whose bound
+    is infinite, or that cannot fit HBM, are left out.
+
+    Lower bound on the time per batch of any placement of (block, d, S): C x (m + (S - 1) / v) +
+    tail, where C >= the memory-free least bottleneck (`free`, over the stages some placement of
+    the block can use) and the tail >= that of the mean stage. The tail of a stage (exposed
+    reduction + optimizer step, `_search_group`) is at least an affine function of its dense and
+    expert parameters, lin(stage) = a x dense + b x experts (+ the ring's latency when e = 1, paid
+    by every stage): each ring term is latency steps plus (n - 1) / n x bytes / bandwidth, the
+    latency part dropped where it may be skipped (e > 1: a stage without parameters of a kind does
+    not reduce that kind), the whole reduction dropped when an overlap may hide it, and the step is
+    linear. The stages partition the layers, so the lin() of the S stages sum to lin(all layers)
+    and the largest is at least their mean, lin(all) / S (the constant not divided).
+
+    Memory: the fullest stage holds at least the mean stage's state (linear lower bounds of the
+    ZeRO-1 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
+    last stage; interleaved: min((v - 1) S + 1, m v) chunks of 1/v), so when that exceeds HBM no
+    split of the item fits (as `placement._general_groups`)."""
+    system = problem.system
+    N, dpn = system.accelerators, system.devices_per_node
+    v = problem.virtual_stages
+    w_b, g_b, o_b = state_split(system)
+    st = b.st
+    L = st.n_layers
     n_seq = -(-system.global_batch // problem.mbs)
-    groups = []
-    for b, lc in enumerate(costs):
-        w = lc.tp * c  # devices per stage and replica
+    widths = b.t * b.c
+    cache: dict = {}
+    blk_parts, d_parts, cnt_parts = [], [], []
+    for i in range(len(b.costs)):
+        w, e = int(widths[i]), int(b.e[i])
         if N // w < 1:
             continue
-        ds = np.array(_degrees(problem, N // w, e), dtype=np.int64)
-        counts = np.minimum(L, N // (w * ds))
-        keep = counts >= 1
-        ds, counts = ds[keep], counts[keep]
-        if ds.size == 0:
-            continue
-        d = np.repeat(ds, counts)
-        S = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
-        m = -(-n_seq // d)
-        if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
-            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
-            d, S, m = d[ok], S[ok], m[ok]
-        h = (dpn % (S * w) == 0).astype(np.int64)
-        ring = (S * w * d <= dpn).astype(np.int64)
-        mult = m + (S - 1) / v
-        lb = np.where(h == 1, free[1][S - 1, b], free[0][S - 1, b]) * mult
-        fin = np.isfinite(lb)
-        d, S, h, ring, mult, lb = d[fin], S[fin], h[fin], ring[fin], mult[fin], lb[fin]
-        s_only = np.where((v > 1) & (S > 1), S, 0)
-        order = np.lexsort((lb, s_only, ring, h, d))
-        keys = np.stack([d, h, ring, s_only], axis=1)[order]
-        cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
-        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(order)]])):
-            if hi <= lo:
-                continue
-            idx = order[lo:hi]  # ascending lower bound within the group
-            key = (b, int(d[idx[0]]), int(h[idx[0]]), int(ring[idx[0]]), int(s_only[idx[0]]))
-            groups.append((float(lb[idx[0]]), key, (lb[idx], S[idx], mult[idx])))
-    return _Prepared(e, c, costs, st, experts, times, groups, free)
+        key = (N // w, e)
+        if key not in cache:
+            ds = np.array(_degrees(problem, N // w, e), dtype=np.int64)
+            counts = np.minimum(L, N // (w * ds)) if ds.size else ds
+            cache[key] = (ds[counts >= 1], counts[counts >= 1])
+        ds, counts = cache[key]
+        blk_parts.append(np.full(ds.shape, i, dtype=np.int64))
+        d_parts.append(ds)
+        cnt_parts.append(counts)
+    if not blk_parts:
+        return {}
+    blk0, d0, counts = np.concatenate(blk_parts), np.concatenate(d_parts), np.concatenate(cnt_parts)
+    blk, d = np.repeat(blk0, counts), np.repeat(d0, counts)
+    S = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    m = -(-n_seq // d)
+    w = widths[blk]
+    if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
+        ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
+    h = (dpn % (S * w) == 0).astype(np.int64)
+    ring = (S * w * d <= dpn).astype(np.int64)
+    mult = m + (S - 1) / v
+    c_lb = np.where(h == 1, free[1][S - 1, blk], free[0][S - 1, blk])
+    # per block: total dense and expert parameters, kept activations per microbatch
+    Pe_b = np.array([float(np.sum(lc.expert_params)) for lc in b.costs])
+    P_b = np.array([float(np.sum(lc.params)) for lc in b.costs])
+    kept_b = np.array([float(np.sum(_layer_terms(problem, lc)[0])) for lc in b.costs])
+    e = b.e[blk]
+    ranks = d * b.c[blk]
+    eranks = np.maximum(1, ranks // e)
+    P, Pe = P_b[blk], Pe_b[blk]
+    Pd = P - Pe
+    split = e > 1
+    lat = np.where(ring == 1, system.intra_node.latency, system.inter_node.latency)
+    bw = np.where(ring == 1, system.intra_node.bandwidth, system.inter_node.bandwidth)
+    ring_bytes = 2 * g_b if problem.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
+    tail_lin = np.zeros(d.shape)
+    tail_const = np.zeros(d.shape)
+    if not problem.overlap_grad_reduce:
+        tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
+                    * ring_bytes / bw)
+        tail_const = np.where(split, 0.0, 2 * (ranks - 1) * lat)
+    if problem.hbm_bandwidth > 0:
+        per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
+        if problem.zero:
+            tail_lin = tail_lin + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * per
+        else:
+            tail_lin = tail_lin + P * per
+    tail_lb = (tail_const + tail_lin / S) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
+    with np.errstate(invalid="ignore"):
+        lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)
+    if problem.zero == 0:
+        state = P * (w_b + g_b + o_b)
+    else:
+        state = P * (w_b + g_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
+    inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
+    fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
+    keep = np.isfinite(lb) & fits
+    s_only = np.where((v > 1) & (S > 1), S, 0)
+    return {name: arr[keep] for name, arr in (("blk", blk), ("d", d), ("S", S), ("h", h), ("ring", ring),
+                                              ("mult", mult), ("lb", lb), ("tail_lb", tail_lb), ("s_only", s_only))}
 
 
-def _search_all(problem: PlacementProblem, prepared: list, best: _Best, stats: dict) -> None:
-    """Every group of every (e, c), least lower bound first, until none can beat the best."""
-    order = sorted(((g[0], i, j) for i, prep in enumerate(prepared) for j, g in enumerate(prep.groups)))
-    for lb, i, j in order:
-        if lb >= best.time:
+def _search_all(problem: PlacementProblem, b: _Blocks, items: dict, best: _Best, stats: dict) -> None:
+    """Every (block, d, links, S_only) group, least lower bound first, until none can beat the best."""
+    if not items or items["lb"].size == 0:
+        return
+    lb = items["lb"]
+    order = np.lexsort((lb, items["s_only"], items["ring"], items["h"], items["d"], items["blk"]))
+    keys = np.stack([items[k][order] for k in ("blk", "d", "h", "ring", "s_only")], axis=1)
+    cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
+    lo = np.concatenate([[0], cut])
+    hi = np.concatenate([cut, [order.size]])
+    for g in np.argsort(lb[order[lo]], kind="stable").tolist():
+        if lb[order[lo[g]]] >= best.time:  # groups come by their least bound: none after this one can win
             break
-        prep = prepared[i]
-        _, key, (lbs, Ss, mults) = prep.groups[j]
-        items = [(float(x), int(y), float(z)) for x, y, z in zip(lbs, Ss, mults) if x < best.time]
-        _search_group(problem, prep, key, items, best, stats)
+        idx = order[lo[g]:hi[g]]  # ascending lower bound within the group
+        idx = idx[lb[idx] < best.time]
+        key = tuple(int(x) for x in keys[lo[g]])
+        _search_group(problem, b, key, items["S"][idx].tolist(), items["mult"][idx].tolist(),
+                      items["tail_lb"][idx].tolist(), best, stats)
 
 
-def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items: list, best: _Best, stats: dict):
-    """One (width, d, links, S_only) group at fixed (e, c): the epsilon-constraint on the stage tail."""
+def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, mults: list, floors: list,
+                  best: _Best, stats: dict):
+    """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
     system = problem.system
     v = problem.virtual_stages
     w_b, g_b, o_b = state_split(system)
-    e, c, st, experts, costs = prep.e, prep.c, prep.st, prep.experts, prep.costs
-    valid = np.isfinite(st.grad)
-    b, d, h, ring_intra, S_only = key
-    items = [x for x in items if x[0] < best.time]
-    if not items:
+    st, experts, costs = b.st, b.experts, b.costs
+    blk, d, h, ring_intra, S_only = key
+    e, c = int(b.e[blk]), int(b.c[blk])
+    if not Ss:
         return
     stats["groups"] = stats.get("groups", 0) + 1
     m = problem.microbatches(d)
     ring = system.intra_node if ring_intra else system.inter_node
     ranks, expert_ranks = d * c, max(1, d * c // e)
-    sl = slice(b, b + 1)
-    ok = valid[sl]
+    sl = slice(blk, blk + 1)
+    ok = np.isfinite(st.grad[sl])
     params0 = np.where(ok, st.params[sl], 0.0)
     expert0 = experts[sl]
     dense0 = params0 - expert0
@@ -288,9 +359,10 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
         base = np.where(ok, state + acts + workmax, INF)
         kmax = _kmax(base, np.where(ok, acts, INF), problem.hbm_bytes)
         kmax = np.where(kmax >= m, _KMAX_CAP, kmax)
-    time_g = np.where(ok & (kmax >= 1), prep.times[h][sl], INF)
+    time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
     st_g = replace(st, grad=tail)
-    active = {S: mult for _, S, mult in items}
+    # S -> (pipeline multiplier, the least largest-stage tail any S-stage split has: `_items`)
+    active = {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)}
     x = INF
     while active:
         stats["sweeps"] = stats.get("sweeps", 0) + 1
@@ -301,7 +373,7 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
 
         sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
         nxt = {}
-        for S, mult in active.items():
+        for S, (mult, floor) in active.items():
             C = float(sw.f[S - 1, 0, 0])
             G = float(sw.g[S - 1, 0, 0])
             if not math.isfinite(C):
@@ -309,15 +381,16 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
             total = C * mult + G
             if total < best.time:
                 best.time = total
-                best.tp = costs[b].tp
+                best.tp = costs[blk].tp
                 best.dp = d
                 best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
                 best.ep, best.cp = e, c
-            if C * mult < best.time and G > 0:
-                nxt[S] = (mult, G)
-        active = {S: mg[0] for S, mg in nxt.items()}
+            # Lowering x only finds splits with C no smaller and a tail no smaller than the floor.
+            if C * mult + floor < best.time and G > floor:
+                nxt[S] = (mult, floor, G)
+        active = {S: mfg[:2] for S, mfg in nxt.items()}
         if active:
-            x = max(mg[1] for mg in nxt.values())
+            x = max(mfg[2] for mfg in nxt.values())
 
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
@@ -339,27 +412,27 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
-    # Each (e, c), least ideal time first (every device busy, no bubble, no communication beyond the
-    # layers' own: time per batch >= ceil(B / mbs) x t x c x W / N, W the layers' forward + backward
-    # time per microbatch at (t, e, c)), prepared only while that bound can still beat the best.
-    n_seq = -(-system.global_batch // problem.mbs)
-    combos = []
+    # Every (c, e, t) is a block of one stack; the memory-free sweeps of all of them run together.
+    blocks = []
     for c in problem.cp_widths if problem.zero != 3 else ():
         costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
         for e in problem.ep_widths if costs else ():
             if e > 1 and not has_experts:
                 continue
-            eff = [effective_costs(problem, lc, e, c) for lc in costs]
-            ideal = min(n_seq * lc.tp * c * float(np.sum(lc.fwd_s) + np.sum(lc.bwd_s)) / N for lc in eff)
-            combos.append((ideal, c, e, eff))
-    free_of: dict = {}  # c -> the memory-free bounds of (1, c), which come first in this order
-    for ideal, c, e, eff in sorted(combos, key=lambda x: x[:3]):
-        if ideal >= best.time:
-            break
-        prep = _prepare(problem, eff, e, c, force_dag, free_of.get(c))
-        if prep is not None:
-            free_of.setdefault(c, prep.free)
-            _search_all(problem, [prep], best, stats)
+            blocks.extend((c, e, effective_costs(problem, lc, e, c)) for lc in costs)
+    if blocks:
+        b = _build(problem, blocks, force_dag)
+        st = b.st
+        T = len(blocks)
+        tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
+        mask = _fit_mask(problem, b)
+
+        def free_cost(h):
+            times = b.times[h] if mask is None else np.where(mask, b.times[h], INF)
+            return lambda k, cut, cols: times[:, :cut, :cols]
+
+        free = {h: _sweep(st, np.arange(T), free_cost(h), 1, max(tops), *_start(st, T)).f[:, :, 0] for h in (0, 1)}
+        _search_all(problem, b, _items(problem, b, free), best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
