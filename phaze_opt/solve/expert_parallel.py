@@ -273,17 +273,20 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         state = P * (w_b + g_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
-    keep = np.isfinite(lb) & fits
     s_only = np.where((v > 1) & (S > 1), S, 0)
-    return {name: arr[keep] for name, arr in (("blk", blk), ("d", d), ("S", S), ("h", h), ("ring", ring),
-                                              ("mult", mult), ("lb", lb), ("tail_lb", tail_lb), ("s_only", s_only))}
+    return {"blk": blk, "d": d, "S": S, "h": h, "ring": ring, "mult": mult, "lb": lb, "tail_lb": tail_lb,
+            "s_only": s_only, "fits": fits}
 
 
 def _search_all(problem: PlacementProblem, b: _Blocks, items: dict, best: _Best, stats: dict) -> None:
     """Every (block, d, links, S_only) group, least lower bound first, until none can beat the best."""
-    if not items or items["lb"].size == 0:
+    if not items:
         return
+    keep = np.isfinite(items["lb"]) & items["fits"]
+    items = {k: a[keep] for k, a in items.items()}
     lb = items["lb"]
+    if lb.size == 0:
+        return
     order = np.lexsort((lb, items["s_only"], items["ring"], items["h"], items["d"], items["blk"]))
     keys = np.stack([items[k][order] for k in ("blk", "d", "h", "ring", "s_only")], axis=1)
     cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
@@ -393,6 +396,34 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
             x = max(mfg[2] for mfg in nxt.values())
 
 
+def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[_Blocks | None, dict]:
+    """Every (c, e, t) as a block of one stack, the memory-free sweeps of all of them together (one
+    per pipeline link), and every (block, d, S) item with its lower bound (`_items`)."""
+    N = problem.system.accelerators
+    has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
+    blocks = []
+    for c in problem.cp_widths if problem.zero != 3 else ():
+        costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
+        for e in problem.ep_widths if costs else ():
+            if e > 1 and not has_experts:
+                continue
+            blocks.extend((c, e, effective_costs(problem, lc, e, c)) for lc in costs)
+    if not blocks:
+        return None, {}
+    b = _build(problem, blocks, force_dag)
+    st = b.st
+    T = len(blocks)
+    tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
+    mask = _fit_mask(problem, b)
+
+    def free_cost(h):
+        times = b.times[h] if mask is None else np.where(mask, b.times[h], INF)
+        return lambda k, cut, cols: times[:, :cut, :cols]
+
+    free = {h: _sweep(st, np.arange(T), free_cost(h), 1, max(tops), *_start(st, T)).f[:, :, 0] for h in (0, 1)}
+    return b, _items(problem, b, free)
+
+
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
     """The placement with the least time per batch over TP, CP, EP, PP, DP and the stage split,
     checked by the independent evaluator; `placement.optimal_placement` when there is no EP/CP."""
@@ -403,7 +434,6 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     N = system.accelerators
     stats: dict = {}
     method = "dp-ep-cp"
-    has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
     best = _Best()
     best.ep, best.cp = 1, 1
     if problem.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
@@ -412,27 +442,9 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
-    # Every (c, e, t) is a block of one stack; the memory-free sweeps of all of them run together.
-    blocks = []
-    for c in problem.cp_widths if problem.zero != 3 else ():
-        costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
-        for e in problem.ep_widths if costs else ():
-            if e > 1 and not has_experts:
-                continue
-            blocks.extend((c, e, effective_costs(problem, lc, e, c)) for lc in costs)
-    if blocks:
-        b = _build(problem, blocks, force_dag)
-        st = b.st
-        T = len(blocks)
-        tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
-        mask = _fit_mask(problem, b)
-
-        def free_cost(h):
-            times = b.times[h] if mask is None else np.where(mask, b.times[h], INF)
-            return lambda k, cut, cols: times[:, :cut, :cols]
-
-        free = {h: _sweep(st, np.arange(T), free_cost(h), 1, max(tops), *_start(st, T)).f[:, :, 0] for h in (0, 1)}
-        _search_all(problem, b, _items(problem, b, free), best, stats)
+    b, items = _prepare(problem, force_dag)
+    if b is not None:
+        _search_all(problem, b, items, best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
