@@ -33,12 +33,13 @@ def recipe(seed):
 
 
 def check_items(problem, force_dag=False):
-    b, items = ep._prepare(problem, force_dag)
+    classes, items = ep._prepare(problem, force_dag)
     splits: dict = {}
     for stages in chain_splits(problem.n_layers):
         splits.setdefault(len(stages), []).append(stages)
     checked = 0
     for i in range(items["lb"].size):
+        b = classes[int(items["cls"][i])]
         blk, d, S = int(items["blk"][i]), int(items["d"][i]), int(items["S"][i])
         t, e, c = int(b.t[blk]), int(b.e[blk]), int(b.c[blk])
         for stages in splits[S]:

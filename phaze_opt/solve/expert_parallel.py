@@ -37,6 +37,7 @@ from .placement import (
     INF,
     RTOL,
     _Best,
+    _chain_stack,
     _chain_width,
     _kmax,
     _layer_terms,
@@ -155,6 +156,10 @@ class _Blocks:
     st: object
     experts: np.ndarray  # [T, R, W]
     times: dict  # pipeline link (0 inter, 1 intra) -> [T, R, W] stage time per microbatch
+    own: np.ndarray | None = None  # [T] chain: each block's own `_chain_width` (None: a DAG)
+
+
+_NARROW = 12  # chain blocks of own width up to 12 share a stack, then up to 24, 48, ... (`_prepare`)
 
 
 def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
@@ -167,20 +172,20 @@ def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
     st = b.st
     if problem.zero == 0 and problem.virtual_stages == 1:
         return st.kmax >= 1
-    if st.masks is not None:
+    if b.own is None:
         return None
-    own = np.array([_chain_width(problem, [lc]) for lc in b.costs])
-    return np.broadcast_to(np.arange(st.dst.shape[1])[None, None, :] < own[:, None, None], st.grad.shape)
+    return np.broadcast_to(np.arange(st.dst.shape[1])[None, None, :] < b.own[:, None, None], st.grad.shape)
 
 
-def _build(problem: PlacementProblem, blocks: list, force_dag: bool) -> _Blocks:
+def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.ndarray | None) -> _Blocks:
     costs = [lc for _, _, lc in blocks]
-    st = _stack(problem, costs, force_dag)
+    # a chain's stack is as wide as its widest block needs (`_chain_width` over the blocks' costs)
+    st = _chain_stack(problem, costs, int(np.max(own))) if own is not None else _stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
     times = {h: st.stage_time(links[h], problem.virtual_stages)[1] for h in (0, 1)}
     return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
-                   np.array([lc.tp for lc in costs]), st, experts, times)
+                   np.array([lc.tp for lc in costs]), st, experts, times, own)
 
 
 def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
@@ -278,8 +283,8 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
             "s_only": s_only, "fits": fits}
 
 
-def _search_all(problem: PlacementProblem, b: _Blocks, items: dict, best: _Best, stats: dict) -> None:
-    """Every (block, d, links, S_only) group, least lower bound first, until none can beat the best."""
+def _search_all(problem: PlacementProblem, classes: list, items: dict, best: _Best, stats: dict) -> None:
+    """Every (class, block, d, links, S_only) group, least lower bound first, until none can beat the best."""
     if not items:
         return
     keep = np.isfinite(items["lb"]) & items["fits"]
@@ -287,8 +292,8 @@ def _search_all(problem: PlacementProblem, b: _Blocks, items: dict, best: _Best,
     lb = items["lb"]
     if lb.size == 0:
         return
-    order = np.lexsort((lb, items["s_only"], items["ring"], items["h"], items["d"], items["blk"]))
-    keys = np.stack([items[k][order] for k in ("blk", "d", "h", "ring", "s_only")], axis=1)
+    order = np.lexsort((lb, items["s_only"], items["ring"], items["h"], items["d"], items["blk"], items["cls"]))
+    keys = np.stack([items[k][order] for k in ("cls", "blk", "d", "h", "ring", "s_only")], axis=1)
     cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
     lo = np.concatenate([[0], cut])
     hi = np.concatenate([cut, [order.size]])
@@ -297,8 +302,8 @@ def _search_all(problem: PlacementProblem, b: _Blocks, items: dict, best: _Best,
             break
         idx = order[lo[g]:hi[g]]  # ascending lower bound within the group
         idx = idx[lb[idx] < best.time]
-        key = tuple(int(x) for x in keys[lo[g]])
-        _search_group(problem, b, key, items["S"][idx].tolist(), items["mult"][idx].tolist(),
+        cls, *key = (int(x) for x in keys[lo[g]])
+        _search_group(problem, classes[cls], tuple(key), items["S"][idx].tolist(), items["mult"][idx].tolist(),
                       items["tail_lb"][idx].tolist(), best, stats)
 
 
@@ -396,9 +401,11 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
             x = max(mfg[2] for mfg in nxt.values())
 
 
-def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[_Blocks | None, dict]:
-    """Every (c, e, t) as a block of one stack, the memory-free sweeps of all of them together (one
-    per pipeline link), and every (block, d, S) item with its lower bound (`_items`)."""
+def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
+    """Every (c, e, t) as a block; the blocks of a chain in classes by their own `_chain_width`
+    (12 or less, up to 24, 48, ...: a stack and its sweeps cost its widest block's width for every
+    block), each class one stack whose memory-free sweeps run together (one per pipeline link); and
+    every (class, block, d, S) item with its lower bound (`_items`)."""
     N = problem.system.accelerators
     has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
     blocks = []
@@ -409,19 +416,36 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[_Blocks | None
                 continue
             blocks.extend((c, e, effective_costs(problem, lc, e, c)) for lc in costs)
     if not blocks:
-        return None, {}
-    b = _build(problem, blocks, force_dag)
-    st = b.st
-    T = len(blocks)
-    tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
-    mask = _fit_mask(problem, b)
-
-    def free_cost(h):
-        times = b.times[h] if mask is None else np.where(mask, b.times[h], INF)
-        return lambda k, cut, cols: times[:, :cut, :cols]
-
-    free = {h: _sweep(st, np.arange(T), free_cost(h), 1, max(tops), *_start(st, T)).f[:, :, 0] for h in (0, 1)}
-    return b, _items(problem, b, free)
+        return [], {}
+    if blocks[0][2].is_chain() and not force_dag:
+        own = np.array([_chain_width(problem, [lc]) for _, _, lc in blocks])
+        cls_of = np.ceil(np.log2(np.maximum(own, _NARROW) / _NARROW)).astype(np.int64)
+    else:
+        own, cls_of = None, np.zeros(len(blocks), dtype=np.int64)
+    classes, parts = [], []
+    for k in np.unique(cls_of).tolist():
+        idx = np.flatnonzero(cls_of == k)
+        b = _build(problem, [blocks[i] for i in idx], force_dag, None if own is None else own[idx])
+        st = b.st
+        T = len(idx)
+        tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
+        mask = _fit_mask(problem, b)
+        # both pipeline links in one sweep: the blocks twice, inter-node times then intra-node
+        times = np.concatenate([b.times[0], b.times[1]])
+        if mask is not None:
+            times = np.where(np.concatenate([mask, mask]), times, INF)
+        twice = replace(st, grad=np.concatenate([st.grad, st.grad]))
+        f = _sweep(twice, np.arange(2 * T), lambda k, cut, cols: times[:, :cut, :cols], 1, max(tops),
+                   *_start(st, 2 * T)).f[:, :, 0]
+        free = {0: f[:, :T], 1: f[:, T:]}
+        items = _items(problem, b, free)
+        if items:
+            items["cls"] = np.full(items["blk"].shape, len(classes), dtype=np.int64)
+            parts.append(items)
+        classes.append(b)
+    if not parts:
+        return classes, {}
+    return classes, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
@@ -442,9 +466,8 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
-    b, items = _prepare(problem, force_dag)
-    if b is not None:
-        _search_all(problem, b, items, best, stats)
+    classes, items = _prepare(problem, force_dag)
+    _search_all(problem, classes, items, best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
