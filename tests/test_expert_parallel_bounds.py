@@ -8,6 +8,7 @@ oracle test (test_expert_parallel.py) has to stumble on a case where it changes 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -71,3 +72,35 @@ def test_item_bounds_are_checked_on_many_placements():
         n = kw.pop("n", 3)
         total += check_items(moe_problem(seed, n=n, **kw))
     assert total > 200
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_item_bounds_hold_interleaved_tight_memory(seed):
+    """Interleaved 1F1B (v = 2) where HBM binds: the in-flight chunks of the memory bound."""
+    rng = np.random.default_rng(seed + 999)
+    problem = moe_problem(seed, n=4, virtual_stages=2, global_batch=int(rng.choice([4, 8, 16])),
+                          recompute=str(rng.choice(["none", "selective", "full"])), zero=int(rng.choice([0, 1])),
+                          hbm=float(rng.uniform(60, 400)), accelerators=int(rng.integers(8, 33)))
+    check_items(problem, force_dag=seed % 4 == 0)
+
+
+def test_interleaved_memory_bound_at_its_edge():
+    """v = 2, S = 2, m = 4: the first device holds 5 chunks of 1/2 of its stage's activations, the
+    last 3 (Megatron); with 60 and 100 bytes both need 150, so at HBM 150 + state the split
+    ((0, 1), (2, 3)) fits exactly, and the memory bound (least-loaded position: 3 chunks, over the
+    mean stage) must keep its item. Counting 5 chunks there (the first device's) would drop it."""
+    from phaze_opt.solve.placement_types import LayerCosts, PlacementProblem
+
+    from test_placement_oracle import make_system
+
+    def costs(tp, cp=1):
+        return LayerCosts(tp=tp, cp=cp, fwd_s=[1.0] * 4, bwd_s=[2.0] * 4, params=[1.0] * 4,
+                          activation_bytes=[30.0, 30.0, 50.0, 50.0], boundary_bytes=[1.0] * 4, input_bytes=[1.0] * 4)
+
+    system = make_system(accelerators=4, devices_per_node=4, global_batch=4)
+    state = 2 * system.state_bytes_per_param
+    problem = PlacementProblem(costs=(costs(1),), system=system, hbm_bytes=150 + state, peak_flops=1.0,
+                               virtual_stages=2, cp_widths=(1, 2), cp_costs=(costs(1, 2),))
+    assert evaluate_placement(problem, Placement(1, 1, ((0, 1), (2, 3)))).feasible
+    assert not evaluate_placement(replace(problem, hbm_bytes=149 + state), Placement(1, 1, ((0, 1), (2, 3)))).feasible
+    assert check_items(problem) > 0
