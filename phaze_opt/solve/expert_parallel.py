@@ -14,9 +14,19 @@ per-stage: the gradient reduction of the dense parameters over d c ranks and of 
 over d c / e, and ZeRO-1's sharding of each over its own group. As in `placement._search_general`,
 each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
 (kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
-number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact. Groups are
-visited by a lower bound (the memory-free bottleneck x the pipeline multiplier) and skipped once it
-cannot beat the best found.
+number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
+
+Every (c, e, t) is a block of one stage stack (the layer graph is the same for all), so the
+memory-free sweeps that bound the groups run once for all blocks and both pipeline links; a
+chain's blocks are split into a few stacks by the longest stage each can fit (`_prepare`), as a
+stack costs its widest block's width for every block. Every (block, d, S) gets a lower bound
+(`_items`): the memory-free bottleneck x the pipeline multiplier, plus the tail of the mean stage
+(the reduction and optimizer step are at least affine in a stage's dense and expert parameters,
+and the largest of the S stages is at least their mean); items whose mean stage cannot fit HBM are
+dropped. Groups are visited by their least bound over every block at once and skipped once it
+cannot beat the best found; inside a group an S drops out once its bottleneck x multiplier plus
+that tail floor cannot (`tests/test_expert_parallel_bounds.py` checks every bound against brute
+force).
 
 Which d. Without ZeRO only the smallest multiple of e giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
@@ -189,8 +199,9 @@ def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.nda
 
 
 def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
-    """Every (block, d, S) worth searching with its lower bound, as flat arrays; items whose bound
-    is infinite, or that cannot fit HBM, are left out.
+    """Every (block, d, S) with its lower bound `lb`, the tail floor `tail_lb` and `fits` (False:
+    no split of it fits HBM), as flat arrays; `_search_all` skips items with an infinite bound or
+    that do not fit.
 
     Lower bound on the time per batch of any placement of (block, d, S): C x (m + (S - 1) / v) +
     tail, where C >= the memory-free least bottleneck (`free`, over the stages some placement of
@@ -454,8 +465,6 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     if not problem.parallel_dims:
         return dense_optimal_placement(problem, force_dag=force_dag)
     start = time.perf_counter()
-    system = problem.system
-    N = system.accelerators
     stats: dict = {}
     method = "dp-ep-cp"
     best = _Best()
