@@ -139,18 +139,14 @@ def _ring_half(nbytes, n: int, link):
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-def _degrees(problem: PlacementProblem, top: int, e: int) -> list[int]:
-    """The data-parallel degrees worth trying (the module docstring: "Which d")."""
-    multiples = range(e, top + 1, e)
-    if problem.zero:
-        return list(multiples)
-    out, seen = [], set()
-    for d in multiples:
-        m = problem.microbatches(d)
-        if m not in seen:
-            seen.add(m)
-            out.append(d)
-    return out
+def _degrees(problem: PlacementProblem, top: int, e: int) -> np.ndarray:
+    """The data-parallel degrees worth trying (the module docstring: "Which d"): without ZeRO the
+    first multiple of e of each microbatch count (m falls as d grows, so each count is a run)."""
+    multiples = np.arange(e, top + 1, e, dtype=np.int64)
+    if problem.zero or multiples.size == 0:
+        return multiples
+    m = -(-problem.system.global_batch // (problem.mbs * multiples))  # PlacementProblem.microbatches
+    return multiples[np.concatenate([[True], m[1:] != m[:-1]])]
 
 
 @dataclass
@@ -234,8 +230,8 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
             continue
         key = (N // w, e)
         if key not in cache:
-            ds = np.array(_degrees(problem, N // w, e), dtype=np.int64)
-            counts = np.minimum(L, N // (w * ds)) if ds.size else ds
+            ds = _degrees(problem, N // w, e)
+            counts = np.minimum(L, N // (w * ds))
             cache[key] = (ds[counts >= 1], counts[counts >= 1])
         ds, counts = cache[key]
         blk_parts.append(np.full(ds.shape, i, dtype=np.int64))
@@ -412,6 +408,33 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
             x = max(mfg[2] for mfg in nxt.values())
 
 
+def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:
+    """[k_to, B]: the least bottleneck of any k-stage split of all layers, k = 1..k_to, with stage
+    costs `times` [B, R, W]: `placement._sweep`'s recursion f_k(D) = min_a max(cost, f_{k-1}(next)),
+    for a chain without its back-pointers and gradient tables (only the values are needed)."""
+    B = times.shape[0]
+    if st.masks is not None:
+        twice = replace(st, grad=np.broadcast_to(st.grad[:1], (B,) + st.grad.shape[1:]))
+        return _sweep(twice, np.arange(B), lambda k, cut, cols: times[:, :cut, :cols], 1, k_to, *_start(st, B)).f[:, :, 0]
+    R, W = st.dst.shape
+    tt = np.ascontiguousarray(times.transpose(2, 0, 1))  # [W, B, R]: the min runs over the leading axis (faster)
+    f_prev, _ = _start(st, B)
+    out = np.full((k_to, B), INF)
+    for k in range(1, k_to + 1):
+        cut = st.cuts[k] if k < len(st.cuts) else 0
+        if cut <= 0:
+            break
+        cols = st.colcuts[k]
+        step = f_prev.strides[1]  # dst[i, a] = i + a + 1: the next rows are a sliding window
+        ahead = np.lib.stride_tricks.as_strided(f_prev[:, 1:], shape=(cols, B, cut),
+                                                strides=(step, f_prev.strides[0], step), writeable=False)
+        f = np.full((B, R + 1 + W), INF)
+        f[:, :cut] = np.maximum(tt[:cols, :, :cut], ahead).min(axis=0)
+        out[k - 1] = f[:, 0]
+        f_prev = f
+    return out
+
+
 def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
     """Every (c, e, t) as a block; the blocks of a chain in classes by their own `_chain_width`
     (12 or less, up to 24, 48, ...: a stack and its sweeps cost its widest block's width for every
@@ -441,14 +464,13 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
         T = len(idx)
         tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
         mask = _fit_mask(problem, b)
-        # both pipeline links in one sweep: the blocks twice, inter-node times then intra-node
-        times = np.concatenate([b.times[0], b.times[1]])
-        if mask is not None:
-            times = np.where(np.concatenate([mask, mask]), times, INF)
-        twice = replace(st, grad=np.concatenate([st.grad, st.grad]))
-        f = _sweep(twice, np.arange(2 * T), lambda k, cut, cols: times[:, :cut, :cols], 1, max(tops),
-                   *_start(st, 2 * T)).f[:, :, 0]
-        free = {0: f[:, :T], 1: f[:, T:]}
+        masked = {h: b.times[h] if mask is None else np.where(mask, b.times[h], INF) for h in (0, 1)}
+        # The intra-node pipeline link needs S x t x c to divide a node (`System.pipeline_link`), so
+        # only S <= dpn // (t c) reads its bounds: that sweep stops there.
+        free = {0: _free_bottleneck(st, masked[0], max(tops)), 1: np.full((max(tops), T), INF)}
+        k_intra = min(max(tops), int(np.max(problem.system.devices_per_node // (b.t * b.c))))
+        if k_intra >= 1:
+            free[1][:k_intra] = _free_bottleneck(st, masked[1], k_intra)
         items = _items(problem, b, free)
         if items:
             items["cls"] = np.full(items["blk"].shape, len(classes), dtype=np.int64)
