@@ -66,38 +66,32 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
     """The per-layer costs at EP width e and CP width c, vectorised (the evaluator adds the same
     terms layer by layer): times with the all-to-alls, the load imbalance and the ring attention,
     parameters with the routed experts over e, activations with the c - 1 further attention cores."""
+    return effective_costs_at(problem, lc, c, (e,))[0]
+
+
+def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) -> list:
+    """`effective_costs` at CP width c for every EP width in es: the terms that do not depend on e
+    are computed once (the same sums in the same order, so the numbers are identical)."""
     system = problem.system
     imb = problem.load_imbalance
-    fwd = lc.fwd_s.copy()
-    bwd = lc.bwd_s.copy()
     moe = (lc.expert_params > 0) | (lc.expert_fwd_s > 0)
-    expert = lc.expert_params.copy()
-    if np.any(moe):
+    any_moe = bool(np.any(moe))
+    if any_moe:
         sizes, where = np.unique(lc.dispatch_bytes, return_inverse=True)
-        a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
-        fwd = np.where(moe, fwd + (imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a, fwd)
-        bwd = np.where(moe, bwd + (imb - 1.0) * lc.expert_bwd_s + 2.0 * a2a, bwd)
-        expert = np.where(moe, np.ceil(expert / e), expert)
+        fwd_moe = lc.fwd_s + (imb - 1.0) * lc.expert_fwd_s
+        bwd_moe = lc.bwd_s + (imb - 1.0) * lc.expert_bwd_s
     core_bytes = lc.activation_bytes - lc.selective_bytes
     extra = np.zeros(lc.n_layers)
     if c > 1:
         link = system.cp_link(lc.tp, c)
-        fwd = fwd + (c - 1) * lc.core_fwd_s
-        bwd = bwd + (c - 1) * lc.core_bwd_s
+        core_f = (c - 1) * lc.core_fwd_s
+        core_b = (c - 1) * lc.core_bwd_s
         send = lc.kv_bytes > 0
-        fwd = fwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
-        bwd = bwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
+        kv_f = np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
+        kv_b = np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
         extra = (c - 1) * core_bytes
     zeros = np.zeros(lc.n_layers)
-    # Every array below is finite, non-negative and whole where it must be (built from validated
-    # ones by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
-    out = object.__new__(LayerCosts)
-    out.__dict__.update(lc.__dict__)
-    out.__dict__.update(
-        fwd_s=fwd,
-        bwd_s=bwd,
-        params=lc.params - lc.expert_params + expert,
-        expert_params=expert,
+    common = dict(
         activation_bytes=lc.activation_bytes + extra,
         full_work_bytes=lc.full_work_bytes + extra,
         selective_work_bytes=c * lc.selective_work_bytes,
@@ -106,7 +100,26 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
         dispatch_bytes=zeros, expert_fwd_s=zeros, expert_bwd_s=zeros, core_fwd_s=zeros, core_bwd_s=zeros, kv_bytes=zeros,
         cp=1,
     )
-    return out
+    outs = []
+    for e in es:
+        fwd = lc.fwd_s.copy()
+        bwd = lc.bwd_s.copy()
+        expert = lc.expert_params.copy()
+        if any_moe:
+            a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
+            fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
+            bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
+            expert = np.where(moe, np.ceil(expert / e), expert)
+        if c > 1:
+            fwd = fwd + core_f + kv_f
+            bwd = bwd + core_b + kv_b
+        # Every array is finite, non-negative and whole where it must be (built from validated ones
+        # by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
+        out = object.__new__(LayerCosts)
+        out.__dict__.update(lc.__dict__)
+        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert)
+        outs.append(out)
+    return outs
 
 
 def _stage_sums(st, per_layer: np.ndarray) -> np.ndarray:
@@ -299,18 +312,24 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: _Be
     lb = items["lb"]
     if lb.size == 0:
         return
-    order = np.lexsort((lb, items["s_only"], items["ring"], items["h"], items["d"], items["blk"], items["cls"]))
-    keys = np.stack([items[k][order] for k in ("cls", "blk", "d", "h", "ring", "s_only")], axis=1)
-    cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
-    lo = np.concatenate([[0], cut])
-    hi = np.concatenate([cut, [order.size]])
-    for g in np.argsort(lb[order[lo]], kind="stable").tolist():
-        if lb[order[lo[g]]] >= best.time:  # groups come by their least bound: none after this one can win
+    # One integer per group: the (class, block, d) run (items come in that order) and the links and S_only
+    run = np.cumsum(np.concatenate([[0], (items["cls"][1:] != items["cls"][:-1]) | (items["blk"][1:] != items["blk"][:-1])
+                                    | (items["d"][1:] != items["d"][:-1])]))
+    key = (run * 4 + items["h"] * 2 + items["ring"]) * (int(np.max(items["s_only"])) + 1) + items["s_only"]
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    lo = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
+    hi = np.concatenate([lo[1:], [order.size]])
+    least = np.minimum.reduceat(lb[order], lo)
+    for g in np.argsort(least, kind="stable").tolist():
+        if least[g] >= best.time:  # groups come by their least bound: none after this one can win
             break
-        idx = order[lo[g]:hi[g]]  # ascending lower bound within the group
+        idx = order[lo[g]:hi[g]]
         idx = idx[lb[idx] < best.time]
-        cls, *key = (int(x) for x in keys[lo[g]])
-        _search_group(problem, classes[cls], tuple(key), items["S"][idx].tolist(), items["mult"][idx].tolist(),
+        idx = idx[np.argsort(lb[idx], kind="stable")]  # least bound first (which of equal totals is kept)
+        i = int(idx[0])
+        key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "ring", "s_only"))
+        _search_group(problem, classes[int(items["cls"][i])], key, items["S"][idx].tolist(), items["mult"][idx].tolist(),
                       items["tail_lb"][idx].tolist(), best, stats)
 
 
@@ -445,10 +464,9 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
     blocks = []
     for c in problem.cp_widths if problem.zero != 3 else ():
         costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
-        for e in problem.ep_widths if costs else ():
-            if e > 1 and not has_experts:
-                continue
-            blocks.extend((c, e, effective_costs(problem, lc, e, c)) for lc in costs)
+        es = [e for e in problem.ep_widths if e == 1 or has_experts]
+        at = [effective_costs_at(problem, lc, c, es) for lc in costs]
+        blocks.extend((c, e, at[i][j]) for j, e in enumerate(es) for i in range(len(costs)))
     if not blocks:
         return [], {}
     if blocks[0][2].is_chain() and not force_dag:
