@@ -198,7 +198,8 @@ def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
 
 def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.ndarray | None) -> _Blocks:
     costs = [lc for _, _, lc in blocks]
-    # a chain's stack is as wide as its widest block needs (`_chain_width` over the blocks' costs)
+    # A chain's stack is as wide as its widest block needs: no stage longer than a block's own
+    # `_chain_width` fits that block at any d (its docstring), so a narrower class loses no placement.
     st = _chain_stack(problem, costs, int(np.max(own))) if own is not None else _stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
