@@ -16,10 +16,10 @@ each (t, d, pipeline link, ring link) is a group in which memory at position k i
 (kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
 number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
 
-Every (c, e, t) is a block of one stage stack (the layer graph is the same for all), so the
-memory-free sweeps that bound the groups run once for all blocks and both pipeline links; a
-chain's blocks are split into a few stacks by the longest stage each can fit (`_prepare`), as a
-stack costs its widest block's width for every block. Every (block, d, S) gets a lower bound
+Every (c, e, t) is a block of a stage stack (the layer graph is the same for all), so the
+memory-free sweeps that bound the groups run once per stack and pipeline link for all its blocks
+together; a chain's blocks are split into a few stacks by the longest stage each can fit
+(`_prepare`), as a stack costs its widest block's width for every block. Every (block, d, S) gets a lower bound
 (`_items`): the memory-free bottleneck x the pipeline multiplier, plus the tail of the mean stage
 (the reduction and optimizer step are at least affine in a stage's dense and expert parameters,
 and the largest of the S stages is at least their mean); items whose mean stage cannot fit HBM are
