@@ -213,3 +213,20 @@ def test_effective_costs_are_the_evaluators_layer_terms():
                     st = r.stages[v]
                     assert st.compute_s == pytest.approx(eff.fwd_s[v] + eff.bwd_s[v])
                     assert st.params == eff.params[v]
+
+
+def test_effective_costs_at_every_ep_width_are_the_single_ones():
+    """`effective_costs_at` shares the terms that do not depend on e: each width's arrays must be
+    exactly those `effective_costs` gives alone (nothing carried from one width to the next)."""
+    from phaze_opt.solve.expert_parallel import effective_costs_at
+
+    for seed in range(5):
+        prob = moe_problem(seed, ep=(1, 2, 4, 8), load_imbalance=1.0 + 0.25 * (seed % 2))
+        for lc in prob.costs:
+            for c in prob.cp_widths:
+                at = prob.costs_at(lc.tp, c)
+                for e, got in zip(prob.ep_widths, effective_costs_at(prob, at, c, prob.ep_widths)):
+                    want = effective_costs(prob, at, e, c)
+                    for name in ("fwd_s", "bwd_s", "params", "expert_params", "activation_bytes", "full_work_bytes",
+                                 "selective_work_bytes", "selective_s"):
+                        assert np.array_equal(getattr(got, name), getattr(want, name)), (seed, lc.tp, c, e, name)

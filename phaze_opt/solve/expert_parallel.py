@@ -14,9 +14,19 @@ per-stage: the gradient reduction of the dense parameters over d c ranks and of 
 over d c / e, and ZeRO-1's sharding of each over its own group. As in `placement._search_general`,
 each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
 (kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
-number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact. Groups are
-visited by a lower bound (the memory-free bottleneck x the pipeline multiplier) and skipped once it
-cannot beat the best found.
+number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
+
+Every (c, e, t) is a block of a stage stack (the layer graph is the same for all), so the
+memory-free sweeps that bound the groups run once per stack and pipeline link for all its blocks
+together; a chain's blocks are split into a few stacks by the longest stage each can fit
+(`_prepare`), as a stack costs its widest block's width for every block. Every (block, d, S) gets a lower bound
+(`_items`): the memory-free bottleneck x the pipeline multiplier, plus the tail of the mean stage
+(the reduction and optimizer step are at least affine in a stage's dense and expert parameters,
+and the largest of the S stages is at least their mean); items whose mean stage cannot fit HBM are
+dropped. Groups are visited by their least bound over every block at once and skipped once it
+cannot beat the best found; inside a group an S drops out once its bottleneck x multiplier plus
+that tail floor cannot (`tests/test_expert_parallel_bounds.py` checks every bound against brute
+force).
 
 Which d. Without ZeRO only the smallest multiple of e giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
@@ -37,7 +47,10 @@ from .placement import (
     INF,
     RTOL,
     _Best,
+    _chain_stack,
+    _chain_width,
     _kmax,
+    _layer_terms,
     _stack,
     _start,
     _sweep,
@@ -53,38 +66,32 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
     """The per-layer costs at EP width e and CP width c, vectorised (the evaluator adds the same
     terms layer by layer): times with the all-to-alls, the load imbalance and the ring attention,
     parameters with the routed experts over e, activations with the c - 1 further attention cores."""
+    return effective_costs_at(problem, lc, c, (e,))[0]
+
+
+def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) -> list:
+    """`effective_costs` at CP width c for every EP width in es: the terms that do not depend on e
+    are computed once (the same sums in the same order, so the numbers are identical)."""
     system = problem.system
     imb = problem.load_imbalance
-    fwd = lc.fwd_s.copy()
-    bwd = lc.bwd_s.copy()
     moe = (lc.expert_params > 0) | (lc.expert_fwd_s > 0)
-    expert = lc.expert_params.copy()
-    if np.any(moe):
+    any_moe = bool(np.any(moe))
+    if any_moe:
         sizes, where = np.unique(lc.dispatch_bytes, return_inverse=True)
-        a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
-        fwd = np.where(moe, fwd + (imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a, fwd)
-        bwd = np.where(moe, bwd + (imb - 1.0) * lc.expert_bwd_s + 2.0 * a2a, bwd)
-        expert = np.where(moe, np.ceil(expert / e), expert)
+        fwd_moe = lc.fwd_s + (imb - 1.0) * lc.expert_fwd_s
+        bwd_moe = lc.bwd_s + (imb - 1.0) * lc.expert_bwd_s
     core_bytes = lc.activation_bytes - lc.selective_bytes
     extra = np.zeros(lc.n_layers)
     if c > 1:
         link = system.cp_link(lc.tp, c)
-        fwd = fwd + (c - 1) * lc.core_fwd_s
-        bwd = bwd + (c - 1) * lc.core_bwd_s
+        core_f = (c - 1) * lc.core_fwd_s
+        core_b = (c - 1) * lc.core_bwd_s
         send = lc.kv_bytes > 0
-        fwd = fwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
-        bwd = bwd + np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
+        kv_f = np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
+        kv_b = np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
         extra = (c - 1) * core_bytes
     zeros = np.zeros(lc.n_layers)
-    # Every array below is finite, non-negative and whole where it must be (built from validated
-    # ones by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
-    out = object.__new__(LayerCosts)
-    out.__dict__.update(lc.__dict__)
-    out.__dict__.update(
-        fwd_s=fwd,
-        bwd_s=bwd,
-        params=lc.params - lc.expert_params + expert,
-        expert_params=expert,
+    common = dict(
         activation_bytes=lc.activation_bytes + extra,
         full_work_bytes=lc.full_work_bytes + extra,
         selective_work_bytes=c * lc.selective_work_bytes,
@@ -93,7 +100,26 @@ def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -
         dispatch_bytes=zeros, expert_fwd_s=zeros, expert_bwd_s=zeros, core_fwd_s=zeros, core_bwd_s=zeros, kv_bytes=zeros,
         cp=1,
     )
-    return out
+    outs = []
+    for e in es:
+        fwd = lc.fwd_s.copy()
+        bwd = lc.bwd_s.copy()
+        expert = lc.expert_params.copy()
+        if any_moe:
+            a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
+            fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
+            bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
+            expert = np.where(moe, np.ceil(expert / e), expert)
+        if c > 1:
+            fwd = fwd + core_f + kv_f
+            bwd = bwd + core_b + kv_b
+        # Every array is finite, non-negative and whole where it must be (built from validated ones
+        # by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
+        out = object.__new__(LayerCosts)
+        out.__dict__.update(lc.__dict__)
+        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert)
+        outs.append(out)
+    return outs
 
 
 def _stage_sums(st, per_layer: np.ndarray) -> np.ndarray:
@@ -126,125 +152,205 @@ def _ring_half(nbytes, n: int, link):
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-def _degrees(problem: PlacementProblem, top: int, e: int) -> list[int]:
-    """The data-parallel degrees worth trying (the module docstring: "Which d")."""
-    multiples = range(e, top + 1, e)
-    if problem.zero:
-        return list(multiples)
-    out, seen = [], set()
-    for d in multiples:
-        m = problem.microbatches(d)
-        if m not in seen:
-            seen.add(m)
-            out.append(d)
-    return out
+def _degrees(problem: PlacementProblem, top: int, e: int) -> np.ndarray:
+    """The data-parallel degrees worth trying (the module docstring: "Which d"): without ZeRO the
+    first multiple of e of each microbatch count (m falls as d grows, so each count is a run)."""
+    multiples = np.arange(e, top + 1, e, dtype=np.int64)
+    if problem.zero or multiples.size == 0:
+        return multiples
+    m = -(-problem.system.global_batch // (problem.mbs * multiples))  # PlacementProblem.microbatches
+    return multiples[np.concatenate([[True], m[1:] != m[:-1]])]
 
 
 @dataclass
-class _Prepared:
-    """One (e, c): the stage stack of its effective costs, per-stage expert parameters, stage times
-    per pipeline link, and every (width, d, S) with its lower bound, grouped."""
+class _Blocks:
+    """Every (c, e, t) at once: one stage stack over the effective costs of all of them (a block
+    each; the layer graph is the same, so rows and candidate stages are shared), the per-stage
+    expert parameters, and the stage times per pipeline link."""
 
-    e: int
-    c: int
-    costs: list
+    costs: list  # effective LayerCosts per block
+    e: np.ndarray  # [T] EP width of each block
+    c: np.ndarray  # [T] CP width
+    t: np.ndarray  # [T] TP width
     st: object
-    experts: np.ndarray
-    times: dict
-    groups: list  # [(min lower bound, (b, d, h, ring, S_only), (lbs, Ss, mults)), ...]
-    free: dict = None  # the memory-free bounds it used
+    experts: np.ndarray  # [T, R, W]
+    times: dict  # pipeline link (0 inter, 1 intra) -> [T, R, W] stage time per microbatch
+    own: np.ndarray | None = None  # [T] chain: each block's own `_chain_width` (None: a DAG)
 
 
-def _prepare(problem: PlacementProblem, costs: list, e: int, c: int, force_dag: bool, free=None) -> _Prepared | None:
-    """The stack and the groups of one (e, c); the (width, d, S) items are enumerated with arrays.
-    `free`: memory-free least bottlenecks [S - 1, width] per pipeline link to bound the groups with;
-    those of (1, c) serve every e (EP only adds all-to-alls, so its stage times are no shorter) whose
-    candidate stages they cover (`free["width"]`)."""
-    system = problem.system
-    N = system.accelerators
-    dpn = system.devices_per_node
-    v = problem.virtual_stages
-    L = costs[0].n_layers
-    T = len(costs)
-    tops = [min(L, N // (lc.tp * c)) for lc in costs]
-    if max(tops) < 1:
+_NARROW = 12  # chain blocks of own width up to 12 share a stack, then up to 24, 48, ... (`_prepare`)
+
+
+def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
+    """[T, R, W] bool: candidate stages some placement of the block could use, for the memory-free
+    bounds (None: all). Without ZeRO and interleaving a stage's memory at one microbatch in flight
+    does not depend on d or S, and every placement holds at least one microbatch, so a stage with
+    kmax = 0 (`_chain_stack`/`_dag_stack`: state + one microbatch's activations + working set >
+    HBM) is in none. Otherwise a chain stage longer than its own width's `_chain_width` (the
+    longest that fits at the most replicas and 1/v microbatch) is in none."""
+    st = b.st
+    if problem.zero == 0 and problem.virtual_stages == 1:
+        return st.kmax >= 1
+    if b.own is None:
         return None
-    st = _stack(problem, costs, force_dag)
+    return np.broadcast_to(np.arange(st.dst.shape[1])[None, None, :] < b.own[:, None, None], st.grad.shape)
+
+
+def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.ndarray | None) -> _Blocks:
+    costs = [lc for _, _, lc in blocks]
+    # A chain's stack is as wide as its widest block needs: no stage longer than a block's own
+    # `_chain_width` fits that block at any d (its docstring), so a narrower class loses no placement.
+    st = _chain_stack(problem, costs, int(np.max(own))) if own is not None else _stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
-    links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
-    # (1, c)'s bounds hold only if its candidate stages include these: a chain's stages are cut to
-    # the longest that fits HBM, and EP, with fewer expert parameters per device, may fit longer ones.
-    if free is None or free["width"] < st.dst.shape[1]:
-        free = {h: _sweep(st, np.arange(T), lambda k, cut, cols, h=h: times[h][:, :cut, :cols], 1, max(tops),
-                          *_start(st, T)).f[:, :, 0] for h in (0, 1)}  # [S - 1, b]
-        free["width"] = st.dst.shape[1]
+    links = {0: problem.system.inter_node, 1: problem.system.intra_node}
+    times = {h: st.stage_time(links[h], problem.virtual_stages)[1] for h in (0, 1)}
+    return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
+                   np.array([lc.tp for lc in costs]), st, experts, times, own)
+
+
+def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
+    """Every (block, d, S) with its lower bound `lb`, the tail floor `tail_lb` and `fits` (False:
+    no split of it fits HBM), as flat arrays; `_search_all` skips items with an infinite bound or
+    that do not fit.
+
+    Lower bound on the time per batch of any placement of (block, d, S): C x (m + (S - 1) / v) +
+    tail, where C >= the memory-free least bottleneck (`free`, over the stages some placement of
+    the block can use) and the tail >= that of the mean stage. The tail of a stage (exposed
+    reduction + optimizer step, `_search_group`) is at least an affine function of its dense and
+    expert parameters, lin(stage) = a x dense + b x experts (+ the ring's latency when e = 1, paid
+    by every stage): each ring term is latency steps plus (n - 1) / n x bytes / bandwidth, the
+    latency part dropped where it may be skipped (e > 1: a stage without parameters of a kind does
+    not reduce that kind), the whole reduction dropped when an overlap may hide it, and the step is
+    linear. The stages partition the layers, so the lin() of the S stages sum to lin(all layers)
+    and the largest is at least their mean, lin(all) / S (the constant not divided).
+
+    Memory: the fullest stage holds at least the mean stage's state (linear lower bounds of the
+    ZeRO-1 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
+    last stage; interleaved: min((v - 1) S + 1, m v) chunks of 1/v), so when that exceeds HBM no
+    split of the item fits (as `placement._general_groups`)."""
+    system = problem.system
+    N, dpn = system.accelerators, system.devices_per_node
+    v = problem.virtual_stages
+    w_b, g_b, o_b = state_split(system)
+    st = b.st
+    L = st.n_layers
     n_seq = -(-system.global_batch // problem.mbs)
-    groups = []
-    for b, lc in enumerate(costs):
-        w = lc.tp * c  # devices per stage and replica
+    widths = b.t * b.c
+    cache: dict = {}
+    blk_parts, d_parts, cnt_parts = [], [], []
+    for i in range(len(b.costs)):
+        w, e = int(widths[i]), int(b.e[i])
         if N // w < 1:
             continue
-        ds = np.array(_degrees(problem, N // w, e), dtype=np.int64)
-        counts = np.minimum(L, N // (w * ds))
-        keep = counts >= 1
-        ds, counts = ds[keep], counts[keep]
-        if ds.size == 0:
-            continue
-        d = np.repeat(ds, counts)
-        S = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
-        m = -(-n_seq // d)
-        if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
-            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
-            d, S, m = d[ok], S[ok], m[ok]
-        h = (dpn % (S * w) == 0).astype(np.int64)
-        ring = (S * w * d <= dpn).astype(np.int64)
-        mult = m + (S - 1) / v
-        lb = np.where(h == 1, free[1][S - 1, b], free[0][S - 1, b]) * mult
-        fin = np.isfinite(lb)
-        d, S, h, ring, mult, lb = d[fin], S[fin], h[fin], ring[fin], mult[fin], lb[fin]
-        s_only = np.where((v > 1) & (S > 1), S, 0)
-        order = np.lexsort((lb, s_only, ring, h, d))
-        keys = np.stack([d, h, ring, s_only], axis=1)[order]
-        cut = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
-        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(order)]])):
-            if hi <= lo:
-                continue
-            idx = order[lo:hi]  # ascending lower bound within the group
-            key = (b, int(d[idx[0]]), int(h[idx[0]]), int(ring[idx[0]]), int(s_only[idx[0]]))
-            groups.append((float(lb[idx[0]]), key, (lb[idx], S[idx], mult[idx])))
-    return _Prepared(e, c, costs, st, experts, times, groups, free)
+        key = (N // w, e)
+        if key not in cache:
+            ds = _degrees(problem, N // w, e)
+            counts = np.minimum(L, N // (w * ds))
+            cache[key] = (ds[counts >= 1], counts[counts >= 1])
+        ds, counts = cache[key]
+        blk_parts.append(np.full(ds.shape, i, dtype=np.int64))
+        d_parts.append(ds)
+        cnt_parts.append(counts)
+    if not blk_parts:
+        return {}
+    blk0, d0, counts = np.concatenate(blk_parts), np.concatenate(d_parts), np.concatenate(cnt_parts)
+    blk, d = np.repeat(blk0, counts), np.repeat(d0, counts)
+    S = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    m = -(-n_seq // d)
+    w = widths[blk]
+    if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
+        ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
+    h = (dpn % (S * w) == 0).astype(np.int64)
+    ring = (S * w * d <= dpn).astype(np.int64)
+    mult = m + (S - 1) / v
+    c_lb = np.where(h == 1, free[1][S - 1, blk], free[0][S - 1, blk])
+    # per block: total dense and expert parameters, kept activations per microbatch
+    Pe_b = np.array([float(np.sum(lc.expert_params)) for lc in b.costs])
+    P_b = np.array([float(np.sum(lc.params)) for lc in b.costs])
+    kept_b = np.array([float(np.sum(_layer_terms(problem, lc)[0])) for lc in b.costs])
+    e = b.e[blk]
+    ranks = d * b.c[blk]
+    eranks = np.maximum(1, ranks // e)
+    P, Pe = P_b[blk], Pe_b[blk]
+    Pd = P - Pe
+    split = e > 1
+    lat = np.where(ring == 1, system.intra_node.latency, system.inter_node.latency)
+    bw = np.where(ring == 1, system.intra_node.bandwidth, system.inter_node.bandwidth)
+    ring_bytes = 2 * g_b if problem.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
+    tail_lin = np.zeros(d.shape)
+    tail_const = np.zeros(d.shape)
+    if not problem.overlap_grad_reduce:
+        tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
+                    * ring_bytes / bw)
+        tail_const = np.where(split, 0.0, 2 * (ranks - 1) * lat)
+    if problem.hbm_bandwidth > 0:
+        per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
+        if problem.zero:
+            tail_lin = tail_lin + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * per
+        else:
+            tail_lin = tail_lin + P * per
+    tail_lb = (tail_const + tail_lin / S) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
+    with np.errstate(invalid="ignore"):
+        lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)
+    if problem.zero == 0:
+        state = P * (w_b + g_b + o_b)
+    else:
+        state = P * (w_b + g_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
+    inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
+    fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
+    s_only = np.where((v > 1) & (S > 1), S, 0)
+    return {"blk": blk, "d": d, "S": S, "h": h, "ring": ring, "mult": mult, "lb": lb, "tail_lb": tail_lb,
+            "s_only": s_only, "fits": fits}
 
 
-def _search_all(problem: PlacementProblem, prepared: list, best: _Best, stats: dict) -> None:
-    """Every group of every (e, c), least lower bound first, until none can beat the best."""
-    order = sorted(((g[0], i, j) for i, prep in enumerate(prepared) for j, g in enumerate(prep.groups)))
-    for lb, i, j in order:
-        if lb >= best.time:
+def _search_all(problem: PlacementProblem, classes: list, items: dict, best: _Best, stats: dict) -> None:
+    """Every (class, block, d, links, S_only) group, least lower bound first, until none can beat the best."""
+    if not items:
+        return
+    keep = np.isfinite(items["lb"]) & items["fits"]
+    items = {k: a[keep] for k, a in items.items()}
+    lb = items["lb"]
+    if lb.size == 0:
+        return
+    # One integer per group: the (class, block, d) run (items come in that order) and the links and S_only
+    run = np.cumsum(np.concatenate([[0], (items["cls"][1:] != items["cls"][:-1]) | (items["blk"][1:] != items["blk"][:-1])
+                                    | (items["d"][1:] != items["d"][:-1])]))
+    key = (run * 4 + items["h"] * 2 + items["ring"]) * (int(np.max(items["s_only"])) + 1) + items["s_only"]
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    lo = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
+    hi = np.concatenate([lo[1:], [order.size]])
+    least = np.minimum.reduceat(lb[order], lo)
+    for g in np.argsort(least, kind="stable").tolist():
+        if least[g] >= best.time:  # groups come by their least bound: none after this one can win
             break
-        prep = prepared[i]
-        _, key, (lbs, Ss, mults) = prep.groups[j]
-        items = [(float(x), int(y), float(z)) for x, y, z in zip(lbs, Ss, mults) if x < best.time]
-        _search_group(problem, prep, key, items, best, stats)
+        idx = order[lo[g]:hi[g]]
+        idx = idx[lb[idx] < best.time]
+        idx = idx[np.argsort(lb[idx], kind="stable")]  # least bound first (which of equal totals is kept)
+        i = int(idx[0])
+        key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "ring", "s_only"))
+        _search_group(problem, classes[int(items["cls"][i])], key, items["S"][idx].tolist(), items["mult"][idx].tolist(),
+                      items["tail_lb"][idx].tolist(), best, stats)
 
 
-def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items: list, best: _Best, stats: dict):
-    """One (width, d, links, S_only) group at fixed (e, c): the epsilon-constraint on the stage tail."""
+def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, mults: list, floors: list,
+                  best: _Best, stats: dict):
+    """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
     system = problem.system
     v = problem.virtual_stages
     w_b, g_b, o_b = state_split(system)
-    e, c, st, experts, costs = prep.e, prep.c, prep.st, prep.experts, prep.costs
-    valid = np.isfinite(st.grad)
-    b, d, h, ring_intra, S_only = key
-    items = [x for x in items if x[0] < best.time]
-    if not items:
+    st, experts, costs = b.st, b.experts, b.costs
+    blk, d, h, ring_intra, S_only = key
+    e, c = int(b.e[blk]), int(b.c[blk])
+    if not Ss:
         return
     stats["groups"] = stats.get("groups", 0) + 1
     m = problem.microbatches(d)
     ring = system.intra_node if ring_intra else system.inter_node
     ranks, expert_ranks = d * c, max(1, d * c // e)
-    sl = slice(b, b + 1)
-    ok = valid[sl]
+    sl = slice(blk, blk + 1)
+    ok = np.isfinite(st.grad[sl])
     params0 = np.where(ok, st.params[sl], 0.0)
     expert0 = experts[sl]
     dense0 = params0 - expert0
@@ -288,9 +394,10 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
         base = np.where(ok, state + acts + workmax, INF)
         kmax = _kmax(base, np.where(ok, acts, INF), problem.hbm_bytes)
         kmax = np.where(kmax >= m, _KMAX_CAP, kmax)
-    time_g = np.where(ok & (kmax >= 1), prep.times[h][sl], INF)
+    time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
     st_g = replace(st, grad=tail)
-    active = {S: mult for _, S, mult in items}
+    # S -> (pipeline multiplier, the least largest-stage tail any S-stage split has: `_items`)
+    active = {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)}
     x = INF
     while active:
         stats["sweeps"] = stats.get("sweeps", 0) + 1
@@ -301,7 +408,7 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
 
         sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
         nxt = {}
-        for S, mult in active.items():
+        for S, (mult, floor) in active.items():
             C = float(sw.f[S - 1, 0, 0])
             G = float(sw.g[S - 1, 0, 0])
             if not math.isfinite(C):
@@ -309,15 +416,88 @@ def _search_group(problem: PlacementProblem, prep: _Prepared, key: tuple, items:
             total = C * mult + G
             if total < best.time:
                 best.time = total
-                best.tp = costs[b].tp
+                best.tp = costs[blk].tp
                 best.dp = d
                 best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
                 best.ep, best.cp = e, c
-            if C * mult < best.time and G > 0:
-                nxt[S] = (mult, G)
-        active = {S: mg[0] for S, mg in nxt.items()}
+            # Lowering x only finds splits with C no smaller and a tail no smaller than the floor.
+            if C * mult + floor < best.time and G > floor:
+                nxt[S] = (mult, floor, G)
+        active = {S: mfg[:2] for S, mfg in nxt.items()}
         if active:
-            x = max(mg[1] for mg in nxt.values())
+            x = max(mfg[2] for mfg in nxt.values())
+
+
+def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:
+    """[k_to, B]: the least bottleneck of any k-stage split of all layers, k = 1..k_to, with stage
+    costs `times` [B, R, W]: `placement._sweep`'s recursion f_k(D) = min_a max(cost, f_{k-1}(next)),
+    for a chain without its back-pointers and gradient tables (only the values are needed)."""
+    B = times.shape[0]
+    if st.masks is not None:
+        twice = replace(st, grad=np.broadcast_to(st.grad[:1], (B,) + st.grad.shape[1:]))
+        return _sweep(twice, np.arange(B), lambda k, cut, cols: times[:, :cut, :cols], 1, k_to, *_start(st, B)).f[:, :, 0]
+    R, W = st.dst.shape
+    tt = np.ascontiguousarray(times.transpose(2, 0, 1))  # [W, B, R]: the min runs over the leading axis (faster)
+    f_prev, _ = _start(st, B)
+    out = np.full((k_to, B), INF)
+    for k in range(1, k_to + 1):
+        cut = st.cuts[k] if k < len(st.cuts) else 0
+        if cut <= 0:
+            break
+        cols = st.colcuts[k]
+        step = f_prev.strides[1]  # dst[i, a] = i + a + 1: the next rows are a sliding window
+        ahead = np.lib.stride_tricks.as_strided(f_prev[:, 1:], shape=(cols, B, cut),
+                                                strides=(step, f_prev.strides[0], step), writeable=False)
+        f = np.full((B, R + 1 + W), INF)
+        f[:, :cut] = np.maximum(tt[:cols, :, :cut], ahead).min(axis=0)
+        out[k - 1] = f[:, 0]
+        f_prev = f
+    return out
+
+
+def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
+    """Every (c, e, t) as a block; the blocks of a chain in classes by their own `_chain_width`
+    (12 or less, up to 24, 48, ...: a stack and its sweeps cost its widest block's width for every
+    block), each class one stack whose memory-free sweeps run together (one per pipeline link); and
+    every (class, block, d, S) item with its lower bound (`_items`)."""
+    N = problem.system.accelerators
+    has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
+    blocks = []
+    for c in problem.cp_widths if problem.zero != 3 else ():
+        costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
+        es = [e for e in problem.ep_widths if e == 1 or has_experts]
+        at = [effective_costs_at(problem, lc, c, es) for lc in costs]
+        blocks.extend((c, e, at[i][j]) for j, e in enumerate(es) for i in range(len(costs)))
+    if not blocks:
+        return [], {}
+    if blocks[0][2].is_chain() and not force_dag:
+        own = np.array([_chain_width(problem, [lc]) for _, _, lc in blocks])
+        cls_of = np.ceil(np.log2(np.maximum(own, _NARROW) / _NARROW)).astype(np.int64)
+    else:
+        own, cls_of = None, np.zeros(len(blocks), dtype=np.int64)
+    classes, parts = [], []
+    for k in np.unique(cls_of).tolist():
+        idx = np.flatnonzero(cls_of == k)
+        b = _build(problem, [blocks[i] for i in idx], force_dag, None if own is None else own[idx])
+        st = b.st
+        T = len(idx)
+        tops = [min(st.n_layers, N // int(w)) for w in b.t * b.c]
+        mask = _fit_mask(problem, b)
+        masked = {h: b.times[h] if mask is None else np.where(mask, b.times[h], INF) for h in (0, 1)}
+        # The intra-node pipeline link needs S x t x c to divide a node (`System.pipeline_link`), so
+        # only S <= dpn // (t c) reads its bounds: that sweep stops there.
+        free = {0: _free_bottleneck(st, masked[0], max(tops)), 1: np.full((max(tops), T), INF)}
+        k_intra = min(max(tops), int(np.max(problem.system.devices_per_node // (b.t * b.c))))
+        if k_intra >= 1:
+            free[1][:k_intra] = _free_bottleneck(st, masked[1], k_intra)
+        items = _items(problem, b, free)
+        if items:
+            items["cls"] = np.full(items["blk"].shape, len(classes), dtype=np.int64)
+            parts.append(items)
+        classes.append(b)
+    if not parts:
+        return classes, {}
+    return classes, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
@@ -326,11 +506,8 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     if not problem.parallel_dims:
         return dense_optimal_placement(problem, force_dag=force_dag)
     start = time.perf_counter()
-    system = problem.system
-    N = system.accelerators
     stats: dict = {}
     method = "dp-ep-cp"
-    has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
     best = _Best()
     best.ep, best.cp = 1, 1
     if problem.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
@@ -339,27 +516,8 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
-    # Each (e, c), least ideal time first (every device busy, no bubble, no communication beyond the
-    # layers' own: time per batch >= ceil(B / mbs) x t x c x W / N, W the layers' forward + backward
-    # time per microbatch at (t, e, c)), prepared only while that bound can still beat the best.
-    n_seq = -(-system.global_batch // problem.mbs)
-    combos = []
-    for c in problem.cp_widths if problem.zero != 3 else ():
-        costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
-        for e in problem.ep_widths if costs else ():
-            if e > 1 and not has_experts:
-                continue
-            eff = [effective_costs(problem, lc, e, c) for lc in costs]
-            ideal = min(n_seq * lc.tp * c * float(np.sum(lc.fwd_s) + np.sum(lc.bwd_s)) / N for lc in eff)
-            combos.append((ideal, c, e, eff))
-    free_of: dict = {}  # c -> the memory-free bounds of (1, c), which come first in this order
-    for ideal, c, e, eff in sorted(combos, key=lambda x: x[:3]):
-        if ideal >= best.time:
-            break
-        prep = _prepare(problem, eff, e, c, force_dag, free_of.get(c))
-        if prep is not None:
-            free_of.setdefault(c, prep.free)
-            _search_all(problem, [prep], best, stats)
+    classes, items = _prepare(problem, force_dag)
+    _search_all(problem, classes, items, best, stats)
     if not math.isfinite(best.time):
         need, where = min_memory_needed(problem, force_dag)
         reason = (
