@@ -43,19 +43,18 @@ import numpy as np
 
 from ..errors import PhazeError
 from .placement import (
-    _KMAX_CAP,
     INF,
     RTOL,
     _Best,
     _chain_stack,
     _chain_width,
-    _kmax,
     _layer_terms,
     _stack,
     _start,
     _sweep,
-    _walk,
+    epsilon_sweeps,
     min_memory_needed,
+    stage_fit,
 )
 from .placement import optimal_placement as dense_optimal_placement
 from .placement_eval import evaluate_placement, format_bytes
@@ -382,50 +381,15 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
         state = params0 * (w_b + g_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
     else:
         state = params0 * (w_b + g_b) + np.ceil(params0 * o_b / ranks)
-    if S_only:  # interleaved: Megatron's in-flight chunk count at each position (placement_eval)
-        fits = np.zeros(params0.shape, dtype=np.int64)
-        for k in range(1, S_only + 1):
-            chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
-            mem = state + np.ceil(chunks * np.where(ok, acts, 0.0) / v) + np.where(ok, workmax, 0.0)
-            fits += (mem <= problem.hbm_bytes) & (fits == k - 1)
-        kmax = np.where(ok, fits, 0)
-        kmax = np.where(kmax >= S_only, _KMAX_CAP, kmax)
-    else:
-        base = np.where(ok, state + acts + workmax, INF)
-        kmax = _kmax(base, np.where(ok, acts, INF), problem.hbm_bytes)
-        kmax = np.where(kmax >= m, _KMAX_CAP, kmax)
+    kmax = stage_fit(state, acts, workmax, ok, problem.hbm_bytes, S_only, v, m)
     time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
-    st_g = replace(st, grad=tail)
+
+    def record(stages):
+        best.tp, best.dp, best.stages, best.ep, best.cp = costs[blk].tp, d, stages, e, c
+
     # S -> (pipeline multiplier, the least largest-stage tail any S-stage split has: `_items`)
-    active = {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)}
-    x = INF
-    while active:
-        stats["sweeps"] = stats.get("sweeps", 0) + 1
-        allowed = tail < x
-
-        def cost_at(k, cut, cols, allowed=allowed):
-            return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
-
-        sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
-        nxt = {}
-        for S, (mult, floor) in active.items():
-            C = float(sw.f[S - 1, 0, 0])
-            G = float(sw.g[S - 1, 0, 0])
-            if not math.isfinite(C):
-                continue
-            total = C * mult + G
-            if total < best.time:
-                best.time = total
-                best.tp = costs[blk].tp
-                best.dp = d
-                best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
-                best.ep, best.cp = e, c
-            # Lowering x only finds splits with C no smaller and a tail no smaller than the floor.
-            if C * mult + floor < best.time and G > floor:
-                nxt[S] = (mult, floor, G)
-        active = {S: mfg[:2] for S, mfg in nxt.items()}
-        if active:
-            x = max(mfg[2] for mfg in nxt.values())
+    epsilon_sweeps(st, stats, tail, kmax, time_g, {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)},
+                   best, record)
 
 
 def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:

@@ -818,7 +818,6 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     """
     system = problem.system
     N = system.accelerators
-    dpn = system.devices_per_node
     v = problem.virtual_stages
     w_b, g_b, o_b = state_split(system)
     st = _stack(problem, costs, force_dag)
@@ -877,20 +876,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             tail = tail + step_bytes / problem.hbm_bandwidth
         tail = np.where(valid[sl], tail, INF)
         state = _state(problem, params0, d)
-        if S_only:  # interleaved: memory at position k from Megatron's in-flight chunk count
-            fits = np.zeros(params.shape, dtype=np.int64)
-            for k in range(1, S_only + 1):
-                chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
-                mem = state + np.ceil(chunks * np.where(valid[sl], acts, 0.0) / v) + np.where(valid[sl], workmax, 0.0)
-                fits += (mem <= problem.hbm_bytes) & (fits == k - 1)
-            kmax = np.where(valid[sl], fits, 0)
-            kmax = np.where(kmax >= S_only, _KMAX_CAP, kmax)
-        else:
-            base = np.where(valid[sl], state + acts + workmax, INF)
-            kmax = _kmax(base, np.where(valid[sl], acts, INF), problem.hbm_bytes)
-            kmax = np.where(kmax >= m, _KMAX_CAP, kmax)  # q = min(k, m): past m nothing grows
+        kmax = stage_fit(state, acts, workmax, valid[sl], problem.hbm_bytes, S_only, v, m)
         time_g = np.where(valid[sl] & (kmax >= 1), time_g, INF)
-        st_g = replace(st, grad=tail)
         active = {S: mult for _, S, mult in items}
         # The least largest-stage tail an S-stage split can have: the optimizer step, and without
         # overlap the reduction, grow with the stage's parameters (affine in them), and the largest
@@ -907,33 +894,66 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             step = p * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)
-        x = INF
-        while active:
-            stats["sweeps"] = stats.get("sweeps", 0) + 1
-            allowed = tail < x
 
-            def cost_at(k, cut, cols, allowed=allowed):
-                return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
+        def record(stages, tp=costs[b].tp, d=d):
+            best.tp, best.dp, best.stages = tp, d, stages
 
-            sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
-            nxt = {}
-            for S, mult in active.items():
-                C = float(sw.f[S - 1, 0, 0])
-                G = float(sw.g[S - 1, 0, 0])
-                if not math.isfinite(C):
-                    continue
-                total = C * mult + G
-                if total < best.time:
-                    best.time = total
-                    best.tp = costs[b].tp
-                    best.dp = d
-                    best.stages = _walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S)
-                if C * mult + floor[S] < best.time and G > floor[S]:
-                    nxt[S] = (mult, G)
-            active = {S: mg[0] for S, mg in nxt.items()}
-            if active:
-                x = max(mg[1] for mg in nxt.values())
+        epsilon_sweeps(st, stats, tail, kmax, time_g, {S: (mult, floor[S]) for S, mult in active.items()}, best, record)
     return best
+
+
+def stage_fit(state, acts, workmax, ok, hbm_bytes: float, S_only: int, v: int, m: int) -> np.ndarray:
+    """Per candidate stage of one block, the most microbatches it can hold in flight within HBM
+    (_KMAX_CAP: any number), so that a stage at pipeline position k (k in flight) fits iff kmax >= k.
+    Interleaved (S_only = the group's stage count): memory at position k from Megatron's in-flight
+    chunk count, as placement_eval prices it; otherwise 1F1B's q = min(k, m), past m nothing grows."""
+    if S_only:
+        fits = np.zeros(np.broadcast(state, acts).shape, dtype=np.int64)
+        for k in range(1, S_only + 1):
+            chunks = min(2 * (k - 1) + (v - 1) * S_only + 1, m * v)
+            mem = state + np.ceil(chunks * np.where(ok, acts, 0.0) / v) + np.where(ok, workmax, 0.0)
+            fits += (mem <= hbm_bytes) & (fits == k - 1)
+        kmax = np.where(ok, fits, 0)
+        return np.where(kmax >= S_only, _KMAX_CAP, kmax)
+    base = np.where(ok, state + acts + workmax, INF)
+    kmax = _kmax(base, np.where(ok, acts, INF), hbm_bytes)
+    return np.where(kmax >= m, _KMAX_CAP, kmax)
+
+
+def epsilon_sweeps(st: _Stack, stats: dict, tail, kmax, time_g, active: dict, best: _Best, record) -> None:
+    """The best split of one group (fixed width, replicas and links) whose time is the pipeline
+    multiplier x the bottleneck stage plus the largest stage's per-batch tail: an
+    epsilon-constraint over the tail. Each sweep finds the least bottleneck C among splits whose
+    stages all have tails below x, and its largest tail G; the next sweep lowers x to G, which only
+    finds splits with C no smaller. `active` maps a stage count S to (multiplier, floor), the floor
+    being the least largest tail any S-stage split has; S stops when C x mult + floor cannot beat
+    `best.time` or G reaches its floor. `record(stages)` is called on each improvement, after
+    `best.time` is set."""
+    st_g = replace(st, grad=tail)
+    x = INF
+    while active:
+        stats["sweeps"] = stats.get("sweeps", 0) + 1
+        allowed = tail < x
+
+        def cost_at(k, cut, cols, allowed=allowed):
+            return np.where(allowed[:, :cut, :cols] & (kmax[:, :cut, :cols] >= k), time_g[:, :cut, :cols], INF)
+
+        sw = _sweep(st_g, np.array([0]), cost_at, 1, max(active), *_start(st, 1))
+        nxt = {}
+        for S, (mult, floor) in active.items():
+            C = float(sw.f[S - 1, 0, 0])
+            G = float(sw.g[S - 1, 0, 0])
+            if not math.isfinite(C):
+                continue
+            total = C * mult + G
+            if total < best.time:
+                best.time = total
+                record(_walk(st, lambda k, sw=sw: sw.arg[k - 1, 0], S))
+            if C * mult + floor < best.time and G > floor:
+                nxt[S] = (mult, floor, G)
+        active = {S: mfg[:2] for S, mfg in nxt.items()}
+        if active:
+            x = max(mfg[2] for mfg in nxt.values())
 
 
 # --------------------------------------------------------------------------------------------
