@@ -72,9 +72,10 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from .schedule_heuristic import duration
+from .schedule_heuristic import duration, schedule_from_hint
 from .bounds import idle_width
 from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
+from .schedule_search import SEARCH_MAX_OPS, search_block
 
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
@@ -83,6 +84,8 @@ CBC_ORDER_TOL = 1e-4  # CBC's values come back as text with 8 significant digits
 PROVEN_REL_GAP = 1e-6  # realised makespan vs. the solver's bound when it says "optimal"
 MAX_CUT_SUBSETS = 20
 RELAXATION_REL_TOL = 1e-9  # incumbent == relaxation bound up to rounding (times are scaled to 1000)
+PARTNER_ROUNDS = 6  # separation rounds of the partner-idle cuts in the relaxation
+HINT_SEARCH_S = 0.5  # the restricted search for a schedule meeting the relaxation bound (see solve_block)
 
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
@@ -411,6 +414,7 @@ class BlockModel:
             self._idle_chain_cuts(compute, split_time, single_part)
             if self.anchored:
                 self._anchored_cuts(compute, single_part)
+                self._partner_idle_cuts(compute, split_time, single_part)
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
             prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
@@ -470,6 +474,147 @@ class BlockModel:
                 prob += self.C >= split_time + busy + pulp.lpSum(term[i] for i in sorted(chain)) * (1.0 / cap)
                 added += 1
         self.stats["idle_chain_cuts"] = added
+
+    def _partner_idle_cuts(self, compute: list[int], split_time, single_part) -> None:
+        """Idle cores along a chain, counting how long the ops beside each op can keep them busy.
+
+        While op i runs in single mode (s1_i long), no op runs split, and the other users of
+        resource r busy at any instant are single-mode users unordered with i (the set U_i).
+        Partition U_i into chains C_1..C_w (any partition will do): the ops of one chain run one
+        after another, so a chain keeps at most one core of r busy, for at most
+        min(s1_i, sum_{j in C_c} min(s1_j, s1_i) (1 - x_j)) of i's interval (an op run split cannot
+        overlap i). So r has at least  idle_i >= (cap - u_i) s1_i (1 - x_i) - sum_c z_ic  idle core
+        time along i, with z_ic at most both terms of that minimum; and, as in `_idle_chain_cuts`,
+        idle_i >= g_i s1_i (1 - x_i). Idle times along the ops of a chain of the DAG are disjoint,
+        and disjoint from busy core time and from split time, so with I_i the heaviest idle chain
+        ending at i, cap C >= cap * split time + single-mode core time + I_i. Unlike the width g_i
+        alone, this sees a long op whose only possible partners are short (a long vector op beside
+        a few short ones, a GEMM beside one chain of vector ops) or would have to run split.
+        Every partition gives a valid cut; `separate_partner_cuts` adds the partitions that bind
+        at the relaxation's current modes.
+        """
+        inst, view, prob = self.inst, self.view, self.prob
+        ops = view.ops
+        self.partner = {}  # (resource, i) -> (idle variable, need, on, partners, cap)
+        added = 0
+        for cap, uses, name in ((inst.num_tc, inst.uses_tc, "tc"), (inst.num_vc, inst.uses_vc, "vc")):
+            if cap < 1:
+                continue
+            users = [j for j in compute if uses[j]]
+            if not users:
+                continue
+            idle = {}
+            for i in compute:
+                if i in self.fixed_split:
+                    continue
+                need = (cap - int(uses[i])) * self.s1[i]
+                if need <= 0:
+                    continue
+                on = 1 - self.x[i] if i in self.free_mode else 1.0
+                partners = [j for j in users if j not in self.fixed_split and inst.unordered(i, j)]
+                v = prob.add_variable(f"idle_{name}_{i}", lowBound=0)
+                g = idle_width(inst, i, uses, cap)
+                if g:
+                    prob += v >= g * self.s1[i] * on
+                self.partner[(name, i)] = (v, need, on, partners)
+                self._add_partner_cover(name, i, None)
+                idle[i] = v
+            if not idle:
+                continue
+            acc = {}
+            for i in ops:  # topological order
+                preds = [acc[p] for p in view.preds[i] if p in acc]
+                if i not in idle and len(preds) <= 1:
+                    if preds:
+                        acc[i] = preds[0]
+                    continue
+                a = prob.add_variable(f"I_{name}_{i}", lowBound=0)
+                for p in preds:
+                    prob += a >= p + (idle[i] if i in idle else 0)
+                if i in idle:
+                    prob += a >= idle[i]
+                acc[i] = a
+                added += 1
+            busy = pulp.lpSum(single_part(i) for i in users)
+            for i in ops:
+                if not view.succs[i] and i in acc:
+                    prob += cap * self.C >= cap * split_time + busy + acc[i]
+        self.stats["partner_idle_vars"] = added
+        self.stats["partner_covers"] = 0
+
+    def _partner_chains(self, i: int, partners: list[int], xval) -> list[list[int]]:
+        """A partition of `partners` into chains, heaviest chain first, weights min(s1_j, s1_i)
+        scaled by how single op j is (1 - x_j at `xval`; all ones when None) plus a little of the
+        static weight, so that every op is covered and long chains stay together."""
+        inst = self.inst
+        w = {}
+        for j in partners:
+            base = min(self.s1[j], self.s1[i])
+            single = 1.0
+            if xval is not None and j in self.free_mode:
+                single = 1.0 - xval.get(j, 0.0)
+            w[j] = base * (single + 1e-3)
+        left = list(partners)  # topological (block) order
+        chains = []
+        while left:
+            best, prev = {}, {}
+            for j in left:
+                p = max((q for q in best if (inst.anc[j] >> q) & 1), key=lambda q: best[q], default=None)
+                best[j] = w[j] + (best[p] if p is not None else 0.0)
+                prev[j] = p
+            end = max(best, key=lambda q: best[q])
+            chain = []
+            while end is not None:
+                chain.append(end)
+                end = prev[end]
+            chain.reverse()
+            chains.append(chain)
+            taken = set(chain)
+            left = [j for j in left if j not in taken]
+        return chains
+
+    def _add_partner_cover(self, name: str, i: int, xval) -> None:
+        v, need, on, partners = self.partner[(name, i)]
+        prob = self.prob
+        terms, static = [], 0.0
+        k = len(self.partner_cuts) if hasattr(self, "partner_cuts") else 0
+        for c, chain in enumerate(self._partner_chains(i, partners, xval)):
+            free = [j for j in chain if j in self.free_mode]
+            fixed = sum(min(self.s1[j], self.s1[i]) for j in chain if j not in self.free_mode)
+            if not free:
+                static += min(fixed, self.s1[i])
+                continue
+            z = prob.add_variable(f"zp_{name}_{i}_{k}_{c}", lowBound=0, upBound=self.s1[i])
+            prob += z <= fixed + pulp.lpSum(min(self.s1[j], self.s1[i]) * (1 - self.x[j]) for j in free)
+            terms.append(z)
+        prob += v >= (need - static) * on - pulp.lpSum(terms)
+        if not hasattr(self, "partner_cuts"):
+            self.partner_cuts = []
+        self.partner_cuts.append((name, i))
+
+    def separate_partner_cuts(self, tol: float = 1e-6) -> int:
+        """Add, for each op single in the current solution, the chain partition that the current
+        modes make heaviest, where it raises the op's idle above its current value. Returns how
+        many were added."""
+        if not getattr(self, "partner", None):
+            return 0
+        xval = {j: (var.varValue or 0.0) for j, var in self.x.items()}
+        added = 0
+        for (name, i), (v, need, on, partners) in self.partner.items():
+            on_val = 1.0 - xval[i] if i in self.free_mode else 1.0
+            if on_val < 0.5:
+                continue
+            cur = v.varValue or 0.0
+            bound = need * on_val
+            for chain in self._partner_chains(i, partners, xval):
+                cap_c = sum(min(self.s1[j], self.s1[i]) * (1.0 - xval.get(j, 0.0) if j in self.free_mode else 1.0)
+                            for j in chain)
+                bound -= min(cap_c, self.s1[i])
+            if bound > cur + tol:
+                self._add_partner_cover(name, i, xval)
+                added += 1
+        self.stats["partner_covers"] = self.stats.get("partner_covers", 0) + added
+        return added
 
     def _anchored_cuts(self, compute: list[int], single_part) -> None:
         """The timeline cut anchored at every op j (see the module docstring): the compute ops after
@@ -602,19 +747,33 @@ class BlockModel:
 
 
 def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
-                     time_limit_s: float = 60.0) -> tuple[float, bool, dict]:
+                     time_limit_s: float = 60.0, solution: dict | None = None) -> tuple[float, bool, dict]:
     """Lower bound from the model without any order variable: modes, precedence, the timeline
     cuts and the anchored timeline cuts. Every constraint of it is valid for every schedule no
     longer than the incumbent, so its optimum is a valid bound; it has one binary per op and solves
     in a fraction of the full model's time. (The anchored cuts are left out of the full MIP, where
     their size slows the search more than their strength helps.)
-    Returns (bound in seconds, whether it was solved to optimality, stats)."""
+    The partner-idle cuts are separated in up to PARTNER_ROUNDS rounds (each round's optimum is a
+    bound, the cuts being valid). Returns (bound in seconds, whether it was solved to optimality,
+    stats); `solution`, when given, receives the last round's modes and start times (a hint for a
+    schedule, not one: the relaxation ignores core limits)."""
     t0 = time.perf_counter()
     model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False, anchored=True)
-    proven, has, dual, nodes = _run_solver(model.prob, solver, time_limit_s, model.warm)
+    rounds = 0
+    while True:
+        left = max(time_limit_s - (time.perf_counter() - t0), 0.0)
+        proven, has, dual, nodes = _run_solver(model.prob, solver, left, model.warm)
+        rounds += 1
+        if not (proven and has) or rounds > PARTNER_ROUNDS or dual * model.scale >= incumbent[0]:
+            break
+        if not model.separate_partner_cuts():
+            break
     bound = max(lower_bound, dual * model.scale) if dual is not None else lower_bound
+    if solution is not None and has:
+        solution["start"], solution["modes"] = model.solution()
     return bound, proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": nodes,
-                           "relaxation_bound_s": bound}
+                           "relaxation_bound_s": bound, "relaxation_rounds": rounds,
+                           "partner_covers": model.stats.get("partner_covers", 0)}
 
 
 def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
@@ -622,7 +781,29 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     """Prove the incumbent optimal or find the optimum of one block (see the module docstring)."""
     t0 = time.perf_counter()
     best_ms, best_start, best_modes = incumbent
-    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver, time_limit_s)
+    hint: dict = {}
+    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver, time_limit_s, hint)
+    target = rb * (1.0 + RELAXATION_REL_TOL)
+    if rb_proven and best_ms > target and hint:
+        # The relaxation is often exact where the incumbent is not (the optimum pairs vector ops
+        # that the list schedule runs split), so look for a schedule that meets its bound: the
+        # serial and parallel schemes in its modes and order, then the decision-point search on
+        # the block restricted to the relaxation's split GEMMs (ops using TCs that it runs split
+        # stay split, every other op may take either mode). Both only produce legal schedules;
+        # optimality still comes from the bound alone.
+        ms, start, modes = schedule_from_hint(inst, view, hint["start"], hint["modes"], target)
+        rstats["hint_makespan_s"] = ms
+        if ms < best_ms:
+            best_ms, best_start, best_modes = ms, start, modes
+        left = t0 + time_limit_s - time.perf_counter()
+        if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
+            restrict = {i: (True if hint["modes"][i] and inst.uses_tc[i] else None) for i in view.ops}
+            found = search_block(inst, view, (best_ms, best_start, best_modes),
+                                 time.perf_counter() + min(left, HINT_SEARCH_S), modes=restrict, target=target)
+            rstats["hint_search"] = dict(found.stats, makespan_s=found.makespan)
+            if found.makespan < best_ms:
+                best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+        incumbent = (best_ms, best_start, best_modes)
     if rb_proven and best_ms <= rb * (1.0 + RELAXATION_REL_TOL):
         stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
                      build_solve_s=time.perf_counter() - t0)
