@@ -23,7 +23,9 @@ How it is solved exactly (each step is argued where it is implemented):
 3. `schedule_heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
    bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
    (method "bound").
-4. Otherwise `schedule_ilp.solve_block`: the MIP with the heuristic as warm start and upper bound,
+4. Otherwise `schedule_ilp.solve_block`: first the order-free relaxation (with its partner-idle
+   cuts), and a hunt for a schedule meeting its bound (its hint, restricted searches; a finished
+   unrestricted search also proves); then the MIP with the heuristic as warm start and upper bound,
    zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"; "search"
    when the decision-point search below gave the proof). A run
    that stops at the time limit returns its best schedule as status "time_limit" with the proven

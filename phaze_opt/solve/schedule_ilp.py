@@ -37,8 +37,22 @@ after j run inside [S_j + d_j, C], so C >= S_j + d_j + their split time + T_post
 is bounded like T by their single-mode work over cores and by the longest chain of single-mode
 ops among them (R_i, the chain starting at i); likewise the ops before j run inside [0, S_j]. They
 see idle time that precedence forces, e.g. a core waiting on a collective, which the unanchored
-cuts cannot. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
+cuts cannot. Partner-idle cuts (relaxation only, `_partner_idle_cuts`): while op i runs single,
+the ops that can keep the other cores busy are single-mode users unordered with i, one core per
+chain of them, for no longer than their own single time, and not across an op that runs split
+between them (it keeps i to one side); the idle left over along a chain of ops adds to the
+timeline. They are separated on the relaxation's modes for a few rounds (each round's optimum is
+a bound). They see what makes a vector-heavy block's optimum: which vector ops pair up in single
+mode beside which GEMMs, and which one-cycle ops some pair can host. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
 so S_a <= S_b for a before b in index order, and y_ba = 0 (symmetry breaking).
+
+Closing a block (`solve_block`). The relaxation is solved first; if the incumbent meets its
+bound, done. Otherwise, since the relaxation is often exact where the incumbent is not, we look
+for a schedule that meets it: list schedules in its modes and order, the decision-point search
+restricted to its split GEMMs, the unrestricted search for QUICK_SEARCH_S (a search that finishes
+proves optimality by itself), and the search restricted to the ops whose modes the incumbent and
+the relaxation disagree on. These only produce legal schedules; optimality comes from a bound or
+a finished unrestricted search. Then the full MIP below.
 
 Core limits. Capacity is only at stake for a resource whose largest antichain of users in the block
 (Dilworth: ops minus a maximum matching of the comparability graph) exceeds its core count; else
@@ -75,7 +89,7 @@ import pulp
 from .schedule_heuristic import duration, schedule_from_hint
 from .bounds import idle_width
 from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
-from .schedule_search import SEARCH_MAX_OPS, search_block
+from .schedule_search import SEARCH_MAX_OPS, ensure_warm, search_block
 
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
@@ -84,8 +98,11 @@ CBC_ORDER_TOL = 1e-4  # CBC's values come back as text with 8 significant digits
 PROVEN_REL_GAP = 1e-6  # realised makespan vs. the solver's bound when it says "optimal"
 MAX_CUT_SUBSETS = 20
 RELAXATION_REL_TOL = 1e-9  # incumbent == relaxation bound up to rounding (times are scaled to 1000)
-PARTNER_ROUNDS = 6  # separation rounds of the partner-idle cuts in the relaxation
+PARTNER_ROUNDS = 10  # separation rounds of the partner-idle cuts in the relaxation
+RELAXATION_ROUND_MIN_S = 0.05  # no further round with less time left than this
+RELAXATION_MAX_S = 1.0  # the relaxation's share of solve_block's time
 HINT_SEARCH_S = 0.5  # the restricted search for a schedule meeting the relaxation bound (see solve_block)
+QUICK_SEARCH_S = 0.3  # then the full decision-point search, before the MIP (see solve_block)
 
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
@@ -573,31 +590,111 @@ class BlockModel:
             left = [j for j in left if j not in taken]
         return chains
 
-    def _add_partner_cover(self, name: str, i: int, xval) -> None:
-        v, need, on, partners = self.partner[(name, i)]
+    def _separated(self, i: int, chain: list[int], xval) -> tuple[list[int], float]:
+        """Separators of a partner chain of op i, and the most of i's interval the chain can then fill.
+
+        An op k that runs split excludes i. If k is a member of the chain, or lies between two
+        consecutive members a, b (a before k before b), then i lies wholly before k or wholly after
+        it, so it overlaps ops of one segment of the chain only (k itself, split, not at all). We
+        take as separators the members that run split at `xval` and, per gap, one op between that
+        does (ops with no single mode here count as split), and return them with the largest
+        segment's static capacity min(s1_i, sum_j min(s1_j, s1_i)); with none, ([], s1_i).
+        The cut is z <= that + s1_i * sum_k (1 - x_k): where a chosen k runs single it says nothing."""
+        inst = self.inst
+        if xval is None:
+            return [], self.s1[i]
+
+        def split_at(k):
+            return k in self.fixed_split or (k in self.free_mode and xval.get(k, 0.0) > 0.5)
+
+        seps, segments, cur = [], [], []
+        for t, a in enumerate(chain):
+            if split_at(a):
+                seps.append(a)
+                segments.append(cur)
+                cur = []
+            else:
+                cur.append(a)
+            if t + 1 == len(chain):
+                break
+            b = chain[t + 1]
+            for k in _bits(inst.desc[a] & inst.anc[b] & self.view.mask):
+                if k != i and inst.compute[k] and split_at(k):
+                    seps.append(k)
+                    segments.append(cur)
+                    cur = []
+                    break
+        if not seps:
+            return [], self.s1[i]
+        segments.append(cur)
+        cap = max(min(self.s1[i], sum(min(self.s1[j], self.s1[i]) for j in seg)) for seg in segments)
+        return seps, cap
+
+    def _chain_terms(self, name: str, i: int, group: list[int], xval, tag: str):
+        """z variables for the chains of `group` (see `_partner_idle_cuts`), a constant for chains of
+        ops with a fixed mode, and the group's static capacity (every op single)."""
         prob = self.prob
-        terms, static = [], 0.0
-        k = len(self.partner_cuts) if hasattr(self, "partner_cuts") else 0
-        for c, chain in enumerate(self._partner_chains(i, partners, xval)):
+        terms, static, cap = [], 0.0, 0.0
+        for c, chain in enumerate(self._partner_chains(i, group, xval)):
             free = [j for j in chain if j in self.free_mode]
             fixed = sum(min(self.s1[j], self.s1[i]) for j in chain if j not in self.free_mode)
-            if not free:
+            seps, seg_cap = self._separated(i, chain, xval)
+            cap += min(self.s1[i], fixed + sum(min(self.s1[j], self.s1[i]) for j in free))
+            if not free and not seps:
                 static += min(fixed, self.s1[i])
                 continue
-            z = prob.add_variable(f"zp_{name}_{i}_{k}_{c}", lowBound=0, upBound=self.s1[i])
+            z = prob.add_variable(f"zp_{name}_{i}_{tag}_{c}", lowBound=0, upBound=self.s1[i])
             prob += z <= fixed + pulp.lpSum(min(self.s1[j], self.s1[i]) * (1 - self.x[j]) for j in free)
+            if seps:
+                prob += z <= seg_cap + self.s1[i] * pulp.lpSum(1 - self.x[q] for q in seps if q in self.free_mode)
             terms.append(z)
-        prob += v >= (need - static) * on - pulp.lpSum(terms)
+        return terms, static, cap
+
+    def _add_partner_cover(self, name: str, i: int, xval, sep: int | None = None) -> None:
+        """The partner cut of op i for one chain partition of its partners. With `sep` (an op k
+        that may run split, unordered with i): when k runs split, i lies wholly before or wholly
+        after it, so partners after k (or, respectively, before k) cannot overlap i. A binary w
+        picks the side: sum of z over the chains before k <= cap_before (w + 1 - x_k), after k
+        <= cap_after (2 - w - x_k); where k runs single both bounds are slack."""
+        v, need, on, partners = self.partner[(name, i)]
+        prob = self.prob
         if not hasattr(self, "partner_cuts"):
             self.partner_cuts = []
-        self.partner_cuts.append((name, i))
+        tag = str(len(self.partner_cuts))
+        self.partner_cuts.append((name, i, sep))
+        if sep is None:
+            terms, static, _ = self._chain_terms(name, i, partners, xval, tag)
+            prob += v >= (need - static) * on - pulp.lpSum(terms)
+            return
+        inst = self.inst
+        before = [j for j in partners if (inst.desc[j] >> sep) & 1]
+        after = [j for j in partners if (inst.anc[j] >> sep) & 1]
+        rest = [j for j in partners if j not in before and j not in after]
+        t_rest, s_rest, _ = self._chain_terms(name, i, rest, xval, tag + "u")
+        t_bef, s_bef, c_bef = self._chain_terms(name, i, before, xval, tag + "a")
+        t_aft, s_aft, c_aft = self._chain_terms(name, i, after, xval, tag + "d")
+        w = prob.add_variable(f"w_{name}_{i}_{tag}", cat="Binary")
+        x_k = self.x[sep] if sep in self.free_mode else 1.0
+        prob += pulp.lpSum(t_bef) + s_bef <= c_bef * (w + 1 - x_k)
+        prob += pulp.lpSum(t_aft) + s_aft <= c_aft * (2 - w - x_k)
+        prob += v >= need * on - pulp.lpSum(t_rest) - s_rest - pulp.lpSum(t_bef) - s_bef - pulp.lpSum(t_aft) - s_aft
+
+    def _capacity_at(self, i: int, group: list[int], xval) -> float:
+        total = 0.0
+        for chain in self._partner_chains(i, group, xval):
+            cap_c = sum(min(self.s1[j], self.s1[i]) * (1.0 - xval.get(j, 0.0) if j in self.free_mode else 1.0)
+                        for j in chain)
+            total += min(cap_c, self.s1[i], self._separated(i, chain, xval)[1])
+        return total
 
     def separate_partner_cuts(self, tol: float = 1e-6) -> int:
-        """Add, for each op single in the current solution, the chain partition that the current
-        modes make heaviest, where it raises the op's idle above its current value. Returns how
-        many were added."""
+        """Add, for each op single in the current solution, the partner cut that the current modes
+        make strongest, where it raises the op's idle above its current value: the chain partition
+        the current modes make heaviest, or that split at an op k the current solution runs split
+        (the side binary of `_add_partner_cover`). Returns how many were added."""
         if not getattr(self, "partner", None):
             return 0
+        inst = self.inst
         xval = {j: (var.varValue or 0.0) for j, var in self.x.items()}
         added = 0
         for (name, i), (v, need, on, partners) in self.partner.items():
@@ -605,13 +702,23 @@ class BlockModel:
             if on_val < 0.5:
                 continue
             cur = v.varValue or 0.0
-            bound = need * on_val
-            for chain in self._partner_chains(i, partners, xval):
-                cap_c = sum(min(self.s1[j], self.s1[i]) * (1.0 - xval.get(j, 0.0) if j in self.free_mode else 1.0)
-                            for j in chain)
-                bound -= min(cap_c, self.s1[i])
-            if bound > cur + tol:
-                self._add_partner_cover(name, i, xval)
+            best, best_sep = need * on_val - self._capacity_at(i, partners, xval), None
+            for k in self.view.ops:
+                if k == i or not inst.compute[k] or not inst.unordered(i, k):
+                    continue
+                if not (k in self.fixed_split or (k in self.free_mode and xval.get(k, 0.0) > 0.5)):
+                    continue
+                before = [j for j in partners if (inst.desc[j] >> k) & 1]
+                after = [j for j in partners if (inst.anc[j] >> k) & 1]
+                if not before or not after:
+                    continue
+                rest = [j for j in partners if j not in before and j not in after]
+                val = need * on_val - self._capacity_at(i, rest, xval) - max(self._capacity_at(i, before, xval),
+                                                                              self._capacity_at(i, after, xval))
+                if val > best + tol:
+                    best, best_sep = val, k
+            if best > cur + tol:
+                self._add_partner_cover(name, i, xval, best_sep)
                 added += 1
         self.stats["partner_covers"] = self.stats.get("partner_covers", 0) + added
         return added
@@ -760,20 +867,28 @@ def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: fl
     t0 = time.perf_counter()
     model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False, anchored=True)
     rounds = 0
+    best, best_proven, best_nodes, hint = lower_bound, False, 0, None
     while True:
         left = max(time_limit_s - (time.perf_counter() - t0), 0.0)
+        if rounds and left < RELAXATION_ROUND_MIN_S:
+            break
         proven, has, dual, nodes = _run_solver(model.prob, solver, left, model.warm)
         rounds += 1
-        if not (proven and has) or rounds > PARTNER_ROUNDS or dual * model.scale >= incumbent[0]:
+        if dual is not None:  # every round's relaxation is valid, solved to the end or not
+            best = max(best, dual * model.scale)
+        if not (proven and has):
+            break  # a round cut short keeps the last finished round's answer (and its hint)
+        best_proven, best_nodes = True, nodes
+        hint = model.solution()
+        if rounds > PARTNER_ROUNDS or dual * model.scale >= incumbent[0]:
             break
         if not model.separate_partner_cuts():
             break
-    bound = max(lower_bound, dual * model.scale) if dual is not None else lower_bound
-    if solution is not None and has:
-        solution["start"], solution["modes"] = model.solution()
-    return bound, proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": nodes,
-                           "relaxation_bound_s": bound, "relaxation_rounds": rounds,
-                           "partner_covers": model.stats.get("partner_covers", 0)}
+    if solution is not None and hint is not None:
+        solution["start"], solution["modes"] = hint
+    return best, best_proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": best_nodes,
+                               "relaxation_bound_s": best, "relaxation_rounds": rounds,
+                               "partner_covers": model.stats.get("partner_covers", 0)}
 
 
 def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
@@ -782,7 +897,8 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     t0 = time.perf_counter()
     best_ms, best_start, best_modes = incumbent
     hint: dict = {}
-    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver, time_limit_s, hint)
+    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver,
+                                             min(time_limit_s, RELAXATION_MAX_S), hint)
     target = rb * (1.0 + RELAXATION_REL_TOL)
     if rb_proven and best_ms > target and hint:
         # The relaxation is often exact where the incumbent is not (the optimum pairs vector ops
@@ -795,6 +911,8 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
         rstats["hint_makespan_s"] = ms
         if ms < best_ms:
             best_ms, best_start, best_modes = ms, start, modes
+        if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS:
+            ensure_warm()
         left = t0 + time_limit_s - time.perf_counter()
         if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
             restrict = {i: (True if hint["modes"][i] and inst.uses_tc[i] else None) for i in view.ops}
@@ -808,6 +926,39 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
         stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
                      build_solve_s=time.perf_counter() - t0)
         return IlpResult(best_ms, min(rb, best_ms), "optimal", best_start, best_modes, stats)
+    if len(view.ops) <= SEARCH_MAX_OPS:
+        ensure_warm()
+    left = t0 + time_limit_s - time.perf_counter()
+    if len(view.ops) <= SEARCH_MAX_OPS and left > 0:
+        # With an incumbent this close to the bound, the exact search often finishes in
+        # milliseconds where the MIP needs seconds (a gap of rounding size: which one-cycle op
+        # sits beside which); a search that finishes proves its schedule optimal.
+        found = search_block(inst, view, incumbent, time.perf_counter() + min(left, QUICK_SEARCH_S))
+        rstats["quick_search"] = found.stats
+        if found.makespan < best_ms:
+            best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+            incumbent = (best_ms, best_start, best_modes)
+        if found.complete:
+            stats = dict(rstats, proof="search", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
+                         build_solve_s=time.perf_counter() - t0)
+            return IlpResult(best_ms, best_ms, "optimal", best_start, best_modes, stats)
+        left = t0 + time_limit_s - time.perf_counter()
+        if rb_proven and hint and left > 0 and best_ms > target:
+            # The incumbent and the relaxation often differ in a few ops' modes only (which vector
+            # ops pair up to host a one-cycle op): search with every other op held to the
+            # incumbent's mode. Again a heuristic; only the bound proves.
+            near = {i: (None if bool(hint["modes"][i]) != bool(best_modes[i]) else bool(best_modes[i]))
+                    for i in view.ops}
+            found = search_block(inst, view, incumbent, time.perf_counter() + min(left, HINT_SEARCH_S),
+                                 modes=near, target=target)
+            rstats["near_search"] = dict(found.stats, makespan_s=found.makespan)
+            if found.makespan < best_ms:
+                best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+                incumbent = (best_ms, best_start, best_modes)
+            if best_ms <= target:
+                stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
+                             build_solve_s=time.perf_counter() - t0)
+                return IlpResult(best_ms, min(rb, best_ms), "optimal", best_start, best_modes, stats)
     lower_bound = max(lower_bound, rb)
     model = BlockModel(inst, view, incumbent, lower_bound)
     model.stats.update(rstats)
