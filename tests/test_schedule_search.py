@@ -31,7 +31,7 @@ def _mip_gives_up(monkeypatch):
     """Every block that reaches the solver: the MIP returns its incumbent unproven, so the search decides."""
     calls = []
 
-    def no_proof(inst, view, incumbent, lower_bound, solver="highs", time_limit_s=60.0):
+    def no_proof(inst, view, incumbent, lower_bound, solver="highs", time_limit_s=60.0, **_):
         calls.append(view.ops)
         ms, start, modes = incumbent
         return IlpResult(ms, min(lower_bound, ms), "time_limit", dict(start), dict(modes), {"binaries": 0})

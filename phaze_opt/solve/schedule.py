@@ -58,6 +58,7 @@ from .verify import assign_cores, expected_duration, verify_schedule
 
 SOLVERS = ("highs", "cbc")
 BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
+PHASE_S = 4.0  # the relaxation phases of the first solve_block (schedule_ilp), before its MIP
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
 
@@ -83,7 +84,8 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
                     modes=modes, binaries=0)
         return info
     left = max(deadline - time.perf_counter(), 0.0)
-    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S))
+    res = solve_block(inst, view, (ms, start, modes), lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S),
+                      phase_s=min(left, PHASE_S), deadline=deadline)
     stats = dict(res.stats)
     if res.status == "time_limit" and len(view.ops) <= SEARCH_MAX_OPS and deadline > time.perf_counter():
         res, stats = _search_then_mip(inst, view, res, stats, solver, deadline)

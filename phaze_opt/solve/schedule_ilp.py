@@ -103,6 +103,7 @@ RELAXATION_ROUND_MIN_S = 0.05  # no further round with less time left than this
 RELAXATION_MAX_S = 1.0  # the relaxation's share of solve_block's time
 HINT_SEARCH_S = 0.5  # the restricted search for a schedule meeting the relaxation bound (see solve_block)
 QUICK_SEARCH_S = 0.3  # then the full decision-point search, before the MIP (see solve_block)
+HINT_ROUNDS = 3  # relaxation phases while each finds a better incumbent (see solve_block)
 
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
@@ -891,15 +892,23 @@ def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: fl
                                "partner_covers": model.stats.get("partner_covers", 0)}
 
 
-def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
-                time_limit_s: float = 60.0) -> IlpResult:
-    """Prove the incumbent optimal or find the optimum of one block (see the module docstring)."""
+def _relaxation_phase(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str, deadline: float,
+                      quick: bool):
+    """The relaxation, and the hunt for a schedule meeting its bound (module docstring). Returns
+    (an optimal IlpResult or None, the best incumbent, the relaxation's bound, whether it was solved,
+    stats)."""
     t0 = time.perf_counter()
     best_ms, best_start, best_modes = incumbent
     hint: dict = {}
     rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver,
-                                             min(time_limit_s, RELAXATION_MAX_S), hint)
+                                             max(min(deadline - t0, RELAXATION_MAX_S), 0.0), hint)
     target = rb * (1.0 + RELAXATION_REL_TOL)
+
+    def done(proof: str, bound: float):
+        stats = dict(rstats, proof=proof, rounds=0, capacity_cuts=0, nodes=0, binaries=0)
+        return (IlpResult(best_ms, min(bound, best_ms), "optimal", best_start, best_modes, stats),
+                (best_ms, best_start, best_modes), rb, rb_proven, rstats)
+
     if rb_proven and best_ms > target and hint:
         # The relaxation is often exact where the incumbent is not (the optimum pairs vector ops
         # that the list schedule runs split), so look for a schedule that meets its bound: the
@@ -913,7 +922,7 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
             best_ms, best_start, best_modes = ms, start, modes
         if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS:
             ensure_warm()
-        left = t0 + time_limit_s - time.perf_counter()
+        left = deadline - time.perf_counter()
         if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
             restrict = {i: (True if hint["modes"][i] and inst.uses_tc[i] else None) for i in view.ops}
             found = search_block(inst, view, (best_ms, best_start, best_modes),
@@ -921,44 +930,67 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
             rstats["hint_search"] = dict(found.stats, makespan_s=found.makespan)
             if found.makespan < best_ms:
                 best_ms, best_start, best_modes = found.makespan, found.start, found.modes
-        incumbent = (best_ms, best_start, best_modes)
-    if rb_proven and best_ms <= rb * (1.0 + RELAXATION_REL_TOL):
-        stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
-                     build_solve_s=time.perf_counter() - t0)
-        return IlpResult(best_ms, min(rb, best_ms), "optimal", best_start, best_modes, stats)
+    if rb_proven and best_ms <= target:
+        return done("relaxation", rb)
     if len(view.ops) <= SEARCH_MAX_OPS:
         ensure_warm()
-    left = t0 + time_limit_s - time.perf_counter()
-    if len(view.ops) <= SEARCH_MAX_OPS and left > 0:
+    left = deadline - time.perf_counter()
+    if quick and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
         # With an incumbent this close to the bound, the exact search often finishes in
         # milliseconds where the MIP needs seconds (a gap of rounding size: which one-cycle op
         # sits beside which); a search that finishes proves its schedule optimal.
-        found = search_block(inst, view, incumbent, time.perf_counter() + min(left, QUICK_SEARCH_S))
+        found = search_block(inst, view, (best_ms, best_start, best_modes),
+                             time.perf_counter() + min(left, QUICK_SEARCH_S))
         rstats["quick_search"] = found.stats
         if found.makespan < best_ms:
             best_ms, best_start, best_modes = found.makespan, found.start, found.modes
-            incumbent = (best_ms, best_start, best_modes)
         if found.complete:
-            stats = dict(rstats, proof="search", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
-                         build_solve_s=time.perf_counter() - t0)
-            return IlpResult(best_ms, best_ms, "optimal", best_start, best_modes, stats)
-        left = t0 + time_limit_s - time.perf_counter()
-        if rb_proven and hint and left > 0 and best_ms > target:
-            # The incumbent and the relaxation often differ in a few ops' modes only (which vector
-            # ops pair up to host a one-cycle op): search with every other op held to the
-            # incumbent's mode. Again a heuristic; only the bound proves.
-            near = {i: (None if bool(hint["modes"][i]) != bool(best_modes[i]) else bool(best_modes[i]))
-                    for i in view.ops}
-            found = search_block(inst, view, incumbent, time.perf_counter() + min(left, HINT_SEARCH_S),
-                                 modes=near, target=target)
-            rstats["near_search"] = dict(found.stats, makespan_s=found.makespan)
-            if found.makespan < best_ms:
-                best_ms, best_start, best_modes = found.makespan, found.start, found.modes
-                incumbent = (best_ms, best_start, best_modes)
-            if best_ms <= target:
-                stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
-                             build_solve_s=time.perf_counter() - t0)
-                return IlpResult(best_ms, min(rb, best_ms), "optimal", best_start, best_modes, stats)
+            return done("search", best_ms)
+    left = deadline - time.perf_counter()
+    if rb_proven and hint and left > 0 and best_ms > target and len(view.ops) <= SEARCH_MAX_OPS:
+        # The incumbent and the relaxation often differ in a few ops' modes only (which vector
+        # ops pair up to host a one-cycle op): search with every other op held to the
+        # incumbent's mode. Again a heuristic; only the bound proves.
+        near = {i: (None if bool(hint["modes"][i]) != bool(best_modes[i]) else bool(best_modes[i]))
+                for i in view.ops}
+        found = search_block(inst, view, (best_ms, best_start, best_modes),
+                             time.perf_counter() + min(left, HINT_SEARCH_S), modes=near, target=target)
+        rstats["near_search"] = dict(found.stats, makespan_s=found.makespan)
+        if found.makespan < best_ms:
+            best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+        if best_ms <= target:
+            return done("relaxation", rb)
+    return None, (best_ms, best_start, best_modes), rb, rb_proven, rstats
+
+
+def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
+                time_limit_s: float = 60.0, phase_s: float | None = None, deadline: float | None = None) -> IlpResult:
+    """Prove the incumbent optimal or find the optimum of one block (see the module docstring).
+
+    The relaxation phases get `phase_s` and then the MIP `time_limit_s` (without `phase_s`, both
+    share `time_limit_s`); nothing runs past the absolute `deadline`."""
+    t0 = time.perf_counter()
+    phase_end = t0 + (phase_s if phase_s is not None else time_limit_s)
+    if deadline is not None:
+        phase_end = min(phase_end, deadline)
+    rb, rb_proven, rstats = lower_bound, False, {}
+    for attempt in range(HINT_ROUNDS):
+        start_ms = incumbent[0]
+        closed, incumbent, bound, proven, stats = _relaxation_phase(inst, view, incumbent, lower_bound, solver,
+                                                                    phase_end, quick=attempt == 0)
+        rb = max(rb, bound)
+        rb_proven = rb_proven or proven
+        rstats = stats if attempt == 0 else dict(rstats, **{f"again_{attempt}": stats})
+        if closed is not None:
+            closed.stats.update(rstats, build_solve_s=time.perf_counter() - t0)
+            closed.lower_bound = min(max(closed.lower_bound, rb), closed.makespan)
+            return closed
+        if incumbent[0] >= start_ms or time.perf_counter() >= phase_end:
+            break  # a relaxation at a better incumbent sees other modes; without one, on to the MIP
+    best_ms, best_start, best_modes = incumbent
+    mip_end = (time.perf_counter() + time_limit_s) if phase_s is not None else t0 + time_limit_s
+    if deadline is not None:
+        mip_end = min(mip_end, deadline)
     lower_bound = max(lower_bound, rb)
     model = BlockModel(inst, view, incumbent, lower_bound)
     model.stats.update(rstats)
@@ -969,7 +1001,7 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     tol_s = (ORDER_TOL if solver == "highs" else CBC_ORDER_TOL) * model.scale
     while True:
         rounds += 1
-        left = time_limit_s - (time.perf_counter() - t0)
+        left = mip_end - time.perf_counter()
         if left <= 0:
             break
         proven, has, dual, n_nodes = _run_solver(model.prob, solver, left, model.warm)
