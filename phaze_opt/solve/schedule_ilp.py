@@ -104,6 +104,7 @@ RELAXATION_MAX_S = 1.0  # the relaxation's share of solve_block's time
 HINT_SEARCH_S = 0.5  # the restricted search for a schedule meeting the relaxation bound (see solve_block)
 QUICK_SEARCH_S = 0.3  # then the full decision-point search, before the MIP (see solve_block)
 HINT_ROUNDS = 3  # relaxation phases while each finds a better incumbent (see solve_block)
+HINT_RETRY_GAP = 1e-4  # ... and ends within this relative gap of the relaxation's bound
 
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
@@ -985,8 +986,11 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
             closed.stats.update(rstats, build_solve_s=time.perf_counter() - t0)
             closed.lower_bound = min(max(closed.lower_bound, rb), closed.makespan)
             return closed
-        if incumbent[0] >= start_ms or time.perf_counter() >= phase_end:
-            break  # a relaxation at a better incumbent sees other modes; without one, on to the MIP
+        if (incumbent[0] >= start_ms or time.perf_counter() >= phase_end
+                or not (proven and incumbent[0] <= bound * (1.0 + HINT_RETRY_GAP))):
+            # Again only with a better incumbent (a relaxation at a lower UB sees other modes), and
+            # only when the bound is near: far from it, the MIP and the search do better.
+            break
     best_ms, best_start, best_modes = incumbent
     mip_end = (time.perf_counter() + time_limit_s) if phase_s is not None else t0 + time_limit_s
     if deadline is not None:
