@@ -183,6 +183,7 @@ def test_every_partner_cut_holds_at_an_optimal_schedule(p, data):
     start = {i: s.start[i] for i in view.ops}
     modes = {i: bool(s.split[i]) for i in view.ops}
     model = BlockModel(inst, view, (s.makespan, start, modes), 0.0, with_pairs=False, anchored=True)
+    model.add_partner_cuts()
     xval = {j: float(data.draw(st.booleans())) for j in model.x}
     for (name, i) in list(getattr(model, "partner", {})):
         model._add_partner_cover(name, i, xval)

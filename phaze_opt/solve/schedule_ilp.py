@@ -433,7 +433,7 @@ class BlockModel:
             self._idle_chain_cuts(compute, split_time, single_part)
             if self.anchored:
                 self._anchored_cuts(compute, single_part)
-                self._partner_idle_cuts(compute, split_time, single_part)
+                self._partner_args = (compute, split_time, single_part)  # added on demand: add_partner_cuts
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
             prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
@@ -631,6 +631,14 @@ class BlockModel:
         segments.append(cur)
         cap = max(min(self.s1[i], sum(min(self.s1[j], self.s1[i]) for j in seg)) for seg in segments)
         return seps, cap
+
+    def add_partner_cuts(self) -> bool:
+        """Add the partner-idle cuts (once); False when there are none to add."""
+        args = getattr(self, "_partner_args", None)
+        if args is None or getattr(self, "partner", None) is not None:
+            return False
+        self._partner_idle_cuts(*args)
+        return bool(getattr(self, "partner", None))
 
     def _chain_terms(self, name: str, i: int, group: list[int], xval, tag: str):
         """z variables for the chains of `group` (see `_partner_idle_cuts`), a constant for chains of
@@ -884,7 +892,9 @@ def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: fl
         hint = model.solution()
         if rounds > PARTNER_ROUNDS or dual * model.scale >= incumbent[0]:
             break
-        if not model.separate_partner_cuts():
+        # The partner cuts join only after a round without them (most blocks close there, and
+        # building them costs more than solving), then are separated round by round.
+        if not (model.add_partner_cuts() or model.separate_partner_cuts()):
             break
     if solution is not None and hint is not None:
         solution["start"], solution["modes"] = hint
