@@ -25,9 +25,11 @@ How it is solved exactly (each step is argued where it is implemented):
    (method "bound").
 4. Otherwise, on a block of at most SEARCH_MAX_OPS ops, the compiled decision-point search
    (`schedule_search.search_block`, below) runs from the list schedule for SEARCH_FIRST_S; if it
-   finishes, its schedule is proven optimal (method "search") and no MIP is built. Most blocks close
-   here in under a millisecond, where building and solving the MIP costs 0.1-2 s.
-   Otherwise `schedule_ilp.solve_block`: the MIP with the best schedule so far as warm start and upper bound,
+   finishes, its schedule is proven optimal (method "search") and no LP or MIP is built. Most blocks
+   close here in under a millisecond, where building and solving the MIP costs 0.1-2 s.
+   Otherwise `schedule_ilp.solve_block`: first the order-free relaxation (with its partner-idle
+   cuts), and a hunt for a schedule meeting its bound (its hint, restricted searches; a finished
+   unrestricted search also proves); then the MIP with the best schedule so far as warm start and upper bound,
    zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"; "search"
    when the decision-point search below gave the proof). A run
    that stops at the time limit returns its best schedule as status "time_limit" with the proven
@@ -66,6 +68,7 @@ BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
 # that finishes is a proof (schedule_search's docstring), so nothing is lost when it does; one that
 # does not hands its incumbent, at least as good as the list schedule, to the MIP.
 SEARCH_FIRST_S = 0.2
+PHASE_S = 4.0  # the relaxation phases of the first solve_block (schedule_ilp), before its MIP
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
 
@@ -101,7 +104,8 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
             return info
         incumbent = (probe.makespan, probe.start, probe.modes)
     left = max(deadline - time.perf_counter(), 0.0)
-    res = solve_block(inst, view, incumbent, lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S))
+    res = solve_block(inst, view, incumbent, lb, solver=solver, time_limit_s=min(left, MIP_FIRST_S),
+                      phase_s=min(left, PHASE_S), deadline=deadline)
     stats = dict(res.stats)
     if probe is not None:
         stats["search_first"] = probe.stats

@@ -222,3 +222,27 @@ def _flip_modes(inst: Instance, view: BlockView, best, target: float):
                 if ms <= target:
                     return best
     return best
+
+
+def schedule_from_hint(inst: Instance, view: BlockView, hint_start: dict, hint_modes: dict, target: float = 0.0):
+    """A legal schedule that follows a relaxation's answer: its modes, its start times as the
+    priority (serial and parallel schemes), then mode flips and justification as in
+    `list_schedule`. Returns (makespan, starts, modes); any legal schedule will do."""
+    pos = {i: k for k, i in enumerate(view.ops)}
+    modes = {i: bool(hint_modes[i]) and inst.can_split[i] for i in view.ops}
+    best = None
+    for prio in ({i: (hint_start[i], pos[i]) for i in view.ops},
+                 {i: (hint_start[i] + duration(inst, i, modes[i]), pos[i]) for i in view.ops}):
+        for start, chosen in (serial_sgs(inst, view, prio, modes), parallel_sgs(inst, view, prio, modes)):
+            ms = makespan_of(inst, start, chosen)
+            if best is None or ms < best[0]:
+                best = (ms, start, chosen, prio)
+            if best[0] <= target:
+                return best[:3]
+    best = _flip_modes(inst, view, best, target)
+    if best[0] > target:
+        start = justify(inst, view, best[1], best[2])
+        ms = makespan_of(inst, start, best[2])
+        if ms < best[0]:
+            best = (ms, start, best[2], best[3])
+    return best[:3]

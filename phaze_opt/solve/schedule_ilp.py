@@ -37,8 +37,22 @@ after j run inside [S_j + d_j, C], so C >= S_j + d_j + their split time + T_post
 is bounded like T by their single-mode work over cores and by the longest chain of single-mode
 ops among them (R_i, the chain starting at i); likewise the ops before j run inside [0, S_j]. They
 see idle time that precedence forces, e.g. a core waiting on a collective, which the unanchored
-cuts cannot. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
+cuts cannot. Partner-idle cuts (relaxation only, `_partner_idle_cuts`): while op i runs single,
+the ops that can keep the other cores busy are single-mode users unordered with i, one core per
+chain of them, for no longer than their own single time, and not across an op that runs split
+between them (it keeps i to one side); the idle left over along a chain of ops adds to the
+timeline. They are separated on the relaxation's modes for a few rounds (each round's optimum is
+a bound). They see what makes a vector-heavy block's optimum: which vector ops pair up in single
+mode beside which GEMMs, and which one-cycle ops some pair can host. Identical ops (same unit, latencies, ancestors and descendants) are interchangeable,
 so S_a <= S_b for a before b in index order, and y_ba = 0 (symmetry breaking).
+
+Closing a block (`solve_block`). The relaxation is solved first; if the incumbent meets its
+bound, done. Otherwise, since the relaxation is often exact where the incumbent is not, we look
+for a schedule that meets it: list schedules in its modes and order, the decision-point search
+restricted to its split GEMMs, the unrestricted search for QUICK_SEARCH_S (a search that finishes
+proves optimality by itself), and the search restricted to the ops whose modes the incumbent and
+the relaxation disagree on. These only produce legal schedules; optimality comes from a bound or
+a finished unrestricted search. Then the full MIP below.
 
 Core limits. Capacity is only at stake for a resource whose largest antichain of users in the block
 (Dilworth: ops minus a maximum matching of the comparability graph) exceeds its core count; else
@@ -72,9 +86,10 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from .schedule_heuristic import duration
+from .schedule_heuristic import duration, schedule_from_hint
 from .bounds import idle_width
 from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
+from .schedule_search import SEARCH_MAX_OPS, ensure_warm, search_block
 
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible
@@ -83,6 +98,13 @@ CBC_ORDER_TOL = 1e-4  # CBC's values come back as text with 8 significant digits
 PROVEN_REL_GAP = 1e-6  # realised makespan vs. the solver's bound when it says "optimal"
 MAX_CUT_SUBSETS = 20
 RELAXATION_REL_TOL = 1e-9  # incumbent == relaxation bound up to rounding (times are scaled to 1000)
+PARTNER_ROUNDS = 10  # separation rounds of the partner-idle cuts in the relaxation
+RELAXATION_ROUND_MIN_S = 0.05  # no further round with less time left than this
+RELAXATION_MAX_S = 1.0  # the relaxation's share of solve_block's time
+HINT_SEARCH_S = 0.5  # the restricted search for a schedule meeting the relaxation bound (see solve_block)
+QUICK_SEARCH_S = 0.3  # then the full decision-point search, before the MIP (see solve_block)
+HINT_ROUNDS = 3  # relaxation phases while each finds a better incumbent (see solve_block)
+HINT_RETRY_GAP = 1e-4  # ... and ends within this relative gap of the relaxation's bound
 
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
@@ -411,6 +433,7 @@ class BlockModel:
             self._idle_chain_cuts(compute, split_time, single_part)
             if self.anchored:
                 self._anchored_cuts(compute, single_part)
+                self._partner_args = (compute, split_time, single_part)  # added on demand: add_partner_cuts
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
             prob += self.C >= min(self.head[i] for i in nets) + sum(self.s1[i] for i in nets) + min(self.tail[i] for i in nets)
@@ -470,6 +493,245 @@ class BlockModel:
                 prob += self.C >= split_time + busy + pulp.lpSum(term[i] for i in sorted(chain)) * (1.0 / cap)
                 added += 1
         self.stats["idle_chain_cuts"] = added
+
+    def _partner_idle_cuts(self, compute: list[int], split_time, single_part) -> None:
+        """Idle cores along a chain, counting how long the ops beside each op can keep them busy.
+
+        While op i runs in single mode (s1_i long), no op runs split, and the other users of
+        resource r busy at any instant are single-mode users unordered with i (the set U_i).
+        Partition U_i into chains C_1..C_w (any partition will do): the ops of one chain run one
+        after another, so a chain keeps at most one core of r busy, for at most
+        min(s1_i, sum_{j in C_c} min(s1_j, s1_i) (1 - x_j)) of i's interval (an op run split cannot
+        overlap i). So r has at least  idle_i >= (cap - u_i) s1_i (1 - x_i) - sum_c z_ic  idle core
+        time along i, with z_ic at most both terms of that minimum; and, as in `_idle_chain_cuts`,
+        idle_i >= g_i s1_i (1 - x_i). Idle times along the ops of a chain of the DAG are disjoint,
+        and disjoint from busy core time and from split time, so with I_i the heaviest idle chain
+        ending at i, cap C >= cap * split time + single-mode core time + I_i. Unlike the width g_i
+        alone, this sees a long op whose only possible partners are short (a long vector op beside
+        a few short ones, a GEMM beside one chain of vector ops) or would have to run split.
+        Every partition gives a valid cut; `separate_partner_cuts` adds the partitions that bind
+        at the relaxation's current modes.
+        """
+        inst, view, prob = self.inst, self.view, self.prob
+        ops = view.ops
+        self.partner = {}  # (resource, i) -> (idle variable, need, on, partners, cap)
+        added = 0
+        for cap, uses, name in ((inst.num_tc, inst.uses_tc, "tc"), (inst.num_vc, inst.uses_vc, "vc")):
+            if cap < 1:
+                continue
+            users = [j for j in compute if uses[j]]
+            if not users:
+                continue
+            idle = {}
+            for i in compute:
+                if i in self.fixed_split:
+                    continue
+                need = (cap - int(uses[i])) * self.s1[i]
+                if need <= 0:
+                    continue
+                on = 1 - self.x[i] if i in self.free_mode else 1.0
+                partners = [j for j in users if j not in self.fixed_split and inst.unordered(i, j)]
+                v = prob.add_variable(f"idle_{name}_{i}", lowBound=0)
+                g = idle_width(inst, i, uses, cap)
+                if g:
+                    prob += v >= g * self.s1[i] * on
+                self.partner[(name, i)] = (v, need, on, partners)
+                self._add_partner_cover(name, i, None)
+                idle[i] = v
+            if not idle:
+                continue
+            acc = {}
+            for i in ops:  # topological order
+                preds = [acc[p] for p in view.preds[i] if p in acc]
+                if i not in idle and len(preds) <= 1:
+                    if preds:
+                        acc[i] = preds[0]
+                    continue
+                a = prob.add_variable(f"I_{name}_{i}", lowBound=0)
+                for p in preds:
+                    prob += a >= p + (idle[i] if i in idle else 0)
+                if i in idle:
+                    prob += a >= idle[i]
+                acc[i] = a
+                added += 1
+            busy = pulp.lpSum(single_part(i) for i in users)
+            for i in ops:
+                if not view.succs[i] and i in acc:
+                    prob += cap * self.C >= cap * split_time + busy + acc[i]
+        self.stats["partner_idle_vars"] = added
+        self.stats["partner_covers"] = 0
+
+    def _partner_chains(self, i: int, partners: list[int], xval) -> list[list[int]]:
+        """A partition of `partners` into chains, heaviest chain first, weights min(s1_j, s1_i)
+        scaled by how single op j is (1 - x_j at `xval`; all ones when None) plus a little of the
+        static weight, so that every op is covered and long chains stay together."""
+        inst = self.inst
+        w = {}
+        for j in partners:
+            base = min(self.s1[j], self.s1[i])
+            single = 1.0
+            if xval is not None and j in self.free_mode:
+                single = 1.0 - xval.get(j, 0.0)
+            w[j] = base * (single + 1e-3)
+        left = list(partners)  # topological (block) order
+        chains = []
+        while left:
+            best, prev = {}, {}
+            for j in left:
+                p = max((q for q in best if (inst.anc[j] >> q) & 1), key=lambda q: best[q], default=None)
+                best[j] = w[j] + (best[p] if p is not None else 0.0)
+                prev[j] = p
+            end = max(best, key=lambda q: best[q])
+            chain = []
+            while end is not None:
+                chain.append(end)
+                end = prev[end]
+            chain.reverse()
+            chains.append(chain)
+            taken = set(chain)
+            left = [j for j in left if j not in taken]
+        return chains
+
+    def _separated(self, i: int, chain: list[int], xval) -> tuple[list[int], float]:
+        """Separators of a partner chain of op i, and the most of i's interval the chain can then fill.
+
+        An op k that runs split excludes i. If k is a member of the chain, or lies between two
+        consecutive members a, b (a before k before b), then i lies wholly before k or wholly after
+        it, so it overlaps ops of one segment of the chain only (k itself, split, not at all). We
+        take as separators the members that run split at `xval` and, per gap, one op between that
+        does (ops with no single mode here count as split), and return them with the largest
+        segment's static capacity min(s1_i, sum_j min(s1_j, s1_i)); with none, ([], s1_i).
+        The cut is z <= that + s1_i * sum_k (1 - x_k): where a chosen k runs single it says nothing."""
+        inst = self.inst
+        if xval is None:
+            return [], self.s1[i]
+
+        def split_at(k):
+            return k in self.fixed_split or (k in self.free_mode and xval.get(k, 0.0) > 0.5)
+
+        seps, segments, cur = [], [], []
+        for t, a in enumerate(chain):
+            if split_at(a):
+                seps.append(a)
+                segments.append(cur)
+                cur = []
+            else:
+                cur.append(a)
+            if t + 1 == len(chain):
+                break
+            b = chain[t + 1]
+            for k in _bits(inst.desc[a] & inst.anc[b] & self.view.mask):
+                if k != i and inst.compute[k] and split_at(k):
+                    seps.append(k)
+                    segments.append(cur)
+                    cur = []
+                    break
+        if not seps:
+            return [], self.s1[i]
+        segments.append(cur)
+        cap = max(min(self.s1[i], sum(min(self.s1[j], self.s1[i]) for j in seg)) for seg in segments)
+        return seps, cap
+
+    def add_partner_cuts(self) -> bool:
+        """Add the partner-idle cuts (once); False when there are none to add."""
+        args = getattr(self, "_partner_args", None)
+        if args is None or getattr(self, "partner", None) is not None:
+            return False
+        self._partner_idle_cuts(*args)
+        return bool(getattr(self, "partner", None))
+
+    def _chain_terms(self, name: str, i: int, group: list[int], xval, tag: str):
+        """z variables for the chains of `group` (see `_partner_idle_cuts`), a constant for chains of
+        ops with a fixed mode, and the group's static capacity (every op single)."""
+        prob = self.prob
+        terms, static, cap = [], 0.0, 0.0
+        for c, chain in enumerate(self._partner_chains(i, group, xval)):
+            free = [j for j in chain if j in self.free_mode]
+            fixed = sum(min(self.s1[j], self.s1[i]) for j in chain if j not in self.free_mode)
+            seps, seg_cap = self._separated(i, chain, xval)
+            cap += min(self.s1[i], fixed + sum(min(self.s1[j], self.s1[i]) for j in free))
+            if not free and not seps:
+                static += min(fixed, self.s1[i])
+                continue
+            z = prob.add_variable(f"zp_{name}_{i}_{tag}_{c}", lowBound=0, upBound=self.s1[i])
+            prob += z <= fixed + pulp.lpSum(min(self.s1[j], self.s1[i]) * (1 - self.x[j]) for j in free)
+            if seps:
+                prob += z <= seg_cap + self.s1[i] * pulp.lpSum(1 - self.x[q] for q in seps if q in self.free_mode)
+            terms.append(z)
+        return terms, static, cap
+
+    def _add_partner_cover(self, name: str, i: int, xval, sep: int | None = None) -> None:
+        """The partner cut of op i for one chain partition of its partners. With `sep` (an op k
+        that may run split, unordered with i): when k runs split, i lies wholly before or wholly
+        after it, so partners after k (or, respectively, before k) cannot overlap i. A binary w
+        picks the side: sum of z over the chains before k <= cap_before (w + 1 - x_k), after k
+        <= cap_after (2 - w - x_k); where k runs single both bounds are slack."""
+        v, need, on, partners = self.partner[(name, i)]
+        prob = self.prob
+        if not hasattr(self, "partner_cuts"):
+            self.partner_cuts = []
+        tag = str(len(self.partner_cuts))
+        self.partner_cuts.append((name, i, sep))
+        if sep is None:
+            terms, static, _ = self._chain_terms(name, i, partners, xval, tag)
+            prob += v >= (need - static) * on - pulp.lpSum(terms)
+            return
+        inst = self.inst
+        before = [j for j in partners if (inst.desc[j] >> sep) & 1]
+        after = [j for j in partners if (inst.anc[j] >> sep) & 1]
+        rest = [j for j in partners if j not in before and j not in after]
+        t_rest, s_rest, _ = self._chain_terms(name, i, rest, xval, tag + "u")
+        t_bef, s_bef, c_bef = self._chain_terms(name, i, before, xval, tag + "a")
+        t_aft, s_aft, c_aft = self._chain_terms(name, i, after, xval, tag + "d")
+        w = prob.add_variable(f"w_{name}_{i}_{tag}", cat="Binary")
+        x_k = self.x[sep] if sep in self.free_mode else 1.0
+        prob += pulp.lpSum(t_bef) + s_bef <= c_bef * (w + 1 - x_k)
+        prob += pulp.lpSum(t_aft) + s_aft <= c_aft * (2 - w - x_k)
+        prob += v >= need * on - pulp.lpSum(t_rest) - s_rest - pulp.lpSum(t_bef) - s_bef - pulp.lpSum(t_aft) - s_aft
+
+    def _capacity_at(self, i: int, group: list[int], xval) -> float:
+        total = 0.0
+        for chain in self._partner_chains(i, group, xval):
+            cap_c = sum(min(self.s1[j], self.s1[i]) * (1.0 - xval.get(j, 0.0) if j in self.free_mode else 1.0)
+                        for j in chain)
+            total += min(cap_c, self.s1[i], self._separated(i, chain, xval)[1])
+        return total
+
+    def separate_partner_cuts(self, tol: float = 1e-6) -> int:
+        """Add, for each op single in the current solution, the partner cut that the current modes
+        make strongest, where it raises the op's idle above its current value: the chain partition
+        the current modes make heaviest, or that split at an op k the current solution runs split
+        (the side binary of `_add_partner_cover`). Returns how many were added."""
+        if not getattr(self, "partner", None):
+            return 0
+        inst = self.inst
+        xval = {j: (var.varValue or 0.0) for j, var in self.x.items()}
+        added = 0
+        for (name, i), (v, need, on, partners) in self.partner.items():
+            on_val = 1.0 - xval[i] if i in self.free_mode else 1.0
+            if on_val < 0.5:
+                continue
+            cur = v.varValue or 0.0
+            best, best_sep = need * on_val - self._capacity_at(i, partners, xval), None
+            for k in self.view.ops:
+                if k == i or not inst.compute[k] or not inst.unordered(i, k):
+                    continue
+                if not (k in self.fixed_split or (k in self.free_mode and xval.get(k, 0.0) > 0.5)):
+                    continue
+                before = [j for j in partners if (inst.desc[j] >> k) & 1]
+                after = [j for j in partners if (inst.anc[j] >> k) & 1]
+                if not before or not after:
+                    continue
+                rest = [j for j in partners if j not in before and j not in after]
+                val = need * on_val - self._capacity_at(i, rest, xval) - max(self._capacity_at(i, before, xval),
+                                                                              self._capacity_at(i, after, xval))
+                if val > best + tol:
+                    best, best_sep = val, k
+            if best > cur + tol:
+                self._add_partner_cover(name, i, xval, best_sep)
+                added += 1
+        self.stats["partner_covers"] = self.stats.get("partner_covers", 0) + added
+        return added
 
     def _anchored_cuts(self, compute: list[int], single_part) -> None:
         """The timeline cut anchored at every op j (see the module docstring): the compute ops after
@@ -602,31 +864,147 @@ class BlockModel:
 
 
 def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
-                     time_limit_s: float = 60.0) -> tuple[float, bool, dict]:
+                     time_limit_s: float = 60.0, solution: dict | None = None) -> tuple[float, bool, dict]:
     """Lower bound from the model without any order variable: modes, precedence, the timeline
     cuts and the anchored timeline cuts. Every constraint of it is valid for every schedule no
     longer than the incumbent, so its optimum is a valid bound; it has one binary per op and solves
     in a fraction of the full model's time. (The anchored cuts are left out of the full MIP, where
     their size slows the search more than their strength helps.)
-    Returns (bound in seconds, whether it was solved to optimality, stats)."""
+    The partner-idle cuts are separated in up to PARTNER_ROUNDS rounds (each round's optimum is a
+    bound, the cuts being valid). Returns (bound in seconds, whether it was solved to optimality,
+    stats); `solution`, when given, receives the last round's modes and start times (a hint for a
+    schedule, not one: the relaxation ignores core limits)."""
     t0 = time.perf_counter()
     model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False, anchored=True)
-    proven, has, dual, nodes = _run_solver(model.prob, solver, time_limit_s, model.warm)
-    bound = max(lower_bound, dual * model.scale) if dual is not None else lower_bound
-    return bound, proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": nodes,
-                           "relaxation_bound_s": bound}
+    rounds = 0
+    best, best_proven, best_nodes, hint = lower_bound, False, 0, None
+    while True:
+        left = max(time_limit_s - (time.perf_counter() - t0), 0.0)
+        if rounds and left < RELAXATION_ROUND_MIN_S:
+            break
+        proven, has, dual, nodes = _run_solver(model.prob, solver, left, model.warm)
+        rounds += 1
+        if dual is not None:  # every round's relaxation is valid, solved to the end or not
+            best = max(best, dual * model.scale)
+        if not (proven and has):
+            break  # a round cut short keeps the last finished round's answer (and its hint)
+        best_proven, best_nodes = True, nodes
+        hint = model.solution()
+        if rounds > PARTNER_ROUNDS or dual * model.scale >= incumbent[0]:
+            break
+        # The partner cuts join only after a round without them (most blocks close there, and
+        # building them costs more than solving), then are separated round by round.
+        if not (model.add_partner_cuts() or model.separate_partner_cuts()):
+            break
+    if solution is not None and hint is not None:
+        solution["start"], solution["modes"] = hint
+    return best, best_proven, {"relaxation_s": time.perf_counter() - t0, "relaxation_nodes": best_nodes,
+                               "relaxation_bound_s": best, "relaxation_rounds": rounds,
+                               "partner_covers": model.stats.get("partner_covers", 0)}
+
+
+def _relaxation_phase(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str, deadline: float,
+                      quick: bool):
+    """The relaxation, and the hunt for a schedule meeting its bound (module docstring). Returns
+    (an optimal IlpResult or None, the best incumbent, the relaxation's bound, whether it was solved,
+    stats)."""
+    t0 = time.perf_counter()
+    best_ms, best_start, best_modes = incumbent
+    hint: dict = {}
+    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver,
+                                             max(min(deadline - t0, RELAXATION_MAX_S), 0.0), hint)
+    target = rb * (1.0 + RELAXATION_REL_TOL)
+
+    def done(proof: str, bound: float):
+        stats = dict(rstats, proof=proof, rounds=0, capacity_cuts=0, nodes=0, binaries=0)
+        return (IlpResult(best_ms, min(bound, best_ms), "optimal", best_start, best_modes, stats),
+                (best_ms, best_start, best_modes), rb, rb_proven, rstats)
+
+    if rb_proven and best_ms > target and hint:
+        # The relaxation is often exact where the incumbent is not (the optimum pairs vector ops
+        # that the list schedule runs split), so look for a schedule that meets its bound: the
+        # serial and parallel schemes in its modes and order, then the decision-point search on
+        # the block restricted to the relaxation's split GEMMs (ops using TCs that it runs split
+        # stay split, every other op may take either mode). Both only produce legal schedules;
+        # optimality still comes from the bound alone.
+        ms, start, modes = schedule_from_hint(inst, view, hint["start"], hint["modes"], target)
+        rstats["hint_makespan_s"] = ms
+        if ms < best_ms:
+            best_ms, best_start, best_modes = ms, start, modes
+        if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS:
+            ensure_warm()
+        left = deadline - time.perf_counter()
+        if best_ms > target and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
+            restrict = {i: (True if hint["modes"][i] and inst.uses_tc[i] else None) for i in view.ops}
+            found = search_block(inst, view, (best_ms, best_start, best_modes),
+                                 time.perf_counter() + min(left, HINT_SEARCH_S), modes=restrict, target=target)
+            rstats["hint_search"] = dict(found.stats, makespan_s=found.makespan)
+            if found.makespan < best_ms:
+                best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+    if rb_proven and best_ms <= target:
+        return done("relaxation", rb)
+    if len(view.ops) <= SEARCH_MAX_OPS:
+        ensure_warm()
+    left = deadline - time.perf_counter()
+    if quick and len(view.ops) <= SEARCH_MAX_OPS and left > 0:
+        # With an incumbent this close to the bound, the exact search often finishes in
+        # milliseconds where the MIP needs seconds (a gap of rounding size: which one-cycle op
+        # sits beside which); a search that finishes proves its schedule optimal.
+        found = search_block(inst, view, (best_ms, best_start, best_modes),
+                             time.perf_counter() + min(left, QUICK_SEARCH_S))
+        rstats["quick_search"] = found.stats
+        if found.makespan < best_ms:
+            best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+        if found.complete:
+            return done("search", best_ms)
+    left = deadline - time.perf_counter()
+    if rb_proven and hint and left > 0 and best_ms > target and len(view.ops) <= SEARCH_MAX_OPS:
+        # The incumbent and the relaxation often differ in a few ops' modes only (which vector
+        # ops pair up to host a one-cycle op): search with every other op held to the
+        # incumbent's mode. Again a heuristic; only the bound proves.
+        near = {i: (None if bool(hint["modes"][i]) != bool(best_modes[i]) else bool(best_modes[i]))
+                for i in view.ops}
+        found = search_block(inst, view, (best_ms, best_start, best_modes),
+                             time.perf_counter() + min(left, HINT_SEARCH_S), modes=near, target=target)
+        rstats["near_search"] = dict(found.stats, makespan_s=found.makespan)
+        if found.makespan < best_ms:
+            best_ms, best_start, best_modes = found.makespan, found.start, found.modes
+        if best_ms <= target:
+            return done("relaxation", rb)
+    return None, (best_ms, best_start, best_modes), rb, rb_proven, rstats
 
 
 def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
-                time_limit_s: float = 60.0) -> IlpResult:
-    """Prove the incumbent optimal or find the optimum of one block (see the module docstring)."""
+                time_limit_s: float = 60.0, phase_s: float | None = None, deadline: float | None = None) -> IlpResult:
+    """Prove the incumbent optimal or find the optimum of one block (see the module docstring).
+
+    The relaxation phases get `phase_s` and then the MIP `time_limit_s` (without `phase_s`, both
+    share `time_limit_s`); nothing runs past the absolute `deadline`."""
     t0 = time.perf_counter()
+    phase_end = t0 + (phase_s if phase_s is not None else time_limit_s)
+    if deadline is not None:
+        phase_end = min(phase_end, deadline)
+    rb, rb_proven, rstats = lower_bound, False, {}
+    for attempt in range(HINT_ROUNDS):
+        start_ms = incumbent[0]
+        closed, incumbent, bound, proven, stats = _relaxation_phase(inst, view, incumbent, lower_bound, solver,
+                                                                    phase_end, quick=attempt == 0)
+        rb = max(rb, bound)
+        rb_proven = rb_proven or proven
+        rstats = stats if attempt == 0 else dict(rstats, **{f"again_{attempt}": stats})
+        if closed is not None:
+            closed.stats.update(rstats, build_solve_s=time.perf_counter() - t0)
+            closed.lower_bound = min(max(closed.lower_bound, rb), closed.makespan)
+            return closed
+        if (incumbent[0] >= start_ms or time.perf_counter() >= phase_end
+                or not (proven and incumbent[0] <= bound * (1.0 + HINT_RETRY_GAP))):
+            # Again only with a better incumbent (a relaxation at a lower UB sees other modes), and
+            # only when the bound is near: far from it, the MIP and the search do better.
+            break
     best_ms, best_start, best_modes = incumbent
-    rb, rb_proven, rstats = relaxation_bound(inst, view, incumbent, lower_bound, solver, time_limit_s)
-    if rb_proven and best_ms <= rb * (1.0 + RELAXATION_REL_TOL):
-        stats = dict(rstats, proof="relaxation", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
-                     build_solve_s=time.perf_counter() - t0)
-        return IlpResult(best_ms, min(rb, best_ms), "optimal", best_start, best_modes, stats)
+    mip_end = (time.perf_counter() + time_limit_s) if phase_s is not None else t0 + time_limit_s
+    if deadline is not None:
+        mip_end = min(mip_end, deadline)
     lower_bound = max(lower_bound, rb)
     model = BlockModel(inst, view, incumbent, lower_bound)
     model.stats.update(rstats)
@@ -637,7 +1015,7 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     tol_s = (ORDER_TOL if solver == "highs" else CBC_ORDER_TOL) * model.scale
     while True:
         rounds += 1
-        left = time_limit_s - (time.perf_counter() - t0)
+        left = mip_end - time.perf_counter()
         if left <= 0:
             break
         proven, has, dual, n_nodes = _run_solver(model.prob, solver, left, model.warm)

@@ -76,7 +76,7 @@ class SearchResult:
 class _Block:
     """The block's ops renumbered 0..k-1 in topological order, with the per-op facts the search reads."""
 
-    def __init__(self, inst: Instance, view: BlockView):
+    def __init__(self, inst: Instance, view: BlockView, modes: dict | None = None):
         self.ops = list(view.ops)
         k = self.k = len(self.ops)
         local = {o: a for a, o in enumerate(self.ops)}
@@ -84,6 +84,10 @@ class _Block:
         self.single = [inst.single[o] for o in self.ops]
         self.split = [inst.split[o] for o in self.ops]
         self.can_split = [inst.can_split[o] for o in self.ops]
+        self.no_single = [False] * k
+        if modes is not None:  # a restricted problem: op o only split (True), only single (False) or free (None)
+            self.no_single = [self.can_split[a] and modes.get(o) is True for a, o in enumerate(self.ops)]
+            self.can_split = [self.can_split[a] and modes.get(o) is not False for a, o in enumerate(self.ops)]
         self.uses_tc = [inst.uses_tc[o] for o in self.ops]
         self.uses_vc = [inst.uses_vc[o] for o in self.ops]
         self.net = [inst.net[o] for o in self.ops]
@@ -107,20 +111,27 @@ class _Block:
         if not self.compute[a]:
             return 0.0
         single = self.single[a] / cores if uses else 0.0
+        if self.no_single[a]:
+            return self.split[a]
         return min(single, self.split[a]) if self.can_split[a] else single
 
 
-def search_block(inst: Instance, view: BlockView, incumbent, deadline: float) -> SearchResult:
-    """Improve on or prove the incumbent (makespan, start, modes) of one block (module docstring)."""
+def search_block(inst: Instance, view: BlockView, incumbent, deadline: float, modes: dict | None = None,
+                 target: float = 0.0) -> SearchResult:
+    """Improve on or prove the incumbent (makespan, start, modes) of one block (module docstring).
+
+    With `modes` (op -> split), only schedules that run every op in that mode are searched: a
+    heuristic, whose `complete` proves nothing about the block. The search stops early once it
+    finds a schedule no longer than `target` (then `complete` is False)."""
     t_begin = time.perf_counter()
-    blk = _Block(inst, view)
+    blk = _Block(inst, view, modes)
     if blk.k > SEARCH_MAX_OPS:
         raise ValueError(f"the search takes blocks of at most {SEARCH_MAX_OPS} ops, not {blk.k}")
     F = np.array([blk.single, blk.split, blk.tail, blk.tail_after, blk.work_tc, blk.work_vc], dtype=np.float64)
-    I = np.array([blk.can_split, blk.uses_tc, blk.uses_vc, blk.net, blk.compute], dtype=np.int64)
+    I = np.array([blk.can_split, blk.uses_tc, blk.uses_vc, blk.net, blk.compute, blk.no_single], dtype=np.int64)
     pred_mask = np.array(blk.pred_mask, dtype=np.int64)
     ms, best_t, best_m, found, stopped, nodes, states = _search(
-        F, I, pred_mask, blk.T, blk.V, float(incumbent[0]), float(deadline), int(MEMO_MAX_STATES))
+        F, I, pred_mask, blk.T, blk.V, float(incumbent[0]), float(deadline), int(MEMO_MAX_STATES), float(target))
     stats = {"nodes": int(nodes), "states": int(states), "search_s": time.perf_counter() - t_begin,
              "complete": not stopped, "improved": bool(found)}
     if not found:
@@ -131,6 +142,16 @@ def search_block(inst: Instance, view: BlockView, incumbent, deadline: float) ->
     return SearchResult(float(ms), start, modes, not stopped, stats)
 
 
+_WARM = [False]
+
+
+def ensure_warm() -> None:
+    """Load the compiled kernel once per process (`warm_up`), so that a search's time limit is not
+    spent loading it."""
+    if not _WARM[0]:
+        warm_up()
+
+
 def warm_up() -> float:
     """Compile the kernel (or load it from numba's on-disk cache) now, so that the first real search
     is timed without it; returns the seconds it took."""
@@ -138,6 +159,7 @@ def warm_up() -> float:
     inst = prepare(ScheduleProblem(units=("tc", "vc"), single=(2.0, 1.0), split=(1.0, 0.5), edges=(), num_tc=2, num_vc=2))
     view = block_view(inst, inst.blocks[0])
     search_block(inst, view, (3.0, {0: 0.0, 1: 2.0}, {0: False, 1: False}), float("inf"))
+    _WARM[0] = True
     return time.perf_counter() - t0
 
 
@@ -148,7 +170,7 @@ def warm_up() -> float:
 # recursion: numba cannot reload a cached recursive function safely.
 
 _F_SINGLE, _F_SPLIT, _F_TAIL, _F_TAIL_AFTER, _F_WORK_TC, _F_WORK_VC = range(6)
-_I_CAN_SPLIT, _I_USES_TC, _I_USES_VC, _I_NET, _I_COMPUTE = range(5)
+_I_CAN_SPLIT, _I_USES_TC, _I_USES_VC, _I_NET, _I_COMPUTE, _I_NO_SINGLE = range(6)
 # per decision level of the subset enumeration: cores in use, split running, compute running, link busy,
 # ops chosen so far, the option tried for this level's op (0 split, 1 single, 2 wait)
 _L_TCU, _L_VCU, _L_SP, _L_CR, _L_LK, _L_NCH, _L_CHOICE = range(7)
@@ -167,12 +189,13 @@ def _fits_single(a, tcu, vcu, sp, uses_tc, uses_vc, T, V):
 
 
 @njit(cache=True)
-def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
+def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max, target):
     """The whole depth-first search, iterative: frame `depth` is one decision point, and its subset
     enumeration resumes at level `fr_j[depth]` when the child below it returns."""
     single, split, tail, tail_after = F[_F_SINGLE], F[_F_SPLIT], F[_F_TAIL], F[_F_TAIL_AFTER]
     work_tc, work_vc = F[_F_WORK_TC], F[_F_WORK_VC]
     can_split, uses_tc, uses_vc, net, compute = I[_I_CAN_SPLIT], I[_I_USES_TC], I[_I_USES_VC], I[_I_NET], I[_I_COMPUTE]
+    no_single = I[_I_NO_SINGLE]
     k = F.shape[1]
     full = (1 << k) - 1
     best_ms = incumbent
@@ -346,7 +369,7 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                         if not lk:
                             nlo |= 1 << a
                         continue
-                    if _fits_single(a, tcu, vcu, sp, uses_tc, uses_vc, T, V):
+                    if not no_single[a] and _fits_single(a, tcu, vcu, sp, uses_tc, uses_vc, T, V):
                         nlo |= 1 << a
                     if can_split[a] and not cr:
                         nhi |= 1 << a
@@ -370,6 +393,8 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                         found = True
                         for a in range(k):
                             best_t[a], best_m[a] = plan_t[a], plan_m[a]
+                        if best_ms <= target:
+                            stopped = True
                     continue
                 d = depth + 1
                 fr_t[d], fr_done[d], fr_flo[d], fr_fhi[d], nrun[d] = t_next, finished, nlo, nhi, n2
@@ -383,7 +408,7 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max):
                     if (not net[a] and can_split[a] and not cr and not (fhi >> a) & 1
                             and t + split[a] + tail_after[a] < cut):
                         break
-                elif not (flo >> a) & 1 and t + single[a] + tail_after[a] < cut:
+                elif not (flo >> a) & 1 and not no_single[a] and t + single[a] + tail_after[a] < cut:
                     if net[a]:
                         if not lk:
                             break
