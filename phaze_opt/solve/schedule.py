@@ -67,7 +67,7 @@ BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
 # "Per-layer scheduling"), where the MIP takes 0.1-2 s a block on chips of two tensor cores. A search
 # that finishes is a proof (schedule_search's docstring), so nothing is lost when it does; one that
 # does not hands its incumbent, at least as good as the list schedule, to the MIP.
-SEARCH_FIRST_S = 0.2
+SEARCH_FIRST_S = 0.1
 PHASE_S = 4.0  # the relaxation phases of the first solve_block (schedule_ilp), before its MIP
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
