@@ -246,7 +246,6 @@ def evaluate_placement(
         if producers_out:
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
         grad_bytes = params * g_b
-        weight_bytes = params * w_b
         dense = params - experts
         zero3_s = 0.0
         if zero == 3:
