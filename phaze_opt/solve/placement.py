@@ -961,6 +961,20 @@ def epsilon_sweeps(st: _Stack, stats: dict, tail, kmax, time_g, active: dict, be
 # --------------------------------------------------------------------------------------------
 
 
+def checked_by_evaluator(problem: PlacementProblem, placement: Placement, dp_time: float, method: str,
+                         solver: str) -> PlacementResult:
+    """The independent evaluator's result for the placement a DP chose; a DP whose own time for it
+    differs (beyond rounding), or that chose a placement the evaluator finds infeasible, is a bug in
+    one of the two, so it stops the run rather than report a number nobody checked."""
+    result = evaluate_placement(problem, placement, method=method)
+    if not result.feasible or abs(result.time_per_batch_s - dp_time) > RTOL * dp_time:
+        raise RuntimeError(
+            f"{solver} disagrees with the evaluator: DP {dp_time!r} s, evaluator "
+            f"{result.time_per_batch_s!r} s ({result.reason or 'feasible'}) for {placement}"
+        )
+    return result
+
+
 def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tuple[float, dict]:
     """The least, over every placement, of its fullest stage's memory per device, and where.
 
@@ -1048,13 +1062,7 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
             problem, reason, method=method, min_memory_bytes=need, solve_s=time.perf_counter() - start,
             info={"sweeps": stats.get("sweeps", 0), "min_memory_at": where},
         )
-    placement = Placement(best.tp, best.dp, best.stages)
-    result = evaluate_placement(problem, placement, method=method)
-    if not result.feasible or abs(result.time_per_batch_s - best.time) > RTOL * best.time:
-        raise RuntimeError(
-            f"placement DP disagrees with the evaluator: DP {best.time!r} s, evaluator "
-            f"{result.time_per_batch_s!r} s ({result.reason or 'feasible'}) for {placement}"
-        )
+    result = checked_by_evaluator(problem, Placement(best.tp, best.dp, best.stages), best.time, method, "placement DP")
     result.solve_s = time.perf_counter() - start
     result.info = {"sweeps": stats.get("sweeps", 0), "dp_time_per_batch_s": best.time}
     return result
