@@ -55,7 +55,7 @@ from .schedule_cache import problem_key
 from .schedule_cache import put as cache_put
 from .schedule_heuristic import list_schedule
 from .schedule_ilp import IlpResult, solve_block
-from .schedule_search import SEARCH_MAX_OPS, search_block
+from .schedule_search import SEARCH_MAX_OPS, ensure_warm, search_block
 from .schedule_instance import block_view, prepare
 from .types import Schedule, ScheduleProblem
 from .verify import assign_cores, expected_duration, verify_schedule
@@ -118,7 +118,9 @@ def _block_solve(inst, view, solver: str, deadline: float, skip_by_bound: bool =
 
 
 def _search_first(inst, view, incumbent, deadline: float):
-    """The short search before the MIP (step 4 of the module docstring); complete only if it finished."""
+    """The short search before the MIP (step 4 of the module docstring); complete only if it finished.
+    The kernel is loaded first, so that a process's first block does not spend its budget on that."""
+    ensure_warm()
     return search_block(inst, view, incumbent, min(deadline, time.perf_counter() + SEARCH_FIRST_S))
 
 
@@ -135,7 +137,7 @@ def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
         return IlpResult(found.makespan, found.makespan, "optimal", found.start, found.modes, stats), stats
     incumbent = (found.makespan, found.start, found.modes)
     again = solve_block(inst, view, incumbent, res.lower_bound, solver=solver,
-                        time_limit_s=max(deadline - time.perf_counter(), 0.0))
+                        time_limit_s=max(deadline - time.perf_counter(), 0.0), quick_search=False)
     stats["second_mip"] = again.stats
     # solve_block returns the better of its own schedule and the incumbent it was given.
     bound = min(max(res.lower_bound, again.lower_bound), again.makespan)

@@ -975,11 +975,14 @@ def _relaxation_phase(inst: Instance, view: BlockView, incumbent, lower_bound: f
 
 
 def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, solver: str = "highs",
-                time_limit_s: float = 60.0, phase_s: float | None = None, deadline: float | None = None) -> IlpResult:
+                time_limit_s: float = 60.0, phase_s: float | None = None, deadline: float | None = None,
+                quick_search: bool = True) -> IlpResult:
     """Prove the incumbent optimal or find the optimum of one block (see the module docstring).
 
     The relaxation phases get `phase_s` and then the MIP `time_limit_s` (without `phase_s`, both
-    share `time_limit_s`); nothing runs past the absolute `deadline`."""
+    share `time_limit_s`); nothing runs past the absolute `deadline`. `quick_search=False` skips the
+    short unrestricted search of the first phase, for a caller that has just run a longer one from
+    this incumbent."""
     t0 = time.perf_counter()
     phase_end = t0 + (phase_s if phase_s is not None else time_limit_s)
     if deadline is not None:
@@ -988,7 +991,7 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     for attempt in range(HINT_ROUNDS):
         start_ms = incumbent[0]
         closed, incumbent, bound, proven, stats = _relaxation_phase(inst, view, incumbent, lower_bound, solver,
-                                                                    phase_end, quick=attempt == 0)
+                                                                    phase_end, quick=quick_search and attempt == 0)
         rb = max(rb, bound)
         rb_proven = rb_proven or proven
         rstats = stats if attempt == 0 else dict(rstats, **{f"again_{attempt}": stats})
