@@ -956,11 +956,6 @@ def epsilon_sweeps(st: _Stack, stats: dict, tail, kmax, time_g, active: dict, be
             x = max(mfg[2] for mfg in nxt.values())
 
 
-# --------------------------------------------------------------------------------------------
-# Smallest memory any placement needs (the reason when nothing fits)
-# --------------------------------------------------------------------------------------------
-
-
 def checked_by_evaluator(problem: PlacementProblem, placement: Placement, dp_time: float, method: str,
                          solver: str) -> PlacementResult:
     """The independent evaluator's result for the placement a DP chose; a DP whose own time for it
@@ -973,6 +968,11 @@ def checked_by_evaluator(problem: PlacementProblem, placement: Placement, dp_tim
             f"{result.time_per_batch_s!r} s ({result.reason or 'feasible'}) for {placement}"
         )
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# Smallest memory any placement needs (the reason when nothing fits)
+# --------------------------------------------------------------------------------------------
 
 
 def min_memory_needed(problem: PlacementProblem, force_dag: bool = False) -> tuple[float, dict]:
