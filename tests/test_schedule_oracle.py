@@ -153,29 +153,25 @@ def test_oracle_itself_on_hand_cases():
 
 
 
-@pytest.fixture(scope="module")
-def first_search_unfinished():
-    """Every search before the MIP stops at once, handing over a legal but poor schedule: every op
+def _stopped_at_once(inst, view, incumbent, deadline):
+    """A search before the MIP that stops at once, handing over a legal but poor schedule: every op
     alone, one after another, in its single mode (view.ops is in topological order)."""
-    from phaze_opt.solve import schedule
     from phaze_opt.solve.schedule_search import SearchResult
 
-    def stopped_at_once(inst, view, incumbent, deadline):
-        t, start, modes = 0.0, {}, {}
-        for i in view.ops:
-            start[i], modes[i] = t, False
-            t += inst.single[i]
-        return SearchResult(t, start, modes, False, {"search_s": 0.0, "complete": False})
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(schedule, "_search_first", stopped_at_once)
-    yield
-    mp.undo()
+    t, start, modes = 0.0, {}, {}
+    for i in view.ops:
+        start[i], modes[i] = t, False
+        t += inst.single[i]
+    return SearchResult(t, start, modes, False, {"search_s": 0.0, "complete": False})
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_problems())
-def test_an_unfinished_first_search_hands_over_to_the_mip(first_search_unfinished, p):
+def test_an_unfinished_first_search_hands_over_to_the_mip(p):
     """The search before the MIP proves nothing when it stops early: its incumbent goes to the MIP,
     whose answer must still be the optimum. Fails if an unfinished first search is taken as a proof."""
-    _check_against_oracle(p)
+    from phaze_opt.solve import schedule
+
+    with pytest.MonkeyPatch.context() as mp:  # patched for this example only
+        mp.setattr(schedule, "_search_first", _stopped_at_once)
+        _check_against_oracle(p)
