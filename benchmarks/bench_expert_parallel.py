@@ -22,6 +22,7 @@ import numpy as np
 from phaze_opt.solve.expert_parallel import optimal_placement
 from phaze_opt.solve.placement_types import LayerCosts, PlacementProblem
 from phaze_opt.system import load_system
+from phaze_opt.training import Training
 
 GIB = 2**30
 
@@ -64,8 +65,9 @@ def problem(recompute: str, imbalance: float = 1.0) -> PlacementProblem:
     widths, cps = (1, 2, 4, 8), (1, 2, 4, 8)
     return PlacementProblem(
         costs=tuple(mixtral_costs(t, 1, system) for t in widths), system=system, hbm_bytes=32 * GIB,
-        peak_flops=275e12, recompute=recompute, seq_len=32768, ep_widths=(1, 2, 4, 8), cp_widths=cps,
-        cp_costs=tuple(mixtral_costs(t, c, system) for t in widths for c in cps if c > 1), load_imbalance=imbalance,
+        peak_flops=275e12, training=Training(recompute=recompute, load_imbalance=imbalance), seq_len=32768,
+        ep_widths=(1, 2, 4, 8), cp_widths=cps,
+        cp_costs=tuple(mixtral_costs(t, c, system) for t in widths for c in cps if c > 1),
     )
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from phaze_opt.solve.placement import optimal_placement
 from phaze_opt.solve.placement_types import LayerCosts, PlacementProblem
 from phaze_opt.system import load_system
+from phaze_opt.training import Training
 
 GIB = 2**30
 
@@ -54,9 +55,9 @@ def problem(system, hbm_gib: float, mbs: int, recompute, seq: int = 2048, **reci
     costs = tuple(gpt3_costs(t, system, mbs=mbs, seq=seq) for t in (1, 2, 4, 8))
     params = 175e9
     return PlacementProblem(
-        costs=costs, system=system, hbm_bytes=hbm_gib * GIB, peak_flops=275e12, mbs=mbs,
-        recompute=recompute, seq_len=seq, model_flops_per_sequence=6 * params * seq,
-        hbm_bandwidth=1.2e12, interleave_layers=96, **recipe,
+        costs=costs, system=system, hbm_bytes=hbm_gib * GIB, peak_flops=275e12,
+        training=Training(mbs=mbs, recompute=recompute, **recipe), seq_len=seq,
+        model_flops_per_sequence=6 * params * seq, hbm_bandwidth=1.2e12, interleave_layers=96,
     )
 
 

@@ -48,8 +48,8 @@ class Result:
     energy_j: float | None = None
 
 
-def trivial(model, arch, mbs, recompute, system="default", placement="optimal"):
-    t = arch.peak_flops / 1e12 * (1 + 0.2 * mbs) * (0.8 if recompute else 1.0)
+def trivial(model, arch, training, system="default"):
+    t = arch.peak_flops / 1e12 * (1 + 0.2 * training.mbs) * (0.8 if training.recomputes else 1.0)
     return Result(throughput=t, tokens_per_s=t * 1024)
 
 

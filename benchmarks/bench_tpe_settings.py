@@ -41,7 +41,7 @@ def run(make, seed, n=500, extra=0):
     study = optuna.create_study(direction="maximize", sampler=make(seed))
     for mbs in space.params["mbs"]:
         for rc in space.params["recompute"]:
-            study.enqueue_trial(codec.encode(space.reference_point("tpuv4", mbs=mbs, recompute=rc)))
+            study.enqueue_trial(codec.encode(space.reference_point("tpuv4", recipe={"mbs": mbs, "recompute": rc})))
     if extra:
         if GRID is None: GRID = space.grid_points("grid")
         for p in _random.Random(seed).sample(GRID, extra):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["PHAZE_OPT_CACHE"] = os.environ.get("PHAZE_OPT_BENCH_GRAPHS") or tempfile.mkdtemp(prefix="phaze-trial-")
 
 from phaze_opt.design.space import load_space  # noqa: E402
-from phaze_opt.design.evaluate import design_evaluator, evaluate_design, tp_widths  # noqa: E402
+from phaze_opt.design.evaluate import design_evaluator, tp_widths  # noqa: E402
 from phaze_opt.search.objective import Context, evaluate_point  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
 from phaze_opt.workload.graphs import build_layer_graph  # noqa: E402
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for mbs in space.params["mbs"]:  # layer graphs: built once per (model, TP, microbatch) in any study
         for tp in tp_widths(model, system):
             build_layer_graph(model, tp, int(mbs))
-    evaluator = evaluate_design if args.ilp_time_limit is None else design_evaluator(args.ilp_time_limit)
+    evaluator = design_evaluator(args.ilp_time_limit)
     ctx = Context(models=(args.model,), system="default", space=space, evaluator=evaluator)
     new, seen, failed, stages = [], [], [], {s: [] for s in STAGES}
     for p in random_points(space, args.designs, args.seed):

@@ -1,9 +1,11 @@
 """How a model is trained on a design: the training recipe, validated once.
 
-`Training` is the noun every layer that needs the recipe takes: the workload graph builder (the
-microbatch), the placement DP's problem (microbatch and recompute), design evaluation (all of it)
-and the search space (which of its fields a study samples). It sits at the bottom of the package
-stack (it imports only `errors`), so every layer can take it without importing upward.
+`Training` is the noun every layer that needs the recipe takes, whole: an evaluator
+(`design.protocols.Evaluator`), the placement problem (`PlacementProblem.training`, no copies of its
+fields), the level-1 bounds, the study's baseline and the published comparison. A space's or a
+suite's values become a recipe in one place (`Training.from_point`); `recipe_points` lists every
+recipe a space offers, so a reference can be given each one a trial may get. It sits at the bottom
+of the package stack (it imports only `errors`), so every layer can take it without importing upward.
 
 It holds
 
@@ -34,8 +36,9 @@ working), its check in `__post_init__`, and, when a search space may sample it, 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -45,10 +48,15 @@ from .errors import PhazeError
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
 OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
+# Every recipe field a space can sample, in the order a point lists them.
+RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("unfused", "flash")
 PLACEMENTS = ("optimal", "expert")
+# Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
+# SC'21); 64 is far beyond any, so only a typo reaches it.
+MAX_VIRTUAL_STAGES = 64
 MOE_FACTOR_LIMIT = 64.0  # capacity factor / load imbalance: at most every token on one of 64 experts  # besides a fixed "tp=T,pp=P,dp=D"
 
 
@@ -66,12 +74,13 @@ def check_mbs(value: Any, name: str = "microbatch size", error: type[Exception] 
 
 
 def recompute_mode(value: Any) -> str:
-    """The recompute mode of a recipe value: a mode name, or the old on/off forms (on -> "full")."""
+    """The recompute mode of a recipe value: a mode name, or the old on/off forms (on -> "full",
+    off -> "none"). The one reading of a recompute value: "selective" stays "selective"."""
     if isinstance(value, str) and value.strip().lower() in RECOMPUTE_MODES:
         return value.strip().lower()
     try:
-        return "full" if recompute_flag(value) else "none"
-    except ValueError:
+        return "full" if bool_flag(value, "recompute") else "none"
+    except PhazeError:
         raise ValueError(f"recompute value {value!r} is not one of {', '.join(RECOMPUTE_MODES)} or on/off") from None
 
 
@@ -86,24 +95,6 @@ def bool_flag(value: Any, name: str) -> bool:
     if isinstance(value, (int, float, np.integer)) and value in (0, 1):
         return bool(value)
     raise PhazeError(f"{name} must be on/off (a boolean), got {value!r}")
-
-
-def recompute_flag(value: Any) -> bool:
-    """Spaces may write recompute as a boolean or as on/off; True for any recompute (a mode other
-    than "none")."""
-    if isinstance(value, str) and value.strip().lower() in ("full", "selective"):
-        return True
-    if isinstance(value, str) and value.strip().lower() == "none":
-        return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("off", "false", "no", "0"):
-        return False
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"recompute value {value!r} is not on/off")
 
 
 def parse_placement_spec(text: str) -> dict:
@@ -132,6 +123,36 @@ def parse_placement_spec(text: str) -> dict:
     return out
 
 
+def recipe_names(params: Mapping[str, Sequence]) -> list[str]:
+    """The recipe fields beyond the microbatch that `params` (a space's choices) sample, in grid order."""
+    return ["recompute"] + [f for f in OPTIONAL_FIELDS if f in params]
+
+
+def recipe_choices(params: Mapping[str, Sequence]) -> list[dict]:
+    """Every combination of the space's choices of recompute and of each further recipe field it
+    samples, as the space's own values (so a point built from one is a point of the space): the
+    product in `recipe_names` order, the first field slowest. A field the space does not sample is
+    absent, meaning its `Training` default, as for a trial."""
+    names = recipe_names(params)
+    return [dict(zip(names, values)) for values in itertools.product(*(params[n] for n in names))]
+
+
+def recipe_points(params: Mapping[str, Sequence]) -> list[dict]:
+    """Every recipe a study over `params` can run (microbatch x `recipe_choices`), as point values.
+
+    What a fair reference is searched over: anything a trial may choose, the reference may too."""
+    return [{"mbs": mbs, **choice} for mbs in params["mbs"] for choice in recipe_choices(params)]
+
+
+def check_recipe_value(name: str, value: Any) -> Any:
+    """`value` as a recipe field `name` may hold, checked by `Training` itself (so a space, a suite
+    and the CLI accept exactly what a recipe accepts); a PhazeError naming the field otherwise."""
+    if name not in RECIPE_FIELDS:
+        raise PhazeError(f"{name} is not a recipe field; recipe fields are {', '.join(RECIPE_FIELDS)}")
+    recipe = Training(**{name: value})
+    return value if name == "recompute" else getattr(recipe, name)
+
+
 @dataclass(frozen=True)
 class Training:
     """The recipe for running a model on a design (see the module docstring); immutable, hashable."""
@@ -158,6 +179,8 @@ class Training:
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
+        if self.virtual_stages > MAX_VIRTUAL_STAGES:
+            raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
         zero = self.zero
         if isinstance(zero, str) and zero.strip().isdigit():
             zero = int(zero.strip())
@@ -190,7 +213,8 @@ class Training:
 
     @classmethod
     def from_point(cls, point: Mapping[str, Any], placement: str = "optimal") -> "Training":
-        """The recipe of a search-space point (its sampled training fields)."""
+        """The recipe of a search-space point (its sampled training fields): the one conversion from a
+        space's values, lossless (a mode stays the mode, every sampled field is kept)."""
         extra = {k: point[k] for k in OPTIONAL_FIELDS if k in point and point[k] is not None}
         return cls(mbs=int(point["mbs"]), recompute=point["recompute"], placement=placement, **extra)
 

@@ -26,15 +26,12 @@ class FaultSpace(FakeSpace):
     def __init__(self):
         super().__init__(params={k: list(v) for k, v in PARAMS.items()}, name="fault")
 
-    def reference_point(self, arch="tpuv4", mbs=None, recompute=None) -> dict:
-        return {"num_tc": 8, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32,
-                "mbs": self.params["mbs"][0] if mbs is None else mbs,
-                "recompute": False if recompute is None else recompute}
+    reference_arch = {"num_tc": 8, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32}
 
 
-def slow_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
+def slow_evaluate(model, arch, training, system="default"):
     time.sleep(float(os.environ.get("FAULT_TRIAL_S", "0.05")))
-    return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    return fake_evaluate(model, arch, training, system=system)
 
 
 def backend():

@@ -22,6 +22,7 @@ from phaze_opt.solve.placement import optimal_placement
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement
 from phaze_opt.system import load_system
+from phaze_opt.training import Training
 from test_placement_dp import SETTINGS, recipe_problems
 from test_placement_oracle import chain_splits
 
@@ -54,7 +55,7 @@ def test_dominators_of_the_phaze_recipes_space():
 
 
 def _variants(problem, **changes):
-    return dataclasses.replace(problem, **changes)
+    return dataclasses.replace(problem, training=dataclasses.replace(problem.training, **changes))
 
 
 def _placements(problem, limit=60):
@@ -77,7 +78,7 @@ def test_overlap_and_zero1_dominate_placement_by_placement(problem):
     wider than gradients). Breaks if overlap added time anywhere, or ZeRO-1's reduction moved more
     bytes than the all-reduce it replaces."""
     pairs = [(_variants(problem, overlap_grad_reduce=False), _variants(problem, overlap_grad_reduce=True))]
-    if problem.zero in (0, 1):
+    if problem.training.zero in (0, 1):
         pairs.append((_variants(problem, zero=0), _variants(problem, zero=1)))
     for worse, better in pairs:
         for pl in _placements(problem):
@@ -159,15 +160,15 @@ def _lower_bound_problem(problem, scale):
     costs = tuple(dataclasses.replace(c, fwd_s=np.asarray(c.fwd_s) * scale[0], bwd_s=np.asarray(c.bwd_s) * scale[1],
                                       selective_s=np.zeros(c.n_layers)) for c in problem.costs)
     return dataclasses.replace(problem, costs=costs, hbm_bandwidth=0.0,
-                               reduction_hidden=problem.overlap_grad_reduce)
+                               reduction_hidden=problem.training.overlap_grad_reduce)
 
 
 @st.composite
 def bound_cases(draw, overlap=None):
     problem = draw(recipe_problems())
     if overlap is not None:  # the overlapped reduction of ZeRO 0/1, with a dear all-reduce
-        problem = draw(recipe_problems().filter(lambda p: p.zero < 3 and p.n_layers > 1))
-        problem = dataclasses.replace(problem, overlap_grad_reduce=overlap)
+        problem = draw(recipe_problems().filter(lambda p: p.training.zero < 3 and p.n_layers > 1))
+        problem = _variants(problem, overlap_grad_reduce=overlap)
     # Lower bounds per layer and pass: often exact (a bound that is too high then shows at once),
     # sometimes far below (so a term that falls as a layer time grows shows too).
     factor = st.one_of(st.just(1.0), st.sampled_from([0.1, 0.5]), st.floats(0.05, 1.0))
@@ -207,8 +208,7 @@ def test_level1_bound_must_hide_the_overlapped_reduction():
 
     system = make_system(accelerators=4, devices_per_node=4, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
     costs = make_costs(1, [1.0, 0.1], [2.0, 1.0], [1, 125], [0, 0], [0, 0], [0, 0])
-    true = PlacementProblem(costs=(costs,), system=system, hbm_bytes=2010, peak_flops=1.0, mbs=1,
-                            overlap_grad_reduce=True)
+    true = PlacementProblem(training=Training(mbs=1, overlap_grad_reduce=True), costs=(costs,), system=system, hbm_bytes=2010, peak_flops=1.0)
     best = optimal_placement(true)
     assert best.pp == 2 and best.dp == 2 and best.time_per_batch_s == pytest.approx(6.0 + 1.5)  # 3 x 2 + (2.5 - 1)
     case = (true, np.array([[1.0, 1.0], [1.0, 0.1]]))
@@ -233,7 +233,7 @@ def test_level0_bounds_never_below_the_true_optimum(case):
     true = optimal_placement(problem)
     widths = _width_bounds(problem, scale)
     N, B = problem.system.accelerators, problem.system.global_batch
-    ideal = ideal_throughput(widths, problem.mbs, N)[0]
-    pipe = pipeline_throughput(widths, problem.mbs, N, B, max_virtual_stages=problem.virtual_stages)[0]
+    ideal = ideal_throughput(widths, problem.training.mbs, N)[0]
+    pipe = pipeline_throughput(widths, problem.training.mbs, N, B, max_virtual_stages=problem.training.virtual_stages)[0]
     assert pipe >= true.throughput * (1 - 1e-9), (pipe, true.throughput)
     assert ideal >= true.throughput * (1 - 1e-9) or math.isinf(ideal)

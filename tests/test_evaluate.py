@@ -10,7 +10,8 @@ import pytest
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
-from phaze_opt.design.evaluate import evaluate_design, placement_problem
+from phaze_opt.design.evaluate import evaluate, training_problem
+from phaze_opt.training import Training
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement
 
@@ -24,7 +25,7 @@ def _run_cli(*args):
 @pytest.fixture(scope="module")
 def gpt3_both():
     # The expert placement (tp 4, pp 32, dp 8) needs recompute to fit 32 GiB of HBM.
-    return {p: evaluate_design("gpt3-175b", TPU, 1, True, "default", p) for p in ("optimal", "expert")}
+    return {p: evaluate("gpt3-175b", TPU, Training(1, True, p), "default") for p in ("optimal", "expert")}
 
 
 def test_gpt3_on_tpuv4_optimal_is_feasible_and_never_slower_than_expert(gpt3_both):
@@ -42,7 +43,7 @@ def test_gpt3_on_tpuv4_optimal_is_feasible_and_never_slower_than_expert(gpt3_bot
 
 def test_reported_placement_recomputes_to_the_same_time_with_the_evaluator(gpt3_both):
     opt = gpt3_both["optimal"]
-    _, _, problem, _ = placement_problem("gpt3-175b", TPU, 1, True, "default")
+    _, _, problem, _ = training_problem("gpt3-175b", TPU, Training(1, True), "default")
     stages = tuple(tuple(s["layers"]) for s in opt.placement["stages"])
     again = evaluate_placement(problem, Placement(opt.placement["tp"], opt.placement["dp"], stages))
     assert again.feasible and again.time_per_batch_s == pytest.approx(opt.time_per_batch_s, rel=1e-12)
@@ -54,34 +55,34 @@ def test_every_layer_schedule_was_proven_optimal(gpt3_both):
 
 
 def test_repeat_evaluation_reuses_the_layer_costs():
-    first = evaluate_design("gpt2-xl", TPU, 2, True)
-    again = evaluate_design("gpt2-xl", TPU, 2, True)
+    first = evaluate("gpt2-xl", TPU, Training(2, True))
+    again = evaluate("gpt2-xl", TPU, Training(2, True))
     assert again.throughput == first.throughput
     assert again.timings["ilp_s"] == 0.0 and again.timings["graph_s"] == 0.0
 
 
 def test_hbm_too_small_is_an_infeasible_result_not_an_error():
     tiny = dataclasses.replace(TPU, hbm_bytes=2**30)
-    r = evaluate_design("gpt3-175b", tiny, 1, False)
+    r = evaluate("gpt3-175b", tiny, Training(1, False))
     assert not r.feasible and r.throughput == 0.0 and math.isinf(r.time_per_batch_s)
     assert "GiB" in r.reason and "HBM" in r.reason
 
 
 def test_explicit_placement_and_bad_specs():
-    r = evaluate_design("opt-1.3b", TPU, 1, False, "default", "tp=2,pp=4,dp=64")
+    r = evaluate("opt-1.3b", TPU, Training(1, False, "tp=2,pp=4,dp=64"), "default")
     assert r.feasible, r.reason
     assert (r.placement["tp"], r.placement["pp"], r.placement["dp"]) == (2, 4, 64)
     assert len(r.placement["stages"]) == 4
-    best = evaluate_design("opt-1.3b", TPU, 1, False)
+    best = evaluate("opt-1.3b", TPU, Training(1, False))
     assert best.throughput >= r.throughput * (1 - 1e-9)
     with pytest.raises(PhazeError, match="tp=T,pp=P,dp=D"):
-        evaluate_design("opt-1.3b", TPU, 1, False, "default", "tp=2,pp=4")
+        evaluate("opt-1.3b", TPU, Training(1, False, "tp=2,pp=4"), "default")
     with pytest.raises(PhazeError, match="TP width not allowed"):
-        evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=2,pp=4,dp=2")
+        evaluate("gpt2-xl", TPU, Training(1, False, "tp=2,pp=4,dp=2"), "default")
 
 
 def test_expert_placement_without_recompute_does_not_fit_tpuv4_and_says_why():
-    r = evaluate_design("gpt3-175b", TPU, 1, False, "default", "expert")
+    r = evaluate("gpt3-175b", TPU, Training(1, False, "expert"), "default")
     assert not r.feasible and "GiB" in r.reason and "32.000 GiB of HBM" in r.reason
 
 
@@ -123,16 +124,16 @@ def test_time_limited_layer_schedule_gives_reached_throughput_and_proven_bound(m
     Checked against two independent evaluations: the same stretched times reported as proven (the
     throughput must match) and the untouched exact times (the bound must match, as the lower bound
     handed over is the exact optimum)."""
-    args = ("gpt2-xl", TPU, 2, True, "default", placement)
+    args = ("gpt2-xl", TPU, Training(2, True, placement), "default")
     with monkeypatch.context() as m:
         _stretch_block_backward(m, 1.05, "optimal")
-        stretched = evaluate_design(*args)
+        stretched = evaluate(*args)
     with monkeypatch.context() as m:
         _stretch_block_backward(m, 1.0, "optimal")
-        exact = evaluate_design(*args)
+        exact = evaluate(*args)
     with monkeypatch.context() as m:
         _stretch_block_backward(m, 1.05, "time_limit")
-        open_ = evaluate_design(*args)
+        open_ = evaluate(*args)
     assert stretched.proven and exact.proven and stretched.throughput_bound == stretched.throughput
     assert open_.feasible and not open_.proven
     assert open_.unproven and all("block/bwd" in u for u in open_.unproven)
@@ -158,13 +159,13 @@ def test_ilp_time_limit_reaches_every_layer_solve_and_keys_the_memo(monkeypatch)
 
     monkeypatch.setattr(ev, "schedule_graph", schedule)
     monkeypatch.setattr(ev, "_COSTS_MEMO", {})
-    ev.evaluate_design("gpt2-xl", TPU, 2, True, ilp_time_limit_s=7.5)
+    ev.evaluate("gpt2-xl", TPU, Training(2, True), "default", 7.5)
     assert seen and set(seen) == {7.5}
     seen.clear()
-    ev.evaluate_design("gpt2-xl", TPU, 2, True)  # another limit: not served from the first call's memo
+    ev.evaluate("gpt2-xl", TPU, Training(2, True))  # another limit: not served from the first call's memo
     assert seen and set(seen) == {ev.DEFAULT_ILP_TIME_LIMIT_S}
     with pytest.raises(PhazeError, match="--ilp-time-limit"):
-        ev.evaluate_design("gpt2-xl", TPU, 2, True, ilp_time_limit_s=0)
+        ev.evaluate("gpt2-xl", TPU, Training(2, True), "default", 0)
 
 
 def test_study_config_time_limit_gives_a_prunable_design_evaluator():
@@ -197,7 +198,7 @@ def test_a_short_ilp_time_limit_leaves_a_hard_design_unproven_with_a_sound_bound
     monkeypatch.setattr(schedule_cache, "_memory", {})
     monkeypatch.setattr(ev, "_COSTS_MEMO", {})
     arch = dataclasses.replace(TPU, num_tc=2, tc_x=8, tc_y=16, num_vc=512, vc_width=8, name="tc2x8x16-vc512x8")
-    r = evaluate_design("bert-large", arch, 1, False, ilp_time_limit_s=0.2)
+    r = evaluate("bert-large", arch, Training(1, False), "default", 0.2)
     assert r.feasible and not r.proven
     assert any("block/bwd" in u for u in r.unproven)
     assert 0 < r.throughput < r.throughput_bound
@@ -209,5 +210,5 @@ def test_open_passes_that_cannot_change_the_throughput_leave_it_proven(monkeypat
     placement on the lower bounds reaches exactly the throughput, which is therefore proven."""
     with monkeypatch.context() as m:
         _stretch_block_backward(m, 1.0, "time_limit")
-        r = evaluate_design("gpt2-xl", TPU, 2, True)
+        r = evaluate("gpt2-xl", TPU, Training(2, True))
     assert r.unproven and r.proven and r.throughput_bound == r.throughput

@@ -16,6 +16,7 @@ from phaze_opt.solve.placement import optimal_placement as dense_optimal_placeme
 from phaze_opt.solve.placement_eval import evaluate_placement, ring_allreduce_s
 from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
+from phaze_opt.training import RECIPE_FIELDS, Training
 
 from test_placement_oracle import chain_splits, make_system
 
@@ -49,8 +50,9 @@ def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
     cp_costs = [moe_costs(t, n, np.random.default_rng(seed * 7 + t + 100 * c), cp=c, seq_scale=1.0 / c)
                 for t in widths for c in cp if c > 1]
     hbm = float(kw.pop("hbm", rng.uniform(200, 2000)))
+    recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k == "load_imbalance"}
     return PlacementProblem(costs=tuple(base), system=system, hbm_bytes=hbm, peak_flops=1.0, seq_len=8,
-                            ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), **kw)
+                            ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), training=Training(**recipe), **kw)
 
 
 def brute(problem):
@@ -148,8 +150,7 @@ def test_alltoall_on_the_two_level_network():
 def test_evaluator_expert_parallel_terms_by_hand():
     s = hand_system(dpn=4, batch=4)
     lc = one_layer()
-    prob = PlacementProblem(costs=(lc,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8, ep_widths=(1, 2),
-                            load_imbalance=1.5)
+    prob = PlacementProblem(training=Training(load_imbalance=1.5), costs=(lc,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8, ep_widths=(1, 2))
     r = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=2, cp=1))
     a2a = s.alltoall_s(1.5 * 1000.0, 2, 1)  # 2 ranks in one node
     assert a2a == pytest.approx(0.01 + 750 / 100)
@@ -174,8 +175,7 @@ def test_evaluator_context_parallel_terms_by_hand():
                      fwd_s=[0.6], bwd_s=[1.1], activation_bytes=[50.0], selective_bytes=[40.0],
                      selective_work_bytes=[10.0], kv_bytes=[20.0], core_fwd_s=[0.05], core_bwd_s=[0.5], cp=2)
     for mode in ("none", "selective", "full"):
-        prob = PlacementProblem(costs=(base,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8,
-                                cp_widths=(1, 2), cp_costs=(half,), recompute=mode)
+        prob = PlacementProblem(training=Training(recompute=mode), costs=(base,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8, cp_widths=(1, 2), cp_costs=(half,))
         r = evaluate_placement(prob, Placement(1, 2, ((0,),), cp=2))
         link = s.cp_link(1, 2)
         assert link is s.intra_node

@@ -16,6 +16,7 @@ import pytest
 from phaze_opt.solve import expert_parallel as ep
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement
+from phaze_opt.training import Training
 
 from test_expert_parallel import moe_problem
 from test_placement_oracle import chain_splits
@@ -99,8 +100,7 @@ def test_interleaved_memory_bound_at_its_edge():
 
     system = make_system(accelerators=4, devices_per_node=4, global_batch=4)
     state = 2 * system.state_bytes_per_param
-    problem = PlacementProblem(costs=(costs(1),), system=system, hbm_bytes=150 + state, peak_flops=1.0,
-                               virtual_stages=2, cp_widths=(1, 2), cp_costs=(costs(1, 2),))
+    problem = PlacementProblem(training=Training(virtual_stages=2), costs=(costs(1),), system=system, hbm_bytes=150 + state, peak_flops=1.0, cp_widths=(1, 2), cp_costs=(costs(1, 2),))
     assert evaluate_placement(problem, Placement(1, 1, ((0, 1), (2, 3)))).feasible
     assert not evaluate_placement(replace(problem, hbm_bytes=149 + state), Placement(1, 1, ((0, 1), (2, 3)))).feasible
     assert check_items(problem) > 0

@@ -1,5 +1,5 @@
 """Energy model: per-op energies checked by hand, batch energy accounting, config validation, and the
-figure evaluate_design reports for a real model."""
+figure `evaluate` reports for a real model."""
 
 import math
 import shutil
@@ -16,7 +16,8 @@ from phaze_opt.hardware.arch import load_arch
 from phaze_opt.hardware.energy import (
     COMPONENTS, batch_energy, constants_path, load_constants, op_energy,
 )
-from phaze_opt.design.evaluate import evaluate_design, placement_problem, tp_layer_energies
+from phaze_opt.design.evaluate import evaluate, tp_layer_energies, training_problem
+from phaze_opt.training import Training
 from phaze_opt.solve.placement_types import LayerCosts
 from phaze_opt.system import load_system
 from phaze_opt.workload.graphs import build_layer_graph
@@ -198,13 +199,13 @@ def test_larger_area_pays_more_static_energy():
 # ---- the real pipeline -------------------------------------------------------------------------------
 
 def test_gpt2_energy_matches_its_flops_and_recompute_costs_more():
-    off = evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=1,pp=4,dp=64")
-    on = evaluate_design("gpt2-xl", TPU, 1, True, "default", "tp=1,pp=4,dp=64")
+    off = evaluate("gpt2-xl", TPU, Training(1, False, "tp=1,pp=4,dp=64"), "default")
+    on = evaluate("gpt2-xl", TPU, Training(1, True, "tp=1,pp=4,dp=64"), "default")
     assert off.feasible and on.feasible and off.energy_j > 0
     assert on.energy_j > off.energy_j
     # the MAC energy of one batch is the model's training FLOPs / 2 x the MAC energy, within the
     # per-device sharding's rounding: a missed factor (tp, dp, microbatches) would be off by >= 2x
-    model, system, problem, per_tp = placement_problem("gpt2-xl", TPU, 1, False, "default", (1,))
+    model, system, problem, per_tp = training_problem("gpt2-xl", TPU, Training(1, False), "default", (1,))
     fwd, bwd = tp_layer_energies(model, TPU, 1, system, per_tp[1])
     stages = [s["layers"] for s in off.placement["stages"]]
     b = batch_energy(fwd, bwd, per_tp[1].costs, stages, 64, off.placement["microbatches"], False,
@@ -217,11 +218,11 @@ def test_gpt2_energy_matches_its_flops_and_recompute_costs_more():
     watts = off.energy_j / (4 * 64 * off.time_per_batch_s)
     assert 20 < watts < 400
     # the second call reuses the memoised per-layer energies and gives the same figure
-    assert evaluate_design("gpt2-xl", TPU, 1, False, "default", "tp=1,pp=4,dp=64").energy_j == off.energy_j
+    assert evaluate("gpt2-xl", TPU, Training(1, False, "tp=1,pp=4,dp=64"), "default").energy_j == off.energy_j
 
 
 def test_infeasible_design_has_no_energy():
-    r = evaluate_design("gpt3-175b", TPU, 1, False, "default", "expert")
+    r = evaluate("gpt3-175b", TPU, Training(1, False, "expert"), "default")
     assert not r.feasible and r.energy_j is None
 
 

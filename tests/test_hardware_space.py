@@ -67,7 +67,7 @@ def test_area_check_reasons(phaze):
 
 
 def test_reference_point_builds_tpuv4(phaze):
-    point = phaze.reference_point("tpuv4", mbs=4, recompute=True)
+    point = phaze.reference_point("tpuv4", recipe={"mbs": 4, "recompute": True})
     assert point["mbs"] == 4 and point["recompute"] is True
     built, tpu = phaze.accelerator(point), load_arch("tpuv4")
     for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bytes", "hbm_bw", "clock_hz"):
@@ -169,6 +169,10 @@ def _with(**changes):
     ({"params__mbs": [1, 1]}, r"params.mbs'.*repeats"),
     ({"params__mbs": [0]}, r"params.mbs'.*positive"),
     ({"params__recompute": ["yes"]}, r"params.recompute'.*true or false"),
+    ({"params__zero": [2]}, r"params.zero'.*zero must be one of 0, 1, 3"),
+    ({"params__virtual_stages": [65]}, r"params.virtual_stages'.*at most 64"),
+    ({"params__attention": ["paged"]}, r"params.attention'.*unfused, flash"),
+    ({"params__sequence_parallel": ["on"]}, r"params.sequence_parallel'.*plain values"),
     ({"params__glb_mib": "big"}, r"params.glb_mib'.*list of choices"),
     ({"params__mbs": None}, r"params.mbs'.*missing"),
     ({"tied": {}}, r"field 'vc_width'.*not given"),

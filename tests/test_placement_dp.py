@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from phaze_opt.solve.placement import min_memory_needed, optimal_placement
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import Placement, PlacementProblem
+from phaze_opt.training import Training
 from test_placement_oracle import (
     brute_force,
     brute_min_memory,
@@ -90,16 +91,7 @@ def problems(draw, max_layers=8, max_devices=16, dag=False, flavour="any"):
     state = sum(params) * system.state_bytes_per_param + 4 * sum(acts)
     share = st.floats(0.15, 0.7) if heavy else st.floats(0.03, 0.5) if tight else st.floats(0.05, 1.3)
     hbm = draw(share) * state + 1
-    return PlacementProblem(
-        costs=tuple(costs),
-        system=system,
-        hbm_bytes=hbm,
-        peak_flops=1e3,
-        mbs=draw(st.integers(1, 4) if heavy else st.integers(1, 8)),
-        recompute=draw(st.booleans()),
-        seq_len=8,
-        model_flops_per_sequence=100.0,
-    )
+    return PlacementProblem(training=Training(mbs=draw(st.integers(1, 4) if heavy else st.integers(1, 8)), recompute=draw(st.booleans())), costs=tuple(costs), system=system, hbm_bytes=hbm, peak_flops=1e3, seq_len=8, model_flops_per_sequence=100.0)
 
 
 def assert_matches_oracle(problem, splits, force_dag=False):
@@ -193,7 +185,7 @@ def test_two_max_terms_the_least_bottleneck_is_not_optimal():
     )
     system = make_system(accelerators=12, devices_per_node=4, global_batch=34, intra=(130, 0.2), inter=(5, 0.5),
                          optimizer="sgd", optimizer_memory="mixed_precision")
-    problem = PlacementProblem((costs,), system, 877.0, 1e3, 1, False, 8, 100.0)
+    problem = PlacementProblem((costs,), system, 877.0, 1e3, training=Training(mbs=1, recompute=False), seq_len=8, model_flops_per_sequence=100.0)
     result = optimal_placement(problem)
     assert result.time_per_batch_s == pytest.approx(brute_force(problem, chain_splits(3))[0], rel=1e-12)
     assert (result.pp, result.dp) == (2, 6)
@@ -213,7 +205,7 @@ def test_memory_position_matters():
     costs = make_costs(1, fwd=[1, 1, 1, 1], bwd=[1, 1, 1, 1], params=[0, 0, 0, 0], acts=[10, 1, 1, 10],
                        boundary=[0, 0, 0, 0])
     system = make_system(accelerators=2, devices_per_node=2, global_batch=8)
-    problem = PlacementProblem((costs,), system, 20.0, 1e3, 1, False)
+    problem = PlacementProblem((costs,), system, 20.0, 1e3, training=Training(mbs=1, recompute=False))
     result = optimal_placement(problem)
     assert result.feasible and (result.pp, result.dp, result.microbatches) == (2, 1, 8)
     assert [s.layers for s in result.stages] == [[0], [1, 2, 3]]
@@ -226,7 +218,7 @@ def test_memory_position_matters():
 def test_infeasible_reports_the_least_memory_and_never_raises():
     costs = make_costs(1, fwd=[1, 1], bwd=[1, 1], params=[10, 10], acts=[5, 5], boundary=[1, 1])
     system = make_system(accelerators=4, global_batch=4)
-    problem = PlacementProblem((costs,), system, 100.0, 1e3, 1, False)
+    problem = PlacementProblem((costs,), system, 100.0, 1e3, training=Training(mbs=1, recompute=False))
     result = optimal_placement(problem)
     assert not result.feasible
     # best: one layer per stage with d = 2, m = 2: the first stage holds 2 microbatches,
@@ -239,7 +231,7 @@ def test_infeasible_reports_the_least_memory_and_never_raises():
 
 def test_widths_wider_than_the_system_are_infeasible():
     costs = make_costs(8, fwd=[1], bwd=[1], params=[1], acts=[1], boundary=[0])
-    problem = PlacementProblem((costs,), make_system(accelerators=4), 1e6, 1e3, 1, False)
+    problem = PlacementProblem((costs,), make_system(accelerators=4), 1e6, 1e3, training=Training(mbs=1, recompute=False))
     result = optimal_placement(problem)
     assert not result.feasible and "exceeds the 4 accelerators" in result.reason
 
@@ -248,7 +240,7 @@ def test_result_fields_on_a_small_chain():
     costs = make_costs(2, fwd=[1, 2, 1, 2], bwd=[2, 4, 2, 4], params=[4, 4, 4, 4], acts=[2, 2, 2, 2],
                        boundary=[1, 1, 1, 0])
     system = make_system(accelerators=8, devices_per_node=8, global_batch=16)
-    problem = PlacementProblem((costs,), system, 1e6, 10.0, 2, False, seq_len=32, model_flops_per_sequence=50.0)
+    problem = PlacementProblem((costs,), system, 1e6, 10.0, training=Training(mbs=2, recompute=False), seq_len=32, model_flops_per_sequence=50.0)
     r = optimal_placement(problem)
     assert r.feasible and r.tp == 2 and r.method == "dp-chain"
     assert r.microbatches == math.ceil(16 / (2 * r.dp))
@@ -272,7 +264,7 @@ def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
     costs = make_costs(1, fwd=[1, 1, 1, 1], bwd=[2, 2, 2, 2], params=[1, 1, 1, 1], acts=[10, 10, 10, 10],
                        boundary=[1, 1, 1, 0])
     system = make_system(accelerators=4, devices_per_node=4, global_batch=2)
-    problem = PlacementProblem((costs,), system, 40.0, 1e3, 1, False)
+    problem = PlacementProblem((costs,), system, 40.0, 1e3, training=Training(mbs=1, recompute=False))
     result = optimal_placement(problem)
     assert result.feasible, result.reason
     assert (result.pp, result.dp, result.microbatches) == (4, 1, 2)
@@ -334,13 +326,17 @@ def recipe_problems(draw, dag=False, interleaved=False):
             selective_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
         ))
     v = draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
-    return dataclasses.replace(
-        base,
-        costs=tuple(costs),
+    training = dataclasses.replace(
+        base.training,
         recompute=draw(st.sampled_from(["none", "selective", "full"])),
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 3])),
         overlap_grad_reduce=draw(st.booleans()),
+    )
+    return dataclasses.replace(
+        base,
+        costs=tuple(costs),
+        training=training,
         hbm_bandwidth=draw(st.sampled_from([0.0, 50.0, 500.0])),
         interleave_layers=12 if interleaved else draw(st.sampled_from([n, 2 * n, 12])),
     )
@@ -383,8 +379,7 @@ def test_dag_dp_equals_brute_force_for_every_recipe_option(problem):
 
 def test_recompute_is_charged_on_the_last_stage_too():
     costs = make_costs(1, [1.0, 1.0], [2.0, 2.0], [1, 1], [4, 4], [1, 1])
-    problem = PlacementProblem(costs=(costs,), system=make_system(accelerators=1, global_batch=1), hbm_bytes=1e6,
-                               peak_flops=1.0, mbs=1, recompute="full")
+    problem = PlacementProblem(training=Training(mbs=1, recompute="full"), costs=(costs,), system=make_system(accelerators=1, global_batch=1), hbm_bytes=1e6, peak_flops=1.0)
     r = evaluate_placement(problem, Placement(1, 1, ((0, 1),)))
     assert r.stages[0].recompute_s == 2.0 and r.time_per_batch_s == 8.0
     assert optimal_placement(problem).time_per_batch_s == 8.0
@@ -393,13 +388,13 @@ def test_recompute_is_charged_on_the_last_stage_too():
 def test_zero_shards_state_and_interleaving_shrinks_the_bubble():
     costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [4] * 4, [1] * 4)
     system = make_system(accelerators=8, devices_per_node=8, global_batch=8)
-    plain = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1)
-    zero1 = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, zero=1)
-    zero3 = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, zero=3)
+    plain = PlacementProblem(training=Training(mbs=1), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
+    zero1 = PlacementProblem(training=Training(mbs=1, zero=1), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
+    zero3 = PlacementProblem(training=Training(mbs=1, zero=3), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
     pl = Placement(1, 4, ((0, 1), (2, 3)))
-    split = {p.zero: evaluate_placement(p, pl).stages[0].memory_split for p in (plain, zero1, zero3)}
+    split = {p.training.zero: evaluate_placement(p, pl).stages[0].memory_split for p in (plain, zero1, zero3)}
     assert split[0]["optimizer_state"] == 20 * 12 and split[1]["optimizer_state"] == 60
     assert split[3]["parameters"] == 10 and split[1]["parameters"] == 40
-    inter = PlacementProblem(costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0, mbs=1, virtual_stages=2)
+    inter = PlacementProblem(training=Training(mbs=1, virtual_stages=2), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
     a, b = evaluate_placement(plain, Placement(1, 1, ((0, 1), (2, 3)))), evaluate_placement(inter, Placement(1, 1, ((0, 1), (2, 3))))
     assert b.bubble_fraction < a.bubble_fraction and b.feasible

@@ -11,6 +11,7 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.solve.placement import even_placement, optimal_placement
 from phaze_opt.solve.placement_eval import evaluate_placement, format_bytes, ring_allreduce_s
 from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
+from phaze_opt.training import Training
 from test_placement_oracle import make_costs, make_system
 
 
@@ -26,8 +27,7 @@ def three_layer_problem(recompute=False, hbm=1e6, accelerators=16, devices_per_n
     )
     system = make_system(accelerators=accelerators, devices_per_node=devices_per_node, global_batch=24,
                          intra=(100.0, 0.5), inter=(8.0, 1.0))
-    return PlacementProblem((costs,), system, hbm, peak_flops=1.0, mbs=2, recompute=recompute, seq_len=10,
-                            model_flops_per_sequence=3.0)
+    return PlacementProblem((costs,), system, hbm, training=Training(mbs=2, recompute=recompute), peak_flops=1.0, seq_len=10, model_flops_per_sequence=3.0)
 
 
 def test_evaluator_by_hand_without_recompute():
@@ -126,7 +126,7 @@ def gpt_like(pp_layers=12):
     n = pp_layers + 2
     fwd = [0.01] + [1.0] * pp_layers + [0.33]
     costs = make_costs(1, fwd=fwd, bwd=[2 * f for f in fwd], params=[5] * n, acts=[1] * n, boundary=[1] * n)
-    return PlacementProblem((costs,), make_system(accelerators=64), 1e9, 1.0, 1, False)
+    return PlacementProblem((costs,), make_system(accelerators=64), 1e9, 1.0, training=Training(mbs=1, recompute=False))
 
 
 def test_even_split_by_time_matches_megatron_on_a_transformer():
@@ -202,11 +202,10 @@ def test_problem_validation():
     a = make_costs(1, [1, 1], [1, 1], [1, 1], [1, 1], [1, 1])
     b = make_costs(2, [1], [1], [1], [1], [1])
     with pytest.raises(ValueError, match="different layer graph"):
-        PlacementProblem((a, b), make_system(), 10.0, 1.0, 1, False)
+        PlacementProblem((a, b), make_system(), 10.0, 1.0, training=Training(mbs=1, recompute=False))
     with pytest.raises(ValueError, match="duplicate TP widths"):
-        PlacementProblem((a, a), make_system(), 10.0, 1.0, 1, False)
-    problem = PlacementProblem({2: make_costs(2, [1, 1], [1, 1], [1, 1], [1, 1], [1, 1]), 1: a}, make_system(),
-                               10.7, 1.0, 1, False)
+        PlacementProblem((a, a), make_system(), 10.0, 1.0, training=Training(mbs=1, recompute=False))
+    problem = PlacementProblem({2: make_costs(2, [1, 1], [1, 1], [1, 1], [1, 1], [1, 1]), 1: a}, make_system(), 10.7, 1.0, training=Training(mbs=1, recompute=False))
     assert problem.tp_widths == (1, 2) and problem.hbm_bytes == 10.0
 
 
@@ -251,7 +250,7 @@ def test_an_overlapped_reduction_makes_time_fall_as_a_backward_grows():
 
     def time_with(bwd0):
         costs = make_costs(1, [1.0, 5.0], [bwd0, 10.0], [1000, 1], [0, 0], [0, 0])
-        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, overlap_grad_reduce=True)
+        problem = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, overlap_grad_reduce=True), peak_flops=1.0)
         return evaluate_placement(problem, Placement(1, 2, ((0,), (1,)))).time_per_batch_s
 
     assert time_with(8.0) < time_with(1.0)
@@ -265,7 +264,7 @@ def test_zero3_gathers_are_prefetched_under_the_previous_layers_compute():
     layer 2's 3 s backward: 0, layer 0's 1 s under layer 1's 1 s: 0: 0.5 s."""
     costs = make_costs(1, [1.0, 2.0, 0.5], [2.0, 1.0, 3.0], [100, 300, 50], [0, 0, 0], [0, 0, 0])
     system = make_system(accelerators=2, devices_per_node=2, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
-    problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, zero=3)
+    problem = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, zero=3), peak_flops=1.0)
     r = evaluate_placement(problem, Placement(1, 2, ((0, 1, 2),)))
     scatter = 0.5 * 450 * 2 / 100.0  # the reduce-scatter of all gradients, exposed in full
     st = r.stages[0]
@@ -283,7 +282,7 @@ def test_zero3_stage_time_never_falls_as_a_backward_grows():
 
     def time_with(bwd1):
         costs = make_costs(1, [0.1, 0.1], [0.1, bwd1], [100, 100], [0, 0], [0, 0])
-        problem = PlacementProblem((costs,), system, 1e9, peak_flops=1.0, mbs=1, zero=3, overlap_grad_reduce=True)
+        problem = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, zero=3, overlap_grad_reduce=True), peak_flops=1.0)
         return evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].time_s
 
     times = [time_with(b) for b in (0.1, 0.5, 0.9, 1.5)]

@@ -14,6 +14,7 @@ import numpy as np
 from phaze_opt.solve.placement_eval import evaluate_placement
 from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
+from phaze_opt.training import Training
 
 
 def make_system(accelerators=16, devices_per_node=4, global_batch=16, intra=(100.0, 0.5), inter=(10.0, 2.0),
@@ -139,16 +140,7 @@ def random_problem(rng: np.random.Generator, n_layers: int, widths, edges=None, 
     )
     total = float(np.sum(params)) * system.state_bytes_per_param + float(np.sum(acts)) * 4
     hbm = float(overrides.get("hbm", rng.uniform(0.05, 1.2) * total + 1))
-    return PlacementProblem(
-        costs=tuple(costs),
-        system=system,
-        hbm_bytes=hbm,
-        peak_flops=1e3,
-        mbs=int(overrides.get("mbs", rng.integers(1, 5))),
-        recompute=bool(overrides.get("recompute", rng.integers(0, 2))),
-        seq_len=8,
-        model_flops_per_sequence=100.0,
-    )
+    return PlacementProblem(training=Training(mbs=int(overrides.get("mbs", rng.integers(1, 5))), recompute=bool(overrides.get("recompute", rng.integers(0, 2)))), costs=tuple(costs), system=system, hbm_bytes=hbm, peak_flops=1e3, seq_len=8, model_flops_per_sequence=100.0)
 
 
 def random_dag(rng: np.random.Generator, n: int, density: float):

@@ -17,18 +17,20 @@ from phaze_opt.experiments.published import (
     run_published,
     write_outputs,
 )
-from test_study_fakes import CALLS, REFERENCE, FakeResult, backend, fake_evaluate, fake_throughput
+from phaze_opt.training import Training
+from test_study_fakes import (CALLS, EVERY_RECIPE, REFERENCE, FakeResult, RecordingEvaluator, backend, fake_evaluate,
+                              fake_throughput)
 
 MODELS = ("m-small", "m-big")
 SETTINGS = [(m, r) for m in (1, 2) for r in (False, True)]
 
 
-def expert_misfit(model, arch, mbs, recompute, system="default", placement="optimal"):
+def expert_misfit(model, arch, training, system="default"):
     """m-big's expert placement never fits (on any design); everything else as fake_evaluate."""
-    if model == "m-big" and placement == "expert":
+    if model == "m-big" and training.placement == "expert":
         return FakeResult(False, "stage 0 needs 99.0 GiB per device, more than the 32.0 GiB of HBM", 0.0, 0.0,
                           float("inf"), 1.0, 0.0, {}, {}, [], model)
-    return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    return fake_evaluate(model, arch, training, system=system)
 
 
 def cfg(tmp_path, **kw):
@@ -162,18 +164,21 @@ def test_check_relations_reports_violations():
 def test_fixed_placement_evaluator_forces_the_placement():
     CALLS.clear()
     ev = fixed_placement_evaluator("expert", fake_evaluate)
-    r = ev("m-small", REFERENCE, 1, False, system="default", placement="optimal")
-    assert CALLS[-1][5] == "expert" and r.throughput == fake_throughput("m-small", REFERENCE, 1, False, "expert")
+    asked = Training(1, "selective", "optimal", sequence_parallel=True, zero=1, attention="flash")
+    r = ev("m-small", REFERENCE, asked, system="default")
+    assert CALLS[-1][5] == "expert" and CALLS[-1][6] == asked.with_placement("expert")
+    assert r.throughput == fake_throughput("m-small", REFERENCE, 1, "selective", "expert", sequence_parallel=True,
+                                           zero=1, attention="flash")
     import pickle
 
     assert pickle.loads(pickle.dumps(ev)).keywords["fixed"] == "expert"
-    evaluate_fixed_placement("m-small", REFERENCE, 2, True, fixed="optimal", evaluator=fake_evaluate)
-    assert CALLS[-1][5] == "optimal"
+    evaluate_fixed_placement("m-small", REFERENCE, Training(2, True, "expert"), fixed="optimal", evaluator=fake_evaluate)
+    assert CALLS[-1][5] == "optimal" and CALLS[-1][6] == Training(2, True)
 
 
 def test_too_few_trials_is_a_user_error(tmp_path):
-    with pytest.raises(PhazeError, match="at least 6"):
-        run_published(cfg(tmp_path, trials=5), backend())
+    with pytest.raises(PhazeError, match="at least 8"):
+        run_published(cfg(tmp_path, trials=7), backend())
 
 
 def test_seeds_are_queued_behind_tpuv4_in_a_new_study(tmp_path):
@@ -191,12 +196,12 @@ def test_seeds_are_queued_behind_tpuv4_in_a_new_study(tmp_path):
     assert summary["trials"]["finished"] == 8
 
 
-def solver_trouble(model, arch, mbs, recompute, system="default", placement="optimal"):
+def solver_trouble(model, arch, training, system="default"):
     """m-big on the reference chip: every expert evaluation and the optimal one at mbs 2 raise."""
     if model == "m-big" and arch.num_tc == REFERENCE.num_tc and arch.tc_x == REFERENCE.tc_x and \
-            arch.glb_bytes == REFERENCE.glb_bytes and (placement == "expert" or mbs == 2):
+            arch.glb_bytes == REFERENCE.glb_bytes and (training.placement == "expert" or training.mbs == 2):
         raise RuntimeError("schedule not proven optimal: time_limit")
-    return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    return fake_evaluate(model, arch, training, system=system)
 
 
 def test_evaluation_errors_are_told_apart_from_memory_misfits(tmp_path):
@@ -209,18 +214,18 @@ def test_evaluation_errors_are_told_apart_from_memory_misfits(tmp_path):
     # row 2: the settings that raised are left out, and the row says so
     assert r2.feasible and r2.mbs == 1
     assert r2.throughput == max(fake_throughput("m-big", REFERENCE, 1, r, "optimal") for r in (False, True))
-    assert r2.reason.startswith("2 of 4 microbatch/recompute settings could not be evaluated")
+    assert r2.reason.startswith("2 of 4 recipes could not be evaluated")
     text = render(result)
     assert "note: 2 of 4" in text
     assert sys_result["rows"]["m-small"]["tpuv4_expert"].reason == ""
 
 
-def no_baseline_for_big(model, arch, mbs, recompute, system="default", placement="optimal"):
+def no_baseline_for_big(model, arch, training, system="default"):
     """m-big cannot be evaluated on the reference chip at all (so it has no TPUv4 baseline)."""
     if model == "m-big" and arch.num_tc == REFERENCE.num_tc and arch.tc_x == REFERENCE.tc_x and \
             arch.glb_bytes == REFERENCE.glb_bytes:
         raise RuntimeError("schedule not proven optimal: time_limit")
-    return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    return fake_evaluate(model, arch, training, system=system)
 
 
 def test_model_without_baseline_is_left_out_of_the_common_objective(tmp_path):
@@ -245,8 +250,8 @@ def test_model_without_baseline_is_left_out_of_the_common_objective(tmp_path):
 def test_unproven_throughputs_are_kept_and_flagged_with_their_bound(tmp_path):
     """A TPUv4 setting whose layer schedules hit the ILP time limit still counts, with a dagger and its bound."""
 
-    def open_on_tpuv4(model, arch, mbs, recompute, system="default", placement="optimal"):
-        r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    def open_on_tpuv4(model, arch, training, system="default"):
+        r = fake_evaluate(model, arch, training, system=system)
         if model == "m-small" and arch.compute_key == REFERENCE.compute_key and r.feasible:
             r.proven, r.throughput_bound, r.unproven = False, r.throughput * 1.25, ["tp1 block/bwd: gap 2.5e-01"]
         return r
@@ -259,3 +264,63 @@ def test_unproven_throughputs_are_kept_and_flagged_with_their_bound(tmp_path):
     assert rows["m-big"]["tpuv4_expert"].bound is None and not rows["m-big"]["tpuv4_expert"].reason
     text = render(result)
     assert " †" in text and "not proven optimal" in text
+
+
+# ---- the TPUv4 rows get every recipe a study gets, whole --------------------------------------------
+
+@pytest.mark.parametrize("expert_fits", [True, False])
+def test_tpuv4_rows_try_every_recipe_and_re_evaluate_the_winner_whole(expert_fits):
+    from phaze_opt.experiments.published import least_memory_recipe, tpuv4_rows
+    from phaze_opt.training import recipe_points
+
+    rec = RecordingEvaluator(expert_fits)
+    row1, row2, baselines = tpuv4_rows(["m-small"], rec, REFERENCE, "tpuv4-pod", EVERY_RECIPE)
+    grid = {Training.from_point(p) for p in recipe_points(EVERY_RECIPE)}
+    assert len(grid) == 288
+    for placement in ("expert", "optimal"):
+        assert {t.with_placement("optimal") for t, _ in rec.seen if t.placement == placement} == grid
+    assert {s for _, s in rec.seen} == {"tpuv4-pod"}
+    best_optimal = max(grid, key=RecordingEvaluator.score)
+    r2 = row2["m-small"]
+    assert r2.feasible and r2.throughput == pytest.approx(RecordingEvaluator.score(best_optimal))
+    assert Training.from_point({"mbs": r2.mbs, "recompute": r2.recompute, **r2.recipe}) == best_optimal
+    assert r2.system == "tpuv4-pod"
+    if expert_fits:
+        best_expert = max(grid, key=RecordingEvaluator.score).with_placement("expert")
+        assert baselines["m-small"].training == best_expert
+        # row 1 re-evaluated at exactly the baseline's recipe (for its placement details)
+        assert rec.seen.count((best_expert, "tpuv4-pod")) == 2  # in the search, then for the row
+    else:
+        assert not row1["m-small"].feasible
+        probe = Training.from_point(least_memory_recipe(EVERY_RECIPE), "expert")
+        assert (probe.mbs, probe.recompute, probe.sequence_parallel, probe.zero, probe.virtual_stages,
+                probe.attention) == (1, "full", True, 3, 1, "flash")
+        assert (probe, "tpuv4-pod") in rec.seen
+        assert "recompute=full" in row1["m-small"].reason and "zero=3" in row1["m-small"].reason
+
+
+def test_common_design_row_evaluates_the_design_whole():
+    from phaze_opt.experiments.published import common_design_row
+
+    rec = RecordingEvaluator()
+    design = {"num_tc": 4, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32, "mbs": 2, "recompute": "selective",
+              "sequence_parallel": True, "virtual_stages": 2, "zero": 1, "overlap_grad_reduce": True,
+              "attention": "flash"}
+    summary = {"study": "s", "best": {"design": design, "accelerator": {}, "area_mm2": 1.0, "trial": 3}}
+    from test_study_fakes import FakeSpace
+
+    row = common_design_row(summary, "m-big", rec, FakeSpace(), "default", "none")
+    assert row.feasible and rec.seen == [(Training.from_point(design), "default")]
+    assert row.recipe == {k: design[k] for k in ("sequence_parallel", "virtual_stages", "zero",
+                                                 "overlap_grad_reduce", "attention")}
+
+
+def test_published_rows_name_their_systems(tmp_path):
+    result = run_published(cfg(tmp_path, reference_system="phaze"), backend())
+    sys_result = result["systems"]["default"]
+    assert sys_result["reference_system"] == "phaze"
+    rows = sys_result["rows"]["m-small"]
+    assert rows["tpuv4_expert"].system == "phaze" and rows["co_optimised"].system == "default"
+    text = render(result)
+    assert "ran on system `phaze`; rows 3 to 5 on `default`" in text
+    assert sys_result["baselines"]["m-small"]["system"] == "phaze"

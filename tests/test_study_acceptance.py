@@ -49,7 +49,7 @@ def test_sampled_exhaustive_compare_end_to_end(tmp_path, monkeypatch, capsys):
     # Optuna: 20 finished trials, the TPUv4 reference first at every microbatch x recompute setting
     s_trials = optuna.load_study(study_name=SAMPLED, storage=f"sqlite:///studies/{SAMPLED}.db").get_trials()
     assert len(s_trials) == 20 and all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in s_trials)
-    refs = [space.reference_point("tpuv4", mbs=m, recompute=r) for m in space.params["mbs"]
+    refs = [space.reference_point("tpuv4", recipe={"mbs": m, "recompute": r}) for m in space.params["mbs"]
             for r in space.params["recompute"]]
     assert [codec.decode(t.params) for t in s_trials[:len(refs)]] == refs
     assert any(is_feasible(t) for t in s_trials)

@@ -7,14 +7,17 @@ unpickle them. No tests live here.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import asdict, dataclass, field
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.accelerator import Accelerator
+from phaze_opt.training import Training
 
 MIB, GIB = 2**20, 2**30
-CALLS: list = []  # (model, compute_key, hbm_bytes, mbs, recompute, placement) of every evaluation
+# (model, compute_key, hbm_bytes, mbs, recomputes, placement, training, system) of every evaluation
+CALLS: list = []
 
 
 @dataclass
@@ -80,10 +83,19 @@ class FakeSpace:
             pts.sort(key=lambda p: -self.area(p))
         return pts
 
-    def reference_point(self, arch="tpuv4", mbs=None, recompute=None) -> dict:
-        return {"num_tc": 4, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32,
-                "mbs": self.params["mbs"][0] if mbs is None else mbs,
-                "recompute": False if recompute is None else recompute}
+    reference_arch = {"num_tc": 4, "tc_x": 16, "glb_mib": 4, "hbm_gib": 32}
+
+    def reference_point(self, arch="tpuv4", recipe=None) -> dict:
+        """The reference chip at `recipe` (point values); a recipe field it leaves out takes the
+        space's first choice (recompute: off)."""
+        recipe = dict(recipe or {})
+        point = dict(self.reference_arch)
+        for name, choices in self.params.items():
+            if name in point:
+                continue
+            default = False if name == "recompute" else choices[0]
+            point[name] = recipe.get(name, default)
+        return point
 
 
 REFERENCE = Accelerator(num_tc=4, tc_x=16, tc_y=16, num_vc=2, vc_width=16, glb_bytes=4 * MIB, glb_bw=1e12,
@@ -94,34 +106,83 @@ def model_factor(model: str) -> float:
     return {"m-small": 1.0, "m-big": 0.25}.get(model, 0.5)
 
 
-def fake_throughput(model: str, arch: Accelerator, mbs: int, recompute: bool, placement: str = "optimal") -> float:
+# Each recipe field moves the fake throughput (1.0 at the field's default), so a test can tell
+# whether an evaluator saw the whole recipe.
+RECOMPUTE_FACTOR = {"none": 1.0, "selective": 0.9, "full": 0.8}
+ZERO_FACTOR = {0: 1.0, 1: 0.99, 3: 0.95}
+
+
+def training_throughput(model: str, arch: Accelerator, training: Training) -> float:
     """A made-up but deterministic throughput with interactions, so samplers have something to learn."""
     peak = arch.num_tc * arch.tc_x * arch.tc_y
     glb = arch.glb_bytes / MIB
-    eff = (1.0 + 0.1 * glb) * (1.0 + 0.3 * (mbs - 1)) * (0.8 if recompute else 1.0) * (arch.hbm_bw / 2e12) ** 0.5
-    eff *= 0.7 if placement == "expert" else 1.0
+    eff = (1.0 + 0.1 * glb) * (1.0 + 0.3 * (training.mbs - 1)) * RECOMPUTE_FACTOR[training.recompute]
+    eff *= (arch.hbm_bw / 2e12) ** 0.5
+    eff *= 0.7 if training.placement == "expert" else 1.0
+    eff *= (1.03 if training.sequence_parallel else 1.0) * (1.0 + 0.02 * (training.virtual_stages - 1))
+    eff *= ZERO_FACTOR[training.zero] * (1.04 if training.overlap_grad_reduce else 1.0)
+    eff *= 1.05 if training.attention == "flash" else 1.0
+    eff /= training.capacity_factor * training.load_imbalance
     return round(peak * eff * model_factor(model), 6)
 
 
-def fake_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
-    CALLS.append((model, arch.compute_key, arch.hbm_bytes, mbs, recompute, placement))
+def fake_throughput(model: str, arch: Accelerator, mbs: int, recompute, placement: str = "optimal",
+                    **recipe) -> float:
+    """`training_throughput` of the recipe given field by field (for tests' expected values)."""
+    return training_throughput(model, arch, Training(mbs, recompute, placement, **recipe))
+
+
+def fake_evaluate(model, arch, training: Training, system="default"):
+    assert isinstance(training, Training), f"an evaluator takes a Training, got {training!r}"
+    mbs, placement = training.mbs, training.placement
+    CALLS.append((model, arch.compute_key, arch.hbm_bytes, mbs, training.recomputes, placement, training, system))
     if arch.num_tc == 2 and mbs == 2 and placement == "optimal":
         raise ValueError("solver exploded on this design")
     area = arch.num_tc * arch.tc_x ** 2 / 64 + 2 * arch.glb_bytes / MIB
     placement_dict = {"tp": 1, "pp": 2, "dp": 4, "microbatches": 8,
                       "stages": [{"layers": [0, 3], "devices": 4}, {"layers": [4, 7], "devices": 4}]}
     timings = {"graph_s": 0.001, "estimate_s": 0.002, "ilp_s": 0.003, "dp_s": 0.004}
-    if model == "m-big" and arch.hbm_bytes == 16 * GIB and not recompute:
+    if model == "m-big" and arch.hbm_bytes == 16 * GIB and not training.recomputes:
         return FakeResult(False, "needs at least 20.0 GiB per device, HBM has 16.0 GiB", 0.0, 0.0, float("inf"),
                           area, 0.0, {}, timings, [], model, None)
-    thr = fake_throughput(model, arch, mbs, recompute, placement)
+    thr = training_throughput(model, arch, training)
     layers = [{"layer": i, "fwd_s": 0.001 * (i + 1), "bwd_s": 0.002 * (i + 1)} for i in range(8)]
     return FakeResult(True, "", thr, thr * 1024, 4096 / thr, area, min(1.0, thr / 5000), placement_dict, timings,
                       layers, model, energy_j=area * 10.0 + 1000.0 / thr)
 
 
-def fake_no_energy(model, arch, mbs, recompute, system="default", placement="optimal"):
-    r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+# Every recipe field a space can sample, with every choice: what a trial may get, the baseline gets.
+EVERY_RECIPE = {"mbs": [1, 2], "recompute": ["none", "selective", "full"], "sequence_parallel": [False, True],
+                "virtual_stages": [1, 2], "zero": [0, 1, 3], "overlap_grad_reduce": [False, True],
+                "attention": ["unfused", "flash"]}
+
+
+class RecordingEvaluator:
+    """Records every `Training` it is given and scores each recipe by a fixed pseudo-random number,
+    so the best recipe is known only to one who tried them all, field by field."""
+
+    def __init__(self, expert_fits=True):
+        self.seen: list = []  # (training, system) of every call
+        self.expert_fits = expert_fits
+
+    @staticmethod
+    def score(training: Training) -> float:
+        key = repr(sorted((k, v) for k, v in training.recipe().items() if k != "placement")).encode()
+        return 1.0 + int(hashlib.sha256(key).hexdigest()[:8], 16) / 2**32
+
+    def __call__(self, model, arch, training, system="default"):
+        assert isinstance(training, Training)
+        self.seen.append((training, system))
+        r = fake_evaluate(model, arch, training, system=system)
+        if training.placement == "expert" and not self.expert_fits:
+            r.feasible, r.reason, r.throughput = False, "expert placement needs 99 GiB", 0.0
+        elif r.feasible:
+            r.throughput = self.score(training) * (0.5 if training.placement == "expert" else 1.0)
+        return r
+
+
+def fake_no_energy(model, arch, training, system="default"):
+    r = fake_evaluate(model, arch, training, system=system)
     r.energy_j = None
     return r
 
@@ -133,12 +194,12 @@ class InterruptAfter:
         self.n = n
         self.count = 0
 
-    def __call__(self, model, arch, mbs, recompute, system="default", placement="optimal"):
-        if placement == "optimal":
+    def __call__(self, model, arch, training, system="default"):
+        if training.placement == "optimal":
             self.count += 1
             if self.count == self.n:
                 raise KeyboardInterrupt
-        return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+        return fake_evaluate(model, arch, training, system=system)
 
 
 def check_model(name: str):

@@ -12,9 +12,10 @@ from phaze_opt.search.objective import (
     compute_baselines,
     evaluate_point,
     parse_objectives,
-    recompute_flag,
 )
-from test_study_fakes import CALLS, REFERENCE, FakeSpace, fake_evaluate, fake_no_energy, fake_throughput
+from phaze_opt.training import Training, recipe_points, recompute_mode
+from test_study_fakes import (CALLS, EVERY_RECIPE, REFERENCE, FakeSpace, RecordingEvaluator, fake_evaluate, fake_no_energy,
+                              fake_throughput)
 
 
 def never_called(*args, **kwargs):
@@ -38,10 +39,12 @@ def test_objectives_parse_and_reject():
         assert "\n" not in str(info.value)
 
 
-def test_recompute_spellings():
-    assert recompute_flag(True) is True and recompute_flag("off") is False and recompute_flag("on") is True
+def test_recompute_spellings_keep_the_mode():
+    assert recompute_mode(True) == "full" and recompute_mode("off") == "none" and recompute_mode("on") == "full"
+    assert recompute_mode("selective") == "selective" and recompute_mode(" Selective ") == "selective"
+    assert Training(recompute="selective").recompute == "selective"
     with pytest.raises(ValueError):
-        recompute_flag("sometimes")
+        recompute_mode("sometimes")
 
 
 def test_over_budget_is_infeasible_without_running_the_solvers():
@@ -102,18 +105,47 @@ def test_energy_objective_without_energy_stops_the_study():
 
 def test_baseline_is_the_best_expert_setting_and_falls_back_to_optimal():
     CALLS.clear()
-    b = compute_baselines(["m-small"], fake_evaluate, REFERENCE, "default", [1, 2], [False, True])["m-small"]
+    params = {"mbs": [1, 2], "recompute": [False, True]}
+    b = compute_baselines(["m-small"], fake_evaluate, REFERENCE, "default", params)["m-small"]
     # expert runs only (the fallback is not needed), best is mbs=2 without recompute
     assert {c[5] for c in CALLS} == {"expert"} and len(CALLS) == 4
-    assert (b.feasible, b.mbs, b.recompute, b.placement) == (True, 2, False, "expert")
+    assert (b.feasible, b.mbs, b.recompute, b.placement, b.system) == (True, 2, False, "expert", "default")
     assert b.throughput == pytest.approx(fake_throughput("m-small", REFERENCE, 2, False, "expert"))
 
-    def expert_never_fits(model, arch, mbs, recompute, system="default", placement="optimal"):
-        r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
-        if placement == "expert":
+    def expert_never_fits(model, arch, training, system="default"):
+        r = fake_evaluate(model, arch, training, system=system)
+        if training.placement == "expert":
             r.feasible, r.reason, r.throughput = False, "expert placement needs 40 GiB", 0.0
         return r
 
-    b = compute_baselines(["m-small"], expert_never_fits, REFERENCE, "default", [1, 2], [False])["m-small"]
+    b = compute_baselines(["m-small"], expert_never_fits, REFERENCE, "default", {"mbs": [1, 2], "recompute": [False]})
+    b = b["m-small"]
     assert b.feasible and b.placement == "optimal" and b.mbs == 2
     assert Baseline.from_json(b.to_json()) == b
+
+
+@pytest.mark.parametrize("expert_fits", [True, False])
+def test_baseline_tries_every_recipe_field_and_choice_and_keeps_the_whole_winner(expert_fits):
+    rec = RecordingEvaluator(expert_fits)
+    b = compute_baselines(["m-small"], rec, REFERENCE, "tpuv4-pod", EVERY_RECIPE)["m-small"]
+    placement = "expert" if expert_fits else "optimal"
+    grid = [Training.from_point(p, placement) for p in recipe_points(EVERY_RECIPE)]
+    assert len(set(grid)) == 2 * 3 * 2 * 2 * 3 * 2 * 2 == len(grid)
+    # every recipe of the space was evaluated, whole, at the baseline's placement
+    assert {t for t, _ in rec.seen if t.placement == placement} == set(grid)
+    best = max(grid, key=RecordingEvaluator.score)
+    assert b.training == best and b.placement == placement and b.system == "tpuv4-pod"
+    assert b.throughput == pytest.approx(RecordingEvaluator.score(best) * (0.5 if expert_fits else 1.0))
+    # the stored baseline rebuilds the same recipe (a resumed study divides by the same recipe)
+    assert Baseline.from_json(b.to_json()).training == best
+
+
+def test_baseline_recipe_selective_is_kept_selective():
+    """A space whose best reference recipe is selective recompute must store and report selective
+    with selective's throughput (a lossy on/off conversion once turned it into full)."""
+    rec = RecordingEvaluator()
+    params = {"mbs": [1], "recompute": ["none", "selective", "full"]}
+    b = compute_baselines(["m-small"], rec, REFERENCE, "default", params)["m-small"]
+    assert [t.recompute for t, _ in rec.seen] == ["none", "selective", "full"]
+    best = max((t for t, _ in rec.seen), key=RecordingEvaluator.score)
+    assert b.recompute == best.recompute and b.training.recompute == best.recompute

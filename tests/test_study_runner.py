@@ -36,7 +36,7 @@ def test_study_runs_reference_first_and_records_every_kind_of_trial(tmp_path):
     codec = SpaceCodec(space.params)
     # the reference design at every microbatch x recompute choice comes first
     refs = [codec.decode(t.params) for t in trials[:4]]
-    assert refs == [space.reference_point(mbs=m, recompute=r) for m in (1, 2) for r in (False, True)]
+    assert refs == [space.reference_point(recipe={"mbs": m, "recompute": r}) for m in (1, 2) for r in (False, True)]
     assert all(t.user_attrs.get("reference") == "tpuv4" for t in trials[:4])
     by_kind = {"area": 0, "memory": 0, "fail": 0, "ok": 0}
     for t in trials:
@@ -300,3 +300,33 @@ def test_best_trial_breaks_throughput_ties_by_area_then_trial_number():
     # equal throughput and area: the earliest; a higher throughput beats any area
     assert best_trial([trial(3, 10.0, 250.0), trial(1, 10.0, 250.0)], ["throughput"]).number == 1
     assert best_trial([trial(0, 10.0, 100.0), trial(1, 10.5, 400.0)], ["throughput"]).number == 1
+
+
+def test_baseline_gets_the_whole_recipe_space_on_its_own_system_and_the_study_evaluates_it(tmp_path):
+    """A space sampling every recipe field: the baseline is the best reference recipe over all of
+    them (on the reference system), the summary names that recipe and system, and the study
+    enqueues the reference at that recipe, so its ratio's denominator is a design it evaluated."""
+    from phaze_opt.search.report import render
+    from phaze_opt.training import Training
+
+    params = {"num_tc": [1, 4], "tc_x": [16], "glb_mib": [4], "hbm_gib": [32], "mbs": [1, 2],
+              "recompute": ["none", "selective"], "sequence_parallel": [False, True], "zero": [0, 3],
+              "attention": ["unfused", "flash"]}
+    space = FakeSpace(params=params)
+    cfg = config(tmp_path, trials=20, reference_system="phaze")
+    CALLS.clear()
+    summary = run_study(cfg, backend(space))
+    base = summary["baselines"]["m-small"]
+    # the fake's best reference recipe: mbs 2, no recompute, SP on, ZeRO 0, flash, expert placement
+    assert (base["mbs"], base["recompute"], base["placement"], base["system"]) == (2, "none", "expert", "phaze")
+    assert base["recipe"] == {"sequence_parallel": True, "zero": 0, "attention": "flash"}
+    baseline_calls = [c for c in CALLS if c[5] == "expert"]
+    assert {c[7] for c in baseline_calls} == {"phaze"} and len(baseline_calls) == 2 * 2 * 2 * 2 * 2
+    assert len({c[6] for c in baseline_calls}) == 32
+    text = render(summary)
+    assert "sequence_parallel=True, zero=0, attention=flash, expert placement, on system phaze" in text
+    study = load(cfg)
+    codec = SpaceCodec(space.params)
+    queued = [codec.decode(t.params) for t in study.get_trials() if t.user_attrs.get("reference")]
+    assert space.reference_point(recipe={"mbs": 2, "recompute": "none", **base["recipe"]}) in queued
+    assert Training.from_point(queued[-1]) == Training(2, "none", sequence_parallel=True, zero=0, attention="flash")

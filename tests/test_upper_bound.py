@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.design.space import load_space
-from phaze_opt.design.evaluate import evaluate_design, layer_costs, tp_widths
+from phaze_opt.design.evaluate import evaluate, layer_costs, tp_widths
+from phaze_opt.training import Training
 from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import StudyConfig
@@ -80,9 +81,9 @@ def test_bounds_hold_on_real_layers_and_placements():
             fwd, bwd = w.layer_rows(i)
             assert np.all(fwd <= np.asarray(exact.fwd_s) + 1e-15) and np.all(bwd <= np.asarray(exact.bwd_s) + 1e-15)
             assert fwd.sum() >= 0.5 * np.sum(exact.fwd_s)  # a bound of 0 would prune nothing
-        ub1 = placement_throughput(model, widths, i, system=system, mbs=1, recompute=p["recompute"],
+        ub1 = placement_throughput(model, widths, i, system=system, training=Training(1, p["recompute"]),
                                    hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
-        actual = evaluate_design(model, a, 1, p["recompute"]).throughput
+        actual = evaluate(model, a, Training(1, p["recompute"])).throughput
         assert ideal[i] >= ub1 >= actual, (a.name, ideal[i], ub1, actual)
 
 
@@ -112,9 +113,9 @@ def test_bounds_hold_for_every_recipe_option(recipe):
     extra = {k: v for k, v in recipe.items() if k != "recompute"}
     feasible = 0
     for i, a in enumerate(accels):
-        ub1 = placement_throughput(model, widths, i, system=system, mbs=1, recompute=recipe["recompute"],
-                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops, **extra)
-        result = evaluate_design(model, a, 1, recipe["recompute"], **extra)
+        ub1 = placement_throughput(model, widths, i, system=system, training=Training(1, **recipe),
+                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
+        result = evaluate(model, a, Training(1, recipe["recompute"], **extra))
         feasible += result.feasible
         # (with overlap every transfer is free in the bound, so level 1 may meet level 0 up to rounding)
         assert ideal[i] * (1 + 1e-12) >= ub1 >= result.throughput, (a.name, ideal[i], ub1, result.throughput)

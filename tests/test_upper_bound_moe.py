@@ -54,8 +54,8 @@ def test_bounds_hold_with_ep_and_cp(recipe):
     extra = {k: v for k, v in recipe.items() if k != "recompute"}
     feasible = used_parallel = 0
     for i, a in enumerate(accels):
-        ub1 = placement_throughput(model, widths, i, system=system, mbs=1, recompute=recipe["recompute"],
-                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops, **extra)
+        ub1 = placement_throughput(model, widths, i, system=system, training=Training(1, **recipe),
+                                   hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
         result = evaluate(model, a, Training(1, **recipe), system, 2.0)
         feasible += result.feasible
         used_parallel += result.feasible and (result.placement["ep"] > 1 or result.placement["cp"] > 1)

@@ -64,8 +64,10 @@ def run(args) -> dict:
             if value < 1:
                 raise PhazeError(f"{flag} must be a positive integer, got {value}")
             system = replace(system, **{field: value})
-    recipe = Training(check_mbs(args), args.recompute, args.placement, args.sequence_parallel, args.virtual_stages,
-                      args.zero, args.overlap_grad_reduce, args.attention, args.capacity_factor, args.load_imbalance)
+    recipe = Training(mbs=check_mbs(args), recompute=args.recompute, placement=args.placement,
+                      sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, zero=args.zero,
+                      overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
+                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -77,9 +79,7 @@ def run(args) -> dict:
             raise PhazeError(f"--seq {args.seq}: {model.name} has {model.positions} learned positions")
         model = replace(model, seq=args.seq)
     evaluate = design_evaluator(args.ilp_time_limit)
-    fields = recipe.recipe()
-    fields.pop("mbs"), fields.pop("recompute"), fields.pop("placement")
-    result = evaluate(model, arch, recipe.mbs, recipe.recompute, system, recipe.placement, **fields).to_json()
+    result = evaluate(model, arch, recipe, system).to_json()
     result["arch"] = arch.name or args.arch
     spec = recipe.recipe()
     spec["placement_spec"] = spec.pop("placement")

@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
                         f"(default {', '.join(EXTRA_MODELS)}: a mixture of experts and a 32K-token context)")
     p.add_argument("--no-extra", action="store_true", help="leave out the MoE and long-context models")
     add_ilp_time_limit(p)
+    p.add_argument("--reference-system", default=None, metavar="NAME",
+                   help="system rows 1 and 2 (TPUv4) run on (default tpuv4-pod, the TPU v4 pod's torus)")
     p.add_argument("--resume", action="store_true",
                    help="reuse this table's studies in --output-dir instead of starting them afresh")
 
@@ -45,6 +47,7 @@ def config_from_args(args):
         trials=args.trials, seed=args.seed, workers=args.workers, tracking_uri=args.tracking_uri,
         output_dir=args.output_dir, fresh=not args.resume, ilp_time_limit_s=args.ilp_time_limit,
         extra_models=() if args.no_extra else tuple(args.extra_model or EXTRA_MODELS),
+        reference_system=args.reference_system,
     )
 
 

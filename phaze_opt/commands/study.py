@@ -56,6 +56,8 @@ def add_arguments(p) -> None:
                    help="always show the progress bar (default: a bar when stderr is a terminal, else a plain "
                         "progress line every 10 s and at the end)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+    p.add_argument("--reference-system", default=None, metavar="NAME",
+                   help="system the TPUv4 baseline runs on (default tpuv4-pod, the TPU v4 pod's torus)")
 
 
 def config_from_args(args) -> StudyConfig:
@@ -79,6 +81,7 @@ def config_from_args(args) -> StudyConfig:
         output_dir=args.output_dir,
         progress=args.progress,
         ilp_time_limit_s=args.ilp_time_limit,
+        reference_system=args.reference_system,
     )
 
 

@@ -1,7 +1,9 @@
 """Evaluate one design: workload graphs -> operator latencies -> per-layer ILP -> placement DP.
 
-    evaluate(model, arch, Training(mbs, recompute, placement), system="default") -> DesignResult
-    evaluate_design(model, arch, mbs, recompute, system="default", placement="optimal")  (the same)
+    evaluate(model, arch, Training(mbs, recompute, placement, ...), system="default") -> DesignResult
+
+The recipe travels whole: every caller builds one `Training` (a study from its point with
+`Training.from_point`, the CLI from its flags) and every layer below reads what it needs of it.
 
 The study, the exhaustive sweep and `phaze-opt evaluate` all go through `evaluate`, so a
 design means the same thing everywhere. It never raises for a design that cannot train: the result
@@ -250,15 +252,13 @@ def check_ilp_time_limit(value) -> float:
 
 @dataclass(frozen=True)
 class DesignEvaluator:
-    """The real evaluator (`evaluate_design`) at a per-pass ILP time limit; picklable, so study
+    """The real evaluator (`evaluate`) at a per-pass ILP time limit; picklable, so study
     workers get it too. A `protocols.BoundedEvaluator`: the proven throughput bounds hold for it."""
 
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
 
-    def __call__(self, model, arch: Accelerator, mbs: int, recompute, system="default",
-                 placement: str = "optimal", **recipe) -> DesignResult:
-        """`recipe`: the further Training fields (sequence_parallel, virtual_stages, zero, ...)."""
-        return evaluate_design(model, arch, mbs, recompute, system, placement, self.ilp_time_limit_s, **recipe)
+    def __call__(self, model, arch: Accelerator, training: Training, system="default") -> DesignResult:
+        return evaluate(model, arch, training, system, self.ilp_time_limit_s)
 
 
 def design_evaluator(ilp_time_limit_s: float | None = None) -> DesignEvaluator:
@@ -316,12 +316,6 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
     return model, system, problem, per_tp
 
 
-def placement_problem(model, arch: Accelerator, mbs: int, recompute: bool, system, tp_widths=None,
-                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
-    """`training_problem` with the recipe given as microbatch and recompute."""
-    return training_problem(model, arch, Training(mbs, recompute), system, tp_widths, ilp_time_limit_s)
-
-
 def with_iteration_overhead(result, system: System):
     """`result` with the system's fixed per-iteration overhead (`SystemEfficiency.iteration_overhead_s`)
     added to its time per batch, and throughput and MFU rescaled. The same constant for every
@@ -350,23 +344,6 @@ def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Tr
     if cp > 1 and model.seq % (2 * cp):
         raise PhazeError(f"placement cp={cp}: the sequence of {model.seq} tokens must split into 2 x cp equal chunks")
     return replace(even_placement(problem, tp, pp, dp), ep=ep, cp=cp)
-
-
-def evaluate_design(
-    model,
-    arch: Accelerator,
-    mbs: int,
-    recompute: bool,
-    system="default",
-    placement: str = "optimal",
-    ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
-    **recipe,
-) -> DesignResult:
-    """Throughput of one design (architecture, microbatch, recompute) with its best or a given placement.
-
-    `ilp_time_limit_s` bounds each layer pass's schedule solve; a shorter limit trades proofs for
-    time (passes left open make the result unproven, with its bound; see the module docstring)."""
-    return evaluate(model, arch, Training(mbs, recompute, placement, **recipe), system, ilp_time_limit_s)
 
 
 def evaluate(model, arch: Accelerator, training: Training, system="default",

@@ -1,7 +1,8 @@
 """The seams of design evaluation, as `typing.Protocol`s: what the study drivers may rely on.
 
-- `Evaluator`: scores one design for one model (`evaluate.evaluate_design`, `DesignEvaluator`, a
-  study's fake in the tests, `experiments.published`'s fixed-placement evaluator).
+- `Evaluator`: scores one design, trained by one whole `Training` recipe, for one model
+  (`evaluate.DesignEvaluator`, a study's fake in the tests, `experiments.published`'s
+  fixed-placement evaluator).
 - `BoundedEvaluator`: an evaluator that runs the real hardware model, layer schedules and placement
   DP, so `upper_bound`'s proven throughput bounds hold for it (bound pruning needs one).
 - `DesignResult`-like results: what the drivers read of a result (`Result`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from ..hardware.accelerator import Accelerator
+from ..training import Training
 
 
 @runtime_checkable
@@ -40,11 +42,14 @@ class Result(Protocol):
 
 @runtime_checkable
 class Evaluator(Protocol):
-    """`evaluator(model, arch, mbs, recompute, system=..., placement=...) -> Result`; picklable when a
-    study runs worker processes (module-level functions, partials of them, small dataclasses)."""
+    """`evaluator(model, arch, training, system=...) -> Result`; picklable when a study runs worker
+    processes (module-level functions, partials of them, small dataclasses).
 
-    def __call__(self, model: str, arch: Accelerator, mbs: int, recompute: bool, system: Any = "default",
-                 placement: str = "optimal") -> Result: ...
+    The recipe is one `Training` (microbatch, recompute mode, placement and every further field),
+    never its fields one by one: an evaluator cannot drop a field it was not written for, and a
+    recording fake sees exactly what the real evaluator would."""
+
+    def __call__(self, model: str, arch: Accelerator, training: Training, system: Any = "default") -> Result: ...
 
 
 @runtime_checkable
@@ -68,8 +73,7 @@ class SearchSpace(Protocol):
 
     def grid_points(self, order: str = "area") -> list[dict]: ...
 
-    def reference_point(self, arch: str = "tpuv4", mbs: int | None = None,
-                        recompute: bool | None = None) -> dict: ...
+    def reference_point(self, arch: str = "tpuv4", recipe: dict | None = None) -> dict: ...
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -50,7 +50,7 @@ from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
 from ..system import MBS_LIMIT
-from ..training import ATTENTIONS, OPTIONAL_FIELDS, RECOMPUTE_MODES, SAMPLED_FIELDS, ZERO_STAGES, Training
+from ..training import OPTIONAL_FIELDS, RECOMPUTE_MODES, SAMPLED_FIELDS, Training, check_recipe_value
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
@@ -82,27 +82,16 @@ def _native(v):
 
 
 def _check_value(file, where: str, name: str, v) -> Any:
-    if name == "recompute":
-        if not isinstance(v, bool) and v not in RECOMPUTE_MODES:
+    if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe itself (training.check_recipe_value)
+        if name == "recompute" and not isinstance(v, bool) and v not in RECOMPUTE_MODES:
             raise config_error(file, where, f"choices must be true or false or one of {', '.join(RECOMPUTE_MODES)}, "
                                             f"got {v!r}")
-        return v
-    if name in ("sequence_parallel", "overlap_grad_reduce"):
-        if not isinstance(v, bool):
-            raise config_error(file, where, f"choices must be true or false, got {v!r}")
-        return v
-    if name == "zero":
-        if isinstance(v, bool) or v not in ZERO_STAGES:
-            raise config_error(file, where, f"choices must be among {', '.join(map(str, ZERO_STAGES))}, got {v!r}")
-        return int(v)
-    if name == "attention":
-        if v not in ATTENTIONS:
-            raise config_error(file, where, f"choices must be among {', '.join(ATTENTIONS)}, got {v!r}")
-        return v
-    if name == "virtual_stages":
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > 64:
-            raise config_error(file, where, f"choices must be integers from 1 to 64, got {v!r}")
-        return v
+        if isinstance(v, str) and name not in ("recompute", "attention"):
+            raise config_error(file, where, f"choices must be plain values, not text, got {v!r}")
+        try:
+            return check_recipe_value(name, v)
+        except PhazeError as exc:
+            raise config_error(file, where, f"choices: {exc}") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise config_error(file, where, f"values must be positive numbers, got {v!r}")
     v = _native(v)
@@ -335,13 +324,17 @@ class SearchSpace:
 
     # ---- reference designs ----------------------------------------------------------------------
 
-    def reference_point(self, arch: str | os.PathLike = "tpuv4", mbs: int | None = None, recompute: bool | None = None) -> dict:
-        """The point of this space that builds `arch` (a reference design name or path).
+    def reference_point(self, arch: str | os.PathLike = "tpuv4", recipe: Mapping[str, Any] | None = None) -> dict:
+        """The point of this space that builds `arch` (a reference design name or path), trained by
+        `recipe` (point values of the space's recipe fields, e.g. a `Baseline.recipe` with its mbs
+        and recompute); a recipe field it leaves out takes the `Training` default where the space
+        offers it, else the space's first choice (recompute: "none" or off where offered).
 
         Fails with a one-line error when the space cannot express the design (a fixed or tied field,
-        or a derived bandwidth, differs). `mbs` defaults to the first choice, `recompute` to False.
+        or a derived bandwidth, differs) or the recipe (a value the space does not offer).
         """
         acc = load_arch(arch)
+        recipe = dict(recipe or {})
         have = {
             "num_tc": acc.num_tc, "tc_x": acc.tc_x, "tc_y": acc.tc_y, "num_vc": acc.num_vc, "vc_width": acc.vc_width,
             "glb_mib": _native(acc.glb_bytes / MIB), "hbm_gib": _native(acc.hbm_bytes / GIB),
@@ -349,11 +342,14 @@ class SearchSpace:
         }
         point = {}
         for p in self.params:
-            if p == "mbs":
-                point[p] = self.params["mbs"][0] if mbs is None else mbs
+            if p in recipe:
+                if recipe[p] not in self.params[p]:
+                    raise PhazeError(f"space '{self.name}' offers no {p} {recipe[p]!r} (choices: {self.params[p]})")
+                point[p] = recipe[p]
+            elif p == "mbs":
+                point[p] = self.params["mbs"][0]
             elif p == "recompute":
-                default = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
-                point[p] = default if recompute is None else recompute
+                point[p] = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
             elif p in RECIPE_FIELDS:  # the Training default where the space offers it, else its first choice
                 default = getattr(Training(), p)
                 point[p] = default if default in self.params[p] else self.params[p][0]

@@ -51,12 +51,14 @@ term that shrinks as the backward grows: the bound counts it as 0, see `placemen
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
 from ..solve.expert_parallel import optimal_placement
 from ..solve.placement_types import LayerCosts, PlacementProblem
+from ..training import Training
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
 from .parallel import cp_widths, ep_widths, parallel_sizes
@@ -223,14 +225,12 @@ def pipeline_throughput(widths: list[WidthBounds], mbs: int, accelerators: int, 
         return np.where(best > 0, global_batch / best, np.inf)
 
 
-def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, mbs: int, recompute,
-                         hbm_bytes: float, peak_flops: float, sequence_parallel: bool = False,
-                         virtual_stages: int = 1, zero: int = 0, overlap_grad_reduce: bool = False,
-                         attention: str | None = None) -> float:
+def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, training: Training,
+                         hbm_bytes: float, peak_flops: float) -> float:
     """Level 1: the optimal placement's throughput on design `row`'s lower-bound layer times.
 
-    The memory facts (HBM capacity, the recipe: recompute mode, sequence parallelism, virtual
-    stages, ZeRO; the microbatch) are the point's own, so exactly the placements that fit the real
+    The memory facts (HBM capacity, the whole recipe `training`: recompute mode, sequence
+    parallelism, virtual stages, ZeRO; the microbatch) are the point's own, so exactly the placements that fit the real
     evaluation fit here (the same interleaving constraint too); only times are bounds: the layer
     times (`widths`, which must be those of the recipe's attention kernel), selective recompute's
     attention-core time (0 here) and the optimizer step (not costed here). Every time term of the
@@ -243,33 +243,41 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     it would not be, since compute hidden under gathers lengthens the window but not the pass.)
     0.0 when no placement fits memory (then no schedule can make one fit).
     """
+    mbs, attention = training.mbs, training.attention
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
     def costs_of(w):
         m = replace(model, seq=model.seq // w.cp) if w.cp > 1 else model
         g = build_layer_graph(m, w.tp, mbs, attention=attention)
-        return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row), sequence_parallel=sequence_parallel),
-                              m, mbs, w.cp)
+        return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row),
+                                                          sequence_parallel=training.sequence_parallel), m, mbs, w.cp)
 
     further = [costs_of(cw) for w in widths for cw in w.cp_bounds]
+    # The imbalance only lengthens the experts' times, which the bound takes at zero (module docstring).
     problem = PlacementProblem(
         costs=tuple(costs_of(w) for w in widths),
         ep_widths=ep_widths(model), cp_widths=tuple(sorted({1, *(c.cp for c in further)})), cp_costs=tuple(further),
-        system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute=recompute,
+        system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, training=training,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
-        virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
-        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=training.overlap_grad_reduce,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0
 
 
-def group_placement_throughput(model, widths_by_attention: dict, row: int, *, system, mbs: int, recomputes,
-                               sequence_parallels, hbm_bytes: float, peak_flops: float, virtual_stages: int = 1,
-                               zero: int = 0, overlap_grad_reduce: bool = False) -> float:
-    """Level 1 for a group of recipes at once: every combination of the given attention kernels
-    (`widths_by_attention`: kernel -> its lower-bound layer times), recompute modes and sequence
-    parallelism choices, at one virtual stage count, ZeRO stage and overlap choice.
+def relaxed_recipe(training: Training) -> Training:
+    """The recipe a group bound runs (`group_placement_throughput`): `training` with the fields the
+    relaxation takes the best of (recompute mode, sequence parallelism, attention kernel) cleared.
+    Recipes with the same relaxed recipe share every other field, including any added later, so they
+    may be bounded together."""
+    return replace(training, recompute="none", sequence_parallel=False, attention=None, placement="optimal")
+
+
+def group_placement_throughput(model, widths_by_attention: dict, row: int, *, system, recipes: Sequence[Training],
+                               hbm_bytes: float, peak_flops: float) -> float:
+    """Level 1 for a group of recipes at once: `recipes`, which share their microbatch, virtual stage
+    count, ZeRO stage and overlap choice and may differ in attention kernel (`widths_by_attention`:
+    kernel -> its lower-bound layer times), recompute mode and sequence parallelism.
 
     One placement DP on a relaxed problem: per layer the least forward and backward lower bound over
     the kernels, no recompute time, the least bytes kept per microbatch over every kernel, mode and
@@ -279,6 +287,14 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
     this bound is at least each of their level-1 bounds. inf when the kernels' layer graphs differ
     in shape, or the model may use expert or context parallelism (no relaxation then).
     """
+    shared = {relaxed_recipe(r) for r in recipes}
+    if len(shared) != 1:
+        raise ValueError("group_placement_throughput: the recipes may differ only in recompute, sequence "
+                         "parallelism and attention kernel")
+    relaxed = shared.pop()
+    mbs = relaxed.mbs
+    recomputes = {r.recompute for r in recipes}
+    sequence_parallels = {r.sequence_parallel for r in recipes}
     if ep_widths(model) != (1,) or any(w.cp_bounds for ws in widths_by_attention.values() for w in ws):
         return float("inf")  # the relaxation below fixes EP = CP = 1: no bound for models that may use them
     per_kernel = {}
@@ -302,11 +318,11 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
             input_bytes=[min(ls[j].input_bytes for ls in layers) for j in range(len(g0.layers))],
             edges=tuple(g0.edges), names=tuple(l.name for l in g0.layers)))
     kinds = [layer.kind for layer in graphs0[0].layers]
+    # The relaxation runs the group's shared fields with no recompute (its kept bytes are the least above).
     problem = PlacementProblem(
-        costs=tuple(costs), system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, mbs=mbs, recompute="none",
+        costs=tuple(costs), system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, training=relaxed,
         seq_len=model.seq, model_flops_per_sequence=graphs0[0].train_flops_per_sequence,
-        virtual_stages=virtual_stages, zero=zero, overlap_grad_reduce=overlap_grad_reduce,
-        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=relaxed.overlap_grad_reduce,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

@@ -49,13 +49,13 @@ import numpy as np
 from ..design.dominance import dominators
 from ..design.evaluate import tp_widths
 from ..design.upper_bound import (CHUNK, WidthBounds, concat_bounds, group_placement_throughput, ideal_throughput,
-                                  layer_lower_bounds, pipeline_throughput, placement_throughput,
+                                  layer_lower_bounds, pipeline_throughput, placement_throughput, relaxed_recipe,
                                   slice_designs)
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
-from ..training import OPTIONAL_FIELDS, Training
+from ..training import Training, recipe_choices
 from ..workload.graphs import build_layer_graph
 from ..workload.models import load_model
 from . import objective, signals
@@ -86,8 +86,7 @@ class Grid:
         self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.architectures(order="grid")]
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
-        names = ["recompute"] + [f for f in OPTIONAL_FIELDS if f in space.params]
-        self.rcs = [dict(zip(names, values)) for values in itertools.product(*(space.params[n] for n in names))]
+        self.rcs = recipe_choices(space.params)
         self.attns = list(space.params.get("attention", [None]))  # level 0 and 1 bound each kernel's graph
         self.n_rows = len(self.archs) * len(self.hbms)
 
@@ -164,34 +163,31 @@ def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, at
             incumbent: float = 0.0) -> list[float]:
     """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds.
 
-    Recipes are grouped by (virtual stages, ZeRO, overlap); each group is first bounded at once
+    Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
     (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
     bound cannot beat `incumbent` (the best score when the task was handed out; the best only
     grows) gives all its recipes that bound; the others are bounded one by one."""
     model, system = _W["model"], _W["system"]
-    recipes = [Training(mbs, rc["recompute"], **{k: v for k, v in rc.items() if k != "recompute"}) for rc in rcs]
+    recipes = [Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
     groups: dict = {}
     for i, recipe in enumerate(recipes):
-        groups.setdefault((recipe.virtual_stages, recipe.zero, recipe.overlap_grad_reduce), []).append(i)
+        groups.setdefault(relaxed_recipe(recipe), []).append(i)
     out = [0.0] * len(rcs)
-    for (v, zero, overlap), members in groups.items():
+    for members in groups.values():
         group_bound = float("inf")
         if len(members) > 1:
             kernels = {recipes[i].attention: widths[attns.index(rcs[i].get("attention"))] for i in members}
-            group_bound = group_placement_throughput(
-                model, kernels, 0, system=system, mbs=mbs, recomputes={recipes[i].recompute for i in members},
-                sequence_parallels={recipes[i].sequence_parallel for i in members}, hbm_bytes=hbm_bytes,
-                peak_flops=peak_flops, virtual_stages=v, zero=zero, overlap_grad_reduce=overlap)
+            group_bound = group_placement_throughput(model, kernels, 0, system=system,
+                                                     recipes=[recipes[i] for i in members], hbm_bytes=hbm_bytes,
+                                                     peak_flops=peak_flops)
         for i in members:
             if group_bound <= incumbent:
                 out[i] = group_bound
                 continue
             recipe = recipes[i]
             out[i] = min(group_bound, placement_throughput(
-                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, mbs=mbs,
-                recompute=recipe.recompute, hbm_bytes=hbm_bytes, peak_flops=peak_flops,
-                sequence_parallel=recipe.sequence_parallel, virtual_stages=v, zero=zero,
-                overlap_grad_reduce=overlap, attention=recipe.attention))
+                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, training=recipe,
+                hbm_bytes=hbm_bytes, peak_flops=peak_flops))
     return out
 
 

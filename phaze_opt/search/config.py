@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import configs
 from .objective import directions
 from .tracking import DEFAULT_TRACKING_URI
 
@@ -13,6 +14,18 @@ ORDERS = ("area", "grid")
 # The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
 # (msr-fiddle/phaze, Solver/solver.py: acc_group_range = 10000, areas in um^2).
 PHAZE_AREA_GROUP_MM2 = 0.01
+# The cluster a reference chip really trains on, when the study names none: TPU v4 in its pod's 3D
+# torus of inter-chip links (Jouppi et al., ISCA 2023), not in the study's GPU-like nodes.
+REFERENCE_SYSTEMS = {"tpuv4": "tpuv4-pod"}
+
+
+def reference_system_for(reference_arch: str, reference_system: str | None, system: str) -> str:
+    """The system the baseline runs on: the one named, else the reference chip's own cluster where
+    one is shipped (`REFERENCE_SYSTEMS`), else the study's system."""
+    if reference_system:
+        return reference_system
+    own = REFERENCE_SYSTEMS.get(str(reference_arch))
+    return own if own and own in configs.available("systems") else system
 
 
 @dataclass(frozen=True)
@@ -37,10 +50,16 @@ class StudyConfig:
     reference_arch: str = "tpuv4"
     progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines; True: bar; False: none
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: evaluate's default (60 s)
+    reference_system: str | None = None  # the baseline's cluster; None: `reference_system_for`'s choice
 
     @property
     def mode(self) -> str:
         return "exhaustive" if self.exhaustive else "sampled"
+
+    @property
+    def baseline_system(self) -> str:
+        """The system the reference chip's baseline runs on (see `reference_system_for`)."""
+        return reference_system_for(self.reference_arch, self.reference_system, self.system)
 
     @property
     def directions(self) -> list[str]:

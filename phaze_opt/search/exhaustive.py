@@ -35,7 +35,7 @@ import optuna
 
 from ..design.protocols import area_params as space_area_params
 from ..errors import PhazeError
-from ..training import OPTIONAL_FIELDS, SAMPLED_FIELDS
+from ..training import RECIPE_FIELDS
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
 from . import reconcile, signals
@@ -55,7 +55,7 @@ from .setup import load_study, release_storage
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 from .tracking import NullTracker
 
-RUN_PARAMS = SAMPLED_FIELDS + OPTIONAL_FIELDS
+RUN_PARAMS = RECIPE_FIELDS
 
 
 def _freeze(value: Any):

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
 from ..jsonable import jsonable  # noqa: F401  (re-exported for the sweeps)
-from ..training import Training, recompute_flag  # noqa: F401  (recompute_flag: re-exported)
+from ..training import Training, recipe_points
 
 OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
 MIN_AREA_VIOLATION = 0.01
@@ -71,7 +71,13 @@ def directions(objectives: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Baseline:
-    """A model's TPUv4 reference: the denominator of the ratios every report shows."""
+    """A model's TPUv4 reference: the denominator of the ratios every report shows.
+
+    `recipe` is the winning recipe as the space's own point values (microbatch, recompute and every
+    further recipe field the space samples), so it can be enqueued as a trial and rebuilt whole as a
+    `Training` (`training`); `mbs` and `recompute` repeat two of them for reports and older readers.
+    `system` is the cluster the reference ran on (a TPU v4 pod by default, see `reference_system`).
+    """
 
     model: str
     feasible: bool
@@ -82,6 +88,15 @@ class Baseline:
     placement: str = "expert"  # expert, or optimal when the expert placement fits at no setting
     energy_j: float | None = None
     reason: str = ""
+    recipe: dict = field(default_factory=dict)
+    system: str = ""
+
+    @property
+    def training(self) -> Training:
+        """The baseline's whole recipe, with its placement (a study stored before `recipe` existed
+        kept only the microbatch and recompute; the other fields were then the defaults)."""
+        point = {"mbs": self.mbs, "recompute": self.recompute, **(self.recipe or {})}
+        return Training.from_point(point, self.placement)
 
     def to_json(self) -> dict:
         return jsonable(self.__dict__)
@@ -188,20 +203,6 @@ def area_violation(ok: bool, area: float, budget: float) -> float:
     return max(excess, MIN_AREA_VIOLATION)
 
 
-def recompute_arg(training: Training):
-    """The recompute argument of an Evaluator call: a bool for none/full (what every evaluator
-    takes), the mode name for selective."""
-    return training.recompute if training.recompute == "selective" else training.recompute == "full"
-
-
-def recipe_kwargs(training: Training) -> dict:
-    """The recipe fields beyond mbs/recompute/placement that differ from their defaults (so an
-    evaluator without them keeps working for today's spaces)."""
-    defaults = Training()
-    return {k: getattr(training, k) for k in ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce",
-                                               "attention") if getattr(training, k) != getattr(defaults, k)}
-
-
 def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     """Evaluate one design point for every model of the study (see the module docstring)."""
     start = time.perf_counter()
@@ -222,8 +223,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     training = Training.from_point(point)
     results = {}
     for model in ctx.models:
-        results[model] = ctx.evaluator(model, accel, training.mbs, recompute_arg(training), system=ctx.system,
-                                       placement=training.placement, **recipe_kwargs(training))
+        results[model] = ctx.evaluator(model, accel, training, system=ctx.system)
     infeasible = [m for m, r in results.items() if not r.feasible]
     constraints["memory"] = float(len(infeasible))
     if len(ctx.models) == 1:
@@ -278,35 +278,39 @@ def _energy(ctx: Context, results: Mapping) -> float:
 
 
 def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arch, system: str,
-                      mbs_choices: Sequence, recompute_choices: Sequence) -> dict[str, Baseline]:
-    """Each model on TPUv4 with its expert placement, at the best microbatch/recompute of the space.
+                      params: Mapping[str, Sequence]) -> dict[str, Baseline]:
+    """Each model on the reference chip with its expert placement, at the best recipe of the space.
 
-    The model configs fix the expert TP/PP/DP but not the microbatch, so the baseline gets the best
-    of the space's settings: the ratios we report are then never flattered by a weak baseline.
-    When the expert placement fits at no setting, the TPUv4 optimal placement stands in (marked).
+    The model configs fix the expert TP/PP/DP but not the recipe, so the baseline gets every recipe
+    a trial may get: each combination of the space's microbatch, recompute and further recipe
+    choices (`training.recipe_points`, whole `Training`s, nothing converted on the way). The ratios
+    we report are then never flattered by a weak baseline. When the expert placement fits at no
+    recipe, the optimal placement stands in (marked). A recipe whose evaluation raises (a solver
+    error) is left out and its error kept for the reason.
     """
+    points = recipe_points(params)
     out = {}
     for model in models:
         best = None
         errors = []
         for placement in ("expert", "optimal"):
-            for mbs in mbs_choices:
-                for rc in recompute_choices:
-                    try:
-                        r = evaluator(model, reference_arch, int(mbs), recompute_flag(rc), system=system,
-                                      placement=placement)
-                    except PhazeError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - reported in the baseline's reason
-                        errors.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    if r.feasible and (best is None or r.throughput > best.throughput):
-                        best = Baseline(model, True, float(r.throughput), float(r.tokens_per_s), mbs, rc,
-                                        placement, r.energy_j)
+            for point in points:
+                training = Training.from_point(point, placement)
+                try:
+                    r = evaluator(model, reference_arch, training, system=system)
+                except PhazeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - reported in the baseline's reason
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                if r.feasible and (best is None or r.throughput > best.throughput):
+                    best = Baseline(model, True, float(r.throughput), float(r.tokens_per_s), point["mbs"],
+                                    point["recompute"], placement, r.energy_j, "",
+                                    {k: v for k, v in point.items() if k not in ("mbs", "recompute")}, str(system))
             if best is not None:
                 break
         if best is None:
-            why = errors[0] if errors else "no placement of the model fits TPUv4 at any microbatch/recompute setting"
-            best = Baseline(model, False, reason=why)
+            why = errors[0] if errors else "no placement of the model fits TPUv4 at any recipe of the space"
+            best = Baseline(model, False, reason=why, system=str(system))
         out[model] = best
     return out

@@ -70,6 +70,14 @@ def unproven_points(trials: Iterable) -> list[dict]:
     return out
 
 
+def baseline_recipe_text(base: dict) -> str:
+    """`mbs=2, recompute=selective, sequence_parallel=True, ..., expert placement, on system tpuv4-pod`:
+    the baseline's whole recipe and the cluster it ran on, as a summary line names them."""
+    recipe = {"mbs": base.get("mbs"), "recompute": base.get("recompute"), **(base.get("recipe") or {})}
+    text = ", ".join(f"{k}={v}" for k, v in recipe.items())
+    return f"{text}, {base.get('placement')} placement" + (f", on system {base['system']}" if base.get("system") else "")
+
+
 def describe_trial(trial, baselines: dict) -> dict:
     result = trial.user_attrs.get("result") or {}
     models = {}
@@ -328,8 +336,7 @@ def render(summary: dict) -> str:
             base = summary["baselines"].get(m, {})
             if ratio is not None:
                 lines.append(f"      {ratio:.3f}x TPUv4 with the expert placement "
-                             f"({_fmt(base.get('throughput'), ' seq/s', 5)} at mbs={base.get('mbs')}, "
-                             f"recompute={base.get('recompute')}, {base.get('placement')} placement)")
+                             f"({_fmt(base.get('throughput'), ' seq/s', 5)}; {baseline_recipe_text(base)})")
             else:
                 lines.append(f"      no TPUv4 expert baseline: {base.get('reason') or 'not available'}")
         if len(best["models"]) > 1 and best.get("ratio_to_tpuv4_expert") is not None:

@@ -207,9 +207,8 @@ class Session:
         stored = self.study.user_attrs.get("baselines") or {}
         if all(m in stored for m in self.config.models):
             return {m: Baseline.from_json(stored[m]) for m in self.config.models}
-        params = self.space.params
         baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
-                                      self.config.system, params["mbs"], params["recompute"])
+                                      self.config.baseline_system, self.space.params)
         if len(self.config.models) > 1:
             for m, b in baselines.items():
                 if not b.feasible or not b.throughput > 0:
@@ -217,6 +216,7 @@ class Session:
                                           "is scored by throughput relative to it, so drop the model")
         self.study.set_user_attr("baselines", {m: b.to_json() for m, b in baselines.items()})
         self.study.set_user_attr("baseline_arch", self.backend.reference_arch.name or self.config.reference_arch)
+        self.study.set_user_attr("baseline_system", self.config.baseline_system)
         return baselines
 
     def _start_tracker(self):
@@ -245,6 +245,9 @@ class Session:
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
                 params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
+                params[f"{prefix}baseline_recipe"] = ",".join(
+                    f"{k}={v}" for k, v in {"mbs": b.mbs, "recompute": b.recompute, **(b.recipe or {})}.items())
+                params[f"{prefix}baseline_system"] = b.system or c.baseline_system
         description = experiment_description(
             study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
             system=c.system, objectives=c.objectives, directions=c.directions, sampler=context["sampler"], mode=c.mode)
@@ -282,19 +285,27 @@ class Session:
         return self.study.get_trials(deepcopy=False)
 
     def enqueue_references(self) -> int:
-        """TPUv4 (the reference) at every microbatch and recompute choice, first, once per study."""
+        """The reference chip, first, once per study: at every microbatch and recompute choice (the
+        other recipe fields at their defaults), then at each model's baseline recipe where that is
+        none of those, so the study evaluates the very recipe its ratios divide by."""
+        recipes = [{"mbs": mbs, "recompute": rc} for mbs in self.space.params["mbs"]
+                   for rc in self.space.params["recompute"]]
+        for b in self.baselines.values():
+            if b.feasible:
+                baseline_recipe = {"mbs": b.mbs, "recompute": b.recompute, **(b.recipe or {})}
+                if baseline_recipe not in recipes:
+                    recipes.append(baseline_recipe)
         n = 0
-        for mbs in self.space.params["mbs"]:
-            for rc in self.space.params["recompute"]:
-                try:
-                    point = self.space.reference_point(arch=self.config.reference_arch, mbs=mbs, recompute=rc)
-                    params = self.codec.encode(point)
-                except (PhazeError, ValueError) as exc:
-                    self.notes.append(f"reference design not enqueued: {exc}")
-                    return n
-                self.study.enqueue_trial(params, user_attrs={"reference": self.config.reference_arch},
-                                         skip_if_exists=True)
-                n += 1
+        for recipe in recipes:
+            try:
+                point = self.space.reference_point(arch=self.config.reference_arch, recipe=recipe)
+                params = self.codec.encode(point)
+            except (PhazeError, ValueError) as exc:
+                self.notes.append(f"reference design not enqueued: {exc}")
+                return n
+            self.study.enqueue_trial(params, user_attrs={"reference": self.config.reference_arch},
+                                     skip_if_exists=True)
+            n += 1
         return n
 
     def close(self, status: str = "FINISHED") -> None:

@@ -212,6 +212,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     for m in models:
         check(m)
     load_system(config.system)
+    load_system(config.baseline_system)
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
     return replace(config, prune=resolve_prune(config, backend))
 

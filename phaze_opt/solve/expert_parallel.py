@@ -72,7 +72,7 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
     """`effective_costs` at CP width c for every EP width in es: the terms that do not depend on e
     are computed once (the same sums in the same order, so the numbers are identical)."""
     system = problem.system
-    imb = problem.load_imbalance
+    imb = problem.training.load_imbalance
     moe = (lc.expert_params > 0) | (lc.expert_fwd_s > 0)
     any_moe = bool(np.any(moe))
     if any_moe:
@@ -155,9 +155,9 @@ def _degrees(problem: PlacementProblem, top: int, e: int) -> np.ndarray:
     """The data-parallel degrees worth trying (the module docstring: "Which d"): without ZeRO the
     first multiple of e of each microbatch count (m falls as d grows, so each count is a run)."""
     multiples = np.arange(e, top + 1, e, dtype=np.int64)
-    if problem.zero or multiples.size == 0:
+    if problem.training.zero or multiples.size == 0:
         return multiples
-    m = -(-problem.system.global_batch // (problem.mbs * multiples))  # PlacementProblem.microbatches
+    m = -(-problem.system.global_batch // (problem.training.mbs * multiples))  # PlacementProblem.microbatches
     return multiples[np.concatenate([[True], m[1:] != m[:-1]])]
 
 
@@ -188,7 +188,7 @@ def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
     HBM) is in none. Otherwise a chain stage longer than its own width's `_chain_width` (the
     longest that fits at the most replicas and 1/v microbatch) is in none."""
     st = b.st
-    if problem.zero == 0 and problem.virtual_stages == 1:
+    if problem.training.zero == 0 and problem.training.virtual_stages == 1:
         return st.kmax >= 1
     if b.own is None:
         return None
@@ -202,7 +202,7 @@ def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.nda
     st = _chain_stack(problem, costs, int(np.max(own))) if own is not None else _stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
-    times = {h: st.stage_time(links[h], problem.virtual_stages)[1] for h in (0, 1)}
+    times = {h: st.stage_time(links[h], problem.training.virtual_stages)[1] for h in (0, 1)}
     return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
                    np.array([lc.tp for lc in costs]), st, experts, times, own)
 
@@ -229,11 +229,11 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     split of the item fits (as `placement._general_groups`)."""
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
-    v = problem.virtual_stages
+    v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(system)
     st = b.st
     L = st.n_layers
-    n_seq = -(-system.global_batch // problem.mbs)
+    n_seq = -(-system.global_batch // problem.training.mbs)
     widths = b.t * b.c
     cache: dict = {}
     blk_parts, d_parts, cnt_parts = [], [], []
@@ -276,23 +276,23 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     split = e > 1
     lat = np.where(ring == 1, system.intra_node.latency, system.inter_node.latency)
     bw = np.where(ring == 1, system.intra_node.bandwidth, system.inter_node.bandwidth)
-    ring_bytes = 2 * g_b if problem.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
+    ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
-    if not problem.overlap_grad_reduce:
+    if not problem.training.overlap_grad_reduce:
         tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
                     * ring_bytes / bw)
         tail_const = np.where(split, 0.0, 2 * (ranks - 1) * lat)
     if problem.hbm_bandwidth > 0:
         per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
-        if problem.zero:
+        if problem.training.zero:
             tail_lin = tail_lin + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * per
         else:
             tail_lin = tail_lin + P * per
     tail_lb = (tail_const + tail_lin / S) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
     with np.errstate(invalid="ignore"):
         lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)
-    if problem.zero == 0:
+    if problem.training.zero == 0:
         state = P * (w_b + g_b + o_b)
     else:
         state = P * (w_b + g_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
@@ -337,7 +337,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
                   best: _Best, stats: dict):
     """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
     system = problem.system
-    v = problem.virtual_stages
+    v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(system)
     st, experts, costs = b.st, b.experts, b.costs
     blk, d, h, ring_intra, S_only = key
@@ -357,25 +357,25 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
     parts = [(dense0, ranks), (expert0, expert_ranks)] if e > 1 else [(params0, ranks)]
     reduce = np.zeros(params0.shape)
     for n_params, n_ranks in parts:
-        if problem.zero == 0:
+        if problem.training.zero == 0:
             r = _ring_allreduce(n_params * g_b, n_ranks, ring)
         else:
             r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
         reduce = reduce + (np.where(n_params > 0, r, 0.0) if e > 1 else r)
-    if problem.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
+    if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
     tail = reduce
     if problem.hbm_bandwidth > 0:
         per = w_b + g_b + 2 * o_b
-        if problem.zero and e > 1:
+        if problem.training.zero and e > 1:
             step = (dense0 / ranks + expert0 / expert_ranks) * per
-        elif problem.zero:
+        elif problem.training.zero:
             step = params0 * per / ranks
         else:
             step = params0 * per
         tail = tail + step / problem.hbm_bandwidth
     tail = np.where(ok, tail, INF)
-    if problem.zero == 0:
+    if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b)
     elif e > 1:
         state = params0 * (w_b + g_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
@@ -427,7 +427,7 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
     N = problem.system.accelerators
     has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
     blocks = []
-    for c in problem.cp_widths if problem.zero != 3 else ():
+    for c in problem.cp_widths if problem.training.zero != 3 else ():
         costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
         es = [e for e in problem.ep_widths if e == 1 or has_experts]
         at = [effective_costs_at(problem, lc, c, es) for lc in costs]
@@ -474,9 +474,10 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     method = "dp-ep-cp"
     best = _Best()
     best.ep, best.cp = 1, 1
-    if problem.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
+    if problem.training.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
         plain = replace(problem, costs=tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs),
-                        ep_widths=(1,), cp_widths=(1,), cp_costs=(), load_imbalance=1.0, training=None)
+                        ep_widths=(1,), cp_widths=(1,), cp_costs=(),
+                        training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
         found = dense_optimal_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages

@@ -153,13 +153,13 @@ def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
 def _layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer, by the recipe's recompute mode: (bytes kept per in-flight microbatch, working set
     during its backward, recompute time); see placement_eval for the model and its sources."""
-    if problem.recompute == "full":
+    if problem.training.recompute == "full":
         kept, work, rec = c.checkpoint_bytes, c.full_work_bytes, c.fwd_s
-    elif problem.recompute == "selective":
+    elif problem.training.recompute == "selective":
         kept, work, rec = c.selective_bytes, c.selective_work_bytes, c.selective_s
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
-    if problem.zero == 3:
+    if problem.training.zero == 3:
         work = work + c.params * state_split(problem.system)[0]
     return kept, work, rec
 
@@ -167,10 +167,10 @@ def _layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, 
 def _state(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
     """Model state bytes per device of stages with `params` parameters at d replicas (ZeRO)."""
     w, g, o = state_split(problem.system)
-    if problem.zero == 0:
+    if problem.training.zero == 0:
         return params * (w + g + o)
     with np.errstate(invalid="ignore"):
-        if problem.zero == 1:
+        if problem.training.zero == 1:
             return params * (w + g) + np.ceil(params * o / d)
         return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
 
@@ -186,9 +186,9 @@ def _chain_width(problem: PlacementProblem, costs) -> int:
     L = costs[0].n_layers
     width = 1
     for c in costs:
-        dmax = max(1, problem.system.accelerators // c.tp) if problem.zero else 1
-        state = c.params * ((w + g + o) / dmax if problem.zero == 3 else (w + g + o / dmax))
-        footprint = (state + _layer_terms(problem, c)[0] / problem.virtual_stages) * (1 - 1e-9)
+        dmax = max(1, problem.system.accelerators // c.tp) if problem.training.zero else 1
+        state = c.params * ((w + g + o) / dmax if problem.training.zero == 3 else (w + g + o / dmax))
+        footprint = (state + _layer_terms(problem, c)[0] / problem.training.virtual_stages) * (1 - 1e-9)
         prefix = np.concatenate([[0.0], np.cumsum(footprint)])
         ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1
         width = max(width, int(np.max(ends - np.arange(L))))
@@ -480,7 +480,7 @@ def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarr
     the cost does not grow with the accelerator count.
     """
     top = problem.system.accelerators // t
-    n = -(-problem.system.global_batch // problem.mbs)
+    n = -(-problem.system.global_batch // problem.training.mbs)
     ds, ms = [], []
     d = 1
     while d <= top:
@@ -755,7 +755,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         counts = np.minimum(L, N // (t * ds))
         d = np.repeat(ds, counts)
         S = np.concatenate([np.arange(1, k + 1) for k in counts]).astype(np.int64)
-        m = -(-system.global_batch // (problem.mbs * d))
+        m = -(-system.global_batch // (problem.training.mbs * d))
         ok = np.ones(d.shape, dtype=bool)
         if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
             ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
@@ -771,7 +771,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         big = total_params / S
         c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
         tail_lb = np.zeros(d.shape)
-        if problem.zero == 3:
+        if problem.training.zero == 3:
             # Each pass of a stage takes at least its compute and at least its layers' gathers (one
             # link, each layer waits for its own), and at least its compute plus its first layer's
             # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
@@ -781,18 +781,18 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
             first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
-            scatter = 0.0 if problem.overlap_grad_reduce else S * half(big * g_b)
+            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
-        elif not problem.overlap_grad_reduce:
-            tail_lb = half(big * g_b) + half(big * (g_b if problem.zero == 0 else w_b))
+        elif not problem.training.overlap_grad_reduce:
+            tail_lb = half(big * g_b) + half(big * (g_b if problem.training.zero == 0 else w_b))
         if problem.hbm_bandwidth > 0:
-            tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth
+            tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
             lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
         # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
         # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
         # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
-        coef = {0: w_b + g_b + o_b, 1: w_b + g_b + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.zero]
+        coef = {0: w_b + g_b + o_b, 1: w_b + g_b + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
@@ -818,7 +818,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     """
     system = problem.system
     N = system.accelerators
-    v = problem.virtual_stages
+    v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(system)
     st = _stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
@@ -852,26 +852,26 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         params0 = np.where(valid[sl], params, 0.0)
         time_g = times[h][sl]
         tail = np.zeros(params.shape)
-        if problem.zero == 3:
+        if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
             exposed_f, exposed_b = _zero3_exposed(st, b, gather)
-            if problem.overlap_grad_reduce:  # beside the whole backward pass (placement_eval)
+            if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement_eval)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
             time_g = time_g + (exposed_f + exposed_b + scatter)
         else:
-            if problem.zero == 0:
+            if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
                     reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
             else:
                 reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
-            if problem.overlap_grad_reduce:
+            if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)
-            if problem.zero:
+            if problem.training.zero:
                 step_bytes = step_bytes / d
             tail = tail + step_bytes / problem.hbm_bandwidth
         tail = np.where(valid[sl], tail, INF)
@@ -887,11 +887,11 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         for S in active:
             p = np.float64(max(float(np.sum(c.params)) / S, float(np.max(c.params))))
             red = 0.0  # ZeRO-3 reduces per microbatch; an overlapped reduction may hide entirely
-            if problem.zero == 0 and not problem.overlap_grad_reduce:
+            if problem.training.zero == 0 and not problem.training.overlap_grad_reduce:
                 red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
-            elif problem.zero == 1 and not problem.overlap_grad_reduce:
+            elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 red = float(_half(p * g_b, d, ring) + _half(p * w_b, d, ring))
-            step = p * (w_b + g_b + 2 * o_b) / (d if problem.zero else 1) / problem.hbm_bandwidth \
+            step = p * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)
 

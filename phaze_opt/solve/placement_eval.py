@@ -184,7 +184,7 @@ def evaluate_placement(
     hbm = problem.hbm_bytes
     hop = system.pipeline_link(t * c, S)
     ring = system.dp_link(t * c, S, d)
-    imb = problem.load_imbalance
+    imb = problem.training.load_imbalance
     ring_cp = system.cp_link(t, c)
     ranks = d * c  # holders of the same dense weights
     expert_ranks = max(1, d * c // e)  # holders of the same routed experts
@@ -199,9 +199,9 @@ def evaluate_placement(
         preds[v].append(u)
         succs[u].append(v)
 
-    mode = problem.recompute
-    v_virt = problem.virtual_stages
-    zero = problem.zero
+    mode = problem.training.recompute
+    v_virt = problem.training.virtual_stages
+    zero = problem.training.zero
     w_b, g_b, o_b = state_split(system)
     stages = []
     for s, stage in enumerate(placement.stages):
@@ -254,7 +254,7 @@ def evaluate_placement(
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
-            if problem.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
+            if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
                 scatter = max(0.0, scatter - (backward + exposed_bwd))
             zero3_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
@@ -286,7 +286,7 @@ def evaluate_placement(
             elif zero == 1:
                 reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
                     n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
-        if problem.overlap_grad_reduce:
+        if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
         if zero and e > 1:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import PhazeError
 from ..system import System
-from ..training import check_mbs, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
+from ..training import Training, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
 from ..workload.ops import EXACT_BYTES, largest_memory_bytes
 
 
@@ -192,8 +192,6 @@ def state_split(system: System) -> tuple[int, int, int]:
     return e, system.grad_bytes_per_param, system.state_bytes_per_param - e - system.grad_bytes_per_param
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 3)
 # LayerCosts' expert- and context-parallel per-layer terms (issue 19), zero by default.
 PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bwd_s", "core_fwd_s", "core_bwd_s",
                    "kv_bytes")
@@ -201,46 +199,39 @@ PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bw
 
 @dataclass(frozen=True, eq=False)
 class PlacementProblem:
-    """Everything the placement needs for one design, microbatch and recompute choice.
+    """Everything the placement needs for one design trained by one recipe.
 
     `costs`: one LayerCosts per allowed TP width (same layers and edges in each);
     `hbm_bytes`: HBM capacity per accelerator; `peak_flops`: its peak FLOP/s (for MFU);
-    `seq_len`: tokens per sequence (for tokens/s); `model_flops_per_sequence`: forward + backward
-    FLOP of the whole model for one sequence, without recompute (the MFU numerator).
-
-    The training recipe's placement-level fields: `recompute` (none | selective | full; a bool
-    means full | none), `virtual_stages` (interleaved 1F1B), `zero` (0, 1, 3), `overlap_grad_reduce`;
-    `hbm_bandwidth` (bytes/s, the optimizer step's HBM traffic; 0: the step is not costed) and
-    `interleave_layers` (the layer count Megatron's interleaving constraint divides by p*v; 0: all
-    layers). Sequence parallelism and the attention kernel are already in the LayerCosts. `training`
-    (a `training.Training`), when given, sets mbs and the recipe fields from itself.
+    `training`: the whole recipe (`training.Training`), already validated: the placement reads its
+    microbatch, recompute mode, virtual stages (interleaved 1F1B), ZeRO stage, overlapped gradient
+    reduction and load imbalance from it, and holds no copy of any of them; sequence parallelism
+    and the attention kernel are already in the LayerCosts. `seq_len`: tokens per sequence (for
+    tokens/s); `model_flops_per_sequence`: forward + backward FLOP of the whole model for one
+    sequence, without recompute (the MFU numerator); `hbm_bandwidth` (bytes/s, the optimizer step's
+    HBM traffic; 0: the step is not costed) and `interleave_layers` (the layer count Megatron's
+    interleaving constraint divides by p*v; 0: all layers).
     """
 
     costs: tuple[LayerCosts, ...]
     system: System
     hbm_bytes: float
     peak_flops: float
-    mbs: int = 1
-    recompute: str = "none"
+    training: Training = Training()
     seq_len: int = 0
     model_flops_per_sequence: float = 0.0
-    virtual_stages: int = 1
-    zero: int = 0
-    overlap_grad_reduce: bool = False
     hbm_bandwidth: float = 0.0
     interleave_layers: int = 0
-    training: object = None
     # Lower-bound mode (design/upper_bound.placement_throughput): an overlapped data-parallel
     # reduction counts as wholly hidden (exposed 0). Its exposed part max(0, reduction - backward) is
     # the one time term that falls as layer times grow, so a bound on lower-bound layer times must not
     # charge it; every other term keeps its cost. Never set for an evaluation.
     reduction_hidden: bool = False
-    # Expert and context parallelism (issue 19): the widths searched, the LayerCosts traced at
-    # seq / c for each c > 1 (their `cp` set; one per TP width), and the load imbalance (recipe).
+    # Expert and context parallelism: the widths searched and the LayerCosts traced at seq / c for
+    # each c > 1 (their `cp` set; one per TP width).
     ep_widths: tuple = (1,)
     cp_widths: tuple = (1,)
     cp_costs: tuple = ()
-    load_imbalance: float = 1.0
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -259,25 +250,9 @@ class PlacementProblem:
             raise ValueError(f"PlacementProblem.hbm_bytes must be finite and non-negative, got {self.hbm_bytes!r}")
         # Whole bytes, like every other memory figure (see the module docstring).
         object.__setattr__(self, "hbm_bytes", float(math.floor(self.hbm_bytes)))
-        if self.training is not None:
-            tr = self.training
-            for name in ("mbs", "recompute", "virtual_stages", "zero", "overlap_grad_reduce"):
-                object.__setattr__(self, name, getattr(tr, name))
-            object.__setattr__(self, "load_imbalance", float(getattr(tr, "load_imbalance", 1.0)))
+        if not isinstance(self.training, Training):
+            raise ValueError(f"PlacementProblem.training must be a Training recipe, got {self.training!r}")
         self._check_parallel(first)
-        check_mbs(self.mbs, "PlacementProblem.mbs", ValueError)
-        rc = self.recompute
-        if isinstance(rc, (bool, np.bool_)):
-            rc = "full" if rc else "none"
-        if rc not in RECOMPUTE_MODES:
-            raise ValueError(f"PlacementProblem.recompute must be one of {RECOMPUTE_MODES} or a bool, got {rc!r}")
-        object.__setattr__(self, "recompute", rc)
-        check_mbs(self.virtual_stages, "PlacementProblem.virtual_stages", ValueError)
-        object.__setattr__(self, "virtual_stages", int(self.virtual_stages))
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise ValueError(f"PlacementProblem.zero must be one of {ZERO_STAGES}, got {self.zero!r}")
-        object.__setattr__(self, "zero", int(self.zero))
-        object.__setattr__(self, "overlap_grad_reduce", bool(self.overlap_grad_reduce))
         object.__setattr__(self, "reduction_hidden", bool(self.reduction_hidden))
         if not (self.hbm_bandwidth >= 0 and math.isfinite(self.hbm_bandwidth)):
             raise ValueError(f"PlacementProblem.hbm_bandwidth must be finite and non-negative, got {self.hbm_bandwidth!r}")
@@ -297,8 +272,6 @@ class PlacementProblem:
             if not widths or widths[0] < 1 or 1 not in widths:
                 raise ValueError(f"PlacementProblem.{name} must be positive integers including 1, got {getattr(self, name)!r}")
             object.__setattr__(self, name, widths)
-        if not (self.load_imbalance >= 1.0 and math.isfinite(self.load_imbalance)):
-            raise ValueError(f"PlacementProblem.load_imbalance must be a finite number >= 1, got {self.load_imbalance!r}")
         cp_costs = tuple(sorted(self.cp_costs, key=lambda c: (c.cp, c.tp)))
         for c in cp_costs:
             if c.n_layers != first.n_layers or c.edges != first.edges or c.cp < 2:
@@ -313,7 +286,7 @@ class PlacementProblem:
         """Whether expert or context parallelism (or a load imbalance) is in play: the placement is
         then searched by `solve/expert_parallel.py`."""
         return self.ep_widths != (1,) or self.cp_widths != (1,) or (
-            self.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs))
+            self.training.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs))
 
     def costs_at(self, tp: int, cp: int = 1) -> LayerCosts:
         """The LayerCosts at TP width tp traced at seq / cp tokens (cp = 1: `costs_for`)."""
@@ -343,13 +316,14 @@ class PlacementProblem:
     def simple(self) -> bool:
         """No option that makes memory or the per-batch term depend on the replica count or the
         stage count: the DP's fast path (see placement.py)."""
-        return self.virtual_stages == 1 and self.zero == 0 and not self.overlap_grad_reduce
+        tr = self.training
+        return tr.virtual_stages == 1 and tr.zero == 0 and not tr.overlap_grad_reduce
 
     def interleaves(self, pp: int, dp: int) -> str:
         """'' when interleaving with this problem's v is allowed at pp stages and dp replicas, else
         why not (Megatron: layers divisible by p*v, microbatches a multiple of p; pp = 1 runs no
         pipeline, so v has no effect there)."""
-        v = self.virtual_stages
+        v = self.training.virtual_stages
         if v == 1 or pp == 1:
             return ""
         if self.interleave_layers % (pp * v):
@@ -361,7 +335,7 @@ class PlacementProblem:
 
     def microbatches(self, dp: int) -> int:
         """Microbatches per pipeline per step: ceil(global batch / (microbatch * replicas))."""
-        return -(-self.system.global_batch // (self.mbs * dp))
+        return -(-self.system.global_batch // (self.training.mbs * dp))
 
 
 @dataclass(frozen=True)
