@@ -14,17 +14,30 @@ so a TP group is t consecutive ranks, a pipeline replica is pp*t consecutive ran
 parallel peers of a stage are pp*t ranks apart. From that layout (nodes are `devices_per_node`
 consecutive ranks):
 
-- a TP group of width t uses the intra-node link when t divides devices_per_node, else the
-  inter-node link (`tp_link`);
+- a TP group of width t uses the intra-node link when t divides devices_per_node; a group of whole
+  nodes spans them with every NIC (`spanning_link`, below); any other width the inter-node link
+  (`tp_link`);
 - the pipeline hops of a replica use the intra-node link only when pp*t divides devices_per_node
   (every replica then sits inside one node); otherwise every hop is charged at the inter-node link,
   even a hop that happens to stay inside a node. That is conservative, and it keeps a stage's time
   independent of where in the pipeline it sits, which the placement DP relies on (`pipeline_link`);
 - the data-parallel ring of a stage is intra-node only when the whole job (pp*t*dp devices) fits in
-  one node, else a ring that crosses nodes runs at the inter-node link (`dp_link`).
+  one node, else a ring that crosses nodes runs at the inter-node link (`dp_link`; conservative
+  where several of its ranks share a node, whose NICs it could spread over as a TP group does: the
+  placement DP prices the ring by that intra/inter choice alone).
 
-Every device has its own link of the stated bandwidth per direction (as in a DGX node with one NIC
-per GPU), so concurrent rings and transfers of different devices do not share bandwidth.
+Every device has its own intra-node link of the stated bandwidth per direction, so concurrent rings
+and transfers of different devices do not share it. Between nodes, a node has `nics_per_node` NICs of
+`inter_node.bandwidth` each (default one per device, as in a DGX node: the meaning every older file
+had); `System.inter_node` is one device's share of them (nics x NIC bandwidth / devices per node), what
+each device gets when every device of the node sends at once (pipeline hops, all-to-alls, a CP ring).
+A collective group that spans nodes with r members in each node shares its ring's inter-node part over
+the NICs of those r members: NCCL runs one channel per NIC and splits the data over the channels, so a
+ring all-reduce of whole DGX A100 nodes reaches 192 GB/s bus bandwidth over 8 x 200 Gbit/s HDR (NCCL
+maintainer, NVIDIA/nccl issue #812), about 8 NICs' worth, and more NICs give more bandwidth up to the
+NVLink bandwidth (NVIDIA/nccl issue #412). Such a group's link (`spanning_link`) has r x the per-device
+share, capped at the intra-node link (the ring's NVLink hops carry the same bytes), and the inter-node
+latency.
 
 Efficiency (issue 17). A system file may carry an `efficiency:` block of global physical parameters
 that the analytical model cannot know because they belong to the software stack (see
@@ -137,6 +150,23 @@ class System:
     path: str = ""
     # The links above are the achieved ones: the datasheet link x the efficiency's fraction.
     efficiency: SystemEfficiency = IDENTITY_EFFICIENCY
+    # NICs per node; `inter_node` is one device's share of them (the module docstring). 0: one per device.
+    nics_per_node: int = 0
+
+    @property
+    def nics(self) -> int:
+        return self.nics_per_node or self.devices_per_node
+
+    @property
+    def nic_bandwidth(self) -> float:
+        """One NIC's achieved bandwidth per direction, bytes/s."""
+        return self.inter_node.bandwidth * self.devices_per_node / self.nics
+
+    def spanning_link(self, members_per_node: int) -> Link:
+        """The link of a collective group that spans nodes with `members_per_node` of its ranks in
+        each (the module docstring): their share of the node's NICs, at most the intra-node link."""
+        bandwidth = min(self.intra_node.bandwidth, members_per_node * self.inter_node.bandwidth)
+        return Link(bandwidth, self.inter_node.latency)
 
     @property
     def nominal_intra_node(self) -> Link:
@@ -184,7 +214,9 @@ class System:
 
     def tp_link(self, t: int) -> Link:
         """The link a TP group of width t all-reduces over (pass it to the latency model)."""
-        return self.intra_node if self.devices_per_node % t == 0 else self.inter_node
+        if self.devices_per_node % t == 0:
+            return self.intra_node
+        return self.spanning_link(self.devices_per_node) if t % self.devices_per_node == 0 else self.inter_node
 
     def pipeline_link(self, t: int, pp: int) -> Link:
         """The link between neighbouring pipeline stages (see the module docstring)."""
@@ -237,6 +269,8 @@ class System:
             "devices_per_node": self.devices_per_node,
             "intra_node": {"bandwidth_bytes_per_s": self.intra_node.bandwidth, "latency_s": self.intra_node.latency},
             "inter_node": {"bandwidth_bytes_per_s": self.inter_node.bandwidth, "latency_s": self.inter_node.latency},
+            **({} if self.nics == self.devices_per_node else
+               {"nics_per_node": self.nics, "nic_bandwidth_bytes_per_s": self.nic_bandwidth}),
             "global_batch": self.global_batch,
             "precision": self.precision,
             "optimizer": self.optimizer,
@@ -320,7 +354,7 @@ def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
 
 REQUIRED = ("devices_per_node", "intra_node", "inter_node")
 OPTIONAL = ("name", "description", "accelerators", "global_batch", "precision", "optimizer", "optimizer_memory",
-            "efficiency")
+            "efficiency", "nics_per_node")
 
 
 def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
@@ -335,11 +369,16 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
     optimizer = one_of(data, "optimizer", file, OPTIMIZERS, default="adam")
     optimizer_memory = one_of(data, "optimizer_memory", file, OPTIMIZER_MEMORY, default="mixed_precision")
     intra = _link(data, "intra_node", file)
-    inter = _link(data, "inter_node", file)
+    nic = _link(data, "inter_node", file)  # one NIC
+    # A DGX has one compute NIC per GPU; 8 per device is beyond any node built.
+    nics = positive_int(data, "nics_per_node", file, default=devices_per_node,
+                        limit=Limit(8 * devices_per_node, "8 NICs per device, beyond any node built"))
+    inter = Link(nic.bandwidth * nics / devices_per_node, nic.latency)  # one device's share
     # The device layout puts the busiest traffic inside nodes; that only pays if the node's link is
     # not the slower one, and the placement DP's pruning of data-parallel degrees relies on it.
     if intra.bandwidth < inter.bandwidth:
-        raise config_error(file, "intra_node.bandwidth", "must be at least inter_node.bandwidth")
+        raise config_error(file, "intra_node.bandwidth",
+                           "must be at least inter_node.bandwidth x nics_per_node / devices_per_node")
     if intra.latency > inter.latency:
         raise config_error(file, "intra_node.latency", "must be at most inter_node.latency")
     efficiency = _efficiency(data, file)
@@ -354,6 +393,7 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
         optimizer=optimizer,
         optimizer_memory=optimizer_memory,
         path=str(file),
+        nics_per_node=nics if nics != devices_per_node else 0,
     )
     if efficiency.is_identity:
         return system

@@ -108,8 +108,10 @@ def test_link_rules_follow_the_device_layout():
     s = system_from_dict(GOOD)  # 8 devices per node
     intra, inter = s.intra_node, s.inter_node
     # TP groups: inside a node when the width divides the node
-    assert s.tp_link(1) is intra and s.tp_link(8) is intra and s.tp_link(16) is inter
-    assert s.tp_link(3) is inter
+    assert s.tp_link(1) is intra and s.tp_link(8) is intra and s.tp_link(3) is inter
+    # a group of whole nodes spreads its ring over the 8 NICs of each: 8 x 25 GB/s, below NVLink's 300
+    assert s.tp_link(16) == s.tp_link(32) == Link(8 * inter.bandwidth, inter.latency)
+    assert s.tp_link(16).bandwidth == 200e9
     # pipeline hops: inside a node only when a whole replica packs into nodes
     assert s.pipeline_link(2, 4) is intra and s.pipeline_link(1, 8) is intra
     assert s.pipeline_link(2, 3) is inter and s.pipeline_link(8, 2) is inter
@@ -213,3 +215,46 @@ def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(
     d, m = placement._dp_degrees(problem, 1)
     assert d[0] == 1 and m[-1] == 1 and len(d) <= 2 * math.isqrt(system.global_batch) + 1
     assert np.all(-(-system.global_batch // d) == m)
+
+
+def test_nics_per_node_default_keeps_the_old_meaning(tmp_path):
+    """A file without nics_per_node has one NIC per device: inter_node is that NIC, as before."""
+    s = load_system(write(tmp_path, GOOD))
+    assert s.nics == 8 and s.nics_per_node == 0 and s.nic_bandwidth == s.inter_node.bandwidth == 25e9
+    assert s.inter_node.latency == pytest.approx(5e-6) and "nics_per_node" not in s.summary()
+    explicit = load_system(write(tmp_path, {**GOOD, "nics_per_node": 8}, "explicit.yaml"))
+    assert explicit.inter_node == s.inter_node and explicit.tp_link(16) == s.tp_link(16)
+    assert explicit.summary() == {**s.summary(), "name": explicit.name}
+
+
+def test_fewer_nics_share_a_node_and_slow_what_crosses_it(tmp_path):
+    """Four 200 Gbit/s NICs for 8 devices: each device's share is half a NIC; a TP group of whole nodes
+    still spreads over all four; an all-to-all across nodes takes twice as long."""
+    s = load_system(write(tmp_path, {**GOOD, "nics_per_node": 4}))
+    one_each = load_system(write(tmp_path, GOOD, "one-each.yaml"))
+    assert s.nics == 4 and s.nic_bandwidth == 25e9 and s.inter_node.bandwidth == 12.5e9
+    assert s.tp_link(16).bandwidth == 4 * 25e9 == one_each.tp_link(16).bandwidth / 2
+    assert s.alltoall_s(64e6, 16, 1) == pytest.approx(
+        8 * (s.inter_node.latency + 4e6 / 12.5e9))  # 8 remote peers of 4 MB at half a NIC each
+    assert s.summary()["nics_per_node"] == 4 and s.summary()["nic_bandwidth_bytes_per_s"] == 25e9
+
+
+def test_dgx_presets_have_eight_nics_of_their_generation():
+    """DGX H100: 8 x 400 Gbit/s NDR; DGX A100: 8 x 200 Gbit/s HDR (NVIDIA datasheets), achieved at the
+    presets' NCCL fractions. A TP 16 ring over two DGX H100 nodes runs near NVLink speed, not one NIC's."""
+    h100, a100 = load_system("dgx-h100"), load_system("dgx-a100")
+    assert h100.nics == a100.nics == 8
+    assert h100.nominal_inter_node.bandwidth == pytest.approx(50e9)
+    assert a100.nominal_inter_node.bandwidth == pytest.approx(25e9)
+    assert h100.tp_link(16).bandwidth == pytest.approx(min(0.82 * 450e9, 8 * 0.94 * 50e9))
+    assert h100.tp_link(16).bandwidth > 7 * h100.inter_node.bandwidth
+
+
+@pytest.mark.parametrize("value, words", [(0, "positive integer"), (2.5, "positive integer"), ("8", "positive integer"),
+                                          (65, "at most 64")])
+def test_bad_nics_per_node_is_a_one_line_error(tmp_path, value, words):
+    path = write(tmp_path, {**GOOD, "nics_per_node": value})
+    with pytest.raises(PhazeError) as info:
+        load_system(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "'nics_per_node'" in message and words in message

@@ -54,7 +54,7 @@ from ..system import System, load_system
 from ..training import Training
 from ..workload.graphs import build_layer_graph, sequence_parallel_graph
 from ..workload.models import ModelConfig, load_model
-from .parallel import ep_widths as model_ep_widths, parallel_setup
+from .parallel import attention_core_s, ep_widths as model_ep_widths, parallel_setup
 
 PASSES = ("fwd", "bwd")
 PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it (rounding only)
@@ -108,28 +108,6 @@ _PARALLEL_EXTRAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # (
 
 def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
-
-
-def attention_core_s(op_graph, split) -> float:
-    """Forward time of a layer's attention core (what selective recompute runs again), from the op
-    latencies of its forward graph: the activation x activation batched GEMMs (Q K^T, P V) and the
-    softmax, mask and dropout ops over the s x s scores (those with as many elements as Q K^T's
-    output), each spread over all cores of its type (`split` latency), one after another: a schedule
-    the chip can run, as Megatron's recompute runs these kernels back to back before the layer's
-    backward (Korthikanti et al. 2022, Sec. 5). A fused flash-attention op counts whole.
-
-    (Issue 17: this summed the single-core latencies, i.e. each op on one core with 1/n of the
-    bandwidth, about n times the real time; capped at the forward, it made selective recompute cost
-    as much as full recompute, 14-38% slow against Korthikanti et al.'s Table 5.)
-    """
-    ops = op_graph.ops
-    scores = [op.gemm[0] * op.gemm[1] * op.gemm[3] for op in ops if op.kind == "bgemm" and op.gemm]
-    size = scores[0] if scores else -1
-    total = 0.0
-    for i, op in enumerate(ops):
-        if op.kind in ("bgemm", "flash_attention") or (size > 0 and op.unit != "tc" and op.elements == size):
-            total += float(split[i])
-    return total
 
 
 def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int,

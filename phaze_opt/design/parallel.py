@@ -11,11 +11,10 @@ per-layer terms the placement prices them with (`solve/placement_eval.py`'s docs
 - Per layer at TP width t and sequence s (traced at s / c for CP): the routed experts' parameters
   per device (E x one expert's / t), one all-to-all's payload per device (tokens x k x capacity
   factor x hidden x bytes: every TP rank dispatches its copy of the tokens; GShard, Lepikhin et
-  al. 2021, Sec. 3.2), the experts' grouped-GEMM time forward and backward (single-core op
-  latencies added in sequence, an upper bound on their part of the schedule, as
-  `evaluate.attention_core_s` does for the attention core), the attention core's forward and
-  backward time (one K/V block's worth), and the K and V block a ring step passes on
-  (2 x s/c x batch x KV heads / t x head size x bytes).
+  al. 2021, Sec. 3.2), the experts' grouped-GEMM time forward and backward (each op spread over
+  all cores, added in sequence: `expert_s`), the attention core's forward and backward time (one
+  K/V block's worth, `attention_core_s`, the same sum selective recompute prices), and the K and V
+  block a ring step passes on (2 x s/c x batch x KV heads / t x head size x bytes).
 """
 
 from __future__ import annotations
@@ -46,19 +45,31 @@ def cp_widths(model: ModelConfig) -> tuple[int, ...]:
     return tuple(c for c in (2**i for i in range(6)) if c <= CP_MAX and model.seq % (2 * c) == 0)
 
 
-def _core_s(op_graph, single, forward: bool) -> float:
-    """The attention core's time in one pass: its activation x activation batched GEMMs, the fused
-    attention ops, and the vector ops over the s x s scores (as many elements as the largest
-    batched GEMM's output), single-core latencies added."""
+def attention_core_s(op_graph, split, forward: bool = True) -> float:
+    """Time of a layer's attention core in one pass, from the op latencies of that pass's graph: the
+    activation x activation batched GEMMs (Q K^T, P V and, backward, their gradients) and the
+    softmax, mask and dropout ops over the s x s scores (those with as many elements as the
+    forward's Q K^T output, or the largest batched GEMM output backward), each spread over all
+    cores of its type (`split` latency), one after another: a schedule the chip can run, as
+    Megatron's selective recompute runs these kernels back to back before the layer's backward
+    (Korthikanti et al. 2022, Sec. 5) and as each ring-attention step runs one K/V block's core
+    (Liu et al. 2023, Sec. 3). A fused flash-attention op counts whole.
+
+    The `split` latencies, never `single`: a single-core latency is the op on one core with 1/n of
+    the bandwidth, about n times the real time (summed, it made selective recompute cost as much
+    as full recompute, and a context-parallel block 8-31x too slow on a 132-core H100).
+    """
     ops = op_graph.ops
     sizes = [op.gemm[0] * op.gemm[1] * op.gemm[3] for op in ops if op.kind == "bgemm" and op.gemm]
     size = (sizes[0] if forward else max(sizes)) if sizes else -1
-    return float(sum(single[i] for i, op in enumerate(ops)
+    return float(sum(split[i] for i, op in enumerate(ops)
                      if op.kind in ("bgemm", "flash_attention") or (size > 0 and op.unit != "tc" and op.elements == size)))
 
 
-def _expert_s(op_graph, single) -> float:
-    return float(sum(single[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
+def expert_s(op_graph, split) -> float:
+    """The routed experts' grouped GEMMs of one pass, each spread over all tensor cores (`split`),
+    one after another: the part of the pass the busiest EP rank's extra tokens lengthen."""
+    return float(sum(split[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
 
 
 def parallel_sizes(costs: LayerCosts, model: ModelConfig, mbs: int, cp: int = 1) -> LayerCosts:
@@ -92,12 +103,12 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, s
     link = system.tp_link(t)
     per_kind = {}
     for kind in graph.kinds:
-        lat = {p: estimate(graph.op_graphs[kind][p], [arch], interconnect=link).single[0] for p in ("fwd", "bwd")}
+        lat = {p: estimate(graph.op_graphs[kind][p], [arch], interconnect=link).split[0] for p in ("fwd", "bwd")}
         per_kind[kind] = {
-            "core": (_core_s(graph.op_graphs[kind]["fwd"], lat["fwd"], True),
-                     _core_s(graph.op_graphs[kind]["bwd"], lat["bwd"], False)),
-            "expert": (_expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
-                       _expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
+            "core": (attention_core_s(graph.op_graphs[kind]["fwd"], lat["fwd"], True),
+                     attention_core_s(graph.op_graphs[kind]["bwd"], lat["bwd"], False)),
+            "expert": (expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
+                       expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
         }
     rows = [(l.kind, l.kind == "block" and model.moe, l.kind in ("block", "dense_block")) for l in graph.layers]
     return replace(

@@ -66,9 +66,10 @@ class Fit:
 
 
 def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int]]:
-    """(suite, row index) of every fit-subset row of the training suites that run on `system_name`."""
+    """(suite, row index) of every fit-subset row of the training suites that run on `system_name`
+    (rows skipped for a missing model config are not fitted)."""
     return [(s, i) for s in suites if s.metric in TRAINING_METRICS and s.system == system_name
-            for i in range(len(s.rows)) if in_fit_subset(i)]
+            for i in range(len(s.rows)) if in_fit_subset(i) and not s.rows[i].skip]
 
 
 def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:

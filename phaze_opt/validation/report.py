@@ -36,7 +36,8 @@ def _config(r: RowResult) -> str:
         return f"{c['model']} tp{c['tp']} mbs {c['mbs']} {c['attention']}"
     extras = f"rc {c['recompute']}" + (" sp" if c["sequence_parallel"] else "") + \
         (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "")
-    return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']} gpus {c['gpus']} batch {c['batch']} "
+    parallel = "".join(f" {k}{c[k]}" for k in ("cp", "ep") if k in c) + (f" seq {c['seq']}" if "seq" in c else "")
+    return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']}{parallel} gpus {c['gpus']} batch {c['batch']} "
             f"mbs {c['mbs']} {extras}")
 
 
@@ -44,7 +45,7 @@ def table_rows(suite: SuiteResult) -> list[list[str]]:
     scale, _ = DISPLAY[suite.metric]
     out = []
     for r in suite.rows:
-        pred = "infeasible" if r.predicted is None else f"{r.predicted * scale:.4g}"
+        pred = "skipped" if r.skipped else "infeasible" if r.predicted is None else f"{r.predicted * scale:.4g}"
         out.append([str(r.index), r.label, _config(r), pred, f"{r.published * scale:.4g}", _signed(r.error),
                     "fit" if r.fitted else "held out"])
     return out
@@ -58,6 +59,7 @@ def _mape_line(suite: SuiteResult) -> str:
     return (f"MAPE fitted {_pct(m['fitted'])} ({len(suite.fitted)} rows), held out {_pct(m['held_out'])} "
             f"({len(suite.held_out)} rows), all {_pct(m['all'])}"
             + (f"; {len(suite.infeasible)} infeasible" if suite.infeasible else "")
+            + (f"; {len(suite.skipped)} skipped (model config missing)" if suite.skipped else "")
             + _gap_note(suite))
 
 
@@ -68,6 +70,12 @@ def _gap_note(suite: SuiteResult) -> str:
         return ""
     return (f"; {len(open_rows)} rows' schedules within {_pct(max(r.schedule_gap for r in open_rows))}"
             " of their proven bound (search time limit)")
+
+
+def _reason_lines(suite: SuiteResult) -> list[str]:
+    """Why each row without a prediction has none (skipped or infeasible)."""
+    return [f"#{r.index} {'skipped' if r.skipped else 'infeasible'}: {r.reason}" for r in suite.rows
+            if r.predicted is None and r.reason]
 
 
 def _efficiency_line(suite: SuiteResult) -> str:
@@ -108,6 +116,7 @@ def render_text(result: dict) -> str:
             lines.append("  " + "  ".join(c.ljust(w) if i in (1, 2, 6) else c.rjust(w)
                                           for i, (c, w) in enumerate(zip(r, widths))))
         lines.append("  " + _mape_line(s))
+        lines += ["  " + line for line in _reason_lines(s)]
         if _efficiency_line(s):
             lines.append("  " + _efficiency_line(s))
         lines.append("")
@@ -144,7 +153,7 @@ def render_markdown(result: dict) -> str:
             lines += [_efficiency_line(s).capitalize() + ".", ""]
         lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(r) + " |" for r in table_rows(s)]
-        lines += ["", _mape_line(s) + ".", ""]
+        lines += ["", _mape_line(s) + ".", ""] + [f"- {line}" for line in _reason_lines(s)]
     return "\n".join(lines)
 
 

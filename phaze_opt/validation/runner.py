@@ -8,8 +8,9 @@ the suite's arch and system, `--devices` = the row's GPUs, `--global-batch` = it
 tp=T,pp=P,dp=D, its microbatch, recompute, sequence parallelism and virtual stages. The prediction is
 then put in the suite's metric (SI units: FLOP/s, seconds):
 
-    per_gpu_tflops    iteration_flops(suite.flops_formula, model, batch) / (predicted iteration s x GPUs)
-                      (the FLOP count the paper used, not the project's own, so both sides count alike)
+    per_gpu_tflops    iteration_flops(formula, model, batch, seq) / (predicted iteration s x GPUs), the
+                      row's own formula or else the suite's (the FLOP count the source used, not the
+                      project's own, so both sides count alike)
     iteration_time_s  the predicted iteration time
 
 The signed error is predicted / published - 1: positive means the model predicts more of the metric
@@ -18,6 +19,9 @@ than was published (more FLOP/s: too fast; more seconds: too slow).
 Fit subset (declared once, here, for every training suite): rows with an odd 0-based index in their
 suite are the calibration's fit subset (`validation/calibration.py`), rows with an even index are held
 out. MAPE (mean absolute percentage error, as a fraction) is reported over each part and over all.
+
+A row whose model config is still missing (`pending_model`) is skipped: its RowResult has no
+prediction, `skipped` set and the reason, and counts in no MAPE and not as infeasible.
 
 Layer suites (`layer_seconds`) are compared by `validation/layers.py` (the per-layer comparison): one
 RowResult per measured block (forward + backward seconds), fitted = the operator fit's own declared
@@ -30,11 +34,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from ..design.evaluate import evaluate
+from ..errors import PhazeError
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
 from ..training import Training
+from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
 from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, load_suite
@@ -64,6 +70,7 @@ class RowResult:
     time_per_batch_s: float | None = None
     source: dict = field(default_factory=dict)
     schedule_gap: float = 0.0  # layer rows: the schedules' largest distance above their proven bound
+    skipped: bool = False  # not run (its `reason` says why); no prediction, in no MAPE
 
     @property
     def error(self) -> float | None:
@@ -75,7 +82,7 @@ class RowResult:
                 "published": self.published, "predicted": self.predicted, "error": self.error,
                 "fitted": self.fitted, "feasible": self.feasible, "reason": self.reason,
                 "time_per_batch_s": self.time_per_batch_s, "schedule_gap": self.schedule_gap,
-                "source": self.source}
+                "skipped": self.skipped, "source": self.source}
 
 
 def mape(rows: Iterable[RowResult]) -> float | None:
@@ -98,15 +105,19 @@ class SuiteResult:
 
     @property
     def fitted(self) -> tuple[RowResult, ...]:
-        return tuple(r for r in self.rows if r.fitted)
+        return tuple(r for r in self.rows if r.fitted and not r.skipped)
 
     @property
     def held_out(self) -> tuple[RowResult, ...]:
-        return tuple(r for r in self.rows if not r.fitted)
+        return tuple(r for r in self.rows if not r.fitted and not r.skipped)
 
     @property
     def infeasible(self) -> tuple[RowResult, ...]:
-        return tuple(r for r in self.rows if not r.feasible)
+        return tuple(r for r in self.rows if not r.feasible and not r.skipped)
+
+    @property
+    def skipped(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if r.skipped)
 
     def mape(self) -> dict:
         return {"fitted": mape(self.fitted), "held_out": mape(self.held_out), "all": mape(self.rows)}
@@ -115,14 +126,17 @@ class SuiteResult:
         return {"suite": self.name, "description": self.description, "metric": self.metric, "arch": self.arch,
                 "system": self.system, "flops_formula": self.flops_formula, "efficiency": self.efficiency,
                 "arch_efficiency": self.arch_efficiency,
-                "mape": self.mape(), "infeasible": len(self.infeasible),
+                "mape": self.mape(), "infeasible": len(self.infeasible), "skipped": len(self.skipped),
                 "rows": [r.to_json() for r in self.rows]}
 
 
 def row_config(row: Row) -> dict:
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
             "mbs": row.microbatch, "recompute": row.recompute, "sequence_parallel": row.sequence_parallel,
-            "virtual_stages": row.virtual_stages}
+            "virtual_stages": row.virtual_stages,
+            # the newer fields only where a row sets them, so the older suites' reports are unchanged
+            **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
+                                 ("overlap_grad_reduce", row.overlap_grad_reduce)) if v not in (1, None, 0, False)}}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -133,14 +147,23 @@ def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = Non
 
 
 def row_training(row: Row) -> Training:
-    return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}", row.sequence_parallel,
-                    row.virtual_stages)
+    parallel = "".join(f",{k}={v}" for k, v in (("ep", row.ep), ("cp", row.cp)) if v > 1)
+    return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}{parallel}",
+                    row.sequence_parallel, row.virtual_stages, zero=row.zero,
+                    overlap_grad_reduce=row.overlap_grad_reduce)
+
+
+def row_model(row: Row):
+    """The row's model config at the row's sequence length."""
+    model = load_model(row.model)
+    return model if row.seq is None else replace(model, seq=row.seq)
 
 
 def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
     """The suite's metric (SI) for a predicted iteration time (see the module docstring)."""
     if suite.metric == "per_gpu_tflops":
-        return iteration_flops(suite.flops_formula, row.model, row.batch) / (time_per_batch_s * row.gpus)
+        return iteration_flops(row.flops_formula or suite.flops_formula, row.model, row.batch, row.seq) / (
+            time_per_batch_s * row.gpus)
     if suite.metric == "iteration_time_s":
         return time_per_batch_s
     raise ValueError(f"predicted_value: {suite.metric} is not a training metric")
@@ -154,15 +177,23 @@ def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Acceler
 
 def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficiency | None = None,
                  evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> RowResult:
-    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time)."""
-    result = (evaluator or evaluate)(row.model, row_arch(suite, arch_efficiency), row_training(row),
-                       row_system(suite, row, efficiency))
+    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time).
+    A published recipe the project cannot express (e.g. an EP width that does not divide DP) is a
+    result: infeasible with the reason."""
+    common = dict(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
+                  published=row.value * METRIC_SI[suite.metric], fitted=in_fit_subset(index),
+                  source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
+    if row.skip:
+        return RowResult(predicted=None, feasible=False, reason=row.skip, skipped=True, **common)
+    try:
+        result = (evaluator or evaluate)(row_model(row) if row.seq else row.model,
+                                         row_arch(suite, arch_efficiency), row_training(row),
+                                         row_system(suite, row, efficiency))
+    except PhazeError as exc:
+        return RowResult(predicted=None, feasible=False, reason=f"not expressible: {exc}", **common)
     predicted = predicted_value(suite, row, result.time_per_batch_s) if result.feasible else None
-    return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
-                     published=row.value * METRIC_SI[suite.metric], predicted=predicted,
-                     fitted=in_fit_subset(index), feasible=result.feasible, reason=result.reason,
-                     time_per_batch_s=result.time_per_batch_s if result.feasible else None,
-                     source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
+    return RowResult(predicted=predicted, feasible=result.feasible, reason=result.reason,
+                     time_per_batch_s=result.time_per_batch_s if result.feasible else None, **common)
 
 
 def run_suite(suite: Suite | str, efficiency: SystemEfficiency | None = None,

@@ -20,11 +20,18 @@ A training row is one published run:
 
     model                       a name in configs/models
     heads, hidden, layers       optional: the paper's numbers, checked against the model config
-    tp, pp, gpus                tensor and pipeline widths and the device count; dp = gpus / (tp pp)
+    tp, pp, gpus                tensor and pipeline widths and the device count; dp = gpus / (tp pp cp)
+    cp, ep                      optional: context and expert parallel widths (default 1; ep divides dp)
+    seq                         optional: tokens per sequence (default the model's)
     batch, microbatch           global batch and microbatch in sequences; batch = microbatch x dp x m
     virtual_stages              model chunks per device of the interleaved 1F1B schedule (default 1)
     recompute                   none | selective | full (activation recomputation)
     sequence_parallel           true | false (default false; needs tp > 1)
+    zero, overlap_grad_reduce   optional recipe fields (training.Training): 1 = Megatron's distributed
+                                optimizer; the gradient reduction beside the backward
+    flops_formula               optional: the row's own FLOP count, when its source counts otherwise
+    pending_model               optional: why the model config may be missing (e.g. another branch
+                                adds it); such a row is skipped with that reason until it exists
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -71,41 +78,61 @@ TOP_REQUIRED = ("suite", "description", "arch", "metric")
 TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
-                *TRAINING_METRICS)
+                *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
 
 # FLOPs per iteration of a GPT (B sequences of s tokens, l layers, hidden h, vocabulary V), as the
 # Megatron papers count them (matrix multiplications only; 2 FLOPs per multiply-add).
-def _hardware_full_recompute(B, s, l, h, V):
+def _hardware_full_recompute(m: ModelConfig, B, s):
     # Narayanan et al., SC'21, eq. (3): the forward pass counted twice (full recomputation).
+    l, h, V = m.layers, m.hidden, m.vocab
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def _model(B, s, l, h, V):
+def _model(m: ModelConfig, B, s):
     # Korthikanti et al. 2022, sec. 6: forward + backward, no recomputation (model FLOPs, for MFU).
+    l, h, V = m.layers, m.hidden, m.vocab
     return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
 
 
-def _hardware_selective(B, s, l, h, V):
+def _hardware_selective(m: ModelConfig, B, s):
     # Korthikanti et al. 2022: model FLOPs + the recomputed attention core (QK^T, softmax-V).
+    l, h, V = m.layers, m.hidden, m.vocab
     return 72 * B * s * l * h**2 * (1 + s / (3 * h) + V / (12 * l * h))
+
+
+def _megatron_core(m: ModelConfig, B, s):
+    # Megatron-LM megatron/training/training.py `num_floating_point_operations` as of Megatron-Core
+    # v0.8 (2024), what its logs' "TFLOP/s/GPU" and the MoE README's figures divide: model FLOPs,
+    # 12 B s l h^2 [(1 + g/a + s/h) q/h + (f/h) k (3/2 with SwiGLU) + V/(2 l h)], a heads of which g
+    # key/value groups, query projection q = a x head size, FFN (expert) width f, k experts per token.
+    # Full (not causal) attention; every layer counted as a MoE layer with f = the expert width.
+    l, h, V = m.layers, m.hidden, m.vocab
+    q = m.heads * m.head_dim
+    k = m.top_k if m.moe else 1
+    f = m.expert_ffn if m.moe else m.ffn
+    gated = 1.5 if m.activation == "swiglu" else 1.0
+    return 12 * B * s * l * h**2 * ((1 + m.kv_heads / m.heads + s / h) * q / h + f / h * k * gated
+                                    + V / (2 * l * h))
 
 
 FLOPS_FORMULAS: dict[str, tuple[str, Callable[..., float]]] = {
     "megatron-hardware-full-recompute": ("96 B s l h^2 (1 + s/(6h) + V/(16 l h))", _hardware_full_recompute),
     "megatron-model": ("72 B s l h^2 (1 + s/(6h) + V/(12 l h))", _model),
     "megatron-hardware-selective": ("72 B s l h^2 (1 + s/(3h) + V/(12 l h))", _hardware_selective),
+    "megatron-core": ("12 B s l h^2 ((1 + g/a + s/h) q/h + k f/h x 3/2 + V/(2 l h))", _megatron_core),
 }
 
 
-def iteration_flops(formula: str, model: ModelConfig | str, batch: int) -> float:
-    """FLOPs of one iteration of `batch` sequences by one of FLOPS_FORMULAS."""
+def iteration_flops(formula: str, model: ModelConfig | str, batch: int, seq: int | None = None) -> float:
+    """FLOPs of one iteration of `batch` sequences of `seq` tokens (default the model's) by one of
+    FLOPS_FORMULAS."""
     if formula not in FLOPS_FORMULAS:
         raise PhazeError(f"unknown FLOP formula '{formula}': choose one of {', '.join(FLOPS_FORMULAS)}")
     m = load_model(model)
-    return float(FLOPS_FORMULAS[formula][1](batch, m.seq, m.layers, m.hidden, m.vocab))
+    return float(FLOPS_FORMULAS[formula][1](m, batch, seq or m.seq))
 
 
 @dataclass(frozen=True)
@@ -134,10 +161,17 @@ class Row:
     iteration_time_s: float | None = None
     published: Mapping[str, float] = field(default_factory=dict)
     note: str = ""
+    cp: int = 1
+    ep: int = 1
+    seq: int | None = None  # None: the model's
+    zero: int = 0
+    overlap_grad_reduce: bool = False
+    flops_formula: str | None = None  # None: the suite's
+    skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def microbatches(self) -> int:
@@ -342,21 +376,50 @@ def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file) -> tu
     return tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
 
 
+def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file) -> Row | None:
+    """A row whose model config is missing but declared pending: kept, to be skipped with its reason."""
+    pending = row.get("pending_model")
+    name = row.get("model")
+    if pending is None or not isinstance(name, str) or name in configs.available("models"):
+        return None
+    if not isinstance(pending, str) or not pending.strip():
+        raise config_error(file, f"{at}.pending_model", f"must say why the model may be missing, got {pending!r}")
+    ints = {k: _int(row, k, file, f"{at}.{k}", default=1 if k in ("cp", "ep", "virtual_stages") else None)
+            for k in ("tp", "pp", "gpus", "batch", "microbatch", "cp", "ep", "virtual_stages")}
+    return Row(model=name, tp=ints["tp"], pp=ints["pp"], gpus=ints["gpus"], batch=ints["batch"],
+               microbatch=ints["microbatch"], recompute=_choice(row, "recompute", RECOMPUTE, file, at),
+               sequence_parallel=bool(row.get("sequence_parallel", False)), virtual_stages=ints["virtual_stages"],
+               value=_number(row, metric, file, f"{at}.{metric}"),
+               source=_source(row["source"], f"{at}.source", papers, file), cp=ints["cp"], ep=ints["ep"],
+               seq=row.get("seq"), note=str(row.get("note", "")),
+               skip=f"model config '{name}' not in configs/models yet ({pending.strip()})")
+
+
 def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     row = _mapping(raw, at, file, ROW_REQUIRED + (metric,), ROW_OPTIONAL)
+    pending = _pending_row(row, at, metric, papers, file)
+    if pending is not None:
+        return pending
     model = _model(row["model"], f"{at}.model", file, models)
     for key in ("heads", "hidden", "layers"):
         if key in row and row[key] != getattr(model, key):
             raise config_error(file, f"{at}.{key}",
                                f"is {row[key]!r} but model {model.name} has {getattr(model, key)}")
     tp, pp, gpus, batch, mbs = (_int(row, k, file, f"{at}.{k}") for k in ("tp", "pp", "gpus", "batch", "microbatch"))
+    cp, ep = (_int(row, k, file, f"{at}.{k}", default=1) for k in ("cp", "ep"))
+    seq = _int(row, "seq", file, f"{at}.seq", default=model.seq)
     if tp not in model.tp_widths:
         raise config_error(file, f"{at}.tp", _tp_choices(model, tp))
     if pp > model.layers:
         raise config_error(file, f"{at}.pp", f"cannot exceed the model's {model.layers} layers, got {pp}")
-    if gpus % (tp * pp):
-        raise config_error(file, f"{at}.tp", f"tp x pp ({tp} x {pp} = {tp * pp}) must divide gpus ({gpus})")
-    dp = gpus // (tp * pp)
+    if gpus % (tp * pp * cp):
+        raise config_error(file, f"{at}.tp", f"tp x pp x cp ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide gpus ({gpus})")
+    dp = gpus // (tp * pp * cp)
+    if cp > 1 and seq % (2 * cp):
+        raise config_error(file, f"{at}.cp", f"2 x cp ({2 * cp}) must divide the sequence ({seq} tokens)")
+    if ep > 1 and (not model.moe or model.experts % ep):
+        raise config_error(file, f"{at}.ep", f"must divide {model.name}'s routed experts ({model.experts}), got {ep}"
+                           if model.moe else f"{model.name} has no experts; use ep 1")
     if batch % (mbs * dp):
         raise config_error(file, f"{at}.batch",
                            f"must be a multiple of microbatch x dp ({mbs} x {dp} = {mbs * dp}), got {batch}")
@@ -374,6 +437,13 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     if sp and tp == 1:
         raise config_error(file, f"{at}.sequence_parallel",
                            "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
+    zero = row.get("zero", 0)
+    if zero not in (0, 1, 3) or isinstance(zero, bool):
+        raise config_error(file, f"{at}.zero", f"must be 0, 1 or 3, got {zero!r}")
+    overlap = row.get("overlap_grad_reduce", False)
+    if not isinstance(overlap, bool):
+        raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
+    formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     values = {k: _number(row, k, file, f"{at}.{k}") for k in TRAINING_METRICS if k in row}
     published = _mapping(row.get("published", {}), f"{at}.published", file, (), PUBLISHED_FIELDS)
     published = {k: _number(published, k, file, f"{at}.published.{k}") for k in published}
@@ -384,7 +454,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                sequence_parallel=sp, virtual_stages=chunks, value=values[metric],
                source=_source(row["source"], f"{at}.source", papers, file),
                per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
-               published=published, note=note)
+               published=published, note=note, cp=cp, ep=ep, seq=seq if seq != model.seq else None, zero=zero,
+               overlap_grad_reduce=overlap, flops_formula=formula)
 
 
 def _tp_choices(model: ModelConfig, tp: int) -> str:
