@@ -149,3 +149,24 @@ def test_baseline_recipe_selective_is_kept_selective():
     assert [t.recompute for t, _ in rec.seen] == ["none", "selective", "full"]
     best = max((t for t, _ in rec.seen), key=RecordingEvaluator.score)
     assert b.recompute == best.recompute and b.training.recompute == best.recompute
+
+
+@pytest.mark.slow
+def test_dominance_pruned_baseline_equals_the_full_grid_on_the_real_model():
+    """The real evaluator's baseline skips recipes another provably matches or beats; its best must
+    be the best of every recipe (fails if a rule were wrong for the expert placement)."""
+    from phaze_opt.design.evaluate import design_evaluator
+    from phaze_opt.hardware.arch import load_arch
+    from phaze_opt.search.objective import baseline_points
+
+    params = {"mbs": [1], "recompute": ["none", "selective", "full"], "sequence_parallel": [False, True],
+              "zero": [0, 1], "overlap_grad_reduce": [False, True], "attention": ["unfused", "flash"]}
+    evaluate, tpu = design_evaluator(), load_arch("tpuv4")
+    kept = baseline_points(params, "gpt2-xl", "default", True)
+    assert 0 < len(kept) < len(recipe_points(params)) == 48
+    full = compute_baselines(["gpt2-xl"], evaluate, tpu, "default", params)["gpt2-xl"]
+    pruned = compute_baselines(["gpt2-xl"], evaluate, tpu, "default", params, dominance=True)["gpt2-xl"]
+    assert full.feasible and pruned.throughput == pytest.approx(full.throughput, rel=1e-12)
+    for point in recipe_points(params):  # and no recipe beats it, whatever placement the baseline used
+        r = evaluate("gpt2-xl", tpu, Training.from_point(point, pruned.placement))
+        assert r.throughput <= pruned.throughput * (1 + 1e-12)

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from ..workload.graphs import build_layer_graph
+from .evaluate import tp_widths
+
 RULES = ("overlap", "sequence_parallel", "zero", "selective")
 
 
@@ -69,6 +72,16 @@ def dominators(recipes: Sequence[Mapping], system, keeps_no_core: Callable[[obje
                     break
         out.append(index[_key(current)])
     return out
+
+
+def model_dominators(recipes: Sequence[Mapping], model, system, mbs: int) -> list[int]:
+    """`dominators` for `model` trained at microbatch `mbs` on `system`: the `selective` rule applies to
+    a kernel that keeps no attention core in any layer at any of the model's TP widths."""
+    def keeps_no_core(attention):
+        return all(layer.attention_core_bytes == 0 for tp in tp_widths(model, system)
+                   for layer in build_layer_graph(model, tp, mbs, attention=attention).layers)
+
+    return dominators(recipes, system, keeps_no_core)
 
 
 def _key(recipe: Mapping) -> tuple:

@@ -42,10 +42,10 @@ from typing import Any, Sequence
 from ..errors import PhazeError
 from ..jsonable import jsonable
 from ..design.evaluate import evaluate
-from ..design.protocols import Evaluator, Result
+from ..design.protocols import BoundedEvaluator, Evaluator, Result
 from ..hardware.accelerator import Accelerator
 from ..training import RECIPE_FIELDS, RECOMPUTE_MODES, Training, recipe_points
-from ..search.objective import Baseline, compute_baselines
+from ..search.objective import Baseline, baseline_points, compute_baselines
 from ..search.runner import run_study
 from ..search.session import Session
 from ..search.config import reference_system_for
@@ -216,13 +216,15 @@ def tpuv4_rows(models: Sequence[str], evaluator: Evaluator, reference_arch, syst
     baseline does; the row then carries a note saying so. A recipe whose layer schedules were not
     all proven optimal counts with the throughput it reaches, flagged (`Row.mark_unproven`).
     """
-    settings = len(recipe_points(params))
     rec, rec_opt = _Recorder(evaluator), _Recorder(evaluator)
-    baselines = compute_baselines(models, rec, reference_arch, system, params)
-    optimal = compute_baselines(models, fixed_placement_evaluator("optimal", rec_opt), reference_arch, system, params)
+    real = isinstance(evaluator, BoundedEvaluator)  # dominated recipes need no evaluation (compute_baselines)
+    baselines = compute_baselines(models, rec, reference_arch, system, params, dominance=real)
+    optimal = compute_baselines(models, fixed_placement_evaluator("optimal", rec_opt), reference_arch, system, params,
+                                dominance=real)
     row1, row2 = {}, {}
     tag = _system_tag(system)
     for m in models:
+        settings = len(baseline_points(params, m, system, real))
         b = baselines[m]
         expert_errors = rec.errors.get((m, "expert"), [])
         if b.feasible and b.placement == "expert":

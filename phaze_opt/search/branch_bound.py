@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..design.dominance import dominators
+from ..design.dominance import model_dominators
 from ..design.evaluate import tp_widths
 from ..design.upper_bound import (CHUNK, WidthBounds, concat_bounds, group_placement_throughput, ideal_throughput,
                                   layer_lower_bounds, pipeline_throughput, placement_throughput, relaxed_recipe,
@@ -56,7 +56,6 @@ from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
 from ..training import Training, recipe_choices
-from ..workload.graphs import build_layer_graph
 from ..workload.models import load_model
 from . import objective, signals
 from .report import finish, unproven_points
@@ -284,13 +283,7 @@ class Cells:
 def recipe_dominators(grid: Grid, model, system) -> list[list[int]]:
     """Per microbatch, for each recipe the index of the recipe that dominates it
     (`design.dominance`; its own index when none does)."""
-    out = []
-    for mbs in grid.mbss:
-        def keeps_no_core(attention, mbs=mbs):
-            return all(layer.attention_core_bytes == 0 for tp in tp_widths(model, system)
-                       for layer in build_layer_graph(model, tp, mbs, attention=attention).layers)
-        out.append(dominators(grid.rcs, system, keeps_no_core))
-    return out
+    return [model_dominators(grid.rcs, model, system, mbs) for mbs in grid.mbss]
 
 
 def run_branch_bound(session) -> dict:

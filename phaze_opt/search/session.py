@@ -35,6 +35,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from ..design.protocols import BoundedEvaluator
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
@@ -208,7 +209,8 @@ class Session:
         if all(m in stored for m in self.config.models):
             return {m: Baseline.from_json(stored[m]) for m in self.config.models}
         baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
-                                      self.config.baseline_system, self.space.params)
+                                      self.config.baseline_system, self.space.params,
+                                      dominance=isinstance(self.backend.evaluator, BoundedEvaluator))
         if len(self.config.models) > 1:
             for m, b in baselines.items():
                 if not b.feasible or not b.throughput > 0:
