@@ -1,9 +1,11 @@
 """The import graph of phaze_opt: packages point one way, no package imports itself in a circle.
 
 Every module under phaze_opt is parsed with `ast`; its imports (at module level and inside
-functions alike) are resolved to phaze_opt modules. The checks, and docs/architecture.md, use the
-layer order below: a unit (a top-level module or a subpackage) may import units of its own layer or
-of a lower one, never of a higher one.
+functions alike) are resolved to phaze_opt modules, and so are modules loaded by name
+(`importlib.import_module("phaze_opt.x...")`, an f-string's fixed prefix naming the package). The
+checks, and docs/architecture.md, use the layer order below: a unit (a top-level module or a
+subpackage) may import units of a lower layer, and inside its own layer only the units listed before
+it (so two units of one layer never import each other both ways); never a unit above it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ LAYERS = (
     ("cli", "study", "compare", "__main__"),
 )
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+RANK = {unit: (i, j) for i, units in enumerate(LAYERS) for j, unit in enumerate(units)}
 
 # Packages in which no function may import a phaze_opt module (an import inside a function there
 # would only hide a cycle). Elsewhere such imports are listed with their reason.
@@ -64,6 +67,23 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom | ast.Import, k
     return out
 
 
+def _loaded_by_name(node: ast.Call) -> str | None:
+    """The phaze_opt module (or, for an f-string, the package its fixed prefix names) that an
+    `importlib.import_module(...)` call loads; None for any other call."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name != "import_module" or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        text = arg.value
+    elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        text = str(arg.values[0].value).rstrip(".")
+    else:
+        return None
+    return text if text.split(".")[0] == "phaze_opt" else None
+
+
 def import_graph(root: Path = ROOT) -> tuple[nx.DiGraph, list[tuple[str, str, int]]]:
     """(module -> imported module graph, [(module, imported, line) of imports inside functions])."""
     modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
@@ -79,6 +99,14 @@ def import_graph(root: Path = ROOT) -> tuple[nx.DiGraph, list[tuple[str, str, in
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 in_function.update(id(n) for n in ast.walk(node) if n is not node)
         for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                target = _loaded_by_name(node)
+                if target is not None:
+                    while target not in known and "." in target:
+                        target = target.rsplit(".", 1)[0]
+                    if target in known and target != name:
+                        graph.add_edge(name, target)
+                continue
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for target in _resolve(name, is_package, node, known):
@@ -109,6 +137,8 @@ def layering_violations(graph: nx.DiGraph) -> list[str]:
             out.append(f"{a} -> {b}: unit {ua if ua not in LAYER else ub} has no layer; add it to LAYERS")
         elif LAYER[ub] > LAYER[ua]:
             out.append(f"{a} -> {b}: {ua} (layer {LAYER[ua]}) imports {ub} (layer {LAYER[ub]}) above it")
+        elif RANK[ub] > RANK[ua]:
+            out.append(f"{a} -> {b}: {ua} imports {ub}, listed after it in layer {LAYER[ua]} (one way only)")
     units = nx.DiGraph()
     units.add_edges_from((_unit(a), _unit(b)) for a, b in graph.edges if _unit(a) != _unit(b))
     out += [f"units import each other in a circle: {' -> '.join(c + [c[0]])}" for c in nx.simple_cycles(units)]
@@ -170,7 +200,17 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     (pkg / "search" / "a.py").write_text("from .b import x\n")
     (pkg / "search" / "b.py").write_text("def f():\n    from .a import y\n")
     (pkg / "solve" / "c.py").write_text("from ..search import a\n")
+    (pkg / "workload").mkdir()
+    (pkg / "workload" / "__init__.py").write_text("from ..hardware import h\n")  # hardware is after it in layer 1
+    (pkg / "hardware").mkdir()
+    (pkg / "hardware" / "__init__.py").write_text("")
+    (pkg / "hardware" / "h.py").write_text("")
+    (pkg / "errors.py").write_text("import importlib\nimportlib.import_module(f'phaze_opt.search.{1}')\n")
     graph, lazy = import_graph(pkg)
     assert package_cycles(graph) == [["phaze_opt.search.a", "phaze_opt.search.b"]]
-    assert any("solve (layer 2) imports search (layer 4)" in v for v in layering_violations(graph))
+    violations = layering_violations(graph)
+    assert any("solve (layer 2) imports search (layer 4)" in v for v in violations)
+    assert any("workload imports hardware, listed after it in layer 1" in v for v in violations)
+    assert ("phaze_opt.errors", "phaze_opt.search") in graph.edges  # seen through importlib
+    assert any(v.startswith("phaze_opt.errors -> phaze_opt.search") for v in violations)
     assert lazy_violations(lazy) == ["phaze_opt.search.b:2 imports phaze_opt.search.a inside a function"]
