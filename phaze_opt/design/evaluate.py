@@ -34,7 +34,6 @@ constants; only the cheap per-placement sum runs on every call.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -102,8 +101,6 @@ class _TpCosts:
 MEMO_MAX = 4096
 _COSTS_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
 _ENERGY_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
-# An EP/CP problem's (lower-bound costs, open passes of its CP traces), for `evaluate`'s bound.
-_PARALLEL_EXTRAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # (costs key, energy constants) -> per-layer (fwd, bwd) energies
 
 
 def _link_key(link) -> tuple:
@@ -253,7 +250,15 @@ def tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
 
 def training_problem(model, arch: Accelerator, training: Training, system, widths=None,
                      ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
-    """The PlacementProblem of a design trained by `training`, plus per-TP cost tables and the work timings."""
+    """The PlacementProblem of a design trained by `training`, plus per-TP cost tables and the work timings:
+    (model, system, problem, per_tp)."""
+    return _training_problem(model, arch, training, system, widths, ilp_time_limit_s)[:4]
+
+
+def _training_problem(model, arch: Accelerator, training: Training, system, widths, ilp_time_limit_s: float):
+    """`training_problem`, plus what `evaluate`'s throughput bound needs of an EP/CP problem: the
+    PlacementProblem fields with proven lower-bound layer times (None: the per-TP bound costs serve)
+    and the layer passes its CP traces left open."""
     model = load_model(model)
     if model.moe and training.capacity_factor != model.capacity_factor:
         model = replace(model, capacity_factor=training.capacity_factor)
@@ -287,11 +292,11 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
 
     extra = parallel_setup(model, arch, training, system, {t: (v.costs, v.bound_costs) for t, v in per_tp.items()},
                            short_costs, fixed)
+    bounds, unproven = None, []
     if extra:
         bounds, unproven = extra.pop("bounds"), extra.pop("unproven")
         problem = replace(problem, **extra)
-        _PARALLEL_EXTRAS[problem] = (bounds, unproven)  # the proven lower-bound times of the same (evaluate)
-    return model, system, problem, per_tp
+    return model, system, problem, per_tp, bounds, unproven
 
 
 def with_iteration_overhead(result, system: System):
@@ -339,8 +344,8 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
                 f"allowed: {', '.join(map(str, model_cfg.tp_widths))}"
             )
         widths = (tp,)
-    model_cfg, system, problem, per_tp = training_problem(model_cfg, arch, training, system, widths,
-                                                          float(ilp_time_limit_s))
+    model_cfg, system, problem, per_tp, parallel_bounds, parallel_unproven = _training_problem(
+        model_cfg, arch, training, system, widths, float(ilp_time_limit_s))
     t0 = time.perf_counter()
     if fixed is None:
         result = optimal_placement(problem)
@@ -349,7 +354,6 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         result = evaluate_placement(problem, chosen_placement)
     result = with_iteration_overhead(result, system)
     unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
-    parallel_bounds, parallel_unproven = _PARALLEL_EXTRAS.get(problem, (None, []))
     unproven += parallel_unproven
     bound = result.throughput
     if unproven and result.feasible:  # the same placement search on proven lower-bound layer times
