@@ -44,7 +44,7 @@ def table_rows(suite: SuiteResult) -> list[list[str]]:
     scale, _ = DISPLAY[suite.metric]
     out = []
     for r in suite.rows:
-        pred = "infeasible" if r.predicted is None else f"{r.predicted * scale:.4g}"
+        pred = "skipped" if r.skipped else "infeasible" if r.predicted is None else f"{r.predicted * scale:.4g}"
         out.append([str(r.index), r.label, _config(r), pred, f"{r.published * scale:.4g}", _signed(r.error),
                     "fit" if r.fitted else "held out"])
     return out
@@ -58,6 +58,7 @@ def _mape_line(suite: SuiteResult) -> str:
     return (f"MAPE fitted {_pct(m['fitted'])} ({len(suite.fitted)} rows), held out {_pct(m['held_out'])} "
             f"({len(suite.held_out)} rows), all {_pct(m['all'])}"
             + (f"; {len(suite.infeasible)} infeasible" if suite.infeasible else "")
+            + "".join(f"; row {r.index} {r.reason}" for r in suite.skipped)
             + _gap_note(suite))
 
 

@@ -64,6 +64,7 @@ class RowResult:
     time_per_batch_s: float | None = None
     source: dict = field(default_factory=dict)
     schedule_gap: float = 0.0  # layer rows: the schedules' largest distance above their proven bound
+    skipped: bool = False  # not run (`reason` says why): not infeasible, not in any MAPE
 
     @property
     def error(self) -> float | None:
@@ -75,7 +76,7 @@ class RowResult:
                 "published": self.published, "predicted": self.predicted, "error": self.error,
                 "fitted": self.fitted, "feasible": self.feasible, "reason": self.reason,
                 "time_per_batch_s": self.time_per_batch_s, "schedule_gap": self.schedule_gap,
-                "source": self.source}
+                "skipped": self.skipped, "source": self.source}
 
 
 def mape(rows: Iterable[RowResult]) -> float | None:
@@ -106,7 +107,11 @@ class SuiteResult:
 
     @property
     def infeasible(self) -> tuple[RowResult, ...]:
-        return tuple(r for r in self.rows if not r.feasible)
+        return tuple(r for r in self.rows if not r.feasible and not r.skipped)
+
+    @property
+    def skipped(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if r.skipped)
 
     def mape(self) -> dict:
         return {"fitted": mape(self.fitted), "held_out": mape(self.held_out), "all": mape(self.rows)}
@@ -115,26 +120,27 @@ class SuiteResult:
         return {"suite": self.name, "description": self.description, "metric": self.metric, "arch": self.arch,
                 "system": self.system, "flops_formula": self.flops_formula, "efficiency": self.efficiency,
                 "arch_efficiency": self.arch_efficiency,
-                "mape": self.mape(), "infeasible": len(self.infeasible),
+                "mape": self.mape(), "infeasible": len(self.infeasible), "skipped": len(self.skipped),
                 "rows": [r.to_json() for r in self.rows]}
 
 
-def row_config(row: Row) -> dict:
+def row_config(row: Row, suite: Suite) -> dict:
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
             "mbs": row.microbatch, "recompute": row.recompute, "sequence_parallel": row.sequence_parallel,
-            "virtual_stages": row.virtual_stages}
+            "virtual_stages": row.virtual_stages, "zero": row.zero, "system": row.system or suite.system,
+            "arch": row.arch or suite.arch}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
-    """The suite's system sized to the row (`--devices`, `--global-batch`), with `efficiency` if given
-    (None: the preset's own)."""
-    system = replace(load_system(suite.system), accelerators=row.gpus, global_batch=row.batch)
+    """The row's system (its own, else the suite's) sized to the row (`--devices`, `--global-batch`),
+    with `efficiency` if given (None: the preset's own)."""
+    system = replace(load_system(row.system or suite.system), accelerators=row.gpus, global_batch=row.batch)
     return system if efficiency is None else system.with_efficiency(efficiency)
 
 
 def row_training(row: Row) -> Training:
     return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}", row.sequence_parallel,
-                    row.virtual_stages)
+                    row.virtual_stages, zero=row.zero)
 
 
 def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
@@ -146,19 +152,26 @@ def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
     raise ValueError(f"predicted_value: {suite.metric} is not a training metric")
 
 
-def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Accelerator:
-    """The suite's arch, with `arch_efficiency` in place of its preset's efficiency if given."""
-    arch = load_arch(suite.arch)
+def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None, row: Row | None = None) -> Accelerator:
+    """The row's arch (its own, else the suite's), with `arch_efficiency` in place of its preset's
+    efficiency if given."""
+    arch = load_arch(row.arch if row is not None and row.arch else suite.arch)
     return arch if arch_efficiency is None else replace(arch, efficiency=arch_efficiency)
 
 
 def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficiency | None = None,
                  evaluator: Callable | None = None, arch_efficiency: Efficiency | None = None) -> RowResult:
-    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time)."""
-    result = (evaluator or evaluate)(row.model, row_arch(suite, arch_efficiency), row_training(row),
+    """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time);
+    a row whose model is not shipped yet comes back skipped, with the reason."""
+    if row.skip_reason:
+        return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row, suite),
+                         published=row.value * METRIC_SI[suite.metric], predicted=None, fitted=in_fit_subset(index),
+                         feasible=False, reason=row.skip_reason, skipped=True,
+                         source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
+    result = (evaluator or evaluate)(row.model, row_arch(suite, arch_efficiency, row), row_training(row),
                        row_system(suite, row, efficiency))
     predicted = predicted_value(suite, row, result.time_per_batch_s) if result.feasible else None
-    return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
+    return RowResult(suite=suite.name, index=index, label=row.source.row, config=row_config(row, suite),
                      published=row.value * METRIC_SI[suite.metric], predicted=predicted,
                      fitted=in_fit_subset(index), feasible=result.feasible, reason=result.reason,
                      time_per_batch_s=result.time_per_batch_s if result.feasible else None,

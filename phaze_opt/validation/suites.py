@@ -25,6 +25,13 @@ A training row is one published run:
     virtual_stages              model chunks per device of the interleaved 1F1B schedule (default 1)
     recompute                   none | selective | full (activation recomputation)
     sequence_parallel           true | false (default false; needs tp > 1)
+    zero                        optional: optimizer sharding over data parallelism, 0 | 1 | 3 (default 0;
+                                3 = fully sharded data parallelism, as PaLM's)
+    system, arch                optional: this row's cluster and chip (names in configs/systems and
+                                configs/archs), in place of the suite's (runs on different machines)
+    pending_model               optional: true when the row's model config is not shipped yet; the row
+                                is then loaded unchecked and skipped with that reason (never run, never
+                                in a MAPE) until the model exists, and from then on checked and run
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -71,7 +78,8 @@ TOP_REQUIRED = ("suite", "description", "arch", "metric")
 TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
-                *TRAINING_METRICS)
+                "zero", "system", "arch", "pending_model", *TRAINING_METRICS)
+ZERO = (0, 1, 3)
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
@@ -134,6 +142,10 @@ class Row:
     iteration_time_s: float | None = None
     published: Mapping[str, float] = field(default_factory=dict)
     note: str = ""
+    zero: int = 0
+    system: str | None = None  # None: the suite's
+    arch: str | None = None  # None: the suite's
+    skip_reason: str = ""  # non-empty: the row is not run (its model is not shipped yet)
 
     @property
     def dp(self) -> int:
@@ -190,6 +202,16 @@ class Suite:
     @property
     def flops_expression(self) -> str | None:
         return FLOPS_FORMULAS[self.flops_formula][0] if self.flops_formula else None
+
+
+def with_system(suite: Suite, system: str) -> Suite:
+    """The suite with every training row on `system` (a name in configs/systems), its own and its
+    rows' systems set aside: the same published runs priced on another network."""
+    if system not in configs.available("systems"):
+        raise PhazeError(f"unknown system '{system}': choose one of {', '.join(configs.available('systems'))}")
+    if suite.metric not in TRAINING_METRICS:
+        return suite
+    return replace(suite, system=system, rows=tuple(replace(r, system=None) for r in suite.rows))
 
 
 def suites_dir() -> Path:
@@ -281,11 +303,11 @@ def _mapping(value: Any, label: str, file, required=(), optional=()) -> Mapping[
     return value
 
 
-def _config_name(data: Mapping[str, Any], key: str, kind: str, file) -> str:
-    name = _text(data, key, file)
+def _config_name(data: Mapping[str, Any], key: str, kind: str, file, label: str | None = None) -> str:
+    name = _text(data, key, file, label)
     choices = configs.available(kind)
     if name not in choices:
-        raise config_error(file, key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
+        raise config_error(file, label or key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
     return name
 
 
@@ -344,6 +366,12 @@ def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file) -> tu
 
 def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     row = _mapping(raw, at, file, ROW_REQUIRED + (metric,), ROW_OPTIONAL)
+    pending = row.get("pending_model", False)
+    if not isinstance(pending, bool):
+        raise config_error(file, f"{at}.pending_model", f"must be true or false, got {pending!r}")
+    names = {k: _config_name(row, k, f"{k}s", file, f"{at}.{k}") for k in ("system", "arch") if k in row}
+    if pending and row["model"] not in configs.available("models"):
+        return _pending_row(row, at, metric, papers, file, names)
     model = _model(row["model"], f"{at}.model", file, models)
     for key in ("heads", "hidden", "layers"):
         if key in row and row[key] != getattr(model, key):
@@ -374,17 +402,35 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     if sp and tp == 1:
         raise config_error(file, f"{at}.sequence_parallel",
                            "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
+    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
+               sequence_parallel=sp, virtual_stages=chunks, **_row_facts(row, at, metric, papers, file), **names)
+
+
+def _row_facts(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:
+    """The row's fields that need no model config: its numbers, source, note and ZeRO stage."""
     values = {k: _number(row, k, file, f"{at}.{k}") for k in TRAINING_METRICS if k in row}
     published = _mapping(row.get("published", {}), f"{at}.published", file, (), PUBLISHED_FIELDS)
     published = {k: _number(published, k, file, f"{at}.published.{k}") for k in published}
     note = row.get("note", "")
     if not isinstance(note, str):
         raise config_error(file, f"{at}.note", f"must be a string, got {note!r}")
-    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
-               sequence_parallel=sp, virtual_stages=chunks, value=values[metric],
-               source=_source(row["source"], f"{at}.source", papers, file),
-               per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
-               published=published, note=note)
+    zero = row.get("zero", 0)
+    if zero not in ZERO or isinstance(zero, bool):
+        raise config_error(file, f"{at}.zero", f"must be one of {', '.join(map(str, ZERO))}, got {zero!r}")
+    return dict(value=values[metric], source=_source(row["source"], f"{at}.source", papers, file),
+                per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
+                published=published, note=note, zero=zero)
+
+
+def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, names) -> Row:
+    """A row whose model is not shipped: only what needs no model is checked; it is skipped with the
+    reason (the checks against the model run once the model exists)."""
+    model = _text(row, "model", file, f"{at}.model")
+    tp, pp, gpus, batch, mbs = (_int(row, k, file, f"{at}.{k}") for k in ("tp", "pp", "gpus", "batch", "microbatch"))
+    return Row(model=model, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs,
+               recompute=_choice(row, "recompute", RECOMPUTE, file, at), sequence_parallel=False, virtual_stages=1,
+               skip_reason=f"skipped: model {model} is not in configs/models yet (pending_model)",
+               **_row_facts(row, at, metric, papers, file), **names)
 
 
 def _tp_choices(model: ModelConfig, tp: int) -> str:
