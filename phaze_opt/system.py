@@ -44,7 +44,9 @@ between slices (the data-center network). What changes with a torus, and what do
   (bidirectional where a line closes around the torus), returned as the equivalent single-ring link;
 - a CP ring's neighbour hand-off (`cp_link`) uses one link (shared by interleaved groups);
 - an all-to-all (`alltoall_s`) is bisection-bound on the torus;
-- a group that does not map onto torus lines is priced as before (the inter-node link, conservative);
+- a group inside the slice that does not map onto torus lines runs as a ring along the rank order
+  (one direction of one link, shared by interleaved groups); one that leaves the slice is priced as
+  before, at the inter-node link;
 - pipeline hops and data-parallel rings keep the two-level rules above, with the slice as the node:
   the placement DP vectorises exactly those rules (solve/placement.py, `_pairs` and
   `_general_groups`), and the evaluator must agree with it. With a torus that prices a stage hop at
@@ -214,7 +216,7 @@ class System:
         """Whether a TP group of width t keeps its collectives on the node's (or torus's) links; the
         energy model prices those bytes at the intra-node energy per bit."""
         if self.torus is not None:
-            return self.torus.span(t, 1) is not None
+            return self.torus.lines(t, 1) is not None
         return self.devices_per_node % t == 0
 
     def pipeline_link(self, t: int, pp: int) -> Link:
@@ -236,8 +238,8 @@ class System:
 
     def _torus_ring(self, g: int, stride: int) -> Link:
         """The single-ring equivalent of a group's all-reduce on the torus; the intra-node link for
-        a group of one, the inter-node link for a group that does not map onto torus lines."""
-        lines = self.torus.span(g, stride)
+        a group of one, the inter-node link for a group that leaves the slice."""
+        lines = self.torus.lines(g, stride)
         if lines is None:
             return self.inter_node
         if not lines:
@@ -247,8 +249,8 @@ class System:
 
     def _torus_neighbour(self, g: int, stride: int) -> Link:
         """The link from a group member to its ring neighbour: one ICI link, shared by the groups
-        interleaved with it on the line; the inter-node link when the group does not map."""
-        lines = self.torus.span(g, stride)
+        interleaved with it on the line; the inter-node link when the group leaves the slice."""
+        lines = self.torus.lines(g, stride)
         if lines is None:
             return self.inter_node
         if not lines or lines[0].spacing == 1:
@@ -282,7 +284,7 @@ class System:
         """
         if e <= 1:
             return 0.0
-        lines = self.torus.span(e, stride) if self.torus is not None else None
+        lines = self.torus.lines(e, stride) if self.torus is not None else None
         if lines is not None:
             return alltoall_seconds(lines, nbytes, self.intra_node.bandwidth, self.intra_node.latency)
         g = self.alltoall_members_per_node(e, stride)

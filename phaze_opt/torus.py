@@ -15,8 +15,15 @@ a group at rank stride s are s ranks apart. A group of g ranks at stride s *maps
 when, dimension by dimension, it takes q_i chips spaced r_i apart in dimension i: the stride is r_i
 times the chips of the dimensions before (r_i dividing n_i), and the group either fills the line
 (q_i r_i = n_i, then continues in the next dimension at stride n_0 ... n_i) or ends inside it with
-q_i dividing n_i / r_i (so the groups of the other ranks tile the line). Any other group does not
-map (`span` returns None) and the caller prices it as the two-level model would (conservative).
+q_i dividing n_i / r_i (so the groups of the other ranks tile the line).
+
+A group that does not map but whose g x s ranks tile the slice (`lines`) still runs on ICI: its ring
+is embedded along the rank order, the closing edge back along the same path. Consecutive ranks are
+torus neighbours or, at the end of a line, one wraparound hop and one hop in the next dimension,
+and the only group crossing a given line end is the one holding both ranks; so with s interleaved
+groups every link direction carries at most s of them: an open line of g members at spacing s
+(B / s a direction, one direction), a bound we take as the price. A group larger than the slice
+(or straddling two) leaves the torus: the caller prices it at the inter-slice link.
 
 Bandwidth of a group in one dimension (per chip, per direction of a link of bandwidth B):
 - the r_i - 1 interleaved groups of the other ranks share each link of the line: B / r_i each;
@@ -128,6 +135,15 @@ class Torus:
             left //= members
             block *= n
         return tuple(lines) if left == 1 else None
+
+    def lines(self, g: int, stride: int) -> tuple[Line, ...] | None:
+        """The group's torus lines (`span`), else, when its g x stride ranks tile the slice, its
+        rank-order path as one open line of g members `stride` apart (module docstring); None when
+        the group leaves the slice."""
+        span = self.span(g, stride)
+        if span is not None or self.size % (g * stride):
+            return span
+        return (Line(0, g, stride, False),)
 
 
 def ring_seconds_per_byte(lines: tuple[Line, ...], bandwidths: tuple[float, ...]) -> float:

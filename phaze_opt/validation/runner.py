@@ -133,9 +133,11 @@ def row_config(row: Row, suite: Suite) -> dict:
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
     """The row's system (its own, else the suite's) sized to the row (`--devices`, `--global-batch`),
-    with `efficiency` if given (None: the preset's own)."""
+    with `efficiency` if given (None: the preset's own); `efficiency` belongs to the suite's system,
+    so a row on another system keeps its own preset's."""
+    own = row.system is not None and row.system != suite.system
     system = replace(load_system(row.system or suite.system), accelerators=row.gpus, global_batch=row.batch)
-    return system if efficiency is None else system.with_efficiency(efficiency)
+    return system if efficiency is None or own else system.with_efficiency(efficiency)
 
 
 def row_training(row: Row) -> Training:

@@ -13,7 +13,7 @@ from typing import Sequence
 from ..errors import PhazeError
 from ..search.tracking import MlflowTracker, tracking_enabled
 from ..system import load_system
-from .calibration import fit_system
+from .calibration import fit_rows, fit_system
 from .report import to_json, write_report
 from .runner import run_suite
 from .suites import TRAINING_METRICS, list_suites, load_suite, with_system
@@ -32,8 +32,10 @@ def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "re
         suites = [with_system(s, system) for s in suites]
     fits = {}
     if fit:
+        # a system whose rows are all held out or skipped has nothing to fit: it keeps its preset
         for system in sorted({s.system for s in suites if s.metric in TRAINING_METRICS}):
-            fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc)
+            if fit_rows(suites, system):
+                fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc)
     results = [run_suite(s, fits[s.system].efficiency, arch_efficiency=fits[s.system].arch_efficiency)
                if s.system in fits and s.metric in TRAINING_METRICS else run_suite(s) for s in suites]
     result = {"command": command, "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
