@@ -396,14 +396,19 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         raise config_error(file, f"{at}.virtual_stages", f"the interleaved schedule needs microbatches per "
                            f"pipeline ({batch // (mbs * dp)}) to be a multiple of pp ({pp})")
     recompute = _choice(row, "recompute", RECOMPUTE, file, at)
+    sp = _sequence_parallel(row, tp, file, at)
+    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
+               sequence_parallel=sp, virtual_stages=chunks, **_row_facts(row, at, metric, papers, file), **names)
+
+
+def _sequence_parallel(row: Mapping[str, Any], tp: int, file, at: str) -> bool:
     sp = row.get("sequence_parallel", False)
     if not isinstance(sp, bool):
         raise config_error(file, f"{at}.sequence_parallel", f"must be true or false, got {sp!r}")
     if sp and tp == 1:
         raise config_error(file, f"{at}.sequence_parallel",
                            "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
-    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
-               sequence_parallel=sp, virtual_stages=chunks, **_row_facts(row, at, metric, papers, file), **names)
+    return sp
 
 
 def _row_facts(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:
@@ -428,7 +433,9 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, nam
     model = _text(row, "model", file, f"{at}.model")
     tp, pp, gpus, batch, mbs = (_int(row, k, file, f"{at}.{k}") for k in ("tp", "pp", "gpus", "batch", "microbatch"))
     return Row(model=model, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs,
-               recompute=_choice(row, "recompute", RECOMPUTE, file, at), sequence_parallel=False, virtual_stages=1,
+               recompute=_choice(row, "recompute", RECOMPUTE, file, at),
+               sequence_parallel=_sequence_parallel(row, tp, file, at),
+               virtual_stages=_int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1),
                skip_reason=f"skipped: model {model} is not in configs/models yet (pending_model)",
                **_row_facts(row, at, metric, papers, file), **names)
 
