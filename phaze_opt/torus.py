@@ -205,3 +205,21 @@ def alltoall_seconds(lines: tuple[Line, ...], nbytes: float, link_bandwidth: flo
     bisection = max(nbytes * line.members * line.spacing / (4.0 * line.directions() * link_bandwidth)
                     for line in lines)
     return max(pairwise, bisection)
+
+
+def two_level_ring_equivalent(lines: tuple[Line, ...], outer: int, link: tuple[float, float],
+                              outer_link: tuple[float, float]) -> tuple[float, float]:
+    """(bandwidth, latency) of the single ring of g x outer ranks that takes as long as a hierarchical
+    all-reduce: reduce-scatter inside each slice over `lines` (g members), an all-reduce of the 1/g
+    shard across the `outer` slices on `outer_link`, an all-gather back (Kumar et al. 2021, Sec. 3.2;
+    PaLM, Chowdhery et al. 2022, Sec. 4: only the pod-level exchange crosses the data-center network).
+    `link`, `outer_link`: (bandwidth, latency) of an ICI link and of the inter-slice link."""
+    g = math.prod(line.members for line in lines)
+    d = g * outer
+    if d <= 1:
+        return link
+    inner_bw, inner_lat = ring_equivalent(lines, *link)
+    per_byte = (2.0 * (g - 1) / g / inner_bw if g > 1 else 0.0) + \
+        (2.0 * (outer - 1) / outer / g / outer_link[0] if outer > 1 else 0.0)
+    latency = (2 * (g - 1) * inner_lat + 2 * (outer - 1) * outer_link[1]) / (2 * (d - 1))
+    return 2.0 * (d - 1) / d / per_byte, latency

@@ -235,3 +235,31 @@ def test_efficiency_scales_the_torus_link():
     s = _torus_system([8], efficiency={"intra_node_bandwidth": 0.5})
     assert s.intra_node == Link(B * 0.5, ALPHA)
     assert s.tp_link(8).bandwidth == pytest.approx(B)  # 2 directions x the achieved link
+
+
+def test_dp_ring_link_is_hierarchical_on_a_torus_and_dp_link_elsewhere():
+    palm = load_system("tpuv4-2x3072")  # 12 x 16 x 16 slices, TP 12: 256 replicas a slice, 2 slices
+    ici, dcn = palm.intra_node.bandwidth, palm.inter_node.bandwidth
+    inner = palm.dp_ring_link(12, 1, 256)
+    assert inner.bandwidth == pytest.approx(4 * ici)  # two closed dimensions, both directions
+    # reduce-scatter in the slice, all-reduce of the 1/256 shard across the 2 slices, all-gather back
+    per_byte = 2 * 255 / 256 / (4 * ici) + 2 * (1 / 2) / 256 / dcn
+    assert palm.dp_ring_link(12, 1, 512).bandwidth == pytest.approx(2 * 511 / 512 / per_byte)
+    assert palm.dp_ring_link(12, 1, 512).bandwidth > 20 * palm.dp_link(12, 1, 512).bandwidth
+    for name in ("default", "dgx-a100", "phaze"):
+        s = load_system(name)
+        for t, pp, dp in [(1, 1, 8), (8, 1, 64), (8, 4, 32), (2, 2, 2)]:
+            assert s.dp_ring_link(t, pp, dp) == s.dp_link(t, pp, dp)
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(st.sampled_from([(8, 8, 16), (12, 16, 16), (4, 4), (16,)]), st.integers(1, 16), st.integers(1, 8),
+       st.integers(1, 64))
+def test_a_dp_ring_on_whole_torus_lines_is_never_slower_than_the_two_level_rule(dims, t, pp, dp):
+    s = _torus_system(list(dims), accelerators=4 * math.prod(dims))
+    size, stride = s.torus.size, pp * t
+    inner = dp if stride * dp <= size else size // stride
+    lines = s.torus.span(inner, stride) if inner >= 1 and dp % inner == 0 and stride * dp <= s.accelerators else None
+    if lines is None or any(line.spacing > 1 for line in lines):
+        return  # replicas spaced out share their links with the interleaved groups: slower, rightly
+    assert s.dp_ring_link(t, pp, dp).bandwidth >= s.dp_link(t, pp, dp).bandwidth * (1 - 1e-12)
