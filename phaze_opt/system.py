@@ -50,8 +50,9 @@ between slices (the data-center network). What changes with a torus, and what do
 - pipeline hops and data-parallel rings keep the two-level rules above, with the slice as the node:
   the placement DP vectorises exactly those rules (solve/placement.py, `_pairs` and
   `_general_groups`), and the evaluator must agree with it. With a torus that prices a stage hop at
-  one ICI link (exact for stage neighbours one torus hop apart, optimistic by the hop count when
-  S t is not a product of leading dimensions) and a data-parallel ring inside the slice at one ICI
+  one ICI link when S t divides the slice (exact for stage neighbours one torus hop apart,
+  optimistic by the hop count when S t is not a product of leading dimensions), at the inter-slice
+  link when it does not (pessimistic: the hop stays on ICI), and a data-parallel ring inside the slice at one ICI
   link, a lower bound on the 2 to 6 links a torus ring gets (conservative). `dp_ring_link` is the
   ring a torus does give (hierarchical: multi-dimensional inside a slice, the 1/g shards across
   slices); it waits for the placement DP to price rings through a System method. On PaLM 540B
