@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from phaze_opt.errors import PhazeError
+from phaze_opt.training import Training
 from phaze_opt.system import Link, System, load_system, system_from_dict
 
 GOOD = {
@@ -211,7 +212,7 @@ def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(
         return out
 
     monkeypatch.setattr(placement.np, "arange", small_arange)
-    problem = type("P", (), {"system": system, "mbs": 1})()
+    problem = type("P", (), {"system": system, "training": Training(1)})()
     d, m = placement._dp_degrees(problem, 1)
     assert d[0] == 1 and m[-1] == 1 and len(d) <= 2 * math.isqrt(system.global_batch) + 1
     assert np.all(-(-system.global_batch // d) == m)

@@ -20,6 +20,9 @@ def add_arguments(p) -> None:
                    help=f"folder for validation.md, validation.json and validation.png (default {DEFAULT_OUT})")
     p.add_argument("--tracking-uri", default="off", metavar="URI",
                    help="MLflow tracking URI for one run with the report, or 'off' (default off)")
+    p.add_argument("--system", default=None, metavar="NAME",
+                   help="run every training row on this system (configs/systems) instead of its suite's or its own, "
+                        "e.g. the TPU v4 rows on default vs tpuv4-pod")
     p.add_argument("--fit", action="store_true",
                    help="fit each training system's per-iteration overhead on the fit subset (odd rows), then report "
                         "with the fitted value (the preset files are not changed)")
@@ -35,6 +38,8 @@ def command_line(args) -> str:
     parts = ["phaze-opt validate"]
     for s in args.suite or ():
         parts.append(f"--suite {s}")
+    if getattr(args, "system", None):
+        parts.append(f"--system {args.system}")
     if args.fit or args.fit_links or args.fit_tc:
         parts.append("--fit")
     if args.fit_links:
@@ -49,7 +54,7 @@ def run(args) -> dict:
 
     result = validate(args.suite, out=args.out, tracking_uri=args.tracking_uri,
                       fit=args.fit or args.fit_links or args.fit_tc, fit_links=args.fit_links, fit_tc=args.fit_tc,
-                      command=command_line(args))
+                      command=command_line(args), system=getattr(args, "system", None))
     if getattr(args, "json", False):  # the SuiteResults are for the text renderer; the JSON has `suites`
         result.pop("_suites")
     return result

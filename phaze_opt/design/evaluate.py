@@ -199,7 +199,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
         return hit
     tp = tp_costs.costs.tp
     graph = build_layer_graph(model, tp, mbs, attention=attention)
-    intra = system.tp_link(tp) is system.intra_node
+    intra = system.tp_within_node(tp)
     passes = {}
     for kind in graph.kinds:
         for pass_name in PASSES:

@@ -66,10 +66,11 @@ class Fit:
 
 
 def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int]]:
-    """(suite, row index) of every fit-subset row of the training suites that run on `system_name`
-    (rows skipped for a missing model config are not fitted)."""
-    return [(s, i) for s in suites if s.metric in TRAINING_METRICS and s.system == system_name
-            for i in range(len(s.rows)) if in_fit_subset(i) and not s.rows[i].skip]
+    """(suite, row index) of every fit-subset row of the training suites that runs on `system_name`
+    (the row's own system, else its suite's); rows skipped for a missing model config are not fitted."""
+    return [(s, i) for s in suites if s.metric in TRAINING_METRICS
+            for i, r in enumerate(s.rows) if in_fit_subset(i) and not r.skip
+            and (r.system or s.system) == system_name]
 
 
 def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:

@@ -30,12 +30,14 @@ def _signed(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
 
-def _config(r: RowResult) -> str:
+def _config(r: RowResult, suite_system: str | None = None) -> str:
     c = r.config
     if "pp" not in c:  # a layer row
         return f"{c['model']} tp{c['tp']} mbs {c['mbs']} {c['attention']}"
     extras = f"rc {c['recompute']}" + (" sp" if c["sequence_parallel"] else "") + \
-        (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "")
+        (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "") + \
+        (f" zero{c['zero']}" if c.get("zero") else "") + \
+        (f" on {c['system']}" if c.get("system") and c["system"] != suite_system else "")
     parallel = "".join(f" {k}{c[k]}" for k in ("cp", "ep") if k in c) + (f" seq {c['seq']}" if "seq" in c else "")
     return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']}{parallel} gpus {c['gpus']} batch {c['batch']} "
             f"mbs {c['mbs']} {extras}")
@@ -46,7 +48,7 @@ def table_rows(suite: SuiteResult) -> list[list[str]]:
     out = []
     for r in suite.rows:
         pred = "skipped" if r.skipped else "infeasible" if r.predicted is None else f"{r.predicted * scale:.4g}"
-        out.append([str(r.index), r.label, _config(r), pred, f"{r.published * scale:.4g}", _signed(r.error),
+        out.append([str(r.index), r.label, _config(r, suite.system), pred, f"{r.published * scale:.4g}", _signed(r.error),
                     "fit" if r.fitted else "held out"])
     return out
 

@@ -130,20 +130,22 @@ class SuiteResult:
                 "rows": [r.to_json() for r in self.rows]}
 
 
-def row_config(row: Row) -> dict:
+def row_config(row: Row, suite: Suite) -> dict:
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
             "mbs": row.microbatch, "recompute": row.recompute, "sequence_parallel": row.sequence_parallel,
-            "virtual_stages": row.virtual_stages,
+            "virtual_stages": row.virtual_stages, "system": row.system or suite.system, "arch": row.arch or suite.arch,
             # the newer fields only where a row sets them, so the older suites' reports are unchanged
             **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
                                  ("overlap_grad_reduce", row.overlap_grad_reduce)) if v not in (1, None, 0, False)}}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
-    """The suite's system sized to the row (`--devices`, `--global-batch`), with `efficiency` if given
-    (None: the preset's own)."""
-    system = replace(load_system(suite.system), accelerators=row.gpus, global_batch=row.batch)
-    return system if efficiency is None else system.with_efficiency(efficiency)
+    """The row's system (its own, else the suite's) sized to the row (`--devices`, `--global-batch`),
+    with `efficiency` if given (None: the preset's own); `efficiency` belongs to the suite's system,
+    so a row on another system keeps its own preset's."""
+    own = row.system is not None and row.system != suite.system
+    system = replace(load_system(row.system or suite.system), accelerators=row.gpus, global_batch=row.batch)
+    return system if efficiency is None or own else system.with_efficiency(efficiency)
 
 
 def row_training(row: Row) -> Training:
@@ -169,9 +171,10 @@ def predicted_value(suite: Suite, row: Row, time_per_batch_s: float) -> float:
     raise ValueError(f"predicted_value: {suite.metric} is not a training metric")
 
 
-def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None) -> Accelerator:
-    """The suite's arch, with `arch_efficiency` in place of its preset's efficiency if given."""
-    arch = load_arch(suite.arch)
+def row_arch(suite: Suite, arch_efficiency: Efficiency | None = None, row: Row | None = None) -> Accelerator:
+    """The row's arch (its own, else the suite's), with `arch_efficiency` in place of its preset's
+    efficiency if given."""
+    arch = load_arch(row.arch if row is not None and row.arch else suite.arch)
     return arch if arch_efficiency is None else replace(arch, efficiency=arch_efficiency)
 
 
@@ -180,14 +183,14 @@ def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficienc
     """One training row through `evaluator` (default: design.evaluate.evaluate, looked up at call time).
     A published recipe the project cannot express (e.g. an EP width that does not divide DP) is a
     result: infeasible with the reason."""
-    common = dict(suite=suite.name, index=index, label=row.source.row, config=row_config(row),
+    common = dict(suite=suite.name, index=index, label=row.source.row, config=row_config(row, suite),
                   published=row.value * METRIC_SI[suite.metric], fitted=in_fit_subset(index),
                   source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row})
     if row.skip:
         return RowResult(predicted=None, feasible=False, reason=row.skip, skipped=True, **common)
     try:
         result = (evaluator or evaluate)(row_model(row) if row.seq else row.model,
-                                         row_arch(suite, arch_efficiency), row_training(row),
+                                         row_arch(suite, arch_efficiency, row), row_training(row),
                                          row_system(suite, row, efficiency))
     except PhazeError as exc:
         return RowResult(predicted=None, feasible=False, reason=f"not expressible: {exc}", **common)

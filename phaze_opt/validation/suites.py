@@ -32,6 +32,8 @@ A training row is one published run:
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
+    system, arch                optional: this row's cluster and chip (names in configs/systems and
+                                configs/archs), in place of the suite's (runs on different machines)
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -78,7 +80,8 @@ TOP_REQUIRED = ("suite", "description", "arch", "metric")
 TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
-                *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model")
+                *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
+                "system", "arch")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
@@ -168,6 +171,8 @@ class Row:
     overlap_grad_reduce: bool = False
     flops_formula: str | None = None  # None: the suite's
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
+    system: str | None = None  # None: the suite's
+    arch: str | None = None  # None: the suite's
 
     @property
     def dp(self) -> int:
@@ -224,6 +229,16 @@ class Suite:
     @property
     def flops_expression(self) -> str | None:
         return FLOPS_FORMULAS[self.flops_formula][0] if self.flops_formula else None
+
+
+def with_system(suite: Suite, system: str) -> Suite:
+    """The suite with every training row on `system` (a name in configs/systems), its own and its
+    rows' systems set aside: the same published runs priced on another network."""
+    if system not in configs.available("systems"):
+        raise PhazeError(f"unknown system '{system}': choose one of {', '.join(configs.available('systems'))}")
+    if suite.metric not in TRAINING_METRICS:
+        return suite
+    return replace(suite, system=system, rows=tuple(replace(r, system=None) for r in suite.rows))
 
 
 def suites_dir() -> Path:
@@ -315,11 +330,11 @@ def _mapping(value: Any, label: str, file, required=(), optional=()) -> Mapping[
     return value
 
 
-def _config_name(data: Mapping[str, Any], key: str, kind: str, file) -> str:
-    name = _text(data, key, file)
+def _config_name(data: Mapping[str, Any], key: str, kind: str, file, label: str | None = None) -> str:
+    name = _text(data, key, file, label)
     choices = configs.available(kind)
     if name not in choices:
-        raise config_error(file, key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
+        raise config_error(file, label or key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
     return name
 
 
@@ -376,7 +391,7 @@ def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file) -> tu
     return tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
 
 
-def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file) -> Row | None:
+def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, names: dict) -> Row | None:
     """A row whose model config is missing but declared pending: kept, to be skipped with its reason."""
     pending = row.get("pending_model")
     name = row.get("model")
@@ -389,15 +404,15 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file) -> 
     return Row(model=name, tp=ints["tp"], pp=ints["pp"], gpus=ints["gpus"], batch=ints["batch"],
                microbatch=ints["microbatch"], recompute=_choice(row, "recompute", RECOMPUTE, file, at),
                sequence_parallel=bool(row.get("sequence_parallel", False)), virtual_stages=ints["virtual_stages"],
-               value=_number(row, metric, file, f"{at}.{metric}"),
-               source=_source(row["source"], f"{at}.source", papers, file), cp=ints["cp"], ep=ints["ep"],
-               seq=row.get("seq"), note=str(row.get("note", "")),
-               skip=f"model config '{name}' not in configs/models yet ({pending.strip()})")
+               cp=ints["cp"], ep=ints["ep"], seq=row.get("seq"), zero=_zero(row, file, at),
+               skip=f"model config '{name}' not in configs/models yet ({pending.strip()})",
+               **_row_numbers(row, at, metric, papers, file), **names)
 
 
 def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     row = _mapping(raw, at, file, ROW_REQUIRED + (metric,), ROW_OPTIONAL)
-    pending = _pending_row(row, at, metric, papers, file)
+    names = {k: _config_name(row, k, f"{k}s", file, f"{at}.{k}") for k in ("system", "arch") if k in row}
+    pending = _pending_row(row, at, metric, papers, file, names)
     if pending is not None:
         return pending
     model = _model(row["model"], f"{at}.model", file, models)
@@ -431,31 +446,46 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         raise config_error(file, f"{at}.virtual_stages", f"the interleaved schedule needs microbatches per "
                            f"pipeline ({batch // (mbs * dp)}) to be a multiple of pp ({pp})")
     recompute = _choice(row, "recompute", RECOMPUTE, file, at)
-    sp = row.get("sequence_parallel", False)
-    if not isinstance(sp, bool):
-        raise config_error(file, f"{at}.sequence_parallel", f"must be true or false, got {sp!r}")
-    if sp and tp == 1:
-        raise config_error(file, f"{at}.sequence_parallel",
-                           "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
-    zero = row.get("zero", 0)
-    if zero not in (0, 1, 3) or isinstance(zero, bool):
-        raise config_error(file, f"{at}.zero", f"must be 0, 1 or 3, got {zero!r}")
+    sp = _sequence_parallel(row, tp, file, at)
+    zero = _zero(row, file, at)
     overlap = row.get("overlap_grad_reduce", False)
     if not isinstance(overlap, bool):
         raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
+    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
+               sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
+               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula,
+               **_row_numbers(row, at, metric, papers, file), **names)
+
+
+def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:
+    """The row's published numbers, source and note: what needs no model config."""
     values = {k: _number(row, k, file, f"{at}.{k}") for k in TRAINING_METRICS if k in row}
     published = _mapping(row.get("published", {}), f"{at}.published", file, (), PUBLISHED_FIELDS)
     published = {k: _number(published, k, file, f"{at}.published.{k}") for k in published}
     note = row.get("note", "")
     if not isinstance(note, str):
         raise config_error(file, f"{at}.note", f"must be a string, got {note!r}")
-    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
-               sequence_parallel=sp, virtual_stages=chunks, value=values[metric],
-               source=_source(row["source"], f"{at}.source", papers, file),
-               per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
-               published=published, note=note, cp=cp, ep=ep, seq=seq if seq != model.seq else None, zero=zero,
-               overlap_grad_reduce=overlap, flops_formula=formula)
+    return dict(value=values[metric], source=_source(row["source"], f"{at}.source", papers, file),
+                per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
+                published=published, note=note)
+
+
+def _zero(row: Mapping[str, Any], file, at: str) -> int:
+    zero = row.get("zero", 0)
+    if zero not in (0, 1, 3) or isinstance(zero, bool):
+        raise config_error(file, f"{at}.zero", f"must be 0, 1 or 3, got {zero!r}")
+    return zero
+
+
+def _sequence_parallel(row: Mapping[str, Any], tp: int, file, at: str) -> bool:
+    sp = row.get("sequence_parallel", False)
+    if not isinstance(sp, bool):
+        raise config_error(file, f"{at}.sequence_parallel", f"must be true or false, got {sp!r}")
+    if sp and tp == 1:
+        raise config_error(file, f"{at}.sequence_parallel",
+                           "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
+    return sp
 
 
 def _tp_choices(model: ModelConfig, tp: int) -> str:

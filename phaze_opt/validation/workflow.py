@@ -16,18 +16,23 @@ from ..system import load_system
 from .calibration import fit_rows, fit_system
 from .report import to_json, write_report
 from .runner import run_suite
-from .suites import TRAINING_METRICS, list_suites, load_suite
+from .suites import TRAINING_METRICS, list_suites, load_suite, with_system
 
 EXPERIMENT = "phaze_opt-validate"
 
 
 def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "reports/validation",
-             tracking_uri: str | None = "off", fit: bool = False, fit_links: bool = False, fit_tc: bool = False, command: str = "phaze-opt validate") -> dict:
+             tracking_uri: str | None = "off", fit: bool = False, fit_links: bool = False, fit_tc: bool = False, command: str = "phaze-opt validate",
+             system: str | None = None) -> dict:
     """Run the suites and write the report. The returned dict is what `--json` prints (its `_suites`
-    entry holds the SuiteResults for the text and Markdown renderers and is dropped from the JSON)."""
+    entry holds the SuiteResults for the text and Markdown renderers and is dropped from the JSON).
+    `system`: every training row on that system instead of its own (to compare networks)."""
     suites = [load_suite(n) for n in (names or list_suites())]  # every name checked before any work
+    if system is not None:
+        suites = [with_system(s, system) for s in suites]
     fits = {}
     if fit:
+        # a system whose rows are all held out or skipped has nothing to fit: it keeps its preset
         for system in sorted({s.system for s in suites if s.metric in TRAINING_METRICS}):
             if fit_rows(suites, system):  # a system whose fit rows are all skipped keeps its preset
                 fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc)
