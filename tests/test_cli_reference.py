@@ -37,8 +37,9 @@ def _table_rows(section: str) -> list[list[str]]:
     return [[cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
 
 
-def _words(text: str) -> str:
-    return " ".join(text.split())
+def _as_written(text: str) -> str:
+    """Help text as Markdown shows it verbatim: on one line, pipes and `<` escaped."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
 
 
 def test_the_page_lists_every_flag_of_every_subcommand():
@@ -52,7 +53,7 @@ def test_the_page_lists_every_flag_of_every_subcommand():
     for group in subparsers:
         for name, sub in group.choices.items():
             section = sections[name]
-            assert _words(sub.description).replace("<", "&lt;") in section, f"{name}: description missing"
+            assert _as_written(sub.description) in section, f"{name}: description missing"
             rows = _table_rows(section)
             assert len(rows) == len(sub._actions), f"{name}: {len(rows)} rows for {len(sub._actions)} actions"
             for action in sub._actions:
@@ -68,8 +69,7 @@ def test_the_page_lists_every_flag_of_every_subcommand():
                     default = action.default
                     shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
                     assert row[2] == f"`{shown}`", f"{name} {names_in_row}: default {shown!r} missing"
-                help_text = _words(action.help or "").replace("|", "\\|").replace("<", "&lt;")
-                assert row[3] == help_text, f"{name} {names_in_row}: help text missing or changed"
+                assert row[3] == _as_written(action.help or ""), f"{name} {names_in_row}: help text missing or changed"
 
 
 def test_the_page_does_not_depend_on_the_terminal_width(monkeypatch):
