@@ -27,7 +27,7 @@ LAYERS = (
     ("search",),
     ("experiments", "validation"),
     ("commands",),
-    ("cli", "study", "compare", "__main__"),
+    ("cli", "study", "compare", "__main__", "cli_reference"),
 )
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 RANK = {unit: (i, j) for i, units in enumerate(LAYERS) for j, unit in enumerate(units)}
