@@ -23,17 +23,22 @@ from .errors import PhazeError, config_error
 KINDS = ("models", "archs", "spaces", "systems")
 
 
+def shipped_dir() -> Path:
+    """The configs shipped inside the package (`phaze_opt/presets`, package data in the wheel)."""
+    return Path(__file__).resolve().parent / "presets"
+
+
 def configs_dir() -> Path:
-    """The configs folder: `$PHAZE_OPT_CONFIGS`, else the one beside the package."""
+    """The configs folder: `$PHAZE_OPT_CONFIGS`, else the shipped one."""
     env = os.environ.get("PHAZE_OPT_CONFIGS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    return Path(env) if env else shipped_dir()
 
 
 def constants_file(name: str) -> Path:
     """`name` in the configs folder in use, else the one shipped beside the package: a copied
     configs folder need not carry the fitted or cited constants."""
     p = configs_dir() / name
-    return p if p.is_file() else Path(__file__).resolve().parents[1] / "configs" / name
+    return p if p.is_file() else shipped_dir() / name
 
 
 def file_version(path: Path, missing: str) -> int:

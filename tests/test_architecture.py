@@ -66,7 +66,8 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom | ast.Import, k
 
 def import_graph(root: Path = ROOT) -> tuple[nx.DiGraph, list[tuple[str, str, int]]]:
     """(module -> imported module graph, [(module, imported, line) of imports inside functions])."""
-    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    # presets/ is data shipped with the package (a measuring script among it), not a module of it
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py")) if "presets" not in p.relative_to(root).parts}
     known = set(modules)
     graph = nx.DiGraph()
     graph.add_nodes_from(known)
