@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from . import configs
 from .errors import PhazeError
 from .jsonable import jsonable
 
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP))
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+        p.add_argument("--configs", action="append", default=[], metavar="DIR",
+                       help="a folder of your own configs (models/, archs/, spaces/, systems/, validation/, "
+                            "area.yaml, energy.yaml) that add to or override the shipped ones by name; repeatable, "
+                            "first wins; also $PHAZE_OPT_CONFIGS")
         p.set_defaults(_module=module, _parser=p)
     return parser
 
@@ -62,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = args._module
+    before = os.environ.get(configs.ENV)
     try:
+        configs.add_user_dirs(args.configs)
         result = module.run(args)
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -70,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:  # main() may be called again in one process (tests, notebooks)
+        if before is None:
+            os.environ.pop(configs.ENV, None)
+        else:
+            os.environ[configs.ENV] = before
     if isinstance(result, int):
         return result
     if args.json:
