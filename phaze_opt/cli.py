@@ -18,7 +18,8 @@ from . import configs
 from .errors import PhazeError
 from .jsonable import jsonable
 
-COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate")
+COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate",
+            "ui", "export")
 
 
 def _command_module(name: str):
