@@ -14,27 +14,9 @@ from typing import Any, Iterable, Sequence
 
 from ..figures import pyplot, write_figure
 from .reconcile import count_own
-from .session import finished_trials, is_feasible
+from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_prune
 from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
-
-
-def best_trial(trials, objectives: Sequence[str]):
-    """The feasible trial with the highest throughput objective.
-
-    Ties go to the smaller chip, then to the earliest trial: designs of equal throughput are common
-    (a core count the best placement does not need), and with several workers the order in which
-    they finish is a race, so the trial number alone would make the reported design depend on it.
-    """
-    feasible = [t for t in trials if is_feasible(t)]
-    if not feasible:
-        return None
-
-    def area(t) -> float:
-        value = (t.user_attrs.get("result") or {}).get("area_mm2")
-        return float(value) if isinstance(value, (int, float)) else math.inf
-
-    return max(feasible, key=lambda t: (t.values[0], -area(t), -t.number))
 
 
 def pareto_front(trials, directions: Sequence[str]) -> list:
@@ -191,7 +173,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     done = finished_trials(trials)
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
-    best = best_trial(done, config.objectives)
+    best = best_trial(done)
     wall = session.end_wall()
     summary: dict[str, Any] = {
         "study": session.name,
@@ -207,7 +189,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
-                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": own_trials(session, done)},
+                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": own_trials(session, done),
+                   "repeated_designs": repeated_designs(done)},
         "wall_s": wall - session.offset_s,
         "elapsed_s": wall,  # the study's wall time over all its runs (session.study_wall_s), as compare shows it
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
@@ -279,6 +262,9 @@ def render(summary: dict) -> str:
     lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
                  f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run"
                  + (f", {summary['elapsed_s']:.1f} s over all runs" if summary.get("resumed") else ""))
+    if t.get("repeated_designs"):
+        lines.append(f"  {t['repeated_designs']} trial(s) repeat a design an earlier trial tried (user attribute "
+                     f"repeat_of names it); {t['finished'] - t['repeated_designs']} distinct designs")
     if t.get("unproven"):
         lines.append(f"  {t['unproven']} feasible trial(s) rest on layer schedules not proven optimal in the ILP time "
                      f"limit: their score is reached by a verified schedule, their proven bound is higher")

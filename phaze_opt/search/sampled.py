@@ -31,6 +31,7 @@ from .session import (
     split_quota,
     tally,
 )
+from .trials import mark_design
 from .setup import Backend, StudyConfig, load_study, release_storage
 from .tracking import NullTracker
 
@@ -62,6 +63,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         start = time.perf_counter()
         point = codec.suggest(trial)
         trial.set_user_attr("point", jsonable(point))
+        mark_design(study, trial, point)
         try:
             outcome = evaluate_point(point, ctx)
         except FatalStudyError:
