@@ -38,6 +38,8 @@ LAZY_IMPORTS_ALLOWED = {
     "phaze_opt.commands.*": "a command imports its work when it runs (fast start-up)",
     # torch is imported only when a graph is really traced (a disk-cached graph needs none of it).
     "phaze_opt.workload.graphs": "the layers and the tracer import torch; only an extraction needs them",
+    # `import phaze_opt` stays light: optuna and pandas load when a notebook asks for a study's table.
+    "phaze_opt": "phaze_opt.results imports the study reader when it is called",
 }
 
 
