@@ -17,6 +17,7 @@ import sys
 from . import configs
 from .errors import PhazeError
 from .jsonable import jsonable
+from .search.progress import Heartbeat
 
 COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate",
             "ui", "export")
@@ -71,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     before = os.environ.get(configs.ENV)
     try:
         configs.add_user_dirs(args.configs)
-        result = module.run(args)
+        label = getattr(module, "heartbeat", None)
+        if label is None:
+            result = module.run(args)
+        else:  # a command that may work for minutes says so every 10 s
+            with Heartbeat(label(args)):
+                result = module.run(args)
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

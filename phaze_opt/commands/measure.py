@@ -77,3 +77,8 @@ def render(r: dict) -> str:
     if "out" in r:
         lines.append(f"  wrote {r['out']} (the data of a layer_seconds validation suite)")
     return "\n".join(lines)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while blocks are timed (minutes on a CPU)."""
+    return f"measure {args.model} on {args.device}"

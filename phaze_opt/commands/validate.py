@@ -59,3 +59,8 @@ def render(result: dict) -> str:
     from ..validation.report import render_text
 
     return render_text(result)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while the suites' rows are evaluated."""
+    return "validate " + ", ".join(args.suite or ["every suite"])
