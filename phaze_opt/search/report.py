@@ -19,6 +19,12 @@ from .setup import default_storage, default_study_name, resolve_prune
 from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
+def phaze_opt_ui(study: str, tracking_uri: str) -> str:
+    """`phaze-opt ui` for this study, as the user can type it from the folder the study ran in."""
+    uri = "" if tracking_uri == DEFAULT_TRACKING_URI else f" --tracking-uri {redact(tracking_uri)}"
+    return f"{venv_command('phaze-opt')} ui --study {study}{uri}"
+
+
 def pareto_front(trials, directions: Sequence[str]) -> list:
     """Feasible trials no other feasible trial dominates (all objectives at least as good, one better)."""
     feasible = [t for t in trials if is_feasible(t)]
@@ -219,6 +225,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                              "experiment": getattr(tracker, "experiment_name", None) or session.name,
                              "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                              "parent_run_name": tracker.run_name, "ui": ui_command(config.tracking_uri),
+                             "phaze_opt_ui": phaze_opt_ui(session.name, config.tracking_uri),
                              "run_url": run_url(tracker.experiment_id, tracker.parent_run_id),
                              "trials_url": trials_url(tracker.experiment_id)}
         tracker.log_best_final(trials)  # best_score stays the series by trial number
@@ -331,6 +338,8 @@ def render(summary: dict) -> str:
     if ml:
         lines.append(f"  MLflow: experiment '{ml['experiment']}' (id {ml['experiment_id']}), "
                      f"parent run '{ml.get('parent_run_name') or ml['parent_run_id']}'")
+        if ml.get("phaze_opt_ui"):
+            lines.append(f"    the UI here:  {ml['phaze_opt_ui']}  (a free port, opens the trials)")
         lines.append(f"    open the UI:  {ml['ui']}")
         lines.append(f"    this run:     {ml['run_url']}")
         lines.append(f"    the trials:   {ml['trials_url']}")
