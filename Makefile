@@ -1,21 +1,53 @@
 # Two entry points, each doing its own idempotent set-up in ./.venv:
 #   make study   - run the main job (python -m phaze_opt.study --trials 500)
 #   make test    - run the test suite
-PYTHON ?= python3
+# Needs Python 3.11 or newer; `make study PYTHON=python3.12` picks the interpreter. The venv gets the
+# exact tested set (requirements.lock) and the project itself, editable.
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TRIALS ?= 500
 
-.PHONY: setup study test postgres
+# A venv left by an older Python, by a failed install or by another interpreter than the PYTHON asked
+# for is rebuilt, not reused: its state is found here, before make decides what is out of date.
+ifeq ($(origin PYTHON),default)
+PYTHON := python3
+WANT :=
+else ifeq ($(origin PYTHON),undefined)
+PYTHON := python3
+WANT :=
+else
+WANT := $(PYTHON)
+endif
+PYVER := import sys; print("%d.%d" % sys.version_info[:2])
+VENV_STATE := $(shell \
+	if [ ! -e $(VENV) ]; then echo missing; \
+	elif ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then echo broken; \
+	elif [ -n "$(WANT)" ] && [ "$$($(BIN)/python -c '$(PYVER)')" != "$$($(WANT) -c '$(PYVER)' 2>/dev/null)" ]; then echo other; \
+	else echo ok; fi)
+
+.PHONY: setup study test postgres FORCE
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+ifneq ($(VENV_STATE),ok)
+$(STAMP): FORCE
+endif
+
+$(STAMP): pyproject.toml requirements.lock
+	@case "$(VENV_STATE)" in \
+	broken) echo "$(VENV) does not run a Python >= 3.11 (left by another Python or a failed install): rebuilding it"; rm -rf $(VENV);; \
+	other) echo "$(VENV) was built by another Python than PYTHON=$(PYTHON): rebuilding it"; rm -rf $(VENV);; \
+	esac
+	@test -x $(BIN)/python || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "error: phaze_opt needs Python 3.11 or newer; PYTHON=$(PYTHON) is '$$($(PYTHON) --version 2>&1)'." >&2; \
+		echo "       Install one (e.g. apt-get install python3.12-venv) and run: make $(or $(MAKECMDGOALS),setup) PYTHON=python3.12" >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -r requirements.lock -e '.[test]'
 	touch $@
+
+FORCE:
 
 study: $(STAMP)
 	$(BIN)/python -m phaze_opt.study --trials $(TRIALS)

@@ -1,7 +1,7 @@
 """Plumbing every cache shares: where the on-disk caches live, and a bounded in-memory memo.
 
 `cache_root()` is `$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder (beside the
-package); the workload graphs (`workload/graphs.py`) and the solved schedules
+package) of a clone, else the user's cache folder; the workload graphs (`workload/graphs.py`) and the solved schedules
 (`solve/schedule_cache.py`) each keep a folder under it.
 
 `BoundedMemo` is a least-recently-used mapping for the in-process memos (layer graphs, schedule
@@ -24,9 +24,14 @@ V = TypeVar("V")
 
 
 def cache_root() -> Path:
-    """`$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder."""
+    """`$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder of a clone, else (an installed
+    wheel, whose parent folder is site-packages) the user's cache folder, `$XDG_CACHE_HOME/phaze_opt`."""
     env = os.environ.get("PHAZE_OPT_CACHE")
-    return Path(env) if env else _PROJECT / ".cache" / "phaze_opt"
+    if env:
+        return Path(env)
+    if (_PROJECT / "pyproject.toml").is_file():
+        return _PROJECT / ".cache" / "phaze_opt"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phaze_opt"
 
 
 def write_atomic(path: Path, text: str) -> bool:

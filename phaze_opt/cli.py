@@ -14,10 +14,13 @@ import json
 import os
 import sys
 
+from . import configs
 from .errors import PhazeError
 from .jsonable import jsonable
+from .search.progress import Heartbeat
 
-COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate")
+COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate",
+            "ui", "export")
 
 
 def _command_module(name: str):
@@ -42,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP))
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+        p.add_argument("--configs", action="append", default=[], metavar="DIR",
+                       help="a folder of your own configs (models/, archs/, spaces/, systems/, validation/, "
+                            "area.yaml, energy.yaml) that add to or override the shipped ones by name; repeatable, "
+                            "first wins; also $PHAZE_OPT_CONFIGS")
         p.set_defaults(_module=module, _parser=p)
     return parser
 
@@ -62,14 +69,26 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = args._module
+    before = os.environ.get(configs.ENV)
     try:
-        result = module.run(args)
+        configs.add_user_dirs(args.configs)
+        label = getattr(module, "heartbeat", None)
+        if label is None:
+            result = module.run(args)
+        else:  # a command that may work for minutes says so every 10 s
+            with Heartbeat(label(args)):
+                result = module.run(args)
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:  # main() may be called again in one process (tests, notebooks)
+        if before is None:
+            os.environ.pop(configs.ENV, None)
+        else:
+            os.environ[configs.ENV] = before
     if isinstance(result, int):
         return result
     if args.json:

@@ -1,7 +1,9 @@
-"""Finding and reading the YAML files under `configs/`.
+"""Finding and reading the config YAML files: the shipped ones (`phaze_opt/presets/`) and the user's.
 
-A config is named either by its short name (`gpt3-175b` -> `configs/models/gpt3-175b.yaml`) or by a
-path to the user's own YAML file. Validation of the contents belongs to the module that owns the
+A config is named either by its short name (`gpt3-175b` -> `presets/models/gpt3-175b.yaml`) or by a
+path to the user's own YAML file. A name is looked up in the user's config folders first
+(`--configs DIR`, `$PHAZE_OPT_CONFIGS`), then in the shipped ones, so a user folder adds configs or
+overrides shipped ones by name. Validation of the contents belongs to the module that owns the
 config kind; this module only guarantees a mapping came out of a readable YAML file and offers the
 small checks that every kind repeats, including the upper limits (`Limit`) that keep a size no real
 system has from reaching an allocation: each config kind lists its limits in one table with the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -20,20 +23,55 @@ import yaml
 
 from .errors import PhazeError, config_error
 
-KINDS = ("models", "archs", "spaces", "systems")
+KINDS = ("models", "archs", "spaces", "systems", "validation")
+ENV = "PHAZE_OPT_CONFIGS"
+
+
+def shipped_dir() -> Path:
+    """The configs shipped inside the package (`phaze_opt/presets`, package data in the wheel).
+
+    Found with importlib.resources, so an installed wheel finds its own copy wherever it lies; the
+    configs are read as files (stat for the caches' versions, paths in messages), so an install
+    that is not a folder on disk (a zipped package) is a one-line error."""
+    root = resources.files("phaze_opt") / "presets"
+    if not isinstance(root, Path):
+        raise PhazeError(f"phaze_opt's shipped configs are inside {root}, not a folder: install phaze_opt unzipped")
+    return root
+
+
+def user_dirs() -> list[Path]:
+    """The user's config folders, most important first: `$PHAZE_OPT_CONFIGS` (folders separated by
+    `os.pathsep`; `--configs DIR` on the command line puts DIR in front)."""
+    return [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+
+
+def search_path() -> list[Path]:
+    """Where a config name is looked up, first match wins: the user's folders, then the shipped ones.
+    A user folder needs only the files it adds or overrides, in the same layout (`models/x.yaml`)."""
+    return [*user_dirs(), shipped_dir()]
+
+
+def add_user_dirs(folders: Iterable[str | os.PathLike]) -> None:
+    """Put `folders` in front of `$PHAZE_OPT_CONFIGS`, so this process and the workers it starts read them."""
+    folders = [str(Path(f)) for f in folders]
+    for f in folders:
+        if not Path(f).is_dir():
+            raise PhazeError(f"--configs {f}: no such folder")
+    os.environ[ENV] = os.pathsep.join([*folders, *map(str, user_dirs())])
 
 
 def configs_dir() -> Path:
-    """The configs folder: `$PHAZE_OPT_CONFIGS`, else the one beside the package."""
-    env = os.environ.get("PHAZE_OPT_CONFIGS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    """The first folder of the search path: the user's own, else the shipped one."""
+    return search_path()[0]
 
 
 def constants_file(name: str) -> Path:
-    """`name` in the configs folder in use, else the one shipped beside the package: a copied
-    configs folder need not carry the fitted or cited constants."""
-    p = configs_dir() / name
-    return p if p.is_file() else Path(__file__).resolve().parents[1] / "configs" / name
+    """`name` (area.yaml, energy.yaml) from the first folder of the search path that has it: a user
+    folder need not carry the fitted or cited constants."""
+    for folder in search_path():
+        if (folder / name).is_file():
+            return folder / name
+    return shipped_dir() / name
 
 
 def file_version(path: Path, missing: str) -> int:
@@ -45,7 +83,22 @@ def file_version(path: Path, missing: str) -> int:
 
 
 def available(kind: str) -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+    """Every name of `kind` on the search path (a user's file overriding a shipped one counts once)."""
+    return sorted({p.stem for folder in search_path() for p in (folder / kind).glob("*.yaml")})
+
+
+def find(kind: str, name: str) -> Path | None:
+    """The file a config name stands for: the first `<folder>/<kind>/<name>.yaml` on the search path."""
+    for folder in search_path():
+        path = folder / kind / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def is_path(text: str) -> bool:
+    """A config named by a path rather than by a name: it ends in .yaml/.yml or has a folder in it."""
+    return text.endswith((".yaml", ".yml")) or os.sep in text
 
 
 def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
@@ -54,14 +107,15 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
         raise ValueError(f"unknown config kind {kind!r}")
     text = str(name_or_path)
     candidate = Path(text)
-    if text.endswith((".yaml", ".yml")) or os.sep in text or candidate.is_file():
+    noun = "validation suite" if kind == "validation" else kind[:-1]
+    if is_path(text) or candidate.is_file():
         if not candidate.is_file():
-            raise PhazeError(f"{text}: no such {kind[:-1]} file")
+            raise PhazeError(f"{text}: no such {noun} file")
         return candidate
-    path = configs_dir() / kind / f"{text}.yaml"
-    if not path.is_file():
+    path = find(kind, text)
+    if path is None:
         names = ", ".join(available(kind)) or "(none)"
-        raise PhazeError(f"unknown {kind[:-1]} '{text}': choose one of {names}, or give a path to a YAML file")
+        raise PhazeError(f"unknown {noun} '{text}': choose one of {names}, or give a path to a YAML file")
     return path
 
 

@@ -1,7 +1,9 @@
 """Config lookup and the one-line error contract shared by every config kind."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,7 @@ def test_unknown_name_lists_the_choices(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny.yaml").write_text("name: tiny\n")
     monkeypatch.setenv("PHAZE_OPT_CONFIGS", str(tmp_path))
-    with pytest.raises(PhazeError, match=r"unknown model 'nope': choose one of tiny"):
+    with pytest.raises(PhazeError, match=r"unknown model .nope.: choose one of .*gpt3-175b.*tiny"):
         configs.load("models", "nope")
 
 
@@ -99,3 +101,56 @@ def test_a_non_utf8_yaml_on_the_command_line_is_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
     assert str(f) in out.stderr and "not UTF-8" in out.stderr and "Traceback" not in out.stderr
+
+
+def _user_arch(folder, name, num_tc):
+    (folder / "archs").mkdir(parents=True, exist_ok=True)
+    text = (configs.shipped_dir() / "archs" / "tpuv4.yaml").read_text()
+    text = text.replace("name: tpuv4", f"name: {name}").replace("num_tc: 8", f"num_tc: {num_tc}")
+    (folder / "archs" / f"{name}.yaml").write_text(text)
+
+
+def test_user_folders_add_and_override_shipped_configs_by_name(tmp_path, monkeypatch):
+    first, second = tmp_path / "first", tmp_path / "second"
+    _user_arch(first, "tpuv4", 4)  # overrides the shipped tpuv4
+    _user_arch(second, "tpuv4", 2)  # shadowed by the first folder
+    _user_arch(second, "mine", 1)  # added
+    monkeypatch.setenv(configs.ENV, f"{first}{os.pathsep}{second}")
+    assert configs.resolve("archs", "tpuv4") == first / "archs" / "tpuv4.yaml"
+    assert configs.resolve("archs", "mine") == second / "archs" / "mine.yaml"
+    assert configs.resolve("archs", "h100-sxm") == configs.shipped_dir() / "archs" / "h100-sxm.yaml"
+    assert {"tpuv4", "mine", "h100-sxm"} <= set(configs.available("archs"))
+    assert configs.available("archs").count("tpuv4") == 1
+    # a user folder without the constants files still finds the shipped ones
+    assert configs.constants_file("area.yaml") == configs.shipped_dir() / "area.yaml"
+    (second / "area.yaml").write_text("x: 1\n")
+    assert configs.constants_file("area.yaml") == second / "area.yaml"
+
+
+def test_configs_flag_reaches_the_command_and_comes_first(tmp_path, monkeypatch, capsys):
+    from phaze_opt import cli
+
+    env_dir, flag_dir = tmp_path / "env", tmp_path / "flag"
+    _user_arch(env_dir, "mine", 2)
+    _user_arch(flag_dir, "mine", 4)
+    monkeypatch.setenv(configs.ENV, str(env_dir))
+    assert cli.main(["arch", "--arch", "mine", "--json", "--configs", str(flag_dir)]) == 0
+    assert '"num_tc": 4' in capsys.readouterr().out
+    assert os.environ[configs.ENV] == str(env_dir)  # restored for the next call in this process
+    assert cli.main(["arch", "--arch", "mine", "--json"]) == 0
+    assert '"num_tc": 2' in capsys.readouterr().out
+
+
+def test_missing_configs_folder_is_one_line(tmp_path, capsys):
+    from phaze_opt import cli
+
+    assert cli.main(["arch", "--arch", "tpuv4", "--configs", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --configs ") and "no such folder" in err and err.count("\n") == 1
+
+
+def test_shipped_configs_are_found_through_the_package():
+    root = configs.shipped_dir()
+    assert root == Path(configs.__file__).resolve().parent / "presets"
+    for kind in configs.KINDS:
+        assert configs.available(kind), kind

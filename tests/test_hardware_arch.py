@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from phaze_opt import cli
+from phaze_opt.configs import shipped_dir
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware import memory
 from phaze_opt.hardware.arch import accelerator_from_mapping, load_arch
@@ -169,7 +170,7 @@ def test_search_space_choices_obey_the_same_limits(tmp_path):
     from phaze_opt.design.space import load_space
 
     text = (tmp_path / "s.yaml")
-    base = yaml.safe_load(open("configs/spaces/small.yaml"))
+    base = yaml.safe_load(open(shipped_dir() / "spaces" / "small.yaml"))
     for params, where in (({"num_tc": {"range": [1, 10**12]}}, "params.num_tc"),
                           ({"num_tc": {"pow2": [1, 2**40]}}, "params.num_tc"),
                           ({"mbs": [2**30]}, "params.mbs")):

@@ -29,7 +29,8 @@ from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.models import load_model
 
 REPO = Path(__file__).resolve().parents[1]
-TRUTH = REPO / "configs" / "validation" / "truth" / "h100-blocks.json"
+SHIPPED = REPO / "phaze_opt" / "presets"
+TRUTH = REPO / "phaze_opt" / "presets" / "validation" / "truth" / "h100-blocks.json"
 CPU = torch.device("cpu")
 
 TINY = {  # GPT-3's kind of block (learned positions, GELU, LayerNorm, biases, dropout 0.1) at a toy size
@@ -50,16 +51,16 @@ def configs(tmp_path, monkeypatch, request):
     """The shipped configs plus the tiny models, so that a suite can name them (suites take shipped names)."""
     root = tmp_path / "configs"
     root.mkdir()
-    for sub in (REPO / "configs").iterdir():
+    for sub in SHIPPED.iterdir():
         if sub.is_dir() and sub.name != "models":
             (root / sub.name).symlink_to(sub, target_is_directory=True)
     models = root / "models"
     models.mkdir()
-    for f in (REPO / "configs" / "models").glob("*.yaml"):
+    for f in (SHIPPED / "models").glob("*.yaml"):
         (models / f.name).symlink_to(f)
     for name, data in TINY.items():
         (models / f"{name}.yaml").write_text(yaml.safe_dump(data))
-    for f in (REPO / "configs").glob("*.*"):  # the constants files beside the folders
+    for f in SHIPPED.glob("*.*"):  # the constants files beside the folders
         (root / f.name).symlink_to(f)
     monkeypatch.setenv("PHAZE_OPT_CONFIGS", str(root))
     threads = torch.get_num_threads()

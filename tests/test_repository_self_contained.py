@@ -38,7 +38,7 @@ def test_guard_is_active_in_subprocesses(tmp_path):
 
 def test_guard_allows_the_repository_and_elsewhere():
     repo = str(REPO)
-    assert not outside_guard.outside(os.path.join(repo, "configs", "area.yaml"), repo)
+    assert not outside_guard.outside(os.path.join(repo, "phaze_opt", "presets", "area.yaml"), repo)
     assert not outside_guard.outside("/tmp/x", repo)
     assert outside_guard.outside(os.path.join(os.path.dirname(repo), "shared", "x"), repo)
     assert outside_guard.outside(repo + "-sibling", repo)  # a prefix is not containment
@@ -48,7 +48,7 @@ def test_bundled_reference_is_the_published_set():
     assert calibrate.reference_path() == calibrate.BUNDLED_REFERENCE
     assert calibrate.BUNDLED_REFERENCE.is_relative_to(REPO)
     digest = hashlib.sha256(calibrate.reference_bytes()).hexdigest()
-    recorded = yaml.safe_load((REPO / "configs" / "area.yaml").read_text())["provenance"]["reference_sha256"]
+    recorded = yaml.safe_load((REPO / "phaze_opt" / "presets" / "area.yaml").read_text())["provenance"]["reference_sha256"]
     assert digest == recorded
     assert digest in (REPO / "phaze_opt" / "data" / "README.md").read_text()
     rows = calibrate.reference_rows()

@@ -161,7 +161,8 @@ def test_a_redirected_study_writes_progress_lines(tmp_path):
     text = study_log(tmp_path, "--space", "small", "--trials", "3")
     assert re.search(r"^\[gpt2-xl-small-tpe-seed0\] 3/3 trials  feasible \d  best [\d,.]+ seq/s", text, re.M), text
     again = study_log(tmp_path, "--space", "small", "--trials", "3", "--no-progress")  # resumed: nothing to run
-    assert "trials: 3 finished" in again and "3/3 trials" not in again
+    assert "already holds 3 finished trials" in again and "3/3 trials" not in again
+    assert "Warning" not in again  # said in one line, without the storage's warnings
 
 
 def test_a_redirected_exhaustive_sweep_writes_its_bounding_and_settling_lines(tmp_path):

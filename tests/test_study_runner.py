@@ -283,7 +283,7 @@ def test_trial_of_a_killed_process_is_failed_and_retried(tmp_path, monkeypatch):
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
 
 
-def test_best_trial_breaks_throughput_ties_by_area_then_trial_number():
+def test_best_trial_is_the_first_to_reach_the_best_score():
     import optuna
 
     from phaze_opt.search.report import best_trial
@@ -294,12 +294,11 @@ def test_best_trial_breaks_throughput_ties_by_area_then_trial_number():
         t.number = number
         return t
 
-    # equal throughput: the smaller chip wins whatever order the workers finished in
-    assert best_trial([trial(0, 10.0, 300.0), trial(1, 10.0, 250.0), trial(2, 9.0, 100.0)], ["throughput"]).number == 1
-    assert best_trial([trial(0, 10.0, 250.0), trial(1, 10.0, 300.0)], ["throughput"]).number == 0
-    # equal throughput and area: the earliest; a higher throughput beats any area
-    assert best_trial([trial(3, 10.0, 250.0), trial(1, 10.0, 250.0)], ["throughput"]).number == 1
-    assert best_trial([trial(0, 10.0, 100.0), trial(1, 10.5, 400.0)], ["throughput"]).number == 1
+    # equal throughput: the lowest trial number, whatever the list order or the chips' areas
+    assert best_trial([trial(0, 10.0, 300.0), trial(1, 10.0, 250.0), trial(2, 9.0, 100.0)]).number == 0
+    assert best_trial([trial(3, 10.0, 250.0), trial(1, 10.0, 300.0)]).number == 1
+    # a higher throughput beats any earlier trial
+    assert best_trial([trial(0, 10.0, 100.0), trial(1, 10.5, 400.0)]).number == 1
 
 
 def test_baseline_gets_the_whole_recipe_space_on_its_own_system_and_the_study_evaluates_it(tmp_path):

@@ -149,7 +149,7 @@ def test_fit_needs_rows_on_the_system(tmp_path):
 # ---- the efficiency block: identity by default, one-line errors ------------------------------------------
 
 def _system_yaml(**efficiency):
-    data = yaml.safe_load((REPO / "configs/systems/default.yaml").read_text())
+    data = yaml.safe_load((REPO / "phaze_opt/presets/systems/default.yaml").read_text())
     if efficiency:
         data["efficiency"] = efficiency
     return data

@@ -19,7 +19,7 @@ from phaze_opt.workload.graphs import model_params
 from phaze_opt.workload.models import load_model
 
 SUITES = ("korthikanti-2022", "layers-h100", "megatron-core-h100", "narayanan-sc21", "tpuv4-pod")
-TRUTH = Path(configs.configs_dir()) / "validation" / "truth" / "h100-blocks.json"
+TRUTH = configs.shipped_dir() / "validation" / "truth" / "h100-blocks.json"
 
 # Published sizes in billions: Narayanan et al., SC'21, Table 1 ("Number of parameters (billion)"),
 # and for the models only Korthikanti et al. (2022) ran, the sizes its Table 3 names them by.

@@ -19,8 +19,8 @@ DESCRIPTION = (
 
 def add_arguments(parser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--arch", metavar="NAME|PATH", help="a reference design in configs/archs or a YAML file")
-    which.add_argument("--space", metavar="NAME|PATH", help="a search space in configs/spaces or a YAML file")
+    which.add_argument("--arch", metavar="NAME|PATH", help="a reference design in presets/archs (or --configs DIR) or a YAML file")
+    which.add_argument("--space", metavar="NAME|PATH", help="a search space in presets/spaces (or --configs DIR) or a YAML file")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--count", action="store_true", help="with --space: the number of area-feasible architectures")
     out.add_argument("--csv", action="store_true", help="with --space: list the area-feasible architectures as CSV")

@@ -151,3 +151,8 @@ def render(r: dict) -> str:
         )
     lines.append(f"({work})")
     return "\n".join(lines)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while this runs (a large model takes minutes)."""
+    return f"evaluate {args.model} on {args.arch}"

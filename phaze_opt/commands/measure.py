@@ -13,13 +13,13 @@ DESCRIPTION = (
     "Materialise the model's transformer block (the same torch module the workload graphs are traced from, "
     "its TP shard: heads/tp and ffn/tp, compute only, no collectives) with random weights on a device, and "
     "time its forward and its forward+backward (warm-up, then the median of --repeats; CUDA graphs and "
-    "CUDA events on a GPU). Writes the JSON form of configs/validation/truth/h100-blocks.json, which a "
+    "CUDA events on a GPU). Writes the JSON form of presets/validation/truth/h100-blocks.json, which a "
     "layer_seconds validation suite reads as its data."
 )
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="model name (configs/models) or path to a model YAML")
+    p.add_argument("--model", required=True, help="model name (presets/models, or --configs DIR) or path to a model YAML")
     p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
                    help="tensor-parallel width(s) of the shard; several make a grid (default 1)")
     p.add_argument("--mbs", type=int, nargs="+", default=[1], metavar="B",
@@ -77,3 +77,8 @@ def render(r: dict) -> str:
     if "out" in r:
         lines.append(f"  wrote {r['out']} (the data of a layer_seconds validation suite)")
     return "\n".join(lines)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while blocks are timed (minutes on a CPU)."""
+    return f"measure {args.model} on {args.device}"

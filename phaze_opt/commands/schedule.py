@@ -86,3 +86,8 @@ def render(r: dict) -> str:
             f"{s['vc_utilisation'] * 100:7.1f}% {len(s['ops']):4d} {n_split:5d}"
         )
     return "\n".join(lines)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while the layer schedules are solved."""
+    return f"schedule {args.model} on {args.arch}"

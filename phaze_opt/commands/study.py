@@ -92,4 +92,9 @@ def run(args) -> dict:
 
 
 def render(result: dict) -> str:
-    return _render(result)
+    if not result.get("nothing_to_run"):
+        return _render(result)
+    text = f"nothing run: study {result['study']} holds {result['held']} finished trials (asked for {result['requested']})"
+    if "trials" not in result:  # no saved summary to show
+        return text
+    return f"{text}; its summary when it last ran:\n{_render(result)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 HELP = "compare the model's predictions with published training runs (validation suites)"
 DESCRIPTION = (
-    "Evaluate every row of the validation suites (configs/validation/; default all shipped) with its "
+    "Evaluate every row of the validation suites (presets/validation/; default all shipped) with its "
     "published recipe, print predicted vs published per row with the signed error and per suite the "
     "MAPE on the fit subset (odd rows), the held-out rows (even rows) and all; write validation.md, "
     "validation.json and validation.png to --out, and with --tracking-uri one MLflow run. --fit first "
@@ -15,7 +15,7 @@ DEFAULT_OUT = "reports/validation"
 
 def add_arguments(p) -> None:
     p.add_argument("--suite", action="append", metavar="NAME_OR_PATH",
-                   help="a suite name in configs/validation or a path to a suite YAML; repeat (default: all)")
+                   help="a suite name in presets/validation (or --configs DIR) or a path to a suite YAML; repeat (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for validation.md, validation.json and validation.png (default {DEFAULT_OUT})")
     p.add_argument("--tracking-uri", default="off", metavar="URI",
@@ -64,3 +64,8 @@ def render(result: dict) -> str:
     from ..validation.report import render_text
 
     return render_text(result)
+
+
+def heartbeat(args) -> str:
+    """The label of the line `phaze-opt` prints every 10 s while the suites' rows are evaluated."""
+    return "validate " + ", ".join(args.suite or ["every suite"])

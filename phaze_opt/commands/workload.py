@@ -15,7 +15,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="model name (configs/models) or path to a model YAML")
+    parser.add_argument("--model", required=True, help="model name (presets/models, or --configs DIR) or path to a model YAML")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel width (default 1)")
     add_mbs(parser)
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")

@@ -31,7 +31,7 @@ import optuna
 
 from ..errors import PhazeError
 from ..figures import pyplot, write_figure
-from ..search.session import finished_trials, is_feasible, quiet_optuna, study_wall_s
+from ..search.session import best_trial as first_best, finished_trials, is_feasible, quiet_optuna, study_wall_s
 from ..search.setup import clean_name, default_storage
 from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
 
@@ -134,11 +134,13 @@ def curve_from_trials(name: str, url: str, trials, attrs: dict) -> Curve:
     trials = finished_trials(trials)
     elapsed = _elapsed(trials)
     trials = sorted(trials, key=lambda t: (elapsed[t.number], t.number))
-    steps, best, best_trial = [], None, None
+    steps, best = [], None
     for i, t in enumerate(trials, 1):
         if is_feasible(t) and (best is None or t.values[0] > best):
-            best, best_trial = t.values[0], t.number
+            best = t.values[0]
         steps.append((elapsed[t.number], i, best))
+    winner = first_best(trials)
+    best_trial = winner.number if winner is not None else None
     # a foreign study without elapsed_s: its Optuna timestamps
     wall = max([stored_wall] + [e for e in elapsed.values() if math.isfinite(e)])
     objectives = attrs.get("objectives") or ["throughput"]

@@ -147,3 +147,40 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # no such method, or a closed stream
         return False
+
+
+class Heartbeat:
+    """A line on stderr at least every `every_s` seconds while a long command works, so a log or a
+    terminal never sits silent for minutes (an evaluate that schedules a large model, `published`,
+    `validate`, `measure`):
+
+        [evaluate mixtral-8x7b on tpuv4] still working, 40s
+
+    A command that finishes within `every_s` prints nothing. The lines come from a daemon thread,
+    which only reads the clock and prints; the work itself is untouched.
+    """
+
+    def __init__(self, label: str, every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic,
+                 out: Callable[[str], None] = say):
+        import threading
+
+        self.label, self.every_s, self.clock, self.out = label, every_s, clock, out
+        self.start = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phaze-opt-heartbeat", daemon=True)
+
+    def line(self) -> str:
+        return f"[{self.label}] still working, {duration(self.clock() - self.start)}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.out(self.line())
+
+    def __enter__(self) -> "Heartbeat":
+        self.start = self.clock()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -14,27 +14,15 @@ from typing import Any, Iterable, Sequence
 
 from ..figures import pyplot, write_figure
 from .reconcile import count_own
-from .session import finished_trials, is_feasible
+from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_prune
 from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
-def best_trial(trials, objectives: Sequence[str]):
-    """The feasible trial with the highest throughput objective.
-
-    Ties go to the smaller chip, then to the earliest trial: designs of equal throughput are common
-    (a core count the best placement does not need), and with several workers the order in which
-    they finish is a race, so the trial number alone would make the reported design depend on it.
-    """
-    feasible = [t for t in trials if is_feasible(t)]
-    if not feasible:
-        return None
-
-    def area(t) -> float:
-        value = (t.user_attrs.get("result") or {}).get("area_mm2")
-        return float(value) if isinstance(value, (int, float)) else math.inf
-
-    return max(feasible, key=lambda t: (t.values[0], -area(t), -t.number))
+def phaze_opt_ui(study: str, tracking_uri: str) -> str:
+    """`phaze-opt ui` for this study, as the user can type it from the folder the study ran in."""
+    uri = "" if tracking_uri == DEFAULT_TRACKING_URI else f" --tracking-uri {redact(tracking_uri)}"
+    return f"{venv_command('phaze-opt')} ui --study {study}{uri}"
 
 
 def pareto_front(trials, directions: Sequence[str]) -> list:
@@ -199,7 +187,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     done = finished_trials(trials)
     feasible = [t for t in done if is_feasible(t)]
     failed = [t for t in done if t.state.name == "FAIL"]
-    best = best_trial(done, config.objectives)
+    best = best_trial(done)
     wall = session.end_wall()
     summary: dict[str, Any] = {
         "study": session.name,
@@ -215,7 +203,8 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1
                   else "throughput, sequences/s"),
         "trials": {"finished": len(done), "feasible": len(feasible), "infeasible": len(done) - len(feasible) - len(failed),
-                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": own_trials(session, done)},
+                   "failed": len(failed), "unproven": len(unproven_points(done)), "this_run": own_trials(session, done),
+                   "repeated_designs": repeated_designs(done)},
         "wall_s": wall - session.offset_s,
         "elapsed_s": wall,  # the study's wall time over all its runs (session.study_wall_s), as compare shows it
         "baselines": {m: b.to_json() for m, b in session.baselines.items()},
@@ -244,6 +233,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                              "experiment": getattr(tracker, "experiment_name", None) or session.name,
                              "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                              "parent_run_name": tracker.run_name, "ui": ui_command(config.tracking_uri),
+                             "phaze_opt_ui": phaze_opt_ui(session.name, config.tracking_uri),
                              "run_url": run_url(tracker.experiment_id, tracker.parent_run_id),
                              "trials_url": trials_url(tracker.experiment_id)}
         tracker.log_best_final(trials)  # best_score stays the series by trial number
@@ -287,6 +277,9 @@ def render(summary: dict) -> str:
     lines.append(f"  trials: {t['finished']} finished ({t['this_run']} this run): {t['feasible']} feasible, "
                  f"{t['infeasible']} infeasible, {t['failed']} failed; wall {summary['wall_s']:.1f} s this run"
                  + (f", {summary['elapsed_s']:.1f} s over all runs" if summary.get("resumed") else ""))
+    if t.get("repeated_designs"):
+        lines.append(f"  {t['repeated_designs']} trial(s) repeat a design an earlier trial tried (user attribute "
+                     f"repeat_of names it); {t['finished'] - t['repeated_designs']} distinct designs")
     if t.get("unproven"):
         lines.append(f"  {t['unproven']} feasible trial(s) rest on layer schedules not proven optimal in the ILP time "
                      f"limit: their score is reached by a verified schedule, their proven bound is higher")
@@ -352,6 +345,8 @@ def render(summary: dict) -> str:
     if ml:
         lines.append(f"  MLflow: experiment '{ml['experiment']}' (id {ml['experiment_id']}), "
                      f"parent run '{ml.get('parent_run_name') or ml['parent_run_id']}'")
+        if ml.get("phaze_opt_ui"):
+            lines.append(f"    the UI here:  {ml['phaze_opt_ui']}  (a free port, opens the trials)")
         lines.append(f"    open the UI:  {ml['ui']}")
         lines.append(f"    this run:     {ml['run_url']}")
         lines.append(f"    the trials:   {ml['trials_url']}")

@@ -8,10 +8,13 @@ queued again; a trial whose process died is failed by Optuna's heartbeat check a
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
+import optuna
 from optuna.trial import TrialState
 
 from . import reconcile, signals
@@ -31,8 +34,11 @@ from .session import (
     split_quota,
     tally,
 )
-from .setup import Backend, StudyConfig, load_study, release_storage
-from .tracking import NullTracker
+from .trials import mark_design
+from .setup import (Backend, StudyConfig, load_study, make_storage, release_storage, storage_url, study_identity,
+                    study_name, validate)
+from .tracking import NullTracker, sqlite_path
+from .urls import redact
 
 
 class TrialError(Exception):
@@ -62,6 +68,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         start = time.perf_counter()
         point = codec.suggest(trial)
         trial.set_user_attr("point", jsonable(point))
+        mark_design(study, trial, point)
         try:
             outcome = evaluate_point(point, ctx)
         except FatalStudyError:
@@ -121,8 +128,48 @@ def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
         signals.worker_finished()
 
 
+def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[str, str, int]:
+    """(study name, storage URL, finished trials it holds; 0 when it does not exist yet or was run
+    with other settings, which opening it refuses), without creating the study or touching it."""
+    quiet_optuna()
+    backend = backend or Backend()
+    config = validate(config, backend)
+    name, url = study_name(config), storage_url(config)
+    db = sqlite_path(url)
+    if db is not None and not db.is_file():
+        return name, url, 0
+    storage = make_storage(url)
+    try:
+        if name not in optuna.study.get_all_study_names(storage):
+            return name, url, 0
+        study = optuna.load_study(study_name=name, storage=storage)
+        identity = study_identity(config, backend.resolved(config).space)
+        if any(study.user_attrs.get(k, v) != v for k, v in identity.items()):
+            return name, url, 0
+        return name, url, len(finished_trials(study.get_trials(deepcopy=False)))
+    finally:
+        release_storage(storage)
+
+
+def nothing_to_run(config: StudyConfig, name: str, url: str, held: int) -> dict:
+    """A study that already holds `--trials` (its total) finished trials: said at once, and no parent
+    run, study attribute or wall time is added for an invocation that runs nothing."""
+    say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
+        f"nothing to run (no MLflow run started); give --trials above {held} to add trials")
+    held_note = {"nothing_to_run": True, "held": held, "requested": config.trials}
+    path = Path(config.output_dir) / f"{name}-summary.json"
+    try:  # the summary of the run that finished it, so callers (`published --resume`) read the same fields
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"study": name, "storage": redact(url), "summary_file": None, **held_note}
+    return {**saved, **held_note}
+
+
 def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     """Run (or resume) a sampled study."""
+    name, url, held = held_trials(config, backend)
+    if held >= config.trials:
+        return nothing_to_run(config, name, url, held)
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()

@@ -356,6 +356,22 @@ def best_score(trials) -> float | None:
     return max(values) if values else None
 
 
+def best_trial(trials):
+    """The feasible trial with the best first objective; of several with that score, the first to reach
+    it (the lowest trial number, the order Optuna hands trials out). The one rule the summary, the
+    MLflow tags, the best_score chart, compare and Optuna's SQLite `best_trial` agree on."""
+    feasible = [t for t in trials if is_feasible(t)]
+    return max(feasible, key=lambda t: (t.values[0], -t.number)) if feasible else None
+
+
+REPEAT_ATTR = "repeat_of"  # a sampled trial's design was tried before: the first trial that tried it
+
+
+def repeated_designs(trials) -> int:
+    """How many finished trials repeat a design tried by an earlier trial (flagged `repeat_of`)."""
+    return sum(1 for t in finished_trials(trials) if REPEAT_ATTR in t.user_attrs)
+
+
 def tally(trials) -> tuple[int, float | None, int]:
     """What progress shows of a study's trials: how many finished, the best score, how many feasible."""
     done = finished_trials(trials)

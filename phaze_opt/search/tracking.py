@@ -152,24 +152,26 @@ def objective_metric(name: str, n_models: int = 1) -> str:
     return {"throughput": "objective.throughput_seq_per_s", "energy": "objective.energy_j"}.get(name, f"objective.{name}")
 
 
-def trial_params(trial) -> dict[str, str]:
-    """A trial's design: its point, its accelerator's fields as `arch.<field>`, and its whole
-    training recipe as `recipe.<field>` (issue 16: the fields a space does not sample at their
-    defaults, the recompute mode by name)."""
+def design_fields(trial) -> dict[str, Any]:
+    """A trial's design with its values as stored: its point, its accelerator's fields as
+    `arch.<field>`, and its whole training recipe as `recipe.<field>` (the fields a space does not
+    sample at their defaults, the recompute mode by name)."""
     ua = trial.user_attrs
     point = ua.get("point") or {}
-    params = {_key(k): str(v)[:MAX_PARAM] for k, v in point.items()}
+    fields = dict(point)
     if "mbs" in point and "recompute" in point:
         try:
             recipe = Training.from_point(point).recipe()
         except (PhazeError, ValueError, TypeError):
             recipe = {}
-        for k, v in recipe.items():
-            if k not in ("mbs", "placement"):
-                params[_key(f"recipe.{k}")] = str(v)[:MAX_PARAM]
-    for k, v in ((ua.get("result") or {}).get("accelerator") or {}).items():
-        params[_key(f"arch.{k}")] = str(v)[:MAX_PARAM]
-    return params
+        fields.update({f"recipe.{k}": v for k, v in recipe.items() if k not in ("mbs", "placement")})
+    fields.update({f"arch.{k}": v for k, v in ((ua.get("result") or {}).get("accelerator") or {}).items()})
+    return fields
+
+
+def trial_params(trial) -> dict[str, str]:
+    """A trial's design (`design_fields`) as MLflow params."""
+    return {_key(k): str(v)[:MAX_PARAM] for k, v in design_fields(trial).items()}
 
 
 def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str], mode: str,

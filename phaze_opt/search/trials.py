@@ -16,7 +16,29 @@ from optuna.trial import FrozenTrial, TrialState
 from . import reconcile
 from .encoding import SpaceCodec
 from .objective import accelerator_fields, jsonable
-from .session import finished_trials, is_feasible
+from .session import REPEAT_ATTR, finished_trials, is_feasible
+
+
+DESIGN_PREFIX = "design."
+
+
+def design_attrs(point: dict) -> dict:
+    """The design's decoded values as user attributes (`design.num_tc` = 32): Optuna stores each
+    parameter encoded (`log2_num_tc` = 5), so these are what optuna-dashboard and
+    `trials_dataframe()` show as the design."""
+    return {f"{DESIGN_PREFIX}{k}": v for k, v in jsonable(point).items()}
+
+
+def mark_design(study: optuna.Study, trial: optuna.Trial, point: dict) -> None:
+    """Give a sampled trial its decoded design and, when an earlier finished trial sampled the same
+    parameters, `repeat_of` = the first such trial (a sampler may propose a design again; it is
+    evaluated again, from the caches, and counted in the summary)."""
+    for key, value in design_attrs(point).items():
+        trial.set_user_attr(key, value)
+    same = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+            if t.number < trial.number and t.params == trial.params and not t.user_attrs.get("interrupted")]
+    if same:
+        trial.set_user_attr(REPEAT_ATTR, min(same))
 
 
 def point_key(codec: SpaceCodec, point: dict) -> tuple:
@@ -27,7 +49,7 @@ def frozen_trial(codec: SpaceCodec, point: dict, outcome, error: str | None, sta
                   ended: datetime, result_extra: dict, space=None) -> FrozenTrial:
     params = codec.encode(point)
     dists = {k: v for k, v in codec.distributions().items()}
-    user_attrs = {"point": jsonable(point)}
+    user_attrs = {"point": jsonable(point), **design_attrs(point)}
     system_attrs = {}
     if error is not None:
         user_attrs["result"] = {"error": error, **result_extra}

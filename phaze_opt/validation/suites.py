@@ -241,29 +241,14 @@ def with_system(suite: Suite, system: str) -> Suite:
     return replace(suite, system=system, rows=tuple(replace(r, system=None) for r in suite.rows))
 
 
-def suites_dir() -> Path:
-    return configs.configs_dir() / KIND
-
-
 def list_suites() -> list[str]:
     return configs.available(KIND)
 
 
 def suite_path(name_or_path: str | os.PathLike) -> Path:
-    """A suite's name (configs/validation/<name>.yaml) or a path to a suite file."""
-    text = str(name_or_path)
-    if text.endswith((".yaml", ".yml")) or os.sep in text:
-        path = Path(text)
-        if not path.is_file():
-            raise PhazeError(f"{text}: no such validation suite file")
-        return path
-    path = suites_dir() / f"{text}.yaml"
-    if not path.is_file():
-        raise PhazeError(
-            f"unknown validation suite '{text}': choose one of {', '.join(list_suites()) or '(none)'}, "
-            "or give a path to a YAML file"
-        )
-    return path
+    """A suite's name (`validation/<name>.yaml` in the user's config folders or the shipped ones) or a
+    path to a suite file."""
+    return configs.resolve(KIND, name_or_path)
 
 
 def load_suite(name_or_path: str | os.PathLike) -> Suite:

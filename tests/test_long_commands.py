@@ -1,0 +1,74 @@
+"""Long commands speak up: a heartbeat line every 10 s, and a study with nothing to run says so at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import optuna
+
+from phaze_opt import cli
+from phaze_opt.search.progress import Heartbeat
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.setup import default_study_name
+from test_study_fakes import backend, config, mlflow_uri
+
+
+def test_heartbeat_line_names_the_work_and_the_time():
+    now = [100.0]
+    beat = Heartbeat("evaluate gpt3-175b on tpuv4", clock=lambda: now[0])
+    now[0] = 145.0
+    assert beat.line() == "[evaluate gpt3-175b on tpuv4] still working, 45s"
+
+
+def test_heartbeat_prints_while_the_work_runs_and_stops_after():
+    lines, seen = [], threading.Event()
+
+    def out(text):
+        lines.append(text)
+        if len(lines) >= 2:
+            seen.set()
+
+    with Heartbeat("work", every_s=0.01, out=out):
+        assert seen.wait(30)  # the work outlives two beats: two lines came
+    count = len(lines)
+    time.sleep(0.05)
+    assert len(lines) == count and all(line.startswith("[work] still working, ") for line in lines)
+
+
+def test_quick_work_prints_nothing():
+    lines = []
+    with Heartbeat("work", every_s=3600, out=lines.append):
+        pass
+    assert lines == []
+
+
+def test_the_long_commands_have_a_heartbeat():
+    parser = cli.build_parser()
+    for name, argv in (("evaluate", []), ("schedule", ["--model", "gpt3-175b"]), ("validate", []),
+                       ("measure", ["--model", "gpt3-175b"]), ("published", [])):
+        args = parser.parse_args([name, *argv])
+        assert args._module.heartbeat(args), name
+
+
+def test_a_study_asked_for_fewer_trials_than_it_holds_runs_nothing(tmp_path, capsys):
+    uri = mlflow_uri(tmp_path)
+    run_study(config(tmp_path, trials=6, tracking_uri=uri), backend())
+    cfg = config(tmp_path, trials=4, tracking_uri=uri)
+    study = optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage)
+    attrs_before = dict(study.user_attrs)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(default_study_name(cfg)).experiment_id
+    runs_before = len(client.search_runs([exp], max_results=1000))
+    capsys.readouterr()
+    result = run_study(cfg, backend())
+    err = capsys.readouterr().err
+    assert result["nothing_to_run"] and result["held"] == 6
+    assert result["trials"]["finished"] == 6 and result["best"] is not None  # the saved summary, for callers
+    assert "already holds 6 finished trials" in err and "--trials 4" in err
+    assert len(client.search_runs([exp], max_results=1000)) == runs_before  # no new parent run
+    study = optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage)
+    assert dict(study.user_attrs) == attrs_before  # wall time and workers untouched
+    assert len(study.get_trials()) == 6

@@ -1,0 +1,100 @@
+"""`phaze-opt ui`: MLflow served on the store, on 127.0.0.1 and a free port, opened on the trials."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import mlflow
+import pytest
+
+import phaze_opt
+from phaze_opt import cli
+from phaze_opt.search import ui_server
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlruns").mkdir()
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"  # absolute: MLflow keeps one store per URI in a process
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    ids = {name: client.create_experiment(name) for name in ("study-a", "study-b")}
+    return tmp_path, uri, ids
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = ui_server.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_every_printed_page_opens_the_model_training_layout(store):
+    _, uri, ids = store
+    target = ui_server.find_study(uri, "study-b")
+    assert target.study == ("study-b", ids["study-b"])
+    lines = ui_server.page_lines(target, "127.0.0.1", 5123)
+    urls = [w for line in lines for w in line.split() if w.startswith("http") and "#" in w]
+    assert len(urls) == 3  # the experiments list and both studies' trials
+    for url in urls:
+        query = parse_qs(url.split("?", 1)[1])
+        assert query["workflowType"] == ["machine_learning"]
+    opened = [line for line in lines if "opened" in line]
+    assert len(opened) == 1 and f"/experiments/{ids['study-b']}/runs?" in opened[0]
+
+
+def test_the_only_study_is_opened_without_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlruns").mkdir()
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    exp = mlflow.tracking.MlflowClient(tracking_uri=uri).create_experiment("alone")
+    assert ui_server.find_study(uri, None).study == ("alone", exp)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--study", "nope"], ["--study nope: no such experiment", "study-a, study-b"]),
+    (["--tracking-uri", "sqlite:///elsewhere/mlflow.db"], ["no MLflow store at elsewhere/mlflow.db"]),
+    (["--port", "70000"], ["--port must be at most 65,535"]),
+])
+def test_bad_input_is_one_line(store, capsys, argv, words):
+    _, uri, _ = store
+    assert cli.main(["ui", "--tracking-uri", uri, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def test_ui_serves_the_store_and_prints_the_trials_page(store):
+    root, uri, ids = store
+    here = str(Path(phaze_opt.__file__).resolve().parents[1])  # this checkout, not another install
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DISPLAY": "", "WAYLAND_DISPLAY": "",
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "phaze_opt", "ui", "--study", "study-a",
+                             "--tracking-uri", uri], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("MLflow UI at http://127.0.0.1:"), first
+        base = first.split()[3]
+        lines = [proc.stdout.readline() for _ in range(3)]
+        opened = next(line for line in lines if "opened" in line).split()[1]
+        assert urlsplit(opened).netloc == urlsplit(base).netloc
+        assert f"#/experiments/{ids['study-a']}/runs?workflowType=machine_learning" in opened
+        body = json.dumps({"max_results": 10}).encode()
+        request = urllib.request.Request(f"{base}/ajax-api/2.0/mlflow/experiments/search", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            names = {e["name"] for e in json.load(r)["experiments"]}
+        assert {"study-a", "study-b"} <= names  # the server reads the study's store
+    finally:
+        proc.terminate()  # as `kill` would: the UI stops MLflow and its uvicorn child with it
+        assert proc.wait(timeout=60) == 0
+    port = urlsplit(base).port
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
