@@ -58,8 +58,8 @@ def _invocation(fmt: argparse.HelpFormatter, action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
-    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
-        return ""  # a switch, or no value unless given
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or action.default in ([], (), ""):
+        return ""  # a switch, no value unless given, or an empty list a repeatable flag adds to
     value = action.default
     if isinstance(value, (list, tuple)):
         value = " ".join(str(v) for v in value)

@@ -65,7 +65,7 @@ def test_the_page_lists_every_flag_of_every_subcommand():
                     assert f"`{choice}`" in row[1], f"{name} {names_in_row}: choice {choice} missing"
                 if action.required:
                     assert row[2] == "required", f"{name} {names_in_row}: not marked required"
-                elif action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
+                elif action.nargs != 0 and action.default not in (None, argparse.SUPPRESS, "") and action.default not in ([], ()):
                     default = action.default
                     shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
                     assert row[2] == f"`{shown}`", f"{name} {names_in_row}: default {shown!r} missing"
