@@ -78,7 +78,7 @@ def bench(model: str, runs: int) -> None:
           f"peak RSS {med(cold, 'peak_rss_mib'):.0f} MiB")
     print(f"  disk cache: process wall {med(warm, 'wall_s'):.2f} s (extraction {med(warm, 'extract_s') * 1e3:.1f} ms), "
           f"peak RSS {med(warm, 'peak_rss_mib'):.0f} MiB")
-    print("  issue 2 target (set for gpt3-175b): cold < 10 s and < 1024 MiB:",
+    print("  target (set for gpt3-175b): cold < 10 s and < 1024 MiB:",
           "met" if med(cold, "wall_s") < 10 and med(cold, "peak_rss_mib") < 1024 else "NOT met")
 
 
