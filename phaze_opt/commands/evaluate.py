@@ -122,6 +122,8 @@ def render(r: dict) -> str:
                  f"activations {mem.get('activations', 0) / gib:.2f}, recompute working set "
                  f"{mem.get('recompute_working_set', 0) / gib:.2f}; total {mem['total'] / gib:.2f} GiB, "
                  f"headroom {mem['headroom'] / gib:.2f} GiB")
+    if r.get("note"):
+        head += f"\nnote: {r['note']}"
     t = r["timings"]
     work = f"graph {t['graph_s']:.3f} s, estimate {t['estimate_s']:.3f} s, ILP {t['ilp_s']:.3f} s, DP {t['dp_s'] * 1e3:.1f} ms"
     if not r["feasible"]:

@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
     from ..configs import positive_arg
-    from ..workload.graphs import active_params, build_layer_graph
+    from ..workload.graphs import active_params, build_layer_graph, mtp_params
     from ..workload.models import LIMITS, load_model
 
     start = time.perf_counter()
@@ -70,8 +70,11 @@ def run(args) -> dict:
         "params": graph.total_params,
         # parameters one token meets: all but the routed experts it is not sent to (= params when dense)
         "active_params": active_params(model),
+        # multi-token-prediction modules' own parameters, outside `params` as published sizes count
+        "mtp_params": mtp_params(model),
         "experts": model.experts,
         "top_k": model.top_k,
+        "features": model_features(model),
         "train_flops_per_sequence": graph.train_flops_per_sequence,
         "distinct_layer_kinds": graph.kinds,
         "params_note": "params per layer are per device at this TP width; 'params' at the top is the whole model",
@@ -80,6 +83,34 @@ def run(args) -> dict:
         "source": graph.extra.get("source", "traced"),
         "time_s": elapsed,
     }
+
+
+def model_features(model) -> list[str]:
+    """The attention and block variants a model uses, in words (empty for a classic transformer)."""
+    out = []
+    if model.mla:
+        out.append(f"MLA (q latent {model.q_lora_rank or 'none'}, KV latent {model.kv_lora_rank}, "
+                   f"head {model.qk_nope_head_dim}+{model.qk_rope_head_dim} rotary, value {model.v_head_dim})")
+    elif model.kv_heads == 1 and model.heads > 1:
+        out.append("multi-query attention")
+    elif model.kv_heads < model.heads:
+        out.append(f"grouped-query attention ({model.kv_heads} KV heads)")
+    if model.head_size:
+        out.append(f"head size {model.head_size}")
+    if model.qk_norm:
+        out.append("QK-norm")
+    if model.window:
+        out.append(f"sliding window {model.window}"
+                   + (f", one block in {model.global_every} global" if model.global_every else ""))
+    if model.parallel_block:
+        out.append("parallel attention + MLP blocks")
+    if model.moe and model.shared_experts:
+        out.append(f"{model.shared_experts} shared experts")
+    if model.moe and model.dense_layers:
+        out.append(f"first {model.dense_layers} blocks dense")
+    if model.mtp_layers:
+        out.append(f"{model.mtp_layers} MTP module(s)")
+    return out
 
 
 def _si(x: float, unit: str) -> str:
@@ -104,6 +135,8 @@ def render(r: dict) -> str:
         f"  parameters (whole model):     {r['params']:,} ({r['params'] / 1e9:.3f} B)"
         + (f", {r['active_params'] / 1e9:.3f} B active ({r['experts']} experts, top-{r['top_k']})" if r["experts"] else ""),
         f"  training FLOPs per sequence:  {_si(r['train_flops_per_sequence'], 'FLOP')} (fwd + bwd, no recompute)",
+        *([f"  architecture:                 {', '.join(r['features'])}"] if r.get("features") else []),
+        *([f"  MTP modules' own parameters:  {r['mtp_params']:,}"] if r.get("mtp_params") else []),
         f"  distinct layer kinds:         {', '.join(r['distinct_layer_kinds'])}",
         "",
         f"  {'layers':<18} {'params/device':>15} {'activations':>14} {'selective+SP':>14} {'fwd+bwd FLOP':>16}  ops fwd | bwd",

@@ -78,6 +78,7 @@ class DesignResult:
     proven: bool = True  # `throughput` is proven to be this design's best (see the module docstring)
     throughput_bound: float = 0.0  # proven upper bound on the throughput (== throughput when proven)
     unproven: list = field(default_factory=list)  # "tp{t} {kind}/{pass}: gap g" per pass not proven
+    note: str = ""  # what stood in for what was asked (the optimal placement for a missing expert one)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -333,8 +334,9 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
              ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> DesignResult:
     """Throughput of one design: `arch` trained by `training` (its placement the best or the given one)."""
     check_ilp_time_limit(ilp_time_limit_s)
-    fixed = training.fixed
     model_cfg = load_model(model)
+    training, note = _without_missing_expert(model_cfg, training)
+    fixed = training.fixed
     widths = None
     if fixed is not None:
         tp = model_cfg.expert_placement["tp"] if fixed == "expert" else fixed["tp"]
@@ -388,4 +390,14 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         proven=not unproven or bound <= result.throughput * (1.0 + PROVEN_REL_TOL),
         throughput_bound=max(bound, result.throughput),
         unproven=unproven,
+        note=note,
     )
+
+
+def _without_missing_expert(model: ModelConfig, training: Training) -> tuple[Training, str]:
+    """`training`, or the same recipe with the optimal placement when it asks for the model's expert
+    placement and the model config gives none (it is optional), with a note saying so."""
+    if training.fixed != "expert" or model.expert_placement is not None:
+        return training, ""
+    return (replace(training, placement="optimal"),
+            f"{model.name} has no expert_placement in its config; the optimal placement stands in")

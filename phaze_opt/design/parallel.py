@@ -26,7 +26,7 @@ import numpy as np
 from ..hardware.latency import estimate
 from ..solve.placement_types import LayerCosts
 from ..workload.graphs import build_layer_graph, routed_expert_params
-from ..workload.layers import layer_sequence
+from ..workload.layers import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
 
 CP_MIN_SEQ = 8192
@@ -82,12 +82,12 @@ def parallel_sizes(costs: LayerCosts, model: ModelConfig, mbs: int, cp: int = 1)
     tokens = mbs * model.seq
     expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
     dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
-    kv = 2.0 * tokens * (model.kv_heads // t) * model.head_dim * e_bytes
+    kv = float(tokens * model.kv_elements_per_token(t) * e_bytes)
     return replace(
         costs,
-        expert_params=[expert_params if k == "block" and model.moe else 0.0 for k in kinds],
-        dispatch_bytes=[dispatch if k == "block" and model.moe else 0.0 for k in kinds],
-        kv_bytes=[kv if k in ("block", "dense_block") else 0.0 for k in kinds],
+        expert_params=[expert_params if routed_kind(model, k) else 0.0 for k in kinds],
+        dispatch_bytes=[dispatch if routed_kind(model, k) else 0.0 for k in kinds],
+        kv_bytes=[kv if attention_kind(k) else 0.0 for k in kinds],
         cp=cp,
     )
 
@@ -110,7 +110,7 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, s
             "expert": (expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
                        expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
         }
-    rows = [(l.kind, l.kind == "block" and model.moe, l.kind in ("block", "dense_block")) for l in graph.layers]
+    rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     return replace(
         parallel_sizes(costs, model, mbs, cp),
         expert_fwd_s=[per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows],

@@ -332,8 +332,10 @@ def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arc
                     errors.append(f"{type(exc).__name__}: {exc}")
                     continue
                 if r.feasible and (best is None or r.throughput > best.throughput):
+                    # a model without an expert placement is evaluated at the optimal one (r.note)
+                    used = "optimal" if getattr(r, "note", "") else placement
                     best = Baseline(model, True, float(r.throughput), float(r.tokens_per_s), point["mbs"],
-                                    point["recompute"], placement, r.energy_j, "",
+                                    point["recompute"], used, r.energy_j, "",
                                     {k: v for k, v in point.items() if k not in ("mbs", "recompute")}, str(system))
             if best is not None:
                 break

@@ -194,16 +194,28 @@ def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = Tr
 
 
 def model_params(model: ModelConfig) -> int:
-    """Parameters of the whole model (no TP), with a tied embedding matrix counted once."""
+    """Parameters of the whole model (no TP), with a tied embedding matrix counted once. Published
+    sizes leave multi-token-prediction modules out (DeepSeek-V3's 671B; `mtp_params`), so does this."""
+    return _kind_params(model, lambda kind: kind != "mtp")
+
+
+def mtp_params(model: ModelConfig) -> int:
+    """Parameters of the multi-token-prediction modules of their own (the shared embedding and
+    output head not counted again); 0 without them."""
+    return _kind_params(model, lambda kind: kind == "mtp")
+
+
+def _kind_params(model: ModelConfig, counted) -> int:
     from .layers import build_layer, layer_sequence
 
     counts: dict[str, int] = {}
     for _, kind in layer_sequence(model):
-        counts[kind] = counts.get(kind, 0) + 1
+        if counted(kind):
+            counts[kind] = counts.get(kind, 0) + 1
     total = 0
     for kind, count in counts.items():
         module = build_layer(model, kind, 1)
-        tied = {id(getattr(module, name)) for name in getattr(module, "tied_parameters", ())}
+        tied = {id(module.get_parameter(name)) for name in getattr(module, "tied_parameters", ())}
         total += count * sum(p.numel() for p in module.parameters() if id(p) not in tied)
     return total
 
@@ -214,7 +226,7 @@ def routed_expert_params(model: ModelConfig) -> int:
         return 0
     from .layers import build_layer
 
-    moe = build_layer(model, "block", 1).mlp
+    moe = build_layer(model, "block", 1).mlp  # every MoE block's experts are alike, local or global
     return (moe.w1.numel() + moe.w2.numel()) // model.experts
 
 

@@ -37,7 +37,10 @@ from .models import ModelConfig
 
 META = torch.device("meta")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KINDS = ("embedding", "dense_block", "block", "head")  # dense_block: the dense first blocks of a MoE model
+# dense_block: the dense first blocks of a MoE model; local_*: blocks with sliding-window attention
+# (ModelConfig.window); mtp: a multi-token-prediction module (ModelConfig.mtp_layers).
+BLOCK_KINDS = ("dense_block", "local_dense_block", "local_block", "block")
+KINDS = ("embedding", *BLOCK_KINDS, "mtp", "head")
 
 
 def _param(dtype, *shape) -> nn.Parameter:
@@ -106,9 +109,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows: partial sums all-reduced over the group; the bias is replicated
     and returned separately so that the caller adds it after the reduction (Megatron fuses it with
-    dropout and the residual add)."""
+    dropout and the residual add). `reduce = False` leaves the sum to the caller (a parallel block
+    adds attention's and the MLP's partial sums and all-reduces once)."""
 
     parallel = "row"  # read by the tracer: the output leaves Megatron's tensor-parallel region
+    reduce = True
 
     def __init__(self, n_in: int, n_out: int, t: int, bias: bool, dtype, what: str):
         super().__init__()
@@ -117,7 +122,20 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(dtype, n_out) if bias else None
 
     def forward(self, x):
-        return reduce_from_tp(F.linear(x, self.weight), self.t), self.bias
+        y = F.linear(x, self.weight)
+        return (reduce_from_tp(y, self.t) if self.reduce else y), self.bias
+
+
+class ReplicatedLinear(nn.Module):
+    """Y = X A with A whole on every device of the group: MLA's down-projections, which Megatron-Core
+    keeps duplicated across TP ranks (its `linear_q_down_proj` / `linear_kv_down_proj`)."""
+
+    def __init__(self, n_in: int, n_out: int, dtype):
+        super().__init__()
+        self.weight = _param(dtype, n_out, n_in)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
 
 
 def _rotate_half(x):
@@ -153,32 +171,34 @@ def _flash_rows(q, kv_heads: int, g: int):
     return B // kv_heads, rows // g, d
 
 
+# A sliding window (ModelConfig.window) is the kernels' trailing `window` argument: each query sees
+# the `window` latest keys up to itself (0: all of them). Existing graphs trace without it.
 @torch.library.custom_op("phaze::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, g: int, causal: bool,
-                    p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O [s, b, kv_heads, g, d], log-sum-exp [B, s*g] float32) of exact attention."""
-    b, s, d = _flash_rows(q, kv_heads, g)
+                    p: float, scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [s, b, kv_heads, g, dv], log-sum-exp [B, s*g] float32) of exact attention."""
+    b, s, _ = _flash_rows(q, kv_heads, g)
     qf, kf, vf = _wide(q, k, v)
-    scores = _scores(qf, kf, scale, causal, s, g)
+    scores = _scores(qf, kf, scale, causal, s, g, window)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]), vf)
-    return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, d), lse.float()
+    return _to_sbhd(out.to(q.dtype), b, kv_heads, s, g, v.shape[-1]), lse.float()
 
 
 @flash_attention.register_fake
-def _flash_attention_fake(q, k, v, kv_heads, g, causal, p, scale):
-    b, s, d = _flash_rows(q, kv_heads, g)
-    return q.new_empty(s, b, kv_heads, g, d), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+def _flash_attention_fake(q, k, v, kv_heads, g, causal, p, scale, window=0):
+    b, s, _ = _flash_rows(q, kv_heads, g)
+    return q.new_empty(s, b, kv_heads, g, v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
 @torch.library.custom_op("phaze::flash_attention_backward", mutates_args=())
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, kv_heads: int, g: int, causal: bool, p: float,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV): the scores recomputed from Q, K and L; dS = P * (dP - rowsum(dO * O))."""
     b, s, d = _flash_rows(q, kv_heads, g)
     qf, kf, vf, do, o = _wide(q, k, v, _from_sbhd(dout), _from_sbhd(out))
-    scores = _scores(qf, kf, scale, causal, s, g)
+    scores = _scores(qf, kf, scale, causal, s, g, window)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     dv = torch.bmm(probs.transpose(1, 2), do)
     dp = torch.bmm(do, vf.transpose(1, 2))
@@ -187,20 +207,23 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 @flash_attention_backward.register_fake
-def _flash_attention_backward_fake(dout, q, k, v, out, lse, kv_heads, g, causal, p, scale):
+def _flash_attention_backward_fake(dout, q, k, v, out, lse, kv_heads, g, causal, p, scale, window=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale = inputs
+    q, k, v, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale, *window = inputs
+    ctx.window = window[0] if window else 0
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    extra = (ctx.window,) if ctx.window else ()  # a windowless graph traces as it did before windows
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.kv_heads, ctx.g, ctx.causal, ctx.p, ctx.scale,
+                                          *extra)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
@@ -212,17 +235,42 @@ def _wide(*xs):
     return tuple(x.to(dtype) for x in xs)
 
 
-def _scores(q, k, scale: float, causal: bool, s: int, g: int) -> torch.Tensor:
-    """Q K^T * scale, the future masked for causal models; rows are (position, head in group)."""
+def _scores(q, k, scale: float, causal: bool, s: int, g: int, window: int = 0) -> torch.Tensor:
+    """Q K^T * scale, the future (and keys beyond the window) masked; rows are (position, head in group)."""
     scores = torch.bmm(q, k.transpose(1, 2)) * scale
     if causal:
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1).repeat_interleave(g, dim=0)
-        scores = scores.masked_fill(future, float("-inf"))
+        hidden = _attention_mask(s, window, q.device).repeat_interleave(g, dim=0)
+        scores = scores.masked_fill(hidden, float("-inf"))
     return scores
+
+
+def _attention_mask(s: int, window: int, device) -> torch.Tensor:
+    """[s, s] True where query i may not see key j: the future, and with a sliding window of w the
+    keys w or more positions back (Beltagy et al. 2020; Mistral's window, Jiang et al. 2023)."""
+    ones = torch.ones(s, s, dtype=torch.bool, device=device)
+    future = ones.triu(1)
+    return future | ones.tril(-window) if 0 < window < s else future
 
 
 def _to_sbhd(x, b, kv, s, g, d):
     return x.view(b, kv, s, g, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _core_attention(module, q, k, v, s: int, b: int, kv: int, g: int):
+    """softmax(Q K^T / sqrt(d)) V on the local heads: q [b kv, s g, d], k [b kv, s, d], v [b kv, s, dv];
+    the context in Megatron's layout [s, b, kv g dv], ready for the output projection."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if module.flash:
+        extra = (module.window,) if module.window else ()
+        out, _lse = flash_attention(q, k, v, kv, g, module.causal, module.p, 1.0 / math.sqrt(d), *extra)
+        return out.view(s, b, kv * g * dv)
+    scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [b kv, s g, s]
+    if module.causal:
+        hidden = _attention_mask(s, module.window, q.device)
+        scores = scores.masked_fill(hidden.repeat_interleave(g, dim=0), float("-inf"))
+    probs = dropout(torch.softmax(scores, dim=-1), module.p)
+    ctx = torch.bmm(probs, v)  # [b kv, s g, dv]
+    return ctx.view(b, kv, s, g, dv).permute(2, 0, 1, 3, 4).reshape(s, b, kv * g * dv)
 
 
 def _from_sbhd(x):
@@ -234,23 +282,34 @@ class SelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention on heads/t local heads.
 
     Grouped-query attention (Ainslie et al. 2023) is computed without copying K and V: the g query
-    heads that share one KV head are stacked along the rows of one batched GEMM.
+    heads that share one KV head are stacked along the rows of one batched GEMM. When t exceeds the
+    KV heads (multi-query attention, Shazeer 2019, at any t > 1) each device holds one copy of the
+    KV head its query heads share (`ModelConfig.local_kv_heads`); the copies' weight gradients are
+    summed once per step with the data-parallel ones, which this per-microbatch graph leaves out.
+    `window` > 0: sliding-window attention; `qk_norm`: RMSNorm on each query and key head.
     """
 
-    def __init__(self, model: ModelConfig, t: int, dtype):
+    def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
         super().__init__()
         self.t = t
         self.heads = _shard(model.heads, t, "heads")
-        self.kv_heads = _shard(model.kv_heads, t, "kv_heads")
+        self.kv_heads = model.local_kv_heads(t)
         self.group = self.heads // self.kv_heads
         self.d = model.head_dim
         self.causal = model.causal
         self.rotary = model.position == "rotary"
         self.p = model.dropout
         self.flash = model.attention == "flash"
-        width = (model.heads + 2 * model.kv_heads) * self.d
+        self.window = window
+        # t x the local width: with replicated KV heads each device holds a whole KV head
+        width = (model.heads + 2 * self.kv_heads * t) * self.d
         self.qkv = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "QKV width")
         self.proj = RowParallelLinear(model.heads * self.d, model.hidden, t, model.bias, dtype, "heads x head size")
+        if model.qk_norm:  # Dehghani et al. 2023; Qwen3 normalises before the rotary embedding
+            self.q_norm = RMSNorm(self.d, model.norm_eps, dtype)
+            self.k_norm = RMSNorm(self.d, model.norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x):
         s, b, _ = x.shape
@@ -261,6 +320,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, kv, g, d).permute(1, 2, 0, 3, 4)  # [b, kv, s, g, d]
         k = k.permute(1, 2, 0, 3)  # [b, kv, s, d]
         v = v.permute(1, 2, 0, 3)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             cos, sin = _rotary_tables(s, d, x.dtype, x.device)
             q = q * cos[:, None, :] + _rotate_half(q) * sin[:, None, :]
@@ -268,17 +329,73 @@ class SelfAttention(nn.Module):
         q = q.reshape(b * kv, s * g, d)  # query rows ordered (position, head in group)
         k = k.reshape(b * kv, s, d)
         v = v.reshape(b * kv, s, d)
-        if self.flash:
-            out, _lse = flash_attention(q, k, v, kv, g, self.causal, self.p, 1.0 / math.sqrt(d))
-            return self.proj(out.view(s, b, kv * g * d))
-        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [b kv, s g, s]
-        if self.causal:
-            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            scores = scores.masked_fill(future.repeat_interleave(g, dim=0), float("-inf"))
-        probs = dropout(torch.softmax(scores, dim=-1), self.p)
-        ctx = torch.bmm(probs, v)  # [b kv, s g, d]
-        ctx = ctx.view(b, kv, s, g, d).permute(2, 0, 1, 3, 4).reshape(s, b, kv * g * d)
-        return self.proj(ctx)
+        return self.proj(_core_attention(self, q, k, v, s, b, kv, g))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-AI, "DeepSeek-V2", arXiv:2405.04434, Sec. 2.1, eq. 9-19;
+    DeepSeek-V3, arXiv:2412.19437, Sec. 2.1.1), trained as Megatron-Core's MLASelfAttention shards it:
+
+    - queries: c_Q = RMSNorm(h W_DQ) (rank q_lora_rank), then q = c_Q W_UQ per head, split into
+      qk_nope_head_dim content dims and qk_rope_head_dim rotary dims (no bottleneck: q = h W_Q);
+    - keys/values: [c_KV; k_R] = h W_DKV, c_KV = RMSNorm(c_KV) (rank kv_lora_rank), per head
+      [k_C; v] = c_KV W_UKV; the rotary key k_R (qk_rope_head_dim) is one, shared by all heads;
+    - attention per head on [q_C; RoPE(q_R)] . [k_C; RoPE(k_R)] / sqrt(nope + rope), then v;
+    - TP: the down-projections W_DQ, W_DKV replicated on every device, the up-projections W_UQ,
+      W_UKV column-parallel (heads / t each), the output projection row-parallel. Megatron's `f`
+      (the backward all-reduce) sits on the latents the local heads read (c_Q, c_KV, k_R), so the
+      down-projections' weight and input gradients are whole on every device.
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
+        super().__init__()
+        self.t = t
+        self.heads = _shard(model.heads, t, "heads")
+        self.nope, self.rope, self.dv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        self.causal, self.p, self.window = model.causal, model.dropout, window
+        self.flash = model.attention == "flash"
+        qk = model.heads * (self.nope + self.rope)
+        if model.q_lora_rank:
+            self.q_down = ReplicatedLinear(model.hidden, model.q_lora_rank, dtype)
+            self.q_norm = RMSNorm(model.q_lora_rank, model.norm_eps, dtype)
+            self.q_up = ColumnParallelLinear(model.q_lora_rank, qk, t, model.bias, dtype, "heads")
+            self.q_proj = None
+        else:
+            self.q_down = self.q_norm = self.q_up = None
+            self.q_proj = ColumnParallelLinear(model.hidden, qk, t, model.bias, dtype, "heads")
+        self.kv_lora = model.kv_lora_rank
+        self.kv_down = ReplicatedLinear(model.hidden, model.kv_lora_rank + self.rope, dtype)
+        self.kv_norm = RMSNorm(model.kv_lora_rank, model.norm_eps, dtype)
+        self.kv_up = ColumnParallelLinear(model.kv_lora_rank, model.heads * (self.nope + self.dv), t, model.bias,
+                                          dtype, "heads")
+        self.proj = RowParallelLinear(model.heads * self.dv, model.hidden, t, model.bias, dtype, "heads")
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        t, H, nope, rope, dv = self.t, self.heads, self.nope, self.rope, self.dv
+        if self.q_proj is not None:
+            q = self.q_proj(copy_to_tp(x, t))
+        else:
+            q = self.q_up(copy_to_tp(self.q_norm(self.q_down(x)), t))
+        q_c, q_r = torch.split(q.view(s, b, H, nope + rope), [nope, rope], dim=-1)
+        latent, k_r = torch.split(self.kv_down(x), [self.kv_lora, rope], dim=-1)
+        kv = self.kv_up(copy_to_tp(self.kv_norm(latent), t)).view(s, b, H, nope + dv)
+        k_c, v = torch.split(kv, [nope, dv], dim=-1)
+        k_r = copy_to_tp(k_r, t)
+        cos, sin = _rotary_tables(s, rope, x.dtype, x.device)
+        q_r = q_r * cos[:, None, None, :] + _rotate_half(q_r) * sin[:, None, None, :]
+        k_r = k_r * cos[:, None, :] + _rotate_half(k_r) * sin[:, None, :]
+        q = torch.cat((q_c, q_r), dim=-1)  # [s, b, H, nope + rope]
+        k = torch.cat((k_c, k_r.unsqueeze(2).expand(s, b, H, rope)), dim=-1)
+        d = nope + rope
+        q = q.permute(1, 2, 0, 3).reshape(b * H, s, d)
+        k = k.permute(1, 2, 0, 3).reshape(b * H, s, d)
+        v = v.permute(1, 2, 0, 3).reshape(b * H, s, dv)
+        return self.proj(_core_attention(self, q, k, v, s, b, H, 1))
+
+
+def make_attention(model: ModelConfig, t: int, dtype, window: int = 0) -> nn.Module:
+    return (LatentAttention if model.mla else SelfAttention)(model, t, dtype, window)
 
 
 def _activate(y, activation: str):
@@ -287,6 +404,8 @@ def _activate(y, activation: str):
         return F.silu(gate) * up
     if activation == "gelu":
         return F.gelu(y)
+    if activation == "squared_relu":  # So et al. 2021, "Primer"; Nemotron-4 (Parmar et al. 2024)
+        return F.relu(y).square()
     return F.relu(y)
 
 
@@ -376,15 +495,27 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One transformer layer; pre-norm for GPT/OPT/Llama, post-norm for BERT."""
+    """One transformer layer; pre-norm for GPT/OPT/Llama, post-norm for BERT.
 
-    def __init__(self, model: ModelConfig, t: int, dtype):
+    A parallel block (`ModelConfig.parallel_block`; GPT-J, PaLM Sec. 2) has one norm: attention and
+    MLP read the same input, their row-parallel partial sums are added and all-reduced once (PaLM
+    fuses the two input projections the same way), and x + attention + MLP is the output.
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
         super().__init__()
         self.t, self.p, self.post_norm = t, model.dropout, model.post_norm
+        self.mla, self.parallel_block = model.mla, model.parallel_block
         self.norm1 = make_norm(model, dtype)
-        self.attention = SelfAttention(model, t, dtype)
-        self.norm2 = make_norm(model, dtype)
+        self.attention = make_attention(model, t, dtype, window)
+        self.norm2 = None if model.parallel_block else make_norm(model, dtype)
         self.mlp = MLP(model, t, dtype)
+        if model.parallel_block:
+            self.attention.proj.reduce = self.mlp.fc2.reduce = False
+
+    def _attend(self, h):
+        """Attention on the normalised input; MLA places Megatron's `f` on its latents itself."""
+        return self.attention(h) if self.mla else self.attention(copy_to_tp(h, self.t))
 
     def _residual(self, x, out):
         y, bias = out
@@ -397,7 +528,13 @@ class TransformerBlock(nn.Module):
         if self.post_norm:
             x = self.norm1(self._residual(x, self.attention(copy_to_tp(x, t))))
             return self.norm2(self._residual(x, self.mlp(copy_to_tp(x, t))))
-        x = self._residual(x, self.attention(copy_to_tp(self.norm1(x), t)))
+        if self.parallel_block:
+            h = copy_to_tp(self.norm1(x), t)
+            (a, a_bias), (m, m_bias) = self.attention(h), self.mlp(h)
+            y = reduce_from_tp(a + m, t)
+            biases = [bias for bias in (a_bias, m_bias) if bias is not None]
+            return self._residual(x, (y, sum(biases[1:], biases[0]) if biases else None))
+        x = self._residual(x, self._attend(self.norm1(x)))
         return self._residual(x, self.mlp(copy_to_tp(self.norm2(x), t)))
 
 
@@ -405,15 +542,54 @@ class MoEBlock(TransformerBlock):
     """A pre-norm block whose MLP is a mixture of experts; it also returns the load-balancing loss
     (a second output, so the traced backward includes the router's gradient through it)."""
 
-    def __init__(self, model: ModelConfig, t: int, dtype):
-        super().__init__(model, t, dtype)
+    def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
+        super().__init__(model, t, dtype, window)
         self.mlp = MoE(model, t, dtype)
 
     def forward(self, x):
         t = self.t
-        x = self._residual(x, self.attention(copy_to_tp(self.norm1(x), t)))
+        x = self._residual(x, self._attend(self.norm1(x)))
         y, aux = self.mlp(copy_to_tp(self.norm2(x), t))
         return self._residual(x, (y, None)), aux
+
+
+class MultiTokenPrediction(nn.Module):
+    """One multi-token-prediction module (DeepSeek-V3, arXiv:2412.19437, Sec. 2.2, eq. 21-25): the
+    main model's last hidden state h and the embedding of the next token, each RMS-normalised,
+    concatenated and projected (M_k, 2h -> h), one transformer block, then the shared output head
+    and its cross-entropy loss (weighted by lambda, a constant). It passes h on unchanged to the
+    main model's head.
+
+    The embedding table and the output projection are the main model's (`tied_parameters`: counted
+    once in the model's size, but held here as well, as the last pipeline stage holds them in
+    DeepSeek-V3's training). The projection M_k is replicated over the TP group (our choice; one
+    GEMM of 2h x h per token, 1.5% of a DeepSeek-V3 block's FLOPs).
+    """
+
+    def __init__(self, model: ModelConfig, t: int, dtype):
+        super().__init__()
+        self.t, self.rows = t, vocab_rows(model, t)
+        self.word = _param(dtype, self.rows, model.hidden)
+        self.hidden_norm = make_norm(model, dtype)
+        self.embedding_norm = make_norm(model, dtype)
+        self.proj = ReplicatedLinear(2 * model.hidden, model.hidden, dtype)
+        self.block = MoEBlock(model, t, dtype) if model.moe else TransformerBlock(model, t, dtype)
+        self.head = Head(model, t, dtype)
+        self.head.tied_parameters = ()
+        self.tied_parameters = ("word", "head.weight")
+
+    def forward(self, x, ids):
+        if self.t > 1:
+            outside = ids >= self.rows  # as Embedding.forward (rank 0's view)
+            e = F.embedding(ids.masked_fill(outside, 0), self.word)
+            e = reduce_from_tp(e.masked_fill(outside.unsqueeze(-1), 0.0), self.t)
+        else:
+            e = F.embedding(ids, self.word)
+        h = self.proj(torch.cat((self.hidden_norm(x), self.embedding_norm(e)), dim=-1))
+        out = self.block(h)
+        h, aux = out if isinstance(out, tuple) else (out, None)
+        loss = self.head(h, ids)
+        return (x, loss) if aux is None else (x, loss, aux)
 
 
 class Embedding(nn.Module):
@@ -516,16 +692,32 @@ def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
 
 
 def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
-    """The layer kinds a model has, in order (a dense model has no `dense_block`)."""
-    return ("embedding", "dense_block", "block", "head") if model.moe and model.dense_layers else ("embedding", "block", "head")
+    """The layer kinds a model has, in order of first appearance (a dense model has no `dense_block`)."""
+    return tuple(dict.fromkeys(kind for _, kind in layer_sequence(model)))
+
+
+def block_kind(model: ModelConfig, i: int) -> str:
+    """The kind of block i: dense first blocks of a MoE model, sliding-window (local) blocks."""
+    kind = "dense_block" if model.moe and i < model.dense_layers else "block"
+    return kind if model.global_block(i) else f"local_{kind}"
 
 
 def layer_sequence(model: ModelConfig) -> list[tuple[str, str]]:
-    """(name, kind) of every layer in order: embedding, the blocks, head."""
-    dense = model.dense_layers if model.moe else 0
+    """(name, kind) of every layer in order: embedding, the blocks, the MTP modules, head."""
     return ([("embedding", "embedding")]
-            + [(f"block.{i}", "dense_block" if i < dense else "block") for i in range(model.layers)]
+            + [(f"block.{i}", block_kind(model, i)) for i in range(model.layers)]
+            + [(f"mtp.{i}", "mtp") for i in range(model.mtp_layers)]
             + [("head", "head")])
+
+
+def routed_kind(model: ModelConfig, kind: str) -> bool:
+    """Whether layers of this kind hold routed experts."""
+    return model.moe and kind in ("block", "local_block", "mtp")
+
+
+def attention_kind(kind: str) -> bool:
+    """Whether layers of this kind run attention (every block and MTP module)."""
+    return kind in BLOCK_KINDS or kind == "mtp"
 
 
 def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
@@ -533,10 +725,12 @@ def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
     dtype = TORCH_DTYPES[model.dtype]
     if kind == "embedding":
         return Embedding(model, t, dtype)
-    if kind == "block":
-        return MoEBlock(model, t, dtype) if model.moe else TransformerBlock(model, t, dtype)
-    if kind == "dense_block":
-        return TransformerBlock(model, t, dtype)
+    if kind in BLOCK_KINDS:
+        window = model.window if kind.startswith("local_") else 0
+        cls = MoEBlock if routed_kind(model, kind) else TransformerBlock
+        return cls(model, t, dtype, window)
+    if kind == "mtp":
+        return MultiTokenPrediction(model, t, dtype)
     if kind == "head":
         return Head(model, t, dtype)
     raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
@@ -548,8 +742,8 @@ def example_inputs(model: ModelConfig, kind: str, mbs: int, seq: int) -> tuple[t
     hidden = torch.empty(seq, mbs, model.hidden, dtype=TORCH_DTYPES[model.dtype], device=META)
     if kind == "embedding":
         return (ids, torch.empty_like(ids)) if model.type_vocab else (ids,)
-    if kind in ("block", "dense_block"):
+    if kind in BLOCK_KINDS:
         return (hidden,)
-    if kind == "head":
+    if kind in ("head", "mtp"):
         return (hidden, ids)
     raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")

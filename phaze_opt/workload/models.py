@@ -18,7 +18,7 @@ from ..errors import PhazeError, config_error
 from ..system import LIMITS as SYSTEM_LIMITS
 
 FAMILIES = ("gpt", "bert", "opt", "llama")
-ACTIVATIONS = ("gelu", "relu", "swiglu")
+ACTIVATIONS = ("gelu", "relu", "swiglu", "squared_relu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}  # name -> bytes per element
@@ -26,7 +26,7 @@ DEFAULT_TP_CANDIDATES = (1, 2, 4, 8)
 
 REQUIRED = (
     "name", "family", "layers", "hidden", "heads", "ffn", "seq", "vocab",
-    "activation", "norm", "position", "tied_embeddings", "expert_placement",
+    "activation", "norm", "position", "tied_embeddings",
 )
 # Upper limits, checked on load so that a size no model has never reaches the tracer or the
 # placement's byte arithmetic. Each is 10-100x beyond the largest dense transformers published.
@@ -44,6 +44,10 @@ LIMITS = {
     # Largest vocabularies: ~256k (Gemma 256,000).
     "vocab": configs.Limit(2**24, "64x the largest vocabulary, ~256k"),
 }
+# Widest attention head: 256 (PaLM, Gemma); DeepSeek-V3's query/key heads are 192.
+LIMITS["head_dim"] = configs.Limit(2**14, "64x the widest attention head, 256")
+# DeepSeek-V3 predicts one extra token (D = 1, arXiv:2412.19437 Sec. 2.2); its paper tries up to D = 2.
+MTP_LIMIT = configs.Limit(64, "32x the deepest multi-token prediction published, 2")
 # The position table holds at least `seq` rows and the token-type table is a small vocabulary.
 LIMITS["positions"] = LIMITS["seq"]
 LIMITS["type_vocab"] = LIMITS["vocab"]
@@ -52,6 +56,9 @@ LIMITS["type_vocab"] = LIMITS["vocab"]
 EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
 
 OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention",
+            "expert_placement",
+            *("head_dim", "qk_norm", "window", "global_every", "parallel_block", "mtp_layers",
+              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
               "capacity_factor"))
 # Mixture-of-experts fields (see `ModelConfig`): absent means a dense model, and a dense model's
@@ -61,6 +68,13 @@ MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers"
 # Most experts of any published MoE: 2,048 (GShard 600B); Switch-C has 2,048 too.
 MOE_LIMIT = configs.Limit(2**16, "32x the most experts of any published MoE, 2,048")
 ATTENTIONS = ("unfused", "flash")  # flash: one fused attention kernel per pass (layers.py, trace.py)
+# The architecture fields of models trained since 2023 (see `ModelConfig`), with the value that means
+# "not used". At that value a field is left out of the model's identity, so every older model hashes
+# (and caches) as it did before the field existed.
+MODERN_DEFAULTS = {"head_size": 0, "qk_norm": False, "window": 0, "global_every": 0, "parallel_block": False,
+                   "mtp_layers": 0, "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0,
+                   "qk_rope_head_dim": 0, "v_head_dim": 0}
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,9 @@ class ModelConfig:
     position: str
     tied_embeddings: bool
     tp_widths: tuple[int, ...]
-    expert_placement: dict  # {"tp": t, "pp": p, "dp": d}: the hand-tuned placement the baselines use
+    # {"tp": t, "pp": p, "dp": d}: the hand-tuned placement the baselines use; None when the file
+    # gives none (the baselines then use the optimal placement and say so: design/evaluate.py)
+    expert_placement: dict | None
     positions: int = 0  # rows of the learned position table (OPT keeps 2 extra); 0 for rotary
     dropout: float = 0.1
     bias: bool = True  # biases on the linear layers (Llama has none)
@@ -109,11 +125,70 @@ class ModelConfig:
     gate_renorm: bool = True
     aux_loss_coef: float = 0.01
     capacity_factor: float = 1.0
+    # Architecture of the models trained since 2023 (each at its MODERN_DEFAULTS value: not used).
+    # `head_size`: the attention head width when it is not hidden / heads (PaLM, Chowdhery et al.
+    # 2022: 48 heads of 256 on d_model 18432; Qwen3 and GPT-OSS model cards); 0: hidden / heads.
+    head_size: int = 0
+    # `qk_norm`: RMSNorm over each query and key head before the dot product (Dehghani et al. 2023,
+    # ViT-22B; used by OLMo 2 and the Qwen3 model cards), one learned scale of head_dim per norm.
+    qk_norm: bool = False
+    # `window`: sliding-window attention over the last `window` tokens (Beltagy et al. 2020,
+    # Longformer; Mistral 7B, Jiang et al. 2023); `global_every` n: every n-th block attends over the
+    # whole sequence and the others over the window (GPT-OSS alternates, n = 2, per its model card;
+    # Gemma 3 has 5 local per global, n = 6); 0: every block is local. window = 0: no window.
+    window: int = 0
+    global_every: int = 0
+    # `parallel_block`: attention and MLP read the same normalised input and their outputs are added
+    # to the residual together (GPT-J, Wang & Komatsuzaki 2021; PaLM, Chowdhery et al. 2022, Sec. 2)
+    parallel_block: bool = False
+    # `mtp_layers`: DeepSeek-V3's multi-token-prediction modules (DeepSeek-AI 2024, arXiv:2412.19437,
+    # Sec. 2.2): each a projection of [norm(h); norm(emb)] then one transformer block, the embedding
+    # and output head shared with the main model.
+    mtp_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1; DeepSeek-V3): queries
+    # through a rank-`q_lora_rank` bottleneck (0: a plain projection), keys and values through one
+    # rank-`kv_lora_rank` latent; each head's query/key is `qk_nope_head_dim` content dims plus
+    # `qk_rope_head_dim` rotary dims (the rotary key shared by all heads), values `v_head_dim`.
+    # kv_lora_rank = 0: no MLA.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     source: str = field(default="", compare=False)  # the file it came from; not part of its identity
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """The width of one query/key head (with MLA: content plus rotary dims)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def value_dim(self) -> int:
+        """The width of one value head (MLA's v_head_dim; otherwise the head width)."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def local_kv_heads(self, t: int) -> int:
+        """KV heads one device of a TP group of t holds: kv_heads / t, or one replicated KV head when
+        t exceeds them (each KV head copied onto the t / kv_heads devices that hold its query heads,
+        as vLLM's QKVParallelLinear and Megatron-LM's replicated-KV GQA do). MLA has no shared K/V:
+        each device holds its heads / t heads' keys and values."""
+        kv = self.heads if self.mla else self.kv_heads
+        return kv // t if kv >= t else 1
+
+    def kv_elements_per_token(self, t: int) -> int:
+        """K and V elements of one token on one device of a TP group of t (what context
+        parallelism passes around the ring)."""
+        return self.local_kv_heads(t) * (self.head_dim + self.value_dim)
+
+    def global_block(self, i: int) -> bool:
+        """Whether block i attends over the whole sequence (see `window`, `global_every`)."""
+        return not self.window or (self.global_every > 0 and (i + 1) % self.global_every == 0)
 
     @property
     def moe(self) -> bool:
@@ -145,6 +220,9 @@ class ModelConfig:
         if not self.moe:  # a dense model hashes as it did before MoE fields existed
             for key in MOE_FIELDS:
                 d.pop(key)
+        for key, default in MODERN_DEFAULTS.items():
+            if d[key] == default:
+                d.pop(key)
         d["tp_widths"] = list(d["tp_widths"])
         return d
 
@@ -171,8 +249,14 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     layers = configs.positive_int(data, "layers", file, limit=LIMITS["layers"])
     hidden = configs.positive_int(data, "hidden", file, limit=LIMITS["hidden"])
     heads = configs.positive_int(data, "heads", file, limit=LIMITS["heads"])
-    if hidden % heads:
-        raise config_error(file, "heads", f"must divide hidden ({hidden}), got {heads}")
+    mla = _mla_fields(data, file)
+    if "head_dim" in data and mla["kv_lora_rank"]:
+        raise config_error(file, "head_dim", "an MLA model's head sizes are qk_nope_head_dim + qk_rope_head_dim")
+    head_size = configs.positive_int(data, "head_dim", file, limit=LIMITS["head_dim"]) if "head_dim" in data else 0
+    if not head_size and not mla["kv_lora_rank"] and hidden % heads:
+        raise config_error(file, "heads", f"must divide hidden ({hidden}) unless head_dim is given, got {heads}")
+    if "kv_heads" in data and mla["kv_lora_rank"]:
+        raise config_error(file, "kv_heads", "an MLA model has no shared KV heads (its keys and values come from one latent)")
     kv_heads = configs.positive_int(data, "kv_heads", file, default=heads)
     if heads % kv_heads:
         raise config_error(file, "kv_heads", f"must divide heads ({heads}), got {kv_heads}")
@@ -192,10 +276,15 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise config_error(file, "dropout", f"must be a number in [0, 1), got {dropout!r}")
 
-    head_dim = hidden // heads
+    head_dim = head_size or hidden // heads
+    if mla["kv_lora_rank"] and position != "rotary":
+        raise config_error(file, "position", "MLA's decoupled keys are rotary (position: rotary)")
     if position == "rotary":
-        if head_dim % 2:
-            raise config_error(file, "position", f"rotary needs an even head size, got hidden/heads = {head_dim}")
+        if mla["kv_lora_rank"]:
+            if mla["qk_rope_head_dim"] % 2:
+                raise config_error(file, "qk_rope_head_dim", f"rotary needs an even size, got {mla['qk_rope_head_dim']}")
+        elif head_dim % 2:
+            raise config_error(file, "position", f"rotary needs an even head size, got {head_dim}")
         if "positions" in data:
             raise config_error(file, "positions", "only learned position embeddings have a table size")
         positions = 0
@@ -212,9 +301,13 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         raise config_error(file, "type_vocab", too_many)
 
     moe = _moe_fields(data, file, ffn, layers, family)
+    modern = _modern_fields(data, file, family, layers, mla["kv_lora_rank"])
 
     def divides_all(t: int) -> bool:
-        return heads % t == 0 and kv_heads % t == 0 and ffn % t == 0 and moe["expert_ffn"] % t == 0
+        # KV heads split over the group or, when t exceeds them, each is replicated on t / kv_heads
+        # devices (ModelConfig.local_kv_heads); the query heads must still split evenly.
+        kv_ok = kv_heads % t == 0 or t % kv_heads == 0
+        return heads % t == 0 and kv_ok and ffn % t == 0 and moe["expert_ffn"] % t == 0
 
     if "tp_widths" in data:
         raw = data["tp_widths"]
@@ -226,7 +319,8 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
             if not divides_all(t):
                 raise config_error(
                     file, "tp_widths",
-                    f"width {t} must divide heads ({heads}), kv_heads ({kv_heads}), ffn ({ffn})"
+                    f"width {t} must divide heads ({heads}) and ffn ({ffn}), and divide or be a multiple of "
+                    f"kv_heads ({kv_heads})"
                     + (f" and expert_ffn ({moe['expert_ffn']})" if moe["experts"] else ""),
                 )
         if len(set(raw)) != len(raw):
@@ -235,6 +329,22 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     else:
         tp_widths = tuple(t for t in DEFAULT_TP_CANDIDATES if divides_all(t))
 
+    graph_layers = layers + 2 + modern["mtp_layers"]  # blocks + embedding + head (+ MTP modules)
+    return ModelConfig(
+        name=name.strip(), family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+        ffn=ffn, seq=seq, vocab=vocab, activation=activation, norm=norm, position=position,
+        tied_embeddings=tied, tp_widths=tp_widths,
+        expert_placement=_expert_placement(data, file, tp_widths, graph_layers),
+        positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
+        norm_eps=norm_eps, attention=attention, source=str(file), head_size=head_size, **moe, **modern, **mla,
+    )
+
+
+def _expert_placement(data: dict, file, tp_widths: tuple[int, ...], graph_layers: int) -> dict | None:
+    """The hand-tuned placement, checked; None when the file gives none (it is optional: a new
+    model need not invent one, and the baselines fall back to the optimal placement)."""
+    if "expert_placement" not in data:
+        return None
     expert = data["expert_placement"]
     if not isinstance(expert, dict):
         raise config_error(file, "expert_placement", f"must be a mapping with tp, pp and dp, got {expert!r}")
@@ -246,20 +356,61 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
             file, "expert_placement.tp",
             f"must be one of the model's TP widths ({', '.join(map(str, tp_widths))}), got {expert['tp']}",
         )
-    if expert["pp"] > layers + 2:
+    if expert["pp"] > graph_layers:
         raise config_error(
             file, "expert_placement.pp",
-            f"cannot exceed the {layers + 2} layers of the layer graph (blocks + embedding + head), got {expert['pp']}",
+            f"cannot exceed the {graph_layers} layers of the layer graph (blocks + embedding + head), got {expert['pp']}",
         )
+    return {k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert}
 
-    return ModelConfig(
-        name=name.strip(), family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        ffn=ffn, seq=seq, vocab=vocab, activation=activation, norm=norm, position=position,
-        tied_embeddings=tied, tp_widths=tp_widths,
-        expert_placement={k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert},
-        positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
-        norm_eps=norm_eps, attention=attention, source=str(file), **moe,
-    )
+
+def _non_negative_int(data: dict, key: str, file, limit: configs.Limit) -> int:
+    value = data.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise config_error(file, key, f"must be a non-negative integer, got {value!r}")
+    too_many = limit.exceeded(value)
+    if too_many:
+        raise config_error(file, key, too_many)
+    return value
+
+
+def _mla_fields(data: dict, file) -> dict:
+    """Multi-head latent attention's sizes (DeepSeek-V2, Sec. 2.1), checked; all 0 without MLA."""
+    present = [k for k in MLA_FIELDS if k in data]
+    if "kv_lora_rank" not in data:
+        if present:
+            raise config_error(file, present[0], "only an MLA model (one that sets kv_lora_rank) takes it")
+        return {k: 0 for k in MLA_FIELDS}
+    out = {"kv_lora_rank": configs.positive_int(data, "kv_lora_rank", file, limit=LIMITS["hidden"]),
+           "q_lora_rank": _non_negative_int(data, "q_lora_rank", file, LIMITS["hidden"])}
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if key not in data:
+            raise config_error(file, key, "missing required field (an MLA model sets kv_lora_rank)")
+        out[key] = configs.positive_int(data, key, file, limit=LIMITS["head_dim"])
+    return out
+
+
+def _modern_fields(data: dict, file, family: str, layers: int, mla: int) -> dict:
+    """QK-norm, sliding windows, parallel blocks and MTP modules, checked (see `ModelConfig`)."""
+    qk_norm = _boolean(data, "qk_norm", file, default=False)
+    if qk_norm and mla:
+        raise config_error(file, "qk_norm", "MLA normalises its latents instead; not both")
+    window = _non_negative_int(data, "window", file, LIMITS["seq"])
+    global_every = _non_negative_int(data, "global_every", file, LIMITS["layers"])
+    if global_every and not window:
+        raise config_error(file, "global_every", "only a model with a sliding window (window > 0) takes it")
+    if window and family == "bert":
+        raise config_error(file, "window", "sliding windows are built for the decoder families only")
+    parallel = _boolean(data, "parallel_block", file, default=False)
+    if parallel and family == "bert":
+        raise config_error(file, "parallel_block", "parallel blocks are pre-norm; BERT's blocks are post-norm")
+    if parallel and "experts" in data:
+        raise config_error(file, "parallel_block", "parallel blocks are built for dense MLPs only, not experts")
+    mtp = _non_negative_int(data, "mtp_layers", file, MTP_LIMIT)
+    if mtp and family == "bert":
+        raise config_error(file, "mtp_layers", "multi-token prediction is built for the decoder families only")
+    return {"qk_norm": qk_norm, "window": window, "global_every": global_every, "parallel_block": parallel,
+            "mtp_layers": mtp}
 
 
 def _moe_fields(data: dict, file, ffn: int, layers: int, family: str) -> dict:

@@ -684,21 +684,31 @@ def _flash_cost(n, backward: bool) -> "_Cost":
     dQ = dS K, dK = dS^T Q, 10 B M N d FLOP (2.5 x the forward); P = exp(S - L) and
     dS = P * (dP - D) on the vector core. The whole square is counted for causal models too, as
     the unfused graph and Megatron's FLOP formula count it (see the module docstring).
+
+    With a sliding window of w keys (ModelConfig.window) the kernel visits only the tiles of the
+    band: each query row meets min(w, N) keys and each key min(w, N) x g query rows (g query heads
+    per KV head), so every GEMM's key or query extent shrinks to the band's; a window of at least
+    the sequence is full attention. Values may be narrower than queries and keys (MLA's v_head_dim).
     """
-    q, k, p = (n.args[1], n.args[2], n.args[9]) if backward else (n.args[0], n.args[1], n.args[6])
+    q, k, v, p = (n.args[1], n.args[2], n.args[3], n.args[9]) if backward else n.args[0:3] + (n.args[6],)
+    at = 11 if backward else 8  # the trailing window argument, when the graph has one
+    window = n.args[at] if len(n.args) > at else n.kwargs.get("window", 0)
     B, M, d = (int(x) for x in q.meta["val"].shape)
     N = int(k.meta["val"].shape[1])
-    score = (B, M, d, N)
+    dv = int(v.meta["val"].shape[-1])
+    keys = min(int(window), N) if window else N  # keys each query row meets
+    rows = M * keys // N  # query rows each key meets
+    score = (B, M, d, keys)
     if backward:
-        gemms = (score, (B, N, M, d), (B, M, d, N), (B, M, N, d), (B, N, M, d))
+        gemms = (score, (B, N, rows, dv), (B, M, dv, keys), (B, M, keys, d), (B, N, rows, d))
         vector = ("sub", "exp", "sub", "mul") + (("dropout", "dropout_bwd") if p else ())
     else:
-        gemms = (score, (B, M, N, d))
+        gemms = (score, (B, M, keys, dv))
         vector = ("softmax",) + (("dropout",) if p else ())
     macs = sum(b * m * kk * c for b, m, kk, c in gemms)
-    elements = B * M * N
+    elements = B * M * keys
     flops = 2.0 * macs + elements * sum(VECTOR_OP_FLOPS[v] for v in vector)
-    return _Cost(TCVC, FLASH_ATTENTION, gemm=(B, M, macs // elements, N), gemms=gemms, flops=flops,
+    return _Cost(TCVC, FLASH_ATTENTION, gemm=(B, M, macs // elements, keys), gemms=gemms, flops=flops,
                  elements=elements, vector_ops=vector)
 
 
