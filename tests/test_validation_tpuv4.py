@@ -29,17 +29,27 @@ def test_palm_row_is_consistent_with_its_published_utilisation():
     assert 100 * mfu == pytest.approx(row.published["mfu_percent"], abs=0.1)
 
 
-def test_a_row_whose_model_is_not_shipped_is_skipped_with_the_reason():
-    suite = load_suite("tpuv4-pod")
+def _pending_copy(tmp_path):
+    """The shipped tpuv4-pod suite with its model renamed to one that is not shipped (pending)."""
+    from phaze_opt import configs
+
+    text = configs.resolve("validation", "tpuv4-pod").read_text()
+    path = tmp_path / "tpuv4-pending.yaml"
+    path.write_text(text.replace("model: palm-540b", "model: palm-9000b"))
+    return path
+
+
+def test_a_row_whose_model_is_not_shipped_is_skipped_with_the_reason(tmp_path):
+    suite = load_suite(_pending_copy(tmp_path))
     calls = []
     result = run_suite(suite, evaluator=lambda *a: calls.append(a))
     assert not calls  # never evaluated
     (r,) = result.rows
-    assert r.skipped and r.predicted is None and "palm-540b" in r.reason and "configs/models" in r.reason
+    assert r.skipped and r.predicted is None and "palm-9000b" in r.reason and "configs/models" in r.reason
     assert result.infeasible == () and result.mape()["all"] is None
     assert r.config["system"] == "tpuv4-2x3072" and r.config["arch"] == "tpuv4"
     text = render_text({"command": "x", "generated": "now", "_suites": [result]})
-    assert "skipped" in text and "palm-540b" in text
+    assert "skipped" in text and "palm-9000b" in text
 
 
 def _suite(tmp_path, **row):
@@ -96,11 +106,12 @@ def test_validate_system_flag(tmp_path):
     assert command_line(args) == "phaze-opt validate --suite tpuv4-pod --system default"
 
 
-def test_fit_leaves_a_system_with_no_rows_to_fit_at_its_preset():
+def test_fit_leaves_a_system_with_no_rows_to_fit_at_its_preset(tmp_path):
     from phaze_opt.validation import workflow
     from phaze_opt.validation.calibration import fit_rows
 
-    suite = load_suite("tpuv4-pod")
+    path = _pending_copy(tmp_path)
+    suite = load_suite(path)
     assert fit_rows([suite], "tpuv4-pod") == [] and fit_rows([suite], "tpuv4-2x3072") == []
-    result = workflow.validate(["tpuv4-pod"], out=None, fit=True)  # nothing to fit: no error, no fit
+    result = workflow.validate([str(path)], out=None, fit=True)  # nothing to fit: no error, no fit
     assert "fits" not in result and result["suites"][0]["skipped"] == 1

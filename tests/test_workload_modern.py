@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from phaze_opt.training import Training
 from phaze_opt.cli import main
 from phaze_opt.errors import PhazeError
 from phaze_opt.workload.graphs import active_params, build_layer_graph, model_params, mtp_params
@@ -361,7 +362,7 @@ FEATURED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FEATURED))
 def test_featured_models_evaluate_and_the_bounds_hold(name):
-    from phaze_opt.design.evaluate import evaluate_design, tp_widths
+    from phaze_opt.design.evaluate import evaluate, tp_widths
     from phaze_opt.design.upper_bound import ideal_throughput, layer_lower_bounds, placement_throughput
     from phaze_opt.hardware.arch import load_arch
     from phaze_opt.hardware.latency import DesignArrays
@@ -370,15 +371,15 @@ def test_featured_models_evaluate_and_the_bounds_hold(name):
     model = parse_model(FEATURED[name])
     arch, system = load_arch("h100-sxm"), load_system("dgx-h100")
     system = dataclasses.replace(system, accelerators=8, global_batch=16)
-    optimal = evaluate_design(model, arch, 1, "selective", system)
-    fixed = evaluate_design(model, arch, 1, "selective", system, "tp=2,pp=2,dp=2")
+    optimal = evaluate(model, arch, Training(1, "selective"), system)
+    fixed = evaluate(model, arch, Training(1, "selective", "tp=2,pp=2,dp=2"), system)
     assert optimal.feasible and fixed.feasible and optimal.throughput >= fixed.throughput * (1 - 1e-9)
     # the expert placement is missing: the optimal one stands in, and the result says so
-    expert = evaluate_design(model, arch, 1, "selective", system, "expert")
+    expert = evaluate(model, arch, Training(1, "selective", "expert"), system)
     assert expert.throughput == optimal.throughput and "no expert_placement" in expert.note
     designs = DesignArrays.from_accelerators([arch])
     widths = [layer_lower_bounds(model, designs, 1, system, t) for t in tp_widths(model, system)]
-    level1 = placement_throughput(model, widths, 0, system=system, mbs=1, recompute="selective",
+    level1 = placement_throughput(model, widths, 0, system=system, training=Training(1, "selective"),
                                   hbm_bytes=arch.hbm_bytes, peak_flops=arch.peak_flops)
     assert ideal_throughput(widths, 1, system.accelerators)[0] * (1 + 1e-12) >= level1 >= optimal.throughput
     assert np.isfinite(level1)
