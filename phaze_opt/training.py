@@ -28,6 +28,12 @@ It holds
   all-to-all bytes carry the padded buffers (default 1.0, balanced);
 - `load_imbalance`: tokens received by the busiest expert-parallel rank over the mean (>= 1); the
   synchronous all-to-all and the experts' compute wait for that rank (default 1.0, balanced).
+- `account_for_embedding`, `account_for_loss`: the pipeline split counts the embedding (the loss)
+  as one more decoder layer (Megatron-Core `--account-for-embedding-in-pipeline-split`,
+  `--account-for-loss-in-pipeline-split`), which is what lets interleaving split a layer count
+  that p x v does not divide (Llama 3 405B: 126 + 2 = 128 layers at PP 16 x VP 8); they change
+  which (pp, v) interleave (`interleave_split_ok`), not any time or byte (the embedding and the
+  loss are already nodes of the layer graph, priced in their stages). Default off.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -167,6 +173,8 @@ class Training:
     attention: str | None = None
     capacity_factor: float = 1.0
     load_imbalance: float = 1.0
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -178,6 +186,8 @@ class Training:
             raise PhazeError(str(exc)) from None
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
+        for name in ("account_for_embedding", "account_for_loss"):
+            object.__setattr__(self, name, bool_flag(getattr(self, name), name))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -230,7 +240,33 @@ class Training:
                 "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention,
                 # the MoE fields only when set, so every earlier recipe (and resumed point key) is unchanged
                 **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
-                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {})}
+                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
+                **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)}}
+
+    def interleave_split_ok(self, layers: int, pp):
+        """Whether Megatron-Core can split `layers` decoder layers over `pp` pipeline ranks (an int or
+        an integer array) into this recipe's v virtual stages per rank, each of whole layers.
+
+        Megatron-Core requires every pipeline rank's layer count to be a multiple of v, also when the
+        first and last ranks are given other counts (`--decoder-first-pipeline-num-layers`,
+        `--decoder-last-pipeline-num-layers`), and the middle ranks to share one count; accounting
+        for the embedding or the loss in the split forbids those two flags, so the counted layers
+        (decoder layers + 1 for each) are then split evenly (Megatron-Core MR 2795, "flexible
+        asymmetric VPP with custom PP layout", which lists both restrictions). Hence, with either
+        accounted: (layers + accounted) divisible by pp x v; with neither: layers divisible by v and
+        at least pp x v (first/last ranks of a x v and b x v layers, the middle ones v each, cover
+        every multiple of v from pp x v up). A custom layout (`--pipeline-model-parallel-layout`)
+        allows any split, but virtual stages of unequal size break the 1/v chunk pricing of
+        `placement_eval`, so it is not offered. pp = 1 runs no pipeline: always allowed."""
+        v = self.virtual_stages
+        pp = np.asarray(pp, dtype=np.int64)
+        extra = int(self.account_for_embedding) + int(self.account_for_loss)
+        if extra:
+            ok = (layers + extra) % (pp * v) == 0
+        else:
+            ok = (layers % v == 0) & (layers >= pp * v)
+        ok = (pp == 1) | (v == 1) | ok
+        return bool(ok) if ok.ndim == 0 else ok
 
     def with_placement(self, placement: str) -> "Training":
         return replace(self, placement=placement)

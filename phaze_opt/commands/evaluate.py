@@ -22,6 +22,10 @@ def add_arguments(p):
                    help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved 1F1B with V model chunks per pipeline device (default 1)")
+    for part in ("embedding", "loss"):
+        p.add_argument(f"--account-for-{part}", action="store_true",
+                       help=f"count the {part} as a layer in the pipeline split (Megatron-Core "
+                            f"--account-for-{part}-in-pipeline-split; lets interleaving split more layer counts)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
                    help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer) or 3 (FSDP)")
     p.add_argument("--overlap-grad-reduce", action="store_true",
@@ -67,7 +71,8 @@ def run(args) -> dict:
     recipe = Training(mbs=check_mbs(args), recompute=args.recompute, placement=args.placement,
                       sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, zero=args.zero,
                       overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
-                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance)
+                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
+                      account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -101,6 +106,9 @@ def render(r: dict) -> str:
         extras.append("sequence parallel")
     if r.get("virtual_stages", 1) > 1:
         extras.append(f"{r['virtual_stages']} virtual stages")
+    counted = [name for name in ("embedding", "loss") if r.get(f"account_for_{name}")]
+    if counted:
+        extras.append(f"{' and '.join(counted)} counted in the pipeline split")
     if r.get("zero"):
         extras.append(f"ZeRO-{r['zero']}")
     if r.get("overlap_grad_reduce"):

@@ -258,7 +258,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     m = -(-n_seq // d)
     w = widths[blk]
     if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
-        ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
     h = (dpn % (S * w) == 0).astype(np.int64)
     ring = (S * w * d <= dpn).astype(np.int64)

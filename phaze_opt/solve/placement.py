@@ -758,7 +758,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         m = -(-system.global_batch // (problem.training.mbs * d))
         ok = np.ones(d.shape, dtype=bool)
         if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
-            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+            ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         h = (dpn % (S * t) == 0).astype(np.int64)
         ring = (S * t * d <= dpn).astype(np.int64)
         mult = m + (S - 1) / v

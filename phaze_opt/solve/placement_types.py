@@ -321,13 +321,19 @@ class PlacementProblem:
 
     def interleaves(self, pp: int, dp: int) -> str:
         """'' when interleaving with this problem's v is allowed at pp stages and dp replicas, else
-        why not (Megatron: layers divisible by p*v, microbatches a multiple of p; pp = 1 runs no
-        pipeline, so v has no effect there)."""
+        why not (Megatron-Core: whole layers per virtual stage, `Training.interleave_split_ok`;
+        microbatches a multiple of p; pp = 1 runs no pipeline, so v has no effect there)."""
         v = self.training.virtual_stages
         if v == 1 or pp == 1:
             return ""
-        if self.interleave_layers % (pp * v):
-            return f"interleaving needs the {self.interleave_layers} layers divisible by pp x v = {pp * v}"
+        tr = self.training
+        if not tr.interleave_split_ok(self.interleave_layers, pp):
+            if tr.account_for_embedding or tr.account_for_loss:
+                counted = self.interleave_layers + int(tr.account_for_embedding) + int(tr.account_for_loss)
+                return (f"interleaving needs the {counted} layers counted in the pipeline split (embedding/loss "
+                        f"included) divisible by pp x v = {pp * v}")
+            return (f"interleaving needs the {self.interleave_layers} layers divisible by v = {v} and at least "
+                    f"pp x v = {pp * v} (or the embedding/loss counted in the split)")
         m = self.microbatches(dp)
         if m % pp:
             return f"interleaving needs the {m} microbatches to be a multiple of pp {pp}"
