@@ -34,6 +34,14 @@ It holds
   that p x v does not divide (Llama 3 405B: 126 + 2 = 128 layers at PP 16 x VP 8); they change
   which (pp, v) interleave (`interleave_split_ok`), not any time or byte (the embedding and the
   loss are already nodes of the layer graph, priced in their stages). Default off.
+- `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
+  gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
+  fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20,
+  Sec. 3.1, K = 12); `bf16-moments` an fp32 master weight and BF16 moments, 8 B (Megatron-Core's
+  precision-aware optimizer, `--use-precision-aware-optimizer --exp-avg-dtype bf16
+  --exp-avg-sq-dtype bf16`); `bf16-adamw` BF16 moments and no master copy, 4 B (pure BF16 AdamW,
+  8 B per parameter in all; Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the
+  state each device holds (sharded as ZeRO says) and the bytes the optimizer step streams.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -53,11 +61,14 @@ from .errors import PhazeError
 # Training fields a search space samples (a space must list each; a one-item list fixes it).
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
-OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
+OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
+                   "optimizer_state")
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 3)
+# Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
+OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
 PLACEMENTS = ("optimal", "expert")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
@@ -175,6 +186,7 @@ class Training:
     load_imbalance: float = 1.0
     account_for_embedding: bool = False
     account_for_loss: bool = False
+    optimizer_state: str | None = None
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -188,6 +200,12 @@ class Training:
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
         for name in ("account_for_embedding", "account_for_loss"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
+        if self.optimizer_state is not None:
+            layout = str(self.optimizer_state).strip().lower()
+            if layout not in OPTIMIZER_STATES:
+                raise PhazeError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
+                                 f"got {self.optimizer_state!r}")
+            object.__setattr__(self, "optimizer_state", layout)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -241,7 +259,13 @@ class Training:
                 # the MoE fields only when set, so every earlier recipe (and resumed point key) is unchanged
                 **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
                 **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
-                **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)}}
+                **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
+                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {})}
+
+    @property
+    def optimizer_state_bytes(self) -> int | None:
+        """Optimizer-state bytes per parameter of this recipe's layout; None: the system's own."""
+        return None if self.optimizer_state is None else OPTIMIZER_STATES[self.optimizer_state]
 
     def interleave_split_ok(self, layers: int, pp):
         """Whether Megatron-Core can split `layers` decoder layers over `pp` pipeline ranks (an int or

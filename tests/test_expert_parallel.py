@@ -99,12 +99,13 @@ def test_dp_matches_brute_force_interleaved(seed, v):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), layers=st.integers(2, 9), embedding=st.booleans(), loss=st.booleans())
-def test_dp_matches_brute_force_interleaved_uneven(seed, layers, embedding, loss):
+@given(seed=st.integers(0, 10**6), layers=st.integers(2, 9), embedding=st.booleans(), loss=st.booleans(),
+       layout=st.sampled_from([None, "fp32-adam", "bf16-adamw"]))
+def test_dp_matches_brute_force_interleaved_uneven(seed, layers, embedding, loss, layout):
     """Megatron-Core's uneven splits (layer counts p x v does not divide; embedding/loss counted):
     the expert/context DP's vectorised check admits exactly the pipelines the evaluator does."""
     problem = moe_problem(seed, n=4, virtual_stages=2, global_batch=8, interleave_layers=layers,
-                          account_for_embedding=embedding, account_for_loss=loss)
+                          account_for_embedding=embedding, account_for_loss=loss, optimizer_state=layout)
     want, where = brute(problem)
     got = optimal_placement(problem)
     assert got.feasible == math.isfinite(want)

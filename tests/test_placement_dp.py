@@ -335,6 +335,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted
         account_for_embedding=uneven and draw(st.booleans()),
         account_for_loss=uneven and draw(st.booleans()),
+        optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
@@ -413,6 +414,28 @@ def test_interleave_split_matches_megatron_cores_rules():
                         assert recipe.interleave_split_ok(layers, pp) == want, (layers, pp, v, embedding, loss)
                         vec = recipe.interleave_split_ok(layers, np.array([pp, 1]))
                         assert list(vec) == [want, True]
+
+
+def test_optimizer_state_layouts_set_the_state_bytes():
+    """16, 12 and 8 B per parameter with a 16-bit weight and gradient; ZeRO-1 shards only the
+    optimizer state; the layout that fits lets a placement the 16 B one refuses."""
+    costs = make_costs(1, [1.0] * 2, [2.0] * 2, [10] * 2, [0] * 2, [0] * 2)
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2)
+    split = {}
+    for layout, total in (("fp32-adam", 16), ("bf16-moments", 12), ("bf16-adamw", 8)):
+        for zero in (0, 1):
+            problem = PlacementProblem(training=Training(optimizer_state=layout, zero=zero), costs=(costs,),
+                                       system=system, hbm_bytes=1e6, peak_flops=1.0)
+            memory = evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].memory_split
+            split[layout, zero] = memory["optimizer_state"]
+            if zero == 0:
+                assert memory["parameters"] + memory["gradients"] + memory["optimizer_state"] == 20 * total
+    assert split["fp32-adam", 0] == 20 * 12 and split["bf16-adamw", 0] == 20 * 4
+    assert split["bf16-moments", 1] == 20 * 8 / 2
+    tight = {layout: PlacementProblem(training=Training(optimizer_state=layout), costs=(costs,),
+                                      system=make_system(accelerators=1, global_batch=1), hbm_bytes=20 * 8,
+                                      peak_flops=1.0) for layout in ("fp32-adam", "bf16-adamw")}
+    assert optimal_placement(tight["bf16-adamw"]).feasible and not optimal_placement(tight["fp32-adam"]).feasible
 
 
 def test_llama3_405b_interleaves_with_the_embedding_and_loss_counted():

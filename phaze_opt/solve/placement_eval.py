@@ -203,7 +203,7 @@ def evaluate_placement(
     mode = problem.training.recompute
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     stages = []
     for s, stage in enumerate(placement.stages):
         layers = sorted(int(v) for v in stage)

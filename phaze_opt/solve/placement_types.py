@@ -184,12 +184,16 @@ class LayerCosts:
         return self.edges == tuple((i, i + 1) for i in range(self.n_layers - 1))
 
 
-def state_split(system: System) -> tuple[int, int, int]:
+def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     """(weight, gradient, optimizer state) bytes per parameter: the System's state bytes split into
     the 16-bit (or fp32) weight, its gradient, and the rest (fp32 master weight and Adam's moments
-    under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1)."""
+    under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1); a recipe's optimizer-state
+    layout (`Training.optimizer_state`) replaces the rest with its own bytes."""
+    system = problem.system
     e = system.bytes_per_element
-    return e, system.grad_bytes_per_param, system.state_bytes_per_param - e - system.grad_bytes_per_param
+    layout = problem.training.optimizer_state_bytes
+    rest = system.state_bytes_per_param - e - system.grad_bytes_per_param if layout is None else layout
+    return e, system.grad_bytes_per_param, rest
 
 
 # LayerCosts' expert- and context-parallel per-layer terms (issue 19), zero by default.
@@ -260,7 +264,7 @@ class PlacementProblem:
         object.__setattr__(self, "interleave_layers", il)
         for c in costs:
             largest = largest_memory_bytes(
-                float(np.sum(c.params)), self.system.state_bytes_per_param, c.n_layers,
+                float(np.sum(c.params)), sum(state_split(self)), c.n_layers,
                 float(np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)),
             )
             if largest >= EXACT_BYTES:
