@@ -28,6 +28,20 @@ It holds
   all-to-all bytes carry the padded buffers (default 1.0, balanced);
 - `load_imbalance`: tokens received by the busiest expert-parallel rank over the mean (>= 1); the
   synchronous all-to-all and the experts' compute wait for that rank (default 1.0, balanced).
+- `account_for_embedding`, `account_for_loss`: the pipeline split counts the embedding (the loss)
+  as one more decoder layer (Megatron-Core `--account-for-embedding-in-pipeline-split`,
+  `--account-for-loss-in-pipeline-split`), which is what lets interleaving split a layer count
+  that p x v does not divide (Llama 3 405B: 126 + 2 = 128 layers at PP 16 x VP 8); they change
+  which (pp, v) interleave (`interleave_split_ok`), not any time or byte (the embedding and the
+  loss are already nodes of the layer graph, priced in their stages). Default off.
+- `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
+  gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
+  fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20,
+  Sec. 3.1, K = 12); `bf16-moments` an fp32 master weight and BF16 moments, 8 B (Megatron-Core's
+  precision-aware optimizer, `--use-precision-aware-optimizer --exp-avg-dtype bf16
+  --exp-avg-sq-dtype bf16`); `bf16-adamw` BF16 moments and no master copy, 4 B (pure BF16 AdamW,
+  8 B per parameter in all; Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the
+  state each device holds (sharded as ZeRO says) and the bytes the optimizer step streams.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -47,11 +61,14 @@ from .errors import PhazeError
 # Training fields a search space samples (a space must list each; a one-item list fixes it).
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
-OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
+OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
+                   "optimizer_state")
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 3)
+# Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
+OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
 PLACEMENTS = ("optimal", "expert")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
@@ -167,6 +184,9 @@ class Training:
     attention: str | None = None
     capacity_factor: float = 1.0
     load_imbalance: float = 1.0
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    optimizer_state: str | None = None
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -178,6 +198,14 @@ class Training:
             raise PhazeError(str(exc)) from None
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
+        for name in ("account_for_embedding", "account_for_loss"):
+            object.__setattr__(self, name, bool_flag(getattr(self, name), name))
+        if self.optimizer_state is not None:
+            layout = str(self.optimizer_state).strip().lower()
+            if layout not in OPTIMIZER_STATES:
+                raise PhazeError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
+                                 f"got {self.optimizer_state!r}")
+            object.__setattr__(self, "optimizer_state", layout)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -230,7 +258,39 @@ class Training:
                 "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention,
                 # the MoE fields only when set, so every earlier recipe (and resumed point key) is unchanged
                 **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
-                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {})}
+                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
+                **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
+                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {})}
+
+    @property
+    def optimizer_state_bytes(self) -> int | None:
+        """Optimizer-state bytes per parameter of this recipe's layout; None: the system's own."""
+        return None if self.optimizer_state is None else OPTIMIZER_STATES[self.optimizer_state]
+
+    def interleave_split_ok(self, layers: int, pp):
+        """Whether Megatron-Core can split `layers` decoder layers over `pp` pipeline ranks (an int or
+        an integer array) into this recipe's v virtual stages per rank, each of whole layers.
+
+        Megatron-Core requires every pipeline rank's layer count to be a multiple of v, also when the
+        first and last ranks are given other counts (`--decoder-first-pipeline-num-layers`,
+        `--decoder-last-pipeline-num-layers`), and the middle ranks to share one count; accounting
+        for the embedding or the loss in the split forbids those two flags, so the counted layers
+        (decoder layers + 1 for each) are then split evenly (Megatron-Core MR 2795, "flexible
+        asymmetric VPP with custom PP layout", which lists both restrictions). Hence, with either
+        accounted: (layers + accounted) divisible by pp x v; with neither: layers divisible by v and
+        at least pp x v (first/last ranks of a x v and b x v layers, the middle ones v each, cover
+        every multiple of v from pp x v up). A custom layout (`--pipeline-model-parallel-layout`)
+        allows any split, but virtual stages of unequal size break the 1/v chunk pricing of
+        `placement_eval`, so it is not offered. pp = 1 runs no pipeline: always allowed."""
+        v = self.virtual_stages
+        pp = np.asarray(pp, dtype=np.int64)
+        extra = int(self.account_for_embedding) + int(self.account_for_loss)
+        if extra:
+            ok = (layers + extra) % (pp * v) == 0
+        else:
+            ok = (layers % v == 0) & (layers >= pp * v)
+        ok = (pp == 1) | (v == 1) | ok
+        return bool(ok) if ok.ndim == 0 else ok
 
     def with_placement(self, placement: str) -> "Training":
         return replace(self, placement=placement)

@@ -307,7 +307,7 @@ def test_kmax_is_exact_where_float_division_rounds():
 
 
 @st.composite
-def recipe_problems(draw, dag=False, interleaved=False):
+def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
     import dataclasses
 
     flavour = "tight" if interleaved else draw(FLAVOURS)
@@ -332,13 +332,18 @@ def recipe_problems(draw, dag=False, interleaved=False):
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 3])),
         overlap_grad_reduce=draw(st.booleans()),
+        # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted
+        account_for_embedding=uneven and draw(st.booleans()),
+        account_for_loss=uneven and draw(st.booleans()),
+        optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
     )
+    layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
         base,
         costs=tuple(costs),
         training=training,
         hbm_bandwidth=draw(st.sampled_from([0.0, 50.0, 500.0])),
-        interleave_layers=12 if interleaved else draw(st.sampled_from([n, 2 * n, 12])),
+        interleave_layers=layers,
     )
 
 
@@ -369,6 +374,86 @@ def test_chain_dp_equals_brute_force_for_every_recipe_option(problem):
 def test_chain_dp_equals_brute_force_interleaved(problem):
     """Scarce memory, so that interleaved pipelines (v = 2, 3; 12 layers to divide) are chosen."""
     assert_recipe_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(recipe_problems(interleaved=True, uneven=True))
+def test_chain_dp_equals_brute_force_interleaved_uneven(problem):
+    """Layer counts p x v does not divide, with and without the embedding and loss counted in the
+    pipeline split: the DP's vectorised check admits exactly the pipelines the evaluator does."""
+    assert_recipe_matches_oracle(problem, chain_splits(problem.n_layers))
+
+
+def megatron_rank_splits(layers: int, pp: int, v: int, embedding: bool, loss: bool):
+    """Every per-rank layer count Megatron-Core's pipeline split offers, enumerated from its rules
+    (Megatron-Core MR 2795 lists them): each rank's count a positive multiple of v; with the embedding
+    or the loss counted, the counted layers split evenly (the first/last flags are then refused);
+    otherwise an even split or first/last ranks of their own counts with the middle ranks equal."""
+    counted = layers + embedding + loss
+    if embedding or loss:
+        if counted % pp == 0 and (counted // pp) % v == 0:
+            yield (counted // pp,) * pp
+        return
+    for first in range(v, layers + 1, v):
+        for last in range(v, layers + 1, v):
+            for middle in range(v, layers + 1, v):
+                ranks = (first,) + (middle,) * (pp - 2) + (last,) if pp > 1 else (layers,)
+                if sum(ranks) == layers and all(r % v == 0 for r in ranks):
+                    yield ranks
+
+
+def test_interleave_split_matches_megatron_cores_rules():
+    """The closed form against an enumeration of the splits Megatron-Core accepts."""
+    for layers in range(1, 40):
+        for pp in range(2, 7):
+            for v in range(2, 5):
+                for embedding in (False, True):
+                    for loss in (False, True):
+                        recipe = Training(virtual_stages=v, account_for_embedding=embedding, account_for_loss=loss)
+                        want = any(True for _ in megatron_rank_splits(layers, pp, v, embedding, loss))
+                        assert recipe.interleave_split_ok(layers, pp) == want, (layers, pp, v, embedding, loss)
+                        vec = recipe.interleave_split_ok(layers, np.array([pp, 1]))
+                        assert list(vec) == [want, True]
+
+
+def test_optimizer_state_layouts_set_the_state_bytes():
+    """16, 12 and 8 B per parameter with a 16-bit weight and gradient; ZeRO-1 shards only the
+    optimizer state; the layout that fits lets a placement the 16 B one refuses."""
+    costs = make_costs(1, [1.0] * 2, [2.0] * 2, [10] * 2, [0] * 2, [0] * 2)
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2)
+    split = {}
+    for layout, total in (("fp32-adam", 16), ("bf16-moments", 12), ("bf16-adamw", 8)):
+        for zero in (0, 1):
+            problem = PlacementProblem(training=Training(optimizer_state=layout, zero=zero), costs=(costs,),
+                                       system=system, hbm_bytes=1e6, peak_flops=1.0)
+            memory = evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].memory_split
+            split[layout, zero] = memory["optimizer_state"]
+            if zero == 0:
+                assert memory["parameters"] + memory["gradients"] + memory["optimizer_state"] == 20 * total
+    assert split["fp32-adam", 0] == 20 * 12 and split["bf16-adamw", 0] == 20 * 4
+    assert split["bf16-moments", 1] == 20 * 8 / 2
+    tight = {layout: PlacementProblem(training=Training(optimizer_state=layout), costs=(costs,),
+                                      system=make_system(accelerators=1, global_batch=1), hbm_bytes=20 * 8,
+                                      peak_flops=1.0) for layout in ("fp32-adam", "bf16-adamw")}
+    assert optimal_placement(tight["bf16-adamw"]).feasible and not optimal_placement(tight["fp32-adam"]).feasible
+
+
+def test_llama3_405b_interleaves_with_the_embedding_and_loss_counted():
+    """126 decoder layers (Llama 3 405B, Meta 2024 model card): PP 16 x VP 8 and PP 8 x VP 8 split
+    126 + 2 = 128 counted layers evenly; without the accounting 126 is not a multiple of 8."""
+    both = Training(virtual_stages=8, account_for_embedding=True, account_for_loss=True)
+    plain = Training(virtual_stages=8)
+    for pp in (8, 16):
+        assert both.interleave_split_ok(126, pp) and not plain.interleave_split_ok(126, pp)
+    assert Training(virtual_stages=2).interleave_split_ok(126, 16)  # 126 = 2 x 63: uneven first/last ranks
+    assert not Training(virtual_stages=2).interleave_split_ok(126, 64)  # fewer than pp x v layers
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [1] * 4, [1] * 4, [1] * 4)
+    problem = PlacementProblem(training=both, costs=(costs,), system=make_system(accelerators=16, global_batch=16),
+                               hbm_bytes=1e6, peak_flops=1.0, interleave_layers=126)
+    assert problem.interleaves(16, 1) == "" and problem.interleaves(8, 2) == ""
+    refused = PlacementProblem(training=plain, costs=(costs,), system=make_system(accelerators=16, global_batch=16),
+                               hbm_bytes=1e6, peak_flops=1.0, interleave_layers=126)
+    assert "divisible by v = 8" in refused.interleaves(16, 1)
 
 
 @settings(max_examples=60, **SETTINGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..training import OPTIMIZER_STATES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -22,6 +23,14 @@ def add_arguments(p):
                    help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved 1F1B with V model chunks per pipeline device (default 1)")
+    for part in ("embedding", "loss"):
+        p.add_argument(f"--account-for-{part}", action="store_true",
+                       help=f"count the {part} as a layer in the pipeline split (Megatron-Core "
+                            f"--account-for-{part}-in-pipeline-split; lets interleaving split more layer counts)")
+    p.add_argument("--optimizer-state", choices=tuple(OPTIMIZER_STATES), default=None,
+                   help="optimizer-state layout beyond weight and gradient: fp32-adam (12 B/param), bf16-moments "
+                        "(fp32 master + BF16 moments, 8 B) or bf16-adamw (BF16 moments, no master, 4 B); "
+                        "default: the system's own accounting")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
                    help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer) or 3 (FSDP)")
     p.add_argument("--overlap-grad-reduce", action="store_true",
@@ -67,7 +76,9 @@ def run(args) -> dict:
     recipe = Training(mbs=check_mbs(args), recompute=args.recompute, placement=args.placement,
                       sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, zero=args.zero,
                       overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
-                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance)
+                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
+                      account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
+                      optimizer_state=args.optimizer_state)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -101,6 +112,11 @@ def render(r: dict) -> str:
         extras.append("sequence parallel")
     if r.get("virtual_stages", 1) > 1:
         extras.append(f"{r['virtual_stages']} virtual stages")
+    counted = [name for name in ("embedding", "loss") if r.get(f"account_for_{name}")]
+    if counted:
+        extras.append(f"{' and '.join(counted)} counted in the pipeline split")
+    if r.get("optimizer_state"):
+        extras.append(f"{r['optimizer_state']} optimizer state")
     if r.get("zero"):
         extras.append(f"ZeRO-{r['zero']}")
     if r.get("overlap_grad_reduce"):

@@ -25,7 +25,8 @@ sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item li
 `recompute` choices are true/false (full/none, as before) or none, selective, full. The further
 recipe fields (issue 16) may be sampled too; a space without one trains with its default:
 `sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 3],
-`overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own).
+`overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own),
+`optimizer_state` [fp32-adam, bf16-moments, bf16-adamw] (absent: the system's own accounting).
 
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the

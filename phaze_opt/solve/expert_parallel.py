@@ -230,7 +230,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
     v = problem.training.virtual_stages
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     st = b.st
     L = st.n_layers
     n_seq = -(-system.global_batch // problem.training.mbs)
@@ -258,7 +258,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     m = -(-n_seq // d)
     w = widths[blk]
     if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
-        ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+        ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
     h = (dpn % (S * w) == 0).astype(np.int64)
     ring = (S * w * d <= dpn).astype(np.int64)
@@ -338,7 +338,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
     """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
     system = problem.system
     v = problem.training.virtual_stages
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     st, experts, costs = b.st, b.experts, b.costs
     blk, d, h, ring_intra, S_only = key
     e, c = int(b.e[blk]), int(b.c[blk])

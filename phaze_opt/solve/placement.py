@@ -160,13 +160,13 @@ def _layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, 
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
     if problem.training.zero == 3:
-        work = work + c.params * state_split(problem.system)[0]
+        work = work + c.params * state_split(problem)[0]
     return kept, work, rec
 
 
 def _state(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
     """Model state bytes per device of stages with `params` parameters at d replicas (ZeRO)."""
-    w, g, o = state_split(problem.system)
+    w, g, o = state_split(problem)
     if problem.training.zero == 0:
         return params * (w + g + o)
     with np.errstate(invalid="ignore"):
@@ -182,7 +182,7 @@ def _chain_width(problem: PlacementProblem, costs) -> int:
     activations) grows with its length, so from each start the stages that fit are a prefix of
     lengths; longer candidates are never needed.
     """
-    w, g, o = state_split(problem.system)
+    w, g, o = state_split(problem)
     L = costs[0].n_layers
     width = 1
     for c in costs:
@@ -559,7 +559,7 @@ def _step_rate(problem: PlacementProblem) -> float:
     of HBM traffic per stage, read and written once per batch, over the HBM bandwidth."""
     if problem.hbm_bandwidth <= 0:
         return 0.0
-    w, g, o = state_split(problem.system)
+    w, g, o = state_split(problem)
     return (w + g + 2 * o) / g / problem.hbm_bandwidth
 
 
@@ -741,7 +741,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     """
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     L = costs[0].n_layers
     intra, inter = system.intra_node, system.inter_node
     groups: dict = {}
@@ -758,7 +758,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         m = -(-system.global_batch // (problem.training.mbs * d))
         ok = np.ones(d.shape, dtype=bool)
         if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
-            ok = (S == 1) | ((problem.interleave_layers % (S * v) == 0) & (m % S == 0))
+            ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         h = (dpn % (S * t) == 0).astype(np.int64)
         ring = (S * t * d <= dpn).astype(np.int64)
         mult = m + (S - 1) / v
@@ -819,7 +819,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     system = problem.system
     N = system.accelerators
     v = problem.training.virtual_stages
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     st = _stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
     times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}

@@ -38,8 +38,9 @@ disagreement in the tests. The model it implements (the definition the DP must o
   microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
   the stage's layers, of what exists only during that layer's backward: its attention core
   (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
-  Interleaving also needs (Megatron) the layer count divisible by p v and m a multiple of p;
-  otherwise the placement is infeasible.
+  Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
+  split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
+  loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
 - Time per batch = bottleneck stage time x (m + (S - 1) / v) (the bubble of the interleaved
   schedule is (p - 1) / v stage times; Narayanan et al., SC'21, Sec. 2.2) + the slowest stage's
   per-batch tail: its data-parallel gradient reduction plus its optimizer step. The reduction is a
@@ -202,7 +203,7 @@ def evaluate_placement(
     mode = problem.training.recompute
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
-    w_b, g_b, o_b = state_split(system)
+    w_b, g_b, o_b = state_split(problem)
     stages = []
     for s, stage in enumerate(placement.stages):
         layers = sorted(int(v) for v in stage)

@@ -184,12 +184,16 @@ class LayerCosts:
         return self.edges == tuple((i, i + 1) for i in range(self.n_layers - 1))
 
 
-def state_split(system: System) -> tuple[int, int, int]:
+def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     """(weight, gradient, optimizer state) bytes per parameter: the System's state bytes split into
     the 16-bit (or fp32) weight, its gradient, and the rest (fp32 master weight and Adam's moments
-    under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1)."""
+    under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1); a recipe's optimizer-state
+    layout (`Training.optimizer_state`) replaces the rest with its own bytes."""
+    system = problem.system
     e = system.bytes_per_element
-    return e, system.grad_bytes_per_param, system.state_bytes_per_param - e - system.grad_bytes_per_param
+    layout = problem.training.optimizer_state_bytes
+    rest = system.state_bytes_per_param - e - system.grad_bytes_per_param if layout is None else layout
+    return e, system.grad_bytes_per_param, rest
 
 
 # LayerCosts' expert- and context-parallel per-layer terms (issue 19), zero by default.
@@ -260,7 +264,7 @@ class PlacementProblem:
         object.__setattr__(self, "interleave_layers", il)
         for c in costs:
             largest = largest_memory_bytes(
-                float(np.sum(c.params)), self.system.state_bytes_per_param, c.n_layers,
+                float(np.sum(c.params)), sum(state_split(self)), c.n_layers,
                 float(np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)),
             )
             if largest >= EXACT_BYTES:
@@ -321,13 +325,19 @@ class PlacementProblem:
 
     def interleaves(self, pp: int, dp: int) -> str:
         """'' when interleaving with this problem's v is allowed at pp stages and dp replicas, else
-        why not (Megatron: layers divisible by p*v, microbatches a multiple of p; pp = 1 runs no
-        pipeline, so v has no effect there)."""
+        why not (Megatron-Core: whole layers per virtual stage, `Training.interleave_split_ok`;
+        microbatches a multiple of p; pp = 1 runs no pipeline, so v has no effect there)."""
         v = self.training.virtual_stages
         if v == 1 or pp == 1:
             return ""
-        if self.interleave_layers % (pp * v):
-            return f"interleaving needs the {self.interleave_layers} layers divisible by pp x v = {pp * v}"
+        tr = self.training
+        if not tr.interleave_split_ok(self.interleave_layers, pp):
+            if tr.account_for_embedding or tr.account_for_loss:
+                counted = self.interleave_layers + int(tr.account_for_embedding) + int(tr.account_for_loss)
+                return (f"interleaving needs the {counted} layers counted in the pipeline split (embedding/loss "
+                        f"included) divisible by pp x v = {pp * v}")
+            return (f"interleaving needs the {self.interleave_layers} layers divisible by v = {v} and at least "
+                    f"pp x v = {pp * v} (or the embedding/loss counted in the split)")
         m = self.microbatches(dp)
         if m % pp:
             return f"interleaving needs the {m} microbatches to be a multiple of pp {pp}"
