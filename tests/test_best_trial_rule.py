@@ -19,10 +19,10 @@ from test_study_fakes import backend, best_score_series, config, fake_evaluate, 
 CAP = 600.0
 
 
-def capped_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
+def capped_evaluate(model, arch, training, system="default"):
     """fake_evaluate with the throughput capped: every design above the cap ties with the others."""
-    r = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
-    if r.feasible and placement == "optimal" and r.throughput > CAP:
+    r = fake_evaluate(model, arch, training, system=system)
+    if r.feasible and training.placement == "optimal" and r.throughput > CAP:
         r.throughput = r.throughput_bound = CAP
     return r
 
