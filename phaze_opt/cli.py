@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from . import interrupt
 from .errors import PhazeError
 from .jsonable import jsonable
 
@@ -52,31 +53,33 @@ def dumps(result) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if not getattr(args, "command", None):
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        parser.print_help()
-        return 2
-    if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    module = args._module
+    interrupt.install()  # SIGTERM and SIGHUP stop a command as Ctrl-C does: exit 130, one line
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if not getattr(args, "command", None):
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.print_help()
+            return 2
+        if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        module = args._module
         result = module.run(args)
+        if isinstance(result, int):
+            return result
+        if args.json:
+            print(dumps(result))
+        else:
+            render = getattr(module, "render", None)
+            print(render(result) if render else dumps(result))
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        interrupt.settle()
         print("interrupted", file=sys.stderr)
         return 130
-    if isinstance(result, int):
-        return result
-    if args.json:
-        print(dumps(result))
-    else:
-        render = getattr(module, "render", None)
-        print(render(result) if render else dumps(result))
     return 0
 
 

@@ -9,6 +9,7 @@ complete study's best is the same. Module-level so worker processes can unpickle
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -34,7 +35,13 @@ class FaultSpace(FakeSpace):
 
 def slow_evaluate(model, arch, mbs, recompute, system="default", placement="optimal"):
     time.sleep(float(os.environ.get("FAULT_TRIAL_S", "0.05")))
-    return fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    result = fake_evaluate(model, arch, mbs, recompute, system=system, placement=placement)
+    log = os.environ.get("FAULT_EVAL_LOG")
+    if log:  # each finished evaluation: pid, time, point (the signal storm checks none is redone)
+        point = {"num_tc": arch.num_tc, "tc_x": arch.tc_x, "mbs": mbs, "recompute": recompute}
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {time.time()} {json.dumps(point)}\n")
+    return result
 
 
 def backend():
