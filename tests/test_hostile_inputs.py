@@ -81,3 +81,31 @@ def test_workers_are_bounded_by_the_machine(tmp_path):
     with pytest.raises(PhazeError, match="--workers: at most"):
         run_study(config(tmp_path, workers=max_workers() + 1), backend())
     assert not (tmp_path / "studies").exists() or not list((tmp_path / "studies").glob("*.db"))
+
+
+def test_a_cache_write_the_disk_refuses_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk fails the write halfway: the cache entry is a miss, and no temporary file stays."""
+    import os
+
+    from phaze_opt import cache
+
+    real = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache.os, "fdopen", lambda fd, *a, **k: Full(real(fd, *a, **k)))
+    assert cache.write_atomic(tmp_path / "c" / "x.json", "{" + "0" * 1000 + "}") is False
+    assert list((tmp_path / "c").iterdir()) == []
