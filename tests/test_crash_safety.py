@@ -362,3 +362,19 @@ def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
     assert status[0, 1, 0] == 2 and score[0, 1, 0] == 0.0
     assert int((status == 2).sum()) == 3
     assert cells.unsure == {(0, 1, 0)}  # the failed trial: its throughput is not known
+
+
+def test_a_tracking_store_that_stops_answering_holds_the_end_for_a_bounded_time(tmp_path, monkeypatch, capsys):
+    import threading
+
+    from phaze_opt.search import tracking
+
+    tracker = tracking.MlflowTracker(mlflow_uri(tmp_path), "0", "run", context={})
+    monkeypatch.setattr(tracking, "FLUSH_LIMIT_S", 0.5)
+    hung = threading.Event()
+    tracker._submit(lambda: hung.wait(120))  # a write the store never answers
+    start = time.monotonic()
+    tracker.close("FINISHED")
+    assert time.monotonic() - start < 60
+    assert "took no writes" in capsys.readouterr().err
+    hung.set()

@@ -81,6 +81,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
             trial.set_user_attr("interrupted", True)  # a set-up problem, not this design's: do not count it
             raise
         except KeyboardInterrupt:
+            interrupt.request_stop("KeyboardInterrupt")  # raised without a signal too (a library's own)
             if outcome is None:  # a finished evaluation is kept (the signal came just after it)
                 raise interrupted(trial) from None
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
