@@ -378,3 +378,10 @@ def test_a_tracking_store_that_stops_answering_holds_the_end_for_a_bounded_time(
     assert time.monotonic() - start < 60
     assert "took no writes" in capsys.readouterr().err
     hung.set()
+
+
+def test_an_unreachable_database_tracking_store_fails_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(PhazeError, match="no database server answers"):
+        run_study(config(tmp_path, tracking_uri="postgresql://u@127.0.0.1:9/db"), backend())
+    assert time.monotonic() - start < 60  # not MLflow's minutes of retries
