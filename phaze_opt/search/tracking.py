@@ -373,6 +373,10 @@ class MlflowTracker:
         try:
             if db is not None:
                 locks.build_mlflow_db(db, _open_store)
+            elif str(tracking_uri).startswith(("postgresql", "postgres://", "mysql")):
+                # a new server database: several processes create MLflow's schema at once (seen:
+                # UniqueViolation pg_type_typname_nsp_index); under the lock and retries Optuna's has
+                locks.create_schema(lambda: _open_store(driver_url(tracking_uri)), tracking_uri)
             client = MlflowClient(driver_url(tracking_uri))
             experiment_name, exp = experiment_for(client, experiment_name, storage_key)
             if exp is not None:
