@@ -38,14 +38,22 @@ def write_atomic(path: Path, text: str) -> bool:
     """Write a cache file whole or not at all: written beside its place and renamed into it, so a
     concurrent reader or a kill never leaves half a file. False when the disk refused (read-only,
     full): a cache that cannot be written only costs the work again next time."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+        tmp = None
     except OSError:
         return False
+    finally:
+        if tmp is not None:  # a full disk (or an interrupt) left part of a file: never keep it
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return True
 
 

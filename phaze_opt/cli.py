@@ -15,6 +15,7 @@ import os
 import sys
 
 from . import configs
+from . import interrupt
 from .errors import PhazeError
 from .jsonable import jsonable
 from .search.progress import Heartbeat
@@ -59,18 +60,19 @@ def dumps(result) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if not getattr(args, "command", None):
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        parser.print_help()
-        return 2
-    if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    module = args._module
+    interrupt.install()  # SIGTERM and SIGHUP stop a command as Ctrl-C does: exit 130, one line
     before = os.environ.get(configs.ENV)
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if not getattr(args, "command", None):
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.print_help()
+            return 2
+        if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        module = args._module
         configs.add_user_dirs(args.configs)
         label = getattr(module, "heartbeat", None)
         if label is None:
@@ -78,10 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a command that may work for minutes says so every 10 s
             with Heartbeat(label(args)):
                 result = module.run(args)
+        if isinstance(result, int):
+            return result
+        if args.json:
+            print(dumps(result))
+        else:
+            render = getattr(module, "render", None)
+            print(render(result) if render else dumps(result))
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        interrupt.settle()
         print("interrupted", file=sys.stderr)
         return 130
     finally:  # main() may be called again in one process (tests, notebooks)
@@ -89,13 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(configs.ENV, None)
         else:
             os.environ[configs.ENV] = before
-    if isinstance(result, int):
-        return result
-    if args.json:
-        print(dumps(result))
-    else:
-        render = getattr(module, "render", None)
-        print(render(result) if render else dumps(result))
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .errors import PhazeError, config_error
+from .errors import PhazeError, config_error, shown
 
 KINDS = ("models", "archs", "spaces", "systems", "validation")
 ENV = "PHAZE_OPT_CONFIGS"
@@ -119,12 +119,33 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
     return path
 
 
+MAX_CONFIG_BYTES = 4 * 2**20  # far above any config; a larger file is refused before it is parsed
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: `*name` makes one node stand for a shared copy, so a small file can
+    expand to billions of elements ("billion laughs") wherever the value is walked or printed. No
+    config needs them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed", event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse one UTF-8 YAML file; malformed YAML, text that is not UTF-8, a folder or an unreadable
-    file is a one-line error naming it."""
+    """Parse one UTF-8 YAML file; malformed YAML, aliases, nesting too deep, a file over
+    `MAX_CONFIG_BYTES`, text that is not UTF-8, a folder or an unreadable file is a one-line error
+    naming it."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise PhazeError(f"{path}: {size:,} bytes; a config may have at most {MAX_CONFIG_BYTES:,}")
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_NoAliasLoader)  # noqa: S506 - safe, no aliases
+    except RecursionError:
+        raise PhazeError(f"{path}: malformed YAML: nested too deeply") from None
     except UnicodeDecodeError as exc:
         raise PhazeError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
     except yaml.YAMLError as exc:
@@ -173,7 +194,7 @@ class Limit:
 
 def _int_problem(value: Any, limit: Limit | None) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return f"must be a positive integer, got {value!r}"
+        return f"must be a positive integer, got {shown(value)}"
     return limit.exceeded(value) if limit else None
 
 
@@ -193,9 +214,9 @@ def positive_number(data: Mapping[str, Any], key: str, file, default: Any = None
     value = data.get(key, default)
     field = field or key
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise config_error(file, field, f"must be a positive number, got {value!r}")
+        raise config_error(file, field, f"must be a positive number, got {shown(value)}")
     if not math.isfinite(value):
-        raise config_error(file, field, f"must be a finite number, got {value!r}")
+        raise config_error(file, field, f"must be a finite number, got {shown(value)}")
     problem = limit and limit.exceeded(value)
     if problem:
         raise config_error(file, field, problem)
@@ -215,5 +236,5 @@ def one_of(data: Mapping[str, Any], key: str, file, choices: Iterable[Any], defa
     choices = list(choices)
     value = data.get(key, default)
     if value not in choices:
-        raise config_error(file, key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        raise config_error(file, key, f"must be one of {', '.join(map(str, choices))}, got {shown(value)}")
     return value

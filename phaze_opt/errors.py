@@ -6,6 +6,21 @@ nothing else should reach the user as a traceback.
 """
 
 
+import reprlib
+
+SHOWN_CHARS = 80
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, SHOWN_CHARS, SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def shown(value) -> str:
+    """A value echoed in an error message: its repr, bounded (a few elements, a few levels, at most
+    about `SHOWN_CHARS` characters), so a huge or deeply shared value costs nothing to report."""
+    text = _REPR.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
 class PhazeError(Exception):
     """An error caused by user input; its message is one line meant for the user."""
 

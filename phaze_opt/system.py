@@ -84,7 +84,7 @@ from typing import Any, Mapping
 
 from . import configs
 from .configs import Limit, check_keys, one_of, positive_int
-from .errors import config_error
+from .errors import config_error, shown
 from .torus import Torus, alltoall_seconds, parse_torus, ring_equivalent, two_level_ring_equivalent
 
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of weights and gradients
@@ -387,25 +387,25 @@ def parse_quantity(value: Any, units: Mapping[str, float], file, field: str, all
     elif isinstance(value, str):
         match = _QUANTITY.match(value)
         if not match:
-            raise config_error(file, field, f"expected a number with a unit ({allowed}), got {value!r}")
+            raise config_error(file, field, f"expected a number with a unit ({allowed}), got {shown(value)}")
         unit = match.group(2) or ""
         if unit and unit not in units:
-            raise config_error(file, field, f"unknown unit {unit!r}; allowed units are {allowed}")
+            raise config_error(file, field, f"unknown unit {shown(unit)}; allowed units are {allowed}")
         number = float(match.group(1)) * (units[unit] if unit else 1.0)
     else:
         number = None
     if number is None or not math.isfinite(number):
-        raise config_error(file, field, f"expected a number with a unit ({allowed}), got {value!r}")
+        raise config_error(file, field, f"expected a number with a unit ({allowed}), got {shown(value)}")
     if number < 0 or (number == 0 and not allow_zero):
         need = "non-negative" if allow_zero else "positive"
-        raise config_error(file, field, f"must be {need}, got {value!r}")
+        raise config_error(file, field, f"must be {need}, got {shown(value)}")
     return number
 
 
 def _link(data: Mapping[str, Any], key: str, file, raw: Any = None) -> Link:
     raw = data[key] if raw is None else raw
     if not isinstance(raw, dict):
-        raise config_error(file, key, f"expected a mapping with bandwidth and latency, got {raw!r}")
+        raise config_error(file, key, f"expected a mapping with bandwidth and latency, got {shown(raw)}")
     for sub in raw:
         if sub not in ("bandwidth", "latency"):
             raise config_error(file, f"{key}.{sub}", "unknown field; allowed fields are bandwidth, latency")
@@ -424,7 +424,7 @@ def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
     if raw is None:
         return IDENTITY_EFFICIENCY
     if not isinstance(raw, dict):
-        raise config_error(file, "efficiency", f"expected a mapping of {', '.join(EFFICIENCY_FIELDS)}, got {raw!r}")
+        raise config_error(file, "efficiency", f"expected a mapping of {', '.join(EFFICIENCY_FIELDS)}, got {shown(raw)}")
     for key in raw:
         if key not in EFFICIENCY_FIELDS:
             raise config_error(file, f"efficiency.{key}",
@@ -433,7 +433,7 @@ def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
     for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
         value = raw.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise config_error(file, f"efficiency.{key}", f"must be a fraction in (0, 1], got {value!r}")
+            raise config_error(file, f"efficiency.{key}", f"must be a fraction in (0, 1], got {shown(value)}")
         fractions[key] = float(value)
     overhead = parse_quantity(raw.get("iteration_overhead", 0.0), _TIME_UNITS, file, "efficiency.iteration_overhead",
                               allow_zero=True)
@@ -471,7 +471,7 @@ def system_from_dict(data: Mapping[str, Any], file="<system>") -> System:
     check_keys(data, file, REQUIRED, OPTIONAL)
     name = data.get("name", Path(str(file)).stem)
     if not isinstance(name, str) or not name:
-        raise config_error(file, "name", f"must be a non-empty string, got {name!r}")
+        raise config_error(file, "name", f"must be a non-empty string, got {shown(name)}")
     accelerators = positive_int(data, "accelerators", file, default=1024, limit=LIMITS["accelerators"])
     devices_per_node = positive_int(data, "devices_per_node", file, limit=LIMITS["devices_per_node"])
     global_batch = positive_int(data, "global_batch", file, default=4096, limit=LIMITS["global_batch"])

@@ -141,6 +141,148 @@ def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, wor
     return counts
 
 
+# -- the signal storm: clean stops --------------------------------------------------------------------
+
+STOP_LIMIT_S = 10.0  # a clean stop ends within this many seconds of its signal
+STORM_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """The process has installed its SIGTERM handler (bit 15 of SigCgt in /proc/<pid>/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def storm(rounds: int = 50, workers: int = 2, trials: int = 400, seed: int = 0, work: Path | None = None,
+          max_delay_s: float = 6.0, stop_limit_s: float = STOP_LIMIT_S) -> dict:
+    """Each round starts the study, waits until it handles signals, sends SIGINT (to the process group,
+    as Ctrl-C does), SIGTERM (to the parent or the group) or SIGHUP (to the group) after a random delay
+    (even rounds: anywhere in the start-up; odd rounds: after its first evaluation), and checks the stop: exit 130 within `STOP_LIMIT_S`, no
+    traceback, no worker left. A last round runs to the end; then the stores are checked (`check`),
+    and no trial cut by a stop had finished its evaluation (the fake evaluator logs each one it
+    finishes, `FAULT_EVAL_LOG`)."""
+    import tempfile
+
+    rng = random.Random(seed)
+    work = Path(work or tempfile.mkdtemp(prefix="phaze-storm-"))
+    log = work / "evaluations.log"
+    env = dict(_env(work), FAULT_EVAL_LOG=str(log))
+    counts = {"rounds": 0, "signals": {}, "finished_before_signal": 0, "max_stop_s": 0.0, "problems": []}
+    problems = counts["problems"]
+    step = max(1, trials // (rounds + 1))
+    t0 = time.monotonic()
+    for i in range(rounds):
+        target = min(trials, step * (i + 1))
+        err_path = work / f"stderr-{i}.txt"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(_command(work, target, workers), env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+        _wait_for(lambda: _handles_sigterm(proc.pid), 120, proc)
+        if i % 2:  # into the trials: once this round's first evaluation is done
+            seen = _lines(log)
+            _wait_for(lambda: _lines(log) > seen, 120, proc)
+            _wait_for(lambda: False, rng.uniform(0.0, 1.0), proc)
+        else:  # anywhere in the start-up
+            _wait_for(lambda: False, rng.uniform(0.0, max_delay_s), proc)
+        if proc.poll() is not None:
+            counts["finished_before_signal"] += 1
+            continue
+        name = STORM_SIGNALS[i % len(STORM_SIGNALS)]
+        group = name != "SIGTERM" or rng.random() < 0.5
+        counts["signals"][name] = counts["signals"].get(name, 0) + 1
+        counts["rounds"] += 1
+        sent = time.monotonic()
+        (os.killpg if group else os.kill)(proc.pid, getattr(signal, name))
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        stop_s = round(time.monotonic() - sent, 2)
+        counts["max_stop_s"] = max(counts["max_stop_s"], stop_s)
+        stderr = err_path.read_text(errors="replace")
+        where = f"round {i} ({name} to the {'group' if group else 'parent'})"
+        if proc.returncode != 130:
+            problems.append(f"{where}: exit {proc.returncode}: {stderr[-500:]}")
+        if stop_s > stop_limit_s:
+            problems.append(f"{where}: stopped in {stop_s} s")
+        if "Traceback" in stderr:
+            problems.append(f"{where}: a traceback: {stderr[-1500:]}")
+        start = time.monotonic()
+        while _group_alive(proc.pid) and time.monotonic() - start < ORPHAN_LIMIT_S:
+            time.sleep(0.05)
+        if _group_alive(proc.pid):
+            problems.append(f"{where}: workers left running")
+            os.killpg(proc.pid, signal.SIGKILL)
+        killed = _parent_runs_not_killed(work)
+        if killed:
+            problems.append(f"{where}: parent runs {killed}")
+    final = _run_to_end(work, trials, workers)
+    checked = check(work, trials, workers, final, final)
+    problems.extend(checked.pop("problems"))
+    counts.update(checked)
+    redone = _redone_evaluations(work, log)
+    if redone:
+        problems.append(f"interrupted trials whose evaluation had finished: {redone}")
+    counts["wall_s"] = round(time.monotonic() - t0, 1)
+    return counts
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except OSError:
+        return 0
+
+
+def _parent_runs_not_killed(work: Path) -> list[str]:
+    """Statuses of the parent runs that are neither KILLED nor FINISHED (every stop ends its run)."""
+    from mlflow import MlflowClient
+
+    db = work / "mlruns" / "mlflow.db"
+    if not db.exists():
+        return []
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("fault")
+    if exp is None:
+        return []
+    runs = client.search_runs([exp.experiment_id], max_results=50000)
+    return [r.info.status for r in runs if "optuna.trial_number" not in r.data.tags
+            and r.info.status not in ("KILLED", "FINISHED")]
+
+
+def _redone_evaluations(work: Path, log: Path) -> list[int]:
+    """Interrupted trials whose process had finished evaluating their point (so it is evaluated again)."""
+    import optuna
+
+    from phaze_opt.search.reconcile import owner_of
+
+    if not log.exists():
+        return []
+    finished = []
+    for line in log.read_text().splitlines():
+        pid, end, point = line.split(" ", 2)
+        finished.append((int(pid), float(end), json.loads(point)))
+    study = optuna.load_study(study_name="fault", storage=f"sqlite:///{work / 'studies' / 'fault.db'}")
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        if not t.user_attrs.get("interrupted") or t.datetime_start is None:
+            continue
+        pid = (owner_of(t) or {}).get("pid")
+        begin = t.datetime_start.timestamp()
+        end = t.datetime_complete.timestamp() if t.datetime_complete else float("inf")
+        point = t.user_attrs.get("point") or {}
+        if any(p == pid and begin <= e <= end and all(q.get(k) == v for k, v in point.items() if k in q)
+               for p, e, q in finished):
+            out.append(t.number)
+    return out
+
+
 def check(work: Path, trials: int, workers: int, summary: dict, reference: dict) -> dict:
     import optuna
     from mlflow import MlflowClient
@@ -184,6 +326,10 @@ def check(work: Path, trials: int, workers: int, summary: dict, reference: dict)
     spools = list((work / "tmp").glob("phaze-spool-*"))
     if spools:
         problems.append(f"spool folders left: {[p.name for p in spools]}")
+    from phaze_opt.search.tracking import _local_dir
+
+    no_artifact = sorted(int(r.data.tags["optuna.trial_number"]) for r in trial_runs
+                         if r.info.status == "FINISHED" and not (_local_dir(r.info.artifact_uri) / "placement.json").is_file())
     return {
         "optuna_trials": len(all_trials), "finished_trials": len(done),
         "interrupted_trials": sum(1 for t in all_trials if t.user_attrs.get("interrupted")),
@@ -191,6 +337,7 @@ def check(work: Path, trials: int, workers: int, summary: dict, reference: dict)
         "mlflow_trial_runs": len(numbers), "mlflow_parent_runs": len(runs) - len(trial_runs),
         "killed_parent_runs": sum(1 for r in runs if "optuna.trial_number" not in r.data.tags and r.info.status == "KILLED"),
         "reconciled_runs": sum(1 for r in trial_runs if r.data.tags.get("reconciled") == "true"),
+        "runs_without_placement": len(no_artifact),
         "running_runs": len(running), "open_trials": len(open_trials),
         "best": best, "uninterrupted_best": ref_best, "problems": problems,
     }
@@ -203,8 +350,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None)
+    p.add_argument("--storm", type=int, default=0, help="instead of kills: this many clean stops (signal storm)")
     args = p.parse_args(argv)
-    counts = run(args.kills, args.trials, args.workers, args.seed, Path(args.dir) if args.dir else None)
+    if args.storm:
+        counts = storm(args.storm, args.workers, args.trials, args.seed, Path(args.dir) if args.dir else None)
+    else:
+        counts = run(args.kills, args.trials, args.workers, args.seed, Path(args.dir) if args.dir else None)
     print(json.dumps(counts, indent=1))
     return 1 if counts["problems"] else 0
 

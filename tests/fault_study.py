@@ -9,6 +9,7 @@ complete study's best is the same. Module-level so worker processes can unpickle
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -31,7 +32,14 @@ class FaultSpace(FakeSpace):
 
 def slow_evaluate(model, arch, training, system="default"):
     time.sleep(float(os.environ.get("FAULT_TRIAL_S", "0.05")))
-    return fake_evaluate(model, arch, training, system=system)
+    result = fake_evaluate(model, arch, training, system=system)
+    log = os.environ.get("FAULT_EVAL_LOG")
+    if log:  # each finished evaluation: pid, time, point (the signal storm checks none is redone)
+        point = {"num_tc": arch.num_tc, "tc_x": arch.tc_x, "mbs": training.mbs, "recompute": training.recomputes}
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {time.time()} {json.dumps(point)}
+")
+    return result
 
 
 def backend():

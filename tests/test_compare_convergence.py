@@ -241,3 +241,30 @@ def test_wall_time_adds_up_over_an_interrupted_and_a_resumed_run(tmp_path):
     assert f"{summary['elapsed_s']:.1f} s over all runs" in render(summary)
     curve = load_curve(name, f"sqlite:///{tmp_path}/studies/{name}.db")  # what compare reads
     assert curve.wall_s == summary["elapsed_s"] and curve.workers == [1, 1] and curve.workers_text == "1"
+
+
+def test_compare_reads_storages_without_changing_or_creating_files(two_studies, tmp_path):
+    """An MLflow database given as --storage is refused untouched; a mistyped path creates nothing;
+    a real storage is opened read-only (its file unchanged by a comparison)."""
+    import hashlib
+    import sqlite3
+
+    tmp, _, a, b = two_studies
+    out = str(tmp / "studies")
+    mlflow_db = tmp_path / "mlflow.db"
+    con = sqlite3.connect(mlflow_db)
+    con.execute("create table experiments (a int)")
+    con.commit()
+    con.close()
+    before = mlflow_db.read_bytes()
+    with pytest.raises(PhazeError, match="another program's tables|not an Optuna storage"):
+        compare([a, b], storage=f"sqlite:///{mlflow_db}", out_dir=str(tmp_path / "o1"), tracking_uri="off")
+    assert mlflow_db.read_bytes() == before
+    typo = tmp_path / "typo.db"
+    with pytest.raises(PhazeError, match="no such file"):
+        compare([a, b], storage=f"sqlite:///{typo}", out_dir=str(tmp_path / "o2"), tracking_uri="off")
+    assert not typo.exists()
+    db = tmp / "studies" / f"{a}.db"
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    compare([a, b], out_dir=out, tracking_uri="off", name="ro")
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest

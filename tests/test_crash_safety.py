@@ -195,26 +195,81 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     assert not list((tmp_path / "tmp").glob("phaze-spool-*"))
 
 
-def test_workers_die_with_their_parent_and_clean_their_spool(tmp_path):
+def _wait_group_gone(pgid: int, limit_s: float = 30.0) -> float:
+    """Seconds until no process of the group `pgid` is left (killed and a test failure after `limit_s`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    os.killpg(pgid, signal.SIGKILL)
+    pytest.fail(f"the workers outlived their parent by {limit_s:.0f} s")
+
+
+def _artifact_missing(client, runs) -> list[int]:
+    from phaze_opt.search.tracking import _local_dir
+
+    return sorted(int(r.data.tags["optuna.trial_number"]) for r in runs
+                  if not (_local_dir(r.info.artifact_uri) / "placement.json").is_file())
+
+
+def test_workers_of_a_killed_parent_exit_and_their_spool_is_logged_at_the_next_start(tmp_path):
+    from mlflow import MlflowClient
+
     cmd, env = _cli(tmp_path, trials=400)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     spools = tmp_path / "tmp"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(spools.glob("phaze-spool-*/*.json")):
-        time.sleep(0.1)
+    while time.monotonic() < deadline and len(list(spools.glob("phaze-spool-*/*.json"))) < 3:
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    start = time.monotonic()
-    while time.monotonic() - start < 30:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the workers outlived their parent by 30 s")
+    _wait_group_gone(proc.pid)
+    assert list(spools.glob("phaze-spool-*/*.json"))  # kept for the next start: the parent logged none of it
+    db = tmp_path / "studies" / "fault.db"
+    done = len(finished_trials(optuna.load_study(study_name="fault", storage=f"sqlite:///{db}").get_trials()))
+    cmd, env = _cli(tmp_path, trials=done)  # only the start: reconcile, nothing left to run
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    children, _ = trial_runs(client, client.get_experiment_by_name("fault").experiment_id)
+    trials = finished_trials(optuna.load_study(study_name="fault", storage=f"sqlite:///{db}").get_trials())
+    assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == sorted(t.number for t in trials)
+    assert _artifact_missing(client, children) == []
     assert not list(spools.glob("phaze-spool-*"))
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The spawned worker processes of process `pid` (not its resource tracker)."""
+    out = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = children.read_text().split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    out.append(int(kid))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_workers_exit_when_the_parent_dies_as_they_start(tmp_path, nth):
+    """The parent is killed the moment its nth worker process exists, before that worker could record
+    its parent: every worker still exits within seconds."""
+    cmd, env = _cli(tmp_path, trials=400)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None and len(_spawned_workers(proc.pid)) < nth:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _wait_group_gone(proc.pid) < 30
 
 
 def test_stale_spools_of_dead_parents_are_removed(tmp_path):
@@ -307,3 +362,26 @@ def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
     assert status[0, 1, 0] == 2 and score[0, 1, 0] == 0.0
     assert int((status == 2).sum()) == 3
     assert cells.unsure == {(0, 1, 0)}  # the failed trial: its throughput is not known
+
+
+def test_a_tracking_store_that_stops_answering_holds_the_end_for_a_bounded_time(tmp_path, monkeypatch, capsys):
+    import threading
+
+    from phaze_opt.search import tracking
+
+    tracker = tracking.MlflowTracker(mlflow_uri(tmp_path), "0", "run", context={})
+    monkeypatch.setattr(tracking, "FLUSH_LIMIT_S", 0.5)
+    hung = threading.Event()
+    tracker._submit(lambda: hung.wait(120))  # a write the store never answers
+    start = time.monotonic()
+    tracker.close("FINISHED")
+    assert time.monotonic() - start < 60
+    assert "took no writes" in capsys.readouterr().err
+    hung.set()
+
+
+def test_an_unreachable_database_tracking_store_fails_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(PhazeError, match="no database server answers"):
+        run_study(config(tmp_path, tracking_uri="postgresql://u@127.0.0.1:9/db"), backend())
+    assert time.monotonic() - start < 60  # not MLflow's minutes of retries

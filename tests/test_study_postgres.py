@@ -73,10 +73,10 @@ def postgres():
         conn = psycopg2.connect(host="127.0.0.1", port=port, user="phaze", dbname="postgres")
         conn.autocommit = True
         with conn.cursor() as cur:
-            for db in ("optuna", "optuna_ex"):
+            for db in ("optuna", "optuna_ex", "mlflow"):
                 cur.execute(f"CREATE DATABASE {db}")
         conn.close()
-        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in ("optuna", "optuna_ex")}
+        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in ("optuna", "optuna_ex", "mlflow")}
     finally:
         subprocess.run(run_as + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=60)
@@ -125,3 +125,18 @@ def test_exhaustive_workers_split_the_grid_on_postgres(tmp_path, postgres):
     assert set(points.values()) == {1} and len(points) == len(grid) == summary["exhaustive"]["evaluated"]
     assert summary["best"]["score"] == max(t.values[0] for t in trials
                                            if t.state == TrialState.COMPLETE and max(t.constraints.values()) <= 0)
+
+
+def test_three_processes_create_mlflows_schema_on_a_new_postgres_database(postgres):
+    """MLflow's schema on a fresh server database, created by three processes at once: none fails
+    (without the lock and retries, one or two died with UniqueViolation pg_type_typname_nsp_index)."""
+    import sys
+
+    code = ("import sys; from phaze_opt.search.tracking import MlflowTracker; "
+            "print(MlflowTracker.prepare(sys.argv[1], 'e'))")
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true")
+    procs = [subprocess.Popen([sys.executable, "-c", code, postgres["mlflow"]], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
+    assert len({o[0].strip() for o in outs}) == 1  # one experiment, the same for all

@@ -368,8 +368,18 @@ def test_a_planted_pickle_in_the_graph_cache_never_runs(tmp_path, monkeypatch, c
     assert not any(marker.exists() for marker in markers.values())
 
 
+def _scaled(node, factor):
+    """Every FLOP count in a graph's JSON times `factor`: an edit consistent in itself."""
+    if isinstance(node, dict):
+        return {k: (v * factor if k in ("flops", "fwd_flops", "bwd_flops", "train_flops_per_sequence")
+                    and isinstance(v, (int, float)) else _scaled(v, factor)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_scaled(v, factor) for v in node]
+    return node
+
+
 @pytest.mark.parametrize("damage", ["truncate", "empty list", "wrong key", "bad op field", "bool for int",
-                                    "missing kind", "not utf-8"])
+                                    "missing kind", "not utf-8", "flops cut", "negative bytes", "params cut"])
 def test_a_damaged_graph_cache_file_is_a_logged_miss_and_rewritten(tmp_path, monkeypatch, caplog, damage):
     import json
 
@@ -395,6 +405,14 @@ def test_a_damaged_graph_cache_file_is_a_logged_miss_and_rewritten(tmp_path, mon
         text = json.dumps(data)
     elif damage == "missing kind":
         del data["graph"]["op_graphs"]["head"]
+        text = json.dumps(data)
+    elif damage == "flops cut":  # well-formed, and a design five times faster
+        text = json.dumps(_scaled(data, 0.2))
+    elif damage == "negative bytes":
+        data["graph"]["op_graphs"]["block"]["fwd"]["ops"][0]["bytes_read"] = -1.0
+        text = json.dumps(data)
+    elif damage == "params cut":
+        data["graph"]["total_params"] //= 2
         text = json.dumps(data)
     else:
         text = None

@@ -45,7 +45,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import configs
-from ..errors import PhazeError, config_error
+from ..errors import PhazeError, config_error, shown
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays
@@ -67,6 +67,9 @@ TOP_KEYS_REQUIRED = ("params", "area")
 TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps")
 AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
 MAX_GRID = 20_000_000  # points `grid_points` lists one by one (the unpruned sweep)
+# Architectures (the product of the area parameters' choices) the grid's arrays hold: a few float
+# arrays of this length, about 1 GB in all.
+MAX_AREA_CELLS = 20_000_000
 
 
 def _is_pow2(v) -> bool:
@@ -86,20 +89,20 @@ def _check_value(file, where: str, name: str, v) -> Any:
     if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe itself (training.check_recipe_value)
         if name == "recompute" and not isinstance(v, bool) and v not in RECOMPUTE_MODES:
             raise config_error(file, where, f"choices must be true or false or one of {', '.join(RECOMPUTE_MODES)}, "
-                                            f"got {v!r}")
+                                            f"got {shown(v)}")
         if isinstance(v, str) and name not in ("recompute", "attention"):
-            raise config_error(file, where, f"choices must be plain values, not text, got {v!r}")
+            raise config_error(file, where, f"choices must be plain values, not text, got {shown(v)}")
         try:
             return check_recipe_value(name, v)
         except PhazeError as exc:
             raise config_error(file, where, f"choices: {exc}") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise config_error(file, where, f"values must be positive numbers, got {v!r}")
+        raise config_error(file, where, f"values must be positive numbers, got {shown(v)}")
     v = _native(v)
     if name in INT_FIELDS and not isinstance(v, int):
-        raise config_error(file, where, f"values must be positive integers, got {v!r}")
+        raise config_error(file, where, f"values must be positive integers, got {shown(v)}")
     if name in POW2_FIELDS and not _is_pow2(v):
-        raise config_error(file, where, f"values must be powers of two, got {v!r}")
+        raise config_error(file, where, f"values must be powers of two, got {shown(v)}")
     _check_limit(file, where, name, v)
     return v
 
@@ -116,14 +119,14 @@ def _expand_choices(file, name: str, spec) -> list:
         if set(spec) == {"pow2"}:
             lohi = spec["pow2"]
             if not (isinstance(lohi, list) and len(lohi) == 2 and all(_is_pow2(x) for x in lohi)) or lohi[0] > lohi[1]:
-                raise config_error(file, where, f"pow2 needs [low, high] with powers of two, low <= high, got {lohi!r}")
+                raise config_error(file, where, f"pow2 needs [low, high] with powers of two, low <= high, got {shown(lohi)}")
             _check_limit(file, where, name, lohi[1])  # before expanding
             values = [2**i for i in range(int(math.log2(lohi[0])), int(math.log2(lohi[1])) + 1)]
         elif set(spec) in ({"range"}, {"range", "step"}):
             lohi, step = spec["range"], spec.get("step", 1)
             ok = isinstance(lohi, list) and len(lohi) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lohi)
             if not ok or lohi[0] > lohi[1] or not (isinstance(step, int) and not isinstance(step, bool) and step > 0):
-                raise config_error(file, where, f"range needs [low, high] integers with low <= high and a positive integer step, got {spec!r}")
+                raise config_error(file, where, f"range needs [low, high] integers with low <= high and a positive integer step, got {shown(spec)}")
             _check_limit(file, where, name, lohi[1])  # before expanding
             values = list(range(lohi[0], lohi[1] + 1, step))
         else:
@@ -131,7 +134,7 @@ def _expand_choices(file, name: str, spec) -> list:
     elif isinstance(spec, list):
         values = spec
     else:
-        raise config_error(file, where, f"must be a list of choices or a pow2/range mapping, got {spec!r}")
+        raise config_error(file, where, f"must be a list of choices or a pow2/range mapping, got {shown(spec)}")
     if not values:
         raise config_error(file, where, "has no choices")
     values = [_check_value(file, where, name, v) for v in values]
@@ -242,6 +245,12 @@ class SearchSpace:
             return self._cache["grid"]
         names = list(self.params)
         shape = tuple(len(self.params[n]) for n in names)
+        area_axes = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed}
+        cells = math.prod(len(self.params[n]) for n in names if n in area_axes)
+        if cells > MAX_AREA_CELLS:  # checked before the arrays below are allocated
+            raise PhazeError(f"space '{self.name}': its area parameters ({', '.join(n for n in names if n in area_axes)}) "
+                             f"make {cells:,} architectures, more than the {MAX_AREA_CELLS:,} this tool holds; "
+                             "give fewer choices")
 
         def axis_values(field_name):
             if field_name in self.fixed:
@@ -294,7 +303,7 @@ class SearchSpace:
             return np.arange(areas.size)
         if order == "area":  # the published sweep: largest designs first
             return np.argsort(-areas, kind="stable")
-        raise ValueError(f"order must be 'area' or 'grid', got {order!r}")
+        raise ValueError(f"order must be 'area' or 'grid', got {shown(order)}")
 
     def grid_points(self, order: str = "area") -> list[dict]:
         """Every area-feasible full point (all sampled parameters).
@@ -387,7 +396,7 @@ def _parse_budget(file, area_spec) -> tuple[float, str]:
             raise config_error(file, "area.budget", f"not a reference design ({exc})") from None
         return area_mm2(acc), acc.name or str(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise config_error(file, "area.budget", f"must be a reference design name or a positive number of mm^2, got {budget!r}")
+        raise config_error(file, "area.budget", f"must be a reference design name or a positive number of mm^2, got {shown(budget)}")
     return float(budget), f"{budget:g} mm^2"
 
 
@@ -405,12 +414,12 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     fixed_raw = data.get("fixed") or {}
     for key, val in (("tied", tied), ("fixed", fixed_raw)):
         if not isinstance(val, dict):
-            raise config_error(file, key, f"must be a mapping, got {val!r}")
+            raise config_error(file, key, f"must be a mapping, got {shown(val)}")
     for f, src in tied.items():
         if f not in ARCH_FIELDS:
             raise config_error(file, f"tied.{f}", f"unknown field; allowed: {', '.join(ARCH_FIELDS)}")
         if src not in params or src in RUN_FIELDS or src in RECIPE_FIELDS:
-            raise config_error(file, f"tied.{f}", f"must name a sampled accelerator parameter, got {src!r}")
+            raise config_error(file, f"tied.{f}", f"must name a sampled accelerator parameter, got {shown(src)}")
     fixed = {}
     for f, v in fixed_raw.items():
         if f not in ARCH_FIELDS:
@@ -450,14 +459,14 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     budget, label = _parse_budget(file, area_spec)
     min_fraction = area_spec.get("min_fraction", 0.0)
     if isinstance(min_fraction, bool) or not isinstance(min_fraction, (int, float)) or not 0 <= min_fraction < 1:
-        raise config_error(file, "area.min_fraction", f"must be a number in [0, 1), got {min_fraction!r}")
+        raise config_error(file, "area.min_fraction", f"must be a number in [0, 1), got {shown(min_fraction)}")
     exempt = area_spec.get("floor_exempt_if_one", [])
     if not isinstance(exempt, list) or any(e not in ("num_tc", "num_vc") for e in exempt):
-        raise config_error(file, "area.floor_exempt_if_one", f"must be a list drawn from num_tc, num_vc, got {exempt!r}")
+        raise config_error(file, "area.floor_exempt_if_one", f"must be a list drawn from num_tc, num_vc, got {shown(exempt)}")
 
     name = data.get("name", default_name)
     if not isinstance(name, str):
-        raise config_error(file, "name", f"must be a string, got {name!r}")
+        raise config_error(file, "name", f"must be a string, got {shown(name)}")
     space = SearchSpace(
         name=name, params=params, tied=dict(tied), fixed=fixed, hbm_bw_table=hbm_table, glb_bw_fixed=glb_bw,
         area_budget_mm2=budget, budget_label=label, min_fraction=float(min_fraction),

@@ -33,7 +33,8 @@ from ..errors import PhazeError
 from ..figures import pyplot, write_figure
 from ..search.session import best_trial as first_best, finished_trials, is_feasible, quiet_optuna, study_wall_s
 from ..search.setup import clean_name, default_storage
-from ..search.tracking import MlflowTracker, driver_url, redact, tracking_enabled
+from ..search.locks import OPTUNA_TABLES, check_sqlite_storage
+from ..search.tracking import MlflowTracker, driver_url, redact, sqlite_path, tracking_enabled
 
 
 @dataclass
@@ -92,13 +93,33 @@ def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tu
 
 @functools.lru_cache(maxsize=8)  # a comparison reads a handful of storages; each holds a connection pool
 def _storage(url: str):
-    return optuna.storages.RDBStorage(driver_url(url))
+    """The storage at `url`, for reading: a SQLite file must exist and hold Optuna's tables (not an
+    MLflow database, whose tables Optuna would extend), and is opened read-only, so a comparison
+    never creates or changes a file."""
+    path = sqlite_path(url)
+    if path is None:
+        return optuna.storages.RDBStorage(driver_url(url))
+    if not path.is_file():
+        raise PhazeError(f"--storage {url}: no such file")
+    check_sqlite_storage(url)
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+    if not OPTUNA_TABLES <= tables:
+        raise PhazeError(f"--storage {url}: not an Optuna storage (no Optuna tables)")
+    return optuna.storages.RDBStorage(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
 
 
 def _study_names(url: str) -> list[str]:
     quiet_optuna()
     try:
         return list(optuna.study.get_all_study_names(_storage(url)))
+    except PhazeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the user's URL
         raise PhazeError(f"--storage {redact(url)}: cannot open: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 

@@ -22,7 +22,7 @@ import os
 
 from .. import configs
 from ..configs import Limit
-from ..errors import config_error
+from ..errors import config_error, shown
 from .accelerator import Accelerator
 from .efficiency import efficiency_from_mapping
 from .memory import HBM_BW_BY_GIB, glb_bandwidth
@@ -75,7 +75,7 @@ def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accele
         glb_bw = glb_bandwidth(ints["num_tc"], ints["tc_x"], ints["tc_y"], ints["num_vc"], ints["vc_width"], clock_hz)
     name = data.get("name", default_name)
     if not isinstance(name, str):
-        raise config_error(file, "name", f"must be a string, got {name!r}")
+        raise config_error(file, "name", f"must be a string, got {shown(name)}")
     return Accelerator(
         glb_bytes=int(round(glb_mib * MIB)), glb_bw=float(glb_bw), hbm_bytes=int(round(hbm_gib * GIB)),
         hbm_bw=float(hbm_bw), clock_hz=float(clock_hz), name=name,

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import configs
-from ..errors import config_error
+from ..errors import config_error, shown
 from .accelerator import Accelerator
 from .memory import l2_bytes
 
@@ -93,9 +93,9 @@ def _load_constants(path: str, _mtime: int) -> AreaConstants:
     for f in CONSTANT_FIELDS:
         v = c[f]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise config_error(path, f"constants.{f}", f"must be a number, got {v!r}")
+            raise config_error(path, f"constants.{f}", f"must be a number, got {shown(v)}")
         if f not in SIGNED_FIELDS and v < 0:
-            raise config_error(path, f"constants.{f}", f"must be >= 0, got {v!r}")
+            raise config_error(path, f"constants.{f}", f"must be >= 0, got {shown(v)}")
         values[f] = float(v)
     return AreaConstants(**values)
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from ..configs import Limit
-from ..errors import PhazeError, config_error
+from ..errors import PhazeError, config_error, shown
 
 # What each field may be: (lowest allowed, whether the lowest is allowed, Limit above, unit in errors).
 # The upper limits are far beyond any real stack so that only a typo reaches them.
@@ -99,11 +99,11 @@ class Efficiency:
 def _problem(name: str, value) -> str | None:
     low, inclusive, limit = _RANGES[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return f"must be a number, got {value!r}"
+        return f"must be a number, got {shown(value)}"
     if not (value >= low if inclusive else value > low):
-        return f"must be {'at least' if inclusive else 'greater than'} {low:g}, got {value!r}"
+        return f"must be {'at least' if inclusive else 'greater than'} {low:g}, got {shown(value)}"
     if not value <= limit.maximum:
-        return f"must be at most {limit.maximum:g} ({limit.why}), got {value!r}"
+        return f"must be at most {limit.maximum:g} ({limit.why}), got {shown(value)}"
     return None
 
 
@@ -117,7 +117,7 @@ def efficiency_from_mapping(data, file, label: str = "efficiency") -> Efficiency
     if data is None:
         return IDENTITY
     if not isinstance(data, dict):
-        raise config_error(file, label, f"must be a mapping of {', '.join(FIELDS)}, got {data!r}")
+        raise config_error(file, label, f"must be a mapping of {', '.join(FIELDS)}, got {shown(data)}")
     for key in data:
         if key not in FIELDS:
             raise config_error(file, f"{label}.{key}", f"unknown field; allowed fields are {', '.join(FIELDS)}")
@@ -141,4 +141,4 @@ def as_efficiency(value) -> Efficiency:
         if unknown:
             raise PhazeError(f"efficiency: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(FIELDS)}")
         return Efficiency(**{k: float(v) for k, v in value.items()})
-    raise PhazeError(f"efficiency must be an Efficiency or a mapping of {', '.join(FIELDS)}, got {value!r}")
+    raise PhazeError(f"efficiency must be an Efficiency or a mapping of {', '.join(FIELDS)}, got {shown(value)}")

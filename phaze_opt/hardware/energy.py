@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import configs
-from ..errors import PhazeError, config_error
+from ..errors import PhazeError, config_error, shown
 from ..workload.ops import OpGraph
 from .latency import BYTES_PER_ELEMENT, DesignArrays, classify_ops, collective_traffic
 
@@ -123,18 +123,18 @@ def _load_constants(path: str, _mtime: int) -> EnergyConstants:
     for f in FIELDS:
         v = data[f]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise config_error(path, f, f"must be a number, got {v!r}")
+            raise config_error(path, f, f"must be a number, got {shown(v)}")
         if f in INT_FIELDS:
             if v not in NODES_NM:
-                raise config_error(path, f, f"must be one of {', '.join(map(str, NODES_NM))} (nm), got {v!r}")
+                raise config_error(path, f, f"must be one of {', '.join(map(str, NODES_NM))} (nm), got {shown(v)}")
             values[f] = int(v)
             continue
         if v < 0:
-            raise config_error(path, f, f"must be >= 0, got {v!r}")
+            raise config_error(path, f, f"must be >= 0, got {shown(v)}")
         values[f] = float(v)
     for f in ("energy_scale_per_node", "sram_ref_bytes", "sram_bank_bytes"):
         if not values[f] > 0:
-            raise config_error(path, f, f"must be > 0, got {data[f]!r}")
+            raise config_error(path, f, f"must be > 0, got {shown(data[f])}")
     return EnergyConstants(**values)
 
 

@@ -65,6 +65,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import shown
 from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
 from .accelerator import Accelerator
 from .efficiency import IDENTITY, Efficiency
@@ -119,7 +120,7 @@ def _link(interconnect) -> tuple[float, float]:
         return interconnect.bandwidth_Bps, interconnect.latency_s
     bw, lat = getattr(interconnect, "bandwidth", None), getattr(interconnect, "latency", None)  # system.Link
     if bw is None or lat is None:
-        raise TypeError(f"interconnect must be an Interconnect or have .bandwidth and .latency, got {interconnect!r}")
+        raise TypeError(f"interconnect must be an Interconnect or have .bandwidth and .latency, got {shown(interconnect)}")
     return float(bw), float(lat)
 
 
@@ -278,7 +279,7 @@ def collective_traffic(op) -> tuple[float, int]:
         return 2.0 * (g - 1) / g * nbytes, 2 * (g - 1)
     if kind in ("sendrecv", "p2p", "send", "recv"):
         return float(nbytes), 1
-    raise ValueError(f"op {op.name}: unknown collective {op.collective!r}")
+    raise ValueError(f"op {op.name}: unknown collective {shown(op.collective)}")
 
 
 def _collective_seconds(op, bw: float, lat: float) -> float:
@@ -311,12 +312,12 @@ def classify_ops(ops, bytes_per_element: float, model: str = "latency",
     for i, op in enumerate(ops):
         if attention_apart and op.unit == TCVC and op.gemms:
             if len(op.gemm) != 4 or not op.elements:
-                raise ValueError(f"op {op.name}: a fused attention op needs gemm and elements, got {op!r}")
+                raise ValueError(f"op {op.name}: a fused attention op needs gemm and elements, got {shown(op)}")
             out.unknown.update(cycles_per_element(op)[1])
             out.attention_idx.append(i)
         elif op.unit in (TC, TCVC):
             if len(op.gemm) != 4:
-                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {op.gemm!r}")
+                raise ValueError(f"op {op.name}: unit {op.unit} needs gemm=(batch, M, K, N), got {shown(op.gemm)}")
             b, m, kk, n = (float(x) for x in op.gemm)
             dims_bytes = b * (m * kk + kk * n + m * n) * e
             nbytes = op.bytes_read + op.bytes_written or dims_bytes
@@ -339,7 +340,7 @@ def classify_ops(ops, bytes_per_element: float, model: str = "latency",
         elif op.unit == NET:
             out.net_idx.append(i)
         elif op.unit != NONE:  # Op validates its unit; a new unit must be costed here before it is used
-            raise ValueError(f"op {op.name}: no {model} model for unit {op.unit!r}")
+            raise ValueError(f"op {op.name}: no {model} model for unit {shown(op.unit)}")
     return out
 
 

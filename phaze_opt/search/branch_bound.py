@@ -106,10 +106,10 @@ class Grid:
 _W: dict = {}  # this process's worker state: model, system, trial context and one space's design arrays
 
 
-def _init_worker(model: str, system: str, ctx) -> None:
+def _init_worker(model: str, system: str, ctx, parent: int | None = None, parent_start: int | None = None) -> None:
     quiet_optuna()
     if multiprocessing.parent_process() is not None:
-        signals.worker_started()  # a pool process dies with its parent
+        signals.worker_started(parent, parent_start)  # a pool process dies with its parent
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
@@ -233,7 +233,7 @@ def _executor(workers: int, initargs):
     if workers <= 1:
         return _Inline(_init_worker, initargs)
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=initargs)
+                               initializer=_init_worker, initargs=(*initargs, *signals.worker_args()))
 
 
 # -- the parent ----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
-from ..errors import PhazeError
+from ..errors import PhazeError, shown
 
 LOG2, INDEX, CATEGORICAL, FIXED = "log2", "index", "categorical", "fixed"
 
@@ -104,7 +104,7 @@ class ParamCoding:
         for i, c in enumerate(self.choices):
             if _is_number(c) and _is_number(value) and c == value:
                 return i
-        raise ValueError(f"value {value!r} of '{self.name}' is not one of its choices {list(self.choices)}")
+        raise ValueError(f"value {shown(value)} of '{self.name}' is not one of its choices {list(self.choices)}")
 
 
 def coding_for(name: str, choices) -> ParamCoding:
@@ -122,7 +122,7 @@ def coding_for(name: str, choices) -> ParamCoding:
         return ParamCoding(name, f"{name}_idx", INDEX, choices)
     for c in choices:
         if not (c is None or isinstance(c, (bool, int, float, str))):
-            raise PhazeError(f"search space parameter '{name}': choice {c!r} is not a number, string or boolean")
+            raise PhazeError(f"search space parameter '{name}': choice {shown(c)} is not a number, string or boolean")
     return ParamCoding(name, name, CATEGORICAL, choices)
 
 

@@ -39,6 +39,7 @@ from ..training import RECIPE_FIELDS
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
 from . import reconcile, signals
+from .. import interrupt
 from .branch_bound import run_pruned
 from .progress import say
 from .report import finish
@@ -135,10 +136,16 @@ class _Sweeper:
         t0 = time.perf_counter()
         outcome, error = None, None
         try:
-            outcome = evaluate_point(point, self.ctx)
+            with interrupt.interruptible():  # a signal cuts the evaluation (the point is not recorded)
+                outcome = evaluate_point(point, self.ctx)
         except FatalStudyError:
             raise
+        except KeyboardInterrupt:
+            if outcome is None:
+                raise
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the sweep
+            if interrupt.stop_requested():  # a solver that turned the interrupt into an error
+                raise KeyboardInterrupt from None
             error = one_line(exc)
         extra = {"elapsed_s": self.spec.elapsed(), "trial_s": time.perf_counter() - t0}
         score = None
@@ -196,7 +203,10 @@ def run_exhaustive(config, backend=None) -> dict:
                     current, current_best = cluster["area_group"], 0.0
                 for point in cluster["points"]:
                     before = sweeper.evaluated
-                    score = sweeper.run_point(point)
+                    with interrupt.deferred():  # a signal cuts the evaluation, never the storage write
+                        score = sweeper.run_point(point)
+                    if interrupt.stop_requested():
+                        raise KeyboardInterrupt
                     if config.order == "area":
                         current_best = max(current_best, score or 0.0)
                     n = sweeper.evaluated - before
@@ -210,7 +220,7 @@ def run_exhaustive(config, backend=None) -> dict:
                     groups_done += 1
         else:
             workers = min(config.workers, len(clusters))
-            with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
+            with tempfile.TemporaryDirectory(prefix=signals.spool_prefix(session.session_id)) as spool:
                 spec = session.worker_spec(spool if session.tracker.enabled else None)
                 run_pool(session, progress, SpoolLogger(session, spool),
                          [(_exhaustive_worker, (spec, i, workers)) for i in range(workers)])
@@ -234,23 +244,23 @@ def run_exhaustive(config, backend=None) -> dict:
 def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
     """Evaluate every `workers`-th reuse cluster, starting at `index` (a worker process)."""
     quiet_optuna()
-    signals.worker_started(spec.spool_dir)
     reconcile.adopt(spec.owner)
     study = None
-    try:
-        study = load_study(spec.config, spec.storage_url, spec.study_name)
-        clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
-        codec = SpaceCodec(spec.backend.space.params)
-        sweeper = _Sweeper(spec, study, NullTracker(), existing_scores(study, codec), None)
-        for i, cluster in enumerate(clusters):
-            if i % workers != index:
-                continue
-            for point in cluster["points"]:
-                sweeper.run_point(point)
-        return {"evaluated": sweeper.evaluated}
-    except KeyboardInterrupt:
-        if study is not None:
-            release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
-        return {"interrupted": True}
-    finally:
-        signals.worker_finished()
+    with signals.worker_task(spec.spool_dir):
+        try:
+            study = load_study(spec.config, spec.storage_url, spec.study_name)
+            clusters = plan(spec.backend.space, spec.config.order, spec.config.area_group_mm2)
+            codec = SpaceCodec(spec.backend.space.params)
+            sweeper = _Sweeper(spec, study, NullTracker(), existing_scores(study, codec), None)
+            for i, cluster in enumerate(clusters):
+                if i % workers != index:
+                    continue
+                for point in cluster["points"]:
+                    if interrupt.stop_requested():
+                        raise KeyboardInterrupt
+                    sweeper.run_point(point)
+            return {"evaluated": sweeper.evaluated}
+        except KeyboardInterrupt:
+            if study is not None:
+                release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
+            return {"interrupted": True}

@@ -142,11 +142,13 @@ def prebuild_optuna_sqlite(url: str, open_storage: Callable[[str], object]) -> N
 
 
 def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """One quick request to an http(s) tracking server; a PhazeError at once when it does not answer.
-
-    Other URIs (SQLite, PostgreSQL, files) pass: opening them fails fast on its own.
-    """
+    """One quick request to an http(s) tracking server, or a connection to a database server's
+    port; a PhazeError at once when it does not answer. SQLite and files pass (opening them fails
+    fast on its own)."""
     text = str(uri)
+    if text.startswith(("postgresql", "postgres://", "mysql")):
+        _probe_database(text, timeout_s)
+        return
     if not text.startswith(("http://", "https://")):
         return
     import urllib.error
@@ -162,6 +164,30 @@ def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         reason = getattr(exc, "reason", exc)
         raise PhazeError(f"--tracking-uri {redact(text)}: no MLflow server answers ({reason}); start it, or "
                          "use --tracking-uri off") from None
+
+
+DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306}
+
+
+def _probe_database(text: str, timeout_s: float) -> None:
+    """A database server's port must accept a connection within `timeout_s` (MLflow's own client
+    retries a refused or unreachable server for minutes)."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(text)
+    scheme = parsed.scheme.split("+", 1)[0]
+    try:
+        host, port = parsed.hostname, parsed.port or DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        raise PhazeError(f"--tracking-uri {redact(text)}: not a valid database URL") from None
+    if not host or not port:
+        return  # a local socket or a driver's own default: left to the driver
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise PhazeError(f"--tracking-uri {redact(text)}: no database server answers at {host}:{port} "
+                         f"({exc.strerror or exc}); start it, or use --tracking-uri off") from None
 
 
 OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}

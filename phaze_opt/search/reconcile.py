@@ -21,8 +21,9 @@ Reconciliation (`reconcile_runs`, at every start with tracking on, under a lock)
 gets exactly one finished MLflow run, keyed by the tag `optuna.trial_number`. Runs left RUNNING by a
 dead process (a parent run, or a trial run cut mid-write) are closed as KILLED (trial runs of a
 finished trial are deleted and logged again whole); a finished trial without a run whose logger is
-gone is logged from the storage alone (`trial_record` needs nothing else; its `placement.json`, which
-only the dead process had, is missing and the run says so); extra runs of one trial are deleted.
+gone is logged from the storage, with the `placement.json` its worker spooled when the spool folder is
+still there (`signals.spooled_artifact`; otherwise the artifact is missing and the run says so);
+extra runs of one trial are deleted.
 Trials of a live process are left to it.
 """
 
@@ -307,6 +308,20 @@ def stop_at_total(total: int, counted) -> "callable":
 
 # -- MLflow ----------------------------------------------------------------------------------------
 
+def sessions_of(trials: Iterable) -> set[str]:
+    """The invocations (session ids) that ran the study's trials."""
+    return {s for s in ((owner_of(t) or {}).get("session") for t in trials) if s}
+
+
+def _spooled(owner: Mapping, number: int) -> dict | None:
+    """The artifact a worker of the dead invocation `owner` spooled for trial `number`, if still there."""
+    from .signals import spooled_artifact
+
+    logger = owner.get("logger") or {}
+    if logger.get("host") != host() or "pid" not in logger:
+        return None
+    return spooled_artifact(logger["pid"], owner.get("session"), number)
+
 def _all_runs(client, experiment_id: str) -> list:
     runs, token = [], None
     while True:
@@ -370,7 +385,7 @@ def reconcile_runs(tracker, trials, counted) -> dict:
         if alive(owner.get("logger")) is True and owner.get("session") != _OWNER.get("session"):
             continue  # a live invocation logs it itself
         parent = owner.get("parent_run")
-        tracker.log_trial(t, None, parent_run_id=parent if parent in parents else None,
+        tracker.log_trial(t, _spooled(owner, number), parent_run_id=parent if parent in parents else None,
                           extra_tags={"reconciled": "true"})
         out["logged"] += 1
     tracker.flush()

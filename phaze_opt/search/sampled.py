@@ -18,6 +18,7 @@ import optuna
 from optuna.trial import TrialState
 
 from . import reconcile, signals
+from .. import interrupt
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
@@ -45,6 +46,11 @@ class TrialError(Exception):
     """An unexpected error in one trial: the trial fails with its message and the study goes on."""
 
 
+class TrialInterrupted(Exception):
+    """A stop request cut this trial's evaluation: it fails as `interrupted` (not counted), its point is
+    queued again, and the loop stops after Optuna has recorded it."""
+
+
 # -- the trial loop (in this process or a worker) ---------------------------------------------------
 
 def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable | None = None,
@@ -63,22 +69,31 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     artifacts: dict[int, dict] = {}
     counts = {"complete": 0, "infeasible": 0, "failed": 0}
 
+    def interrupted(trial):
+        trial.set_user_attr("interrupted", True)
+        study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number, **reconcile.kept_attrs(trial)})
+        return TrialInterrupted(interrupt.stop_requested() or "stop")
+
     def objective(trial):
         reconcile.claim(trial)  # host and pid: a trial whose process dies is failed at the next start
         start = time.perf_counter()
         point = codec.suggest(trial)
         trial.set_user_attr("point", jsonable(point))
         mark_design(study, trial, point)
+        outcome = None
         try:
-            outcome = evaluate_point(point, ctx)
+            with interrupt.interruptible():  # only the evaluation is cut by a signal, never Optuna's writes
+                outcome = evaluate_point(point, ctx)
         except FatalStudyError:
             trial.set_user_attr("interrupted", True)  # a set-up problem, not this design's: do not count it
             raise
         except KeyboardInterrupt:
-            trial.set_user_attr("interrupted", True)
-            study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number, **reconcile.kept_attrs(trial)})
-            raise
+            interrupt.request_stop("KeyboardInterrupt")  # raised without a signal too (a library's own)
+            if outcome is None:  # a finished evaluation is kept (the signal came just after it)
+                raise interrupted(trial) from None
         except Exception as exc:  # noqa: BLE001 - one design's error must not stop the study
+            if interrupt.stop_requested():  # a solver that turned the interrupt into an error
+                raise interrupted(trial) from None
             message = one_line(exc)
             trial.set_user_attr("result", {"error": message, "elapsed_s": spec.elapsed(),
                                            "trial_s": time.perf_counter() - start, "worker": index,
@@ -96,7 +111,11 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
             artifacts[trial.number] = outcome.artifact()
         return outcome.values if len(outcome.values) > 1 else outcome.values[0]
 
-    def callback(_study, frozen):
+    def callback(study_, frozen):
+        if interrupt.stop_requested():
+            study_.stop()  # after Optuna has recorded this trial: the loop's safe point
+        if frozen.user_attrs.get("interrupted"):
+            return  # not finished: queued again, neither counted nor logged
         if frozen.state == TrialState.FAIL:
             counts["failed"] += 1
             error = (frozen.user_attrs.get("result") or {}).get("error", "failed")
@@ -110,22 +129,26 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
             on_trial(frozen)
 
     try:
-        study.optimize(objective, n_trials=quota, catch=(TrialError,), gc_after_trial=False,
-                       callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
+        with interrupt.deferred():
+            if not interrupt.stop_requested():
+                study.optimize(objective, n_trials=quota, catch=(TrialError, TrialInterrupted), gc_after_trial=False,
+                               callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
     except KeyboardInterrupt:
         release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
         raise
+    if interrupt.stop_requested():
+        counts["interrupted"] = True
     return counts
 
 
 def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
-    signals.worker_started(spec.spool_dir)  # dies with the parent; one interrupt
-    try:
-        return run_worker(spec, quota, index)
-    except KeyboardInterrupt:
-        return {"interrupted": True}
-    finally:
-        signals.worker_finished()
+    with signals.worker_task(spec.spool_dir):  # dies with the parent
+        if interrupt.stop_requested():
+            return {"interrupted": True}  # stopped while starting: nothing to open
+        try:
+            return run_worker(spec, quota, index)
+        except KeyboardInterrupt:
+            return {"interrupted": True}
 
 
 def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[str, str, int]:
@@ -190,6 +213,8 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
                     session.tracker.log_best(frozen.values[0], frozen.number)
 
             worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
+            if worker_stats[-1].get("interrupted"):
+                raise KeyboardInterrupt
         elif remaining:
             worker_stats = _run_pool(session, remaining, progress)
         progress.close()
@@ -198,7 +223,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
     quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
-    with tempfile.TemporaryDirectory(prefix=signals.spool_prefix()) as spool:
+    with tempfile.TemporaryDirectory(prefix=signals.spool_prefix(session.session_id)) as spool:
         spec = session.worker_spec(spool if session.tracker.enabled else None)
         logger = SpoolLogger(session, spool)
         return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])

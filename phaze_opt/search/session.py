@@ -40,6 +40,7 @@ from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from . import reconcile, signals
+from .. import interrupt
 from .progress import Progress, close_bar
 from .setup import Backend, StudyConfig, prepare, release_storage
 from .tracking import (
@@ -159,24 +160,44 @@ class SpoolLogger:
         self.seen = set(session.finished_at_start)
 
     def poll(self, trials) -> None:
+        """Log the newly finished trials. A trial counts as seen once its log is queued, and its spool
+        file stays until the folder goes at the end of the pool (after the tracker's flush), so a
+        parent that dies before its writes reach MLflow leaves the artifact for the next start."""
         for t in finished_trials(trials):
             if t.number in self.seen or not reconcile.is_mine(t, self.session.session_id):
                 continue  # another process's trial: it logs it
-            self.seen.add(t.number)
             path = os.path.join(self.spool_dir, f"{t.number}.json")
             artifact = None
-            if os.path.exists(path):
+            try:
                 with open(path) as f:
                     artifact = json.load(f)
-                os.remove(path)
+            except (OSError, ValueError):
+                pass  # none spooled (tracking off in the worker), or unreadable: logged without it
             self.session.tracker.log_trial(t, artifact)
+            self.seen.add(t.number)
 
 
 class Session:
     """One invocation of a sampled or exhaustive study (the parent process)."""
 
     def __init__(self, config: StudyConfig, backend: Backend | None = None):
+        """Open the invocation. A signal cuts what only reads or builds aside (opening the stores, the
+        TPUv4 baselines) at once and waits for the end of each group of writes; the parent run, if
+        opened, is then closed as KILLED."""
         self.clock_start = time.time()
+        interrupt.reset()  # a stop request of an earlier invocation in this process is over
+        self.restore_signals = signals.handle_termination()  # SIGINT, SIGTERM, SIGHUP: the stop flag
+        self.tracker = NullTracker()
+        try:
+            self._open(config, backend)
+        except BaseException as exc:
+            with interrupt.deferred():
+                self.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+                reconcile.end_session()
+                self.restore_signals()
+            raise
+
+    def _open(self, config: StudyConfig, backend: Backend | None) -> None:
         quiet_optuna()
         ready = prepare(config, backend)
         self.config = config = ready.config
@@ -185,32 +206,42 @@ class Session:
         self.codec = SpaceCodec(self.space.params)
         self.name, self.url, self.storage = ready.name, ready.url, ready.storage
         self.study, self.resumed = ready.study, ready.resumed
-        self.session_id = reconcile.new_session()
-        self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
-        signals.clean_stale_spools()
-        trials = self.study.get_trials(deepcopy=False)
-        self.offset_s = study_wall_s(self.study.user_attrs, trials)
-        self.wall_s: float | None = None  # set by end_wall
-        self.study.set_user_attr("workers_per_run",
-                                 [*(self.study.user_attrs.get("workers_per_run") or []), config.workers])
+        with interrupt.deferred():
+            self.session_id = reconcile.new_session()
+            self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
+            trials = self.study.get_trials(deepcopy=False)
+            self.offset_s = study_wall_s(self.study.user_attrs, trials)
+            self.wall_s: float | None = None  # set by end_wall
+            self.study.set_user_attr("workers_per_run",
+                                     [*(self.study.user_attrs.get("workers_per_run") or []), config.workers])
+        interrupt.checkpoint_deferred()
         self.finished_at_start = {t.number for t in finished_trials(trials)}
         self.trials_before = len(self.finished_at_start)
         self.notes: list[str] = []
         if config.sampler == "cmaes" and not config.exhaustive:
             self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
-        self.baselines = self._baselines()
-        self.tracker = self._start_tracker()
-        reconcile.set_parent_run(self.tracker.parent_run_id)
-        self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
+        with interrupt.deferred():  # the computation inside is cut at once, its storing is not
+            self.baselines = self._baselines()
+        interrupt.checkpoint_deferred()
+        if tracking_enabled(config.tracking_uri):  # the slow part (imports, database), cut at once
+            MlflowTracker.prepare(config.tracking_uri, self.name, storage_key=storage_key(self.url))
+        with interrupt.deferred():
+            self.tracker = self._start_tracker()
+            reconcile.set_parent_run(self.tracker.parent_run_id)
+            self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
+            if self.tracker.enabled:  # the spools of this study's dead invocations are logged now
+                signals.clean_stale_spools(sessions=reconcile.sessions_of(self.all_trials()))
+        interrupt.checkpoint_deferred()
 
     # -- set-up ----------------------------------------------------------------------------------
     def _baselines(self) -> dict[str, Baseline]:
         stored = self.study.user_attrs.get("baselines") or {}
         if all(m in stored for m in self.config.models):
             return {m: Baseline.from_json(stored[m]) for m in self.config.models}
-        baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
-                                      self.config.baseline_system, self.space.params,
-                                      dominance=isinstance(self.backend.evaluator, BoundedEvaluator))
+        with interrupt.interruptible():  # evaluations: a signal cuts them (nothing is stored yet)
+            baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
+                                          self.config.baseline_system, self.space.params,
+                                          dominance=isinstance(self.backend.evaluator, BoundedEvaluator))
         if len(self.config.models) > 1:
             for m, b in baselines.items():
                 if not b.feasible or not b.throughput > 0:
@@ -318,9 +349,12 @@ class Session:
         """The body of an invocation: on the way out, close any progress bar and end the MLflow
         parent run as FINISHED, KILLED (Ctrl-C) or FAILED, so an interrupted study is marked as such."""
         status = "FINISHED"
-        restore = signals.handle_termination()  # SIGTERM, SIGHUP: as Ctrl-C
+        restore = self.restore_signals
         try:
+            interrupt.checkpoint_deferred()  # a stop requested at the end of the set-up
             yield self
+            if interrupt.stop_requested():  # a signal the loops saw at their last safe point
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             status = "KILLED"
             raise
@@ -328,21 +362,28 @@ class Session:
             status = "FAILED"
             raise
         finally:
-            if status != "FINISHED":  # this process's (and its dead workers') trials cut short: interrupted, re-queued
-                release_storage(self.study)
+            with interrupt.deferred():  # the clean-up itself is not cut by a second signal
                 try:
-                    reconcile.fail_zombies(self.study)
-                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
-                    pass
-            if self.wall_s is None:  # interrupted or failed before its summary
-                try:
-                    self.end_wall()
-                except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
-                    pass
-            close_bar()
-            self.close(status)
-            restore()
-            reconcile.end_session()
+                    self._end(status)
+                finally:
+                    restore()
+
+    def _end(self, status: str) -> None:
+        """Mark what this invocation cut short, store its wall time, close its MLflow run."""
+        if status != "FINISHED":  # this process's (and its dead workers') trials cut short: interrupted, re-queued
+            release_storage(self.study)
+            try:
+                reconcile.fail_zombies(self.study)
+            except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                pass
+        if self.wall_s is None:  # interrupted or failed before its summary
+            try:
+                self.end_wall()
+            except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
+                pass
+        close_bar()
+        self.close(status)
+        reconcile.end_session()
 
 
 def score_label(config: StudyConfig) -> Callable[[float], str]:
@@ -381,12 +422,25 @@ def tally(trials) -> tuple[int, float | None, int]:
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
     """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
     context = multiprocessing.get_context("spawn")
-    with (ProcessPoolExecutor(max_workers=len(tasks), mp_context=context, initializer=signals.worker_started) as pool,
-          signals.stop_workers_on_exit(pool, drain=lambda: logger.poll(session.all_trials()))):  # logs what they finished
-        futures = [pool.submit(fn, *args) for fn, args in tasks]
+
+    def drain():  # log what the workers finished, written before the spool folder goes
+        logger.poll(session.all_trials())
+        session.tracker.flush()
+
+    interrupt.checkpoint_deferred()  # no workers are started for a stop already requested
+    with interrupt.blocked():  # multiprocessing's resource tracker starts here: SIGHUP would kill it
+        executor = ProcessPoolExecutor(max_workers=len(tasks), mp_context=context, initializer=signals.worker_started,
+                                       initargs=signals.worker_args())
+    with (interrupt.deferred(),  # a signal stops this loop at its next poll, never inside the storage
+          executor as pool,
+          signals.stop_workers_on_exit(pool, drain=drain)):
+        with interrupt.blocked():  # the workers start with the stop signals pending (see signals)
+            futures = [pool.submit(fn, *args) for fn, args in tasks]
         pending = set(futures)
         while True:
-            done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            if interrupt.stop_requested():
+                raise KeyboardInterrupt
             trials = session.all_trials()
             logger.poll(trials)
             n, score, feasible = tally(trials)

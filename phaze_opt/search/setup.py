@@ -7,6 +7,8 @@ or system, bad objectives, an empty space, a study name reused with other settin
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +21,8 @@ from sqlalchemy import event
 from ..design.evaluate import check_ilp_time_limit, design_evaluator
 from ..design.protocols import BoundedEvaluator, Evaluator, GridSpace, SearchSpace
 from ..design.space import load_space
-from ..errors import PhazeError
+from .. import interrupt
+from ..errors import PhazeError, shown
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..system import load_system
@@ -95,7 +98,8 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     storage = make_storage(url)
     sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
                else make_sampler(config.sampler, config.seed, len(config.objectives)))
-    study, resumed = open_study(config, storage, backend.space, sampler)
+    with interrupt.deferred():  # a study is created with its identity, whole
+        study, resumed = open_study(config, storage, backend.space, sampler)
     return Prepared(config, backend, name, url, storage, study, resumed)
 
 
@@ -166,6 +170,28 @@ def parse_hysteresis(value) -> int | None:
     return number
 
 
+WORKER_BYTES = 400 * 2**20  # a worker process's resident memory (measured: about 330 MB), with a margin
+MIN_WORKERS_LIMIT = 4  # two workers per core beyond this buy nothing; below it a small machine still runs tests
+
+
+def _available_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return math.inf
+
+
+def max_workers() -> int:
+    """The most worker processes this machine can hold: twice its cores (at least
+    `MIN_WORKERS_LIMIT`), and no more than its free memory at `WORKER_BYTES` each (at least one)."""
+    cores = max(MIN_WORKERS_LIMIT, 2 * (os.cpu_count() or 1))
+    memory = _available_bytes() / WORKER_BYTES
+    return max(1, int(min(cores, memory)))
+
+
 def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig:
     """Check every user-given setting; returns the config with normalised values."""
     sampler = str(config.sampler).strip().lower()
@@ -180,11 +206,16 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if len(set(config.models)) != len(config.models):
         raise PhazeError(f"--model: a model is repeated: {', '.join(config.models)}")
     if isinstance(config.trials, bool) or not isinstance(config.trials, int) or config.trials <= 0:
-        raise PhazeError(f"--trials: expected a positive whole number, got {config.trials!r}")
+        raise PhazeError(f"--trials: expected a positive whole number, got {shown(config.trials)}")
     if isinstance(config.workers, bool) or not isinstance(config.workers, int) or config.workers <= 0:
-        raise PhazeError(f"--workers: expected a positive whole number, got {config.workers!r}")
+        raise PhazeError(f"--workers: expected a positive whole number, got {shown(config.workers)}")
+    most = max_workers()
+    if config.workers > most:
+        raise PhazeError(f"--workers: at most {most} on this machine ({os.cpu_count() or 1} cores, "
+                         f"{_available_bytes() / 2**30:.1f} GiB of memory free, about "
+                         f"{WORKER_BYTES / 2**30:.2f} GiB a worker), got {config.workers}")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
-        raise PhazeError(f"--seed: expected a non-negative whole number, got {config.seed!r}")
+        raise PhazeError(f"--seed: expected a non-negative whole number, got {shown(config.seed)}")
     if config.seed + config.workers > MAX_SEED:  # numpy seeds are 32-bit; worker k uses seed + k
         raise PhazeError(f"--seed: at most {MAX_SEED - config.workers} (the samplers' seeds are 32-bit), got {config.seed}")
     order = str(config.order).strip().lower()
@@ -196,7 +227,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if config.exhaustive and hysteresis is not None and config.workers > 1:
         raise PhazeError("--hysteresis needs the area groups in order; use --workers 1 or --hysteresis off")
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
-        raise PhazeError(f"--area-group-mm2: expected a positive number, got {config.area_group_mm2!r}")
+        raise PhazeError(f"--area-group-mm2: expected a positive number, got {shown(config.area_group_mm2)}")
     if config.ilp_time_limit_s is not None:
         config = replace(config, ilp_time_limit_s=check_ilp_time_limit(config.ilp_time_limit_s))
     if config.study_name is not None and not str(config.study_name).strip():

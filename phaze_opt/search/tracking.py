@@ -81,6 +81,7 @@ UI_QUERY = "workflowType=machine_learning"  # see `run_url`
 TRIALS_VIEW = "trials"  # the shared view `trials_view` of the runs table
 VIEW_TAG = "mlflow.sharedViewState."
 UI_HOST, UI_PORT = "127.0.0.1", 5000
+FLUSH_LIMIT_S = 60.0  # the end of a study waits this long at most for the tracking store's last writes
 
 
 def tracking_enabled(uri: str | None) -> bool:
@@ -374,6 +375,10 @@ class MlflowTracker:
         try:
             if db is not None:
                 locks.build_mlflow_db(db, _open_store)
+            elif str(tracking_uri).startswith(("postgresql", "postgres://", "mysql")):
+                # a new server database: several processes create MLflow's schema at once (seen:
+                # UniqueViolation pg_type_typname_nsp_index); under the lock and retries Optuna's has
+                locks.create_schema(lambda: _open_store(driver_url(tracking_uri)), tracking_uri)
             client = MlflowClient(driver_url(tracking_uri))
             experiment_name, exp = experiment_for(client, experiment_name, storage_key)
             if exp is not None:
@@ -526,22 +531,39 @@ class MlflowTracker:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def _drain(self) -> None:
+        q = self._queue  # its own: `close` may drop the tracker's reference to a stuck queue
         while True:
-            op = self._queue.get()
+            op = q.get()
             try:
                 if op is None:
                     return
                 self._run(op)
             finally:
-                self._queue.task_done()
+                q.task_done()
 
-    def flush(self) -> None:
-        if self._queue is not None:
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the pending writes (at most `timeout_s`); whether they are all done."""
+        if self._queue is None:
+            return True
+        if timeout_s is None:
             self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._queue.unfinished_tasks
 
     def close(self, status: str = "FINISHED") -> None:
-        """Flush pending writes and end the parent run (only the process that started it calls this)."""
+        """Flush pending writes and end the parent run (only the process that started it calls this).
+        A tracking store that stops answering holds the end for at most `FLUSH_LIMIT_S`: then a
+        warning, and the study (whole in its storage) ends; the next start logs what is missing."""
         self._submit(lambda: retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
+        if not self.flush(FLUSH_LIMIT_S):
+            left = self._queue.unfinished_tasks if self._queue is not None else 0
+            print(f"warning: MLflow at {redact(self.tracking_uri)} took no writes for {FLUSH_LIMIT_S:.0f} s; "
+                  f"{left} left unwritten (the study is intact; its next start logs them)", file=sys.stderr)
+            self._queue = None  # the daemon thread is abandoned with the process
+            return
         self.stop()
 
     def stop(self) -> None:

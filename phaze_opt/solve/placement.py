@@ -962,6 +962,8 @@ def checked_by_evaluator(problem: PlacementProblem, placement: Placement, dp_tim
     differs (beyond rounding), or that chose a placement the evaluator finds infeasible, is a bug in
     one of the two, so it stops the run rather than report a number nobody checked."""
     result = evaluate_placement(problem, placement, method=method)
+    if dp_time == 0 and not result.feasible:
+        return result  # a model whose ops cost nothing: the evaluator's one-line reason
     if not result.feasible or abs(result.time_per_batch_s - dp_time) > RTOL * dp_time:
         raise RuntimeError(
             f"{solver} disagrees with the evaluator: DP {dp_time!r} s, evaluator "

@@ -360,6 +360,9 @@ def evaluate_placement(
     if reasons:
         return infeasible_result(problem, "; ".join(reasons), **common)
 
+    if not total > 0:  # a degenerate model (every op costs nothing): no throughput to speak of
+        return infeasible_result(problem, "the model's ops take no time on this design (every op costs zero FLOPs, "
+                                          "bytes and communication): check the model's sizes", **common)
     batch = problem.system.global_batch
     throughput = batch / total
     flops_per_batch = problem.model_flops_per_sequence * batch

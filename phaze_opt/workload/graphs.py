@@ -14,8 +14,9 @@ Extraction is cached in memory and on disk under `$PHAZE_OPT_CACHE/graphs`, by d
 `.cache/phaze_opt/graphs` in the project folder, keyed by a hash of the model config, TP width,
 microbatch, sequence length, fusion flag and the source of this package's workload code, so a code
 change never serves a stale graph. The disk cache is data, never code: one JSON file per key
-(`ops.layer_graph_to_json`), read back by a strict decoder that checks every field's type, so a
-file planted in the cache folder can at worst be a miss. A file that is not such a graph (garbage,
+(`ops.layer_graph_to_json`), read back by a strict decoder that checks every field's type, then
+checked against the model's own shapes (`implausible`), so a file planted or edited in the cache
+folder can at worst be a miss. A file that is not such a graph (garbage,
 another format, another key) is logged and traced again, and the file rewritten. Files of the
 older pickle format (`<key>.pkl`) are never opened; one found beside a key being written is removed.
 """
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import math
 import logging
 import time
 from pathlib import Path
@@ -99,6 +101,11 @@ def build_layer_graph(
         return _MEMO[key]
     path = cache_root() / "graphs" / f"{key}.json"
     graph = _read(path, key) if cache else None
+    if graph is not None:
+        problem = implausible(model, tp, mbs, seq, graph)
+        if problem:
+            log.warning("graph cache %s: rejected, %s; tracing again", path, problem)
+            graph = None
     if graph is None:
         graph = _extract(model, tp, mbs, seq, fuse, cache)
         if cache:
@@ -148,6 +155,54 @@ def _check_exact(model: ModelConfig, graph: LayerGraph) -> None:
         )
 
 
+# A cached graph's FLOPs may not fall below 6 x active parameters x tokens (Kaplan et al. 2020,
+# Sec. 2.1: forward 2N, backward 4N per token) by more than this fraction; traced graphs sit at or above
+# 1.0 (attention and the loss add to it).
+FLOPS_FLOOR = 0.95
+OP_NUMBERS = ("flops", "bytes_read", "bytes_written", "elements", "vector_ops", "comm_bytes")
+
+
+def implausible(model: ModelConfig, tp: int, mbs: int, seq: int, graph: LayerGraph) -> str | None:
+    """Why a graph read from the disk cache cannot be this model's at (tp, mbs, seq), or None.
+
+    The file is data anyone who can write the folder can edit (seen: FLOPs cut by 5x raised a design's
+    throughput fivefold, silently). Checked against the model's own shapes, without tracing: its
+    identity and layer sequence, every op number finite and non-negative, each GEMM's FLOPs equal to
+    at least 2 x batch x M x K x N of its shape, each layer's FLOPs the sum of its ops', the parameters those
+    of the model's modules (`model_params`), and the FLOPs of a sequence at least `FLOPS_FLOOR` x
+    6 x active parameters x tokens, for the graph as a whole and for its layers at this TP width."""
+    from .layers import layer_sequence
+
+    if (graph.model, graph.tp, graph.mbs, graph.seq) != (model.name, tp, mbs, seq):
+        return f"it is the graph of {graph.model} at TP {graph.tp}, microbatch {graph.mbs}, sequence {graph.seq}"
+    kinds = [kind for _, kind in layer_sequence(model)]
+    if [layer.kind for layer in graph.layers] != kinds:
+        return "its layers are not the model's"
+    for kind, passes in graph.op_graphs.items():
+        totals = {}
+        for name, og in passes.items():
+            for op in og.ops:
+                for f in OP_NUMBERS:
+                    v = getattr(op, f, 0.0)
+                    if isinstance(v, (int, float)) and not (math.isfinite(v) and v >= 0):
+                        return f"op {op.name}: {f} {v}"
+                if op.gemm and len(op.gemm) == 4 and op.flops < 2 * math.prod(op.gemm) * (1 - 1e-9):
+                    return f"op {op.name}: {op.flops:g} FLOPs for a {op.gemm} GEMM"  # a fused bias may add more
+            totals[name] = sum(op.flops for op in og.ops)
+        for layer in graph.layers:
+            if layer.kind == kind and not (math.isclose(layer.fwd_flops, totals.get("fwd", 0.0), rel_tol=1e-9)
+                                           and math.isclose(layer.bwd_flops, totals.get("bwd", 0.0), rel_tol=1e-9)):
+                return f"layer {layer.name}: its FLOPs are not those of its ops"
+    params = model_params(model)
+    if graph.total_params != params or sum(layer.params for layer in graph.layers) * tp < params:
+        return f"its parameters are not the model's {params:,}"
+    floor = FLOPS_FLOOR * 6 * active_params(model) * seq
+    per_sequence = sum(layer.fwd_flops + layer.bwd_flops for layer in graph.layers) * tp / mbs
+    if graph.train_flops_per_sequence < floor or per_sequence < floor:
+        return f"{min(graph.train_flops_per_sequence, per_sequence):.4g} FLOPs a sequence, below 6 x active parameters x tokens"
+    return None
+
+
 def _read(path: Path, key: str) -> LayerGraph | None:
     """The cached graph of `key`, or None: a missing file silently, any unusable one logged."""
     try:
@@ -161,7 +216,7 @@ def _read(path: Path, key: str) -> LayerGraph | None:
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
             raise GraphFormatError(f"not a graph of this format and key (format {FORMAT!r})")
         graph = layer_graph_from_json(data.get("graph"))
-    except (GraphFormatError, ValueError, TypeError) as exc:
+    except (GraphFormatError, ValueError, TypeError, RecursionError) as exc:  # any content: a logged miss
         log.warning("graph cache %s: rejected, %s; tracing again", path, exc)
         return None
     graph.extra["source"] = "disk cache"

@@ -1,0 +1,211 @@
+"""One interrupt path for Ctrl-C, SIGTERM and SIGHUP: a stop flag, raised only where that is safe.
+
+A KeyboardInterrupt raised at an arbitrary bytecode can land inside Optuna's bookkeeping (seen:
+`_tell_with_warning` failing with `UnboundLocalError`), inside a SQLAlchemy callback that swallows
+it, or inside a transaction that then keeps SQLite's write lock. So a signal only *records* a stop
+request (`stop_requested`), and what happens next depends on where the main thread is:
+
+- inside an `interruptible()` block (an evaluation: pure computation, nothing half-written if it is
+  cut), the handler raises KeyboardInterrupt at once;
+- inside a `deferred()` block (a trial loop, a poll loop, the clean-up on the way out) it raises
+  nothing; the loop checks `stop_requested()` at its next safe point and stops there;
+- elsewhere it follows the process's default (`install(raise_outside=...)`): the parent raises
+  (set-up code is short and restartable), a worker process only records the request.
+
+Solvers call `checkpoint()` between their steps (a schedule's blocks), so an evaluation stopped by
+a signal that the interpreter could not deliver inside compiled code stops at the next step.
+
+Only the main thread handles signals (Python's rule), so the regions are the main thread's.
+Standard library only: the CLI installs this before importing anything heavy.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+RAISE, DEFER = "raise", "defer"
+
+_STATE: dict = {"stop": None, "regions": [], "outside": RAISE, "settled": False, "resender": None}
+
+
+def _signals() -> list:
+    return [getattr(signal, n) for n in SIGNALS if hasattr(signal, n)]
+
+
+def _on_signal(signum, _frame) -> None:
+    request_stop(signal.Signals(signum).name)
+    if _raising():
+        _start_resender(signum)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _raising() -> bool:
+    regions = _STATE["regions"]
+    return (regions[-1] if regions else _STATE["outside"]) == RAISE
+
+
+RESEND_S = 2.0
+
+
+def _start_resender(signum) -> None:
+    """A KeyboardInterrupt raised inside a garbage-collection callback or a finaliser is printed and
+    dropped by the interpreter (seen inside SQLAlchemy and weakref callbacks). So while the main
+    thread stays where a signal should have raised, the signal is sent again every `RESEND_S`
+    (`settle` ends this at the top level)."""
+    if _STATE.get("resender") is not None:
+        return
+    import os
+
+    def resend():
+        try:
+            while True:
+                time.sleep(RESEND_S)
+                if _STATE.get("settled") or _STATE["stop"] is None:
+                    return
+                if _raising():
+                    os.kill(os.getpid(), signum)
+        except OSError:  # pragma: no cover
+            pass
+        finally:
+            _STATE["resender"] = None
+
+    thread = threading.Thread(target=resend, name="interrupt-resend", daemon=True)
+    _STATE["resender"] = thread
+    thread.start()
+
+
+def settle() -> None:
+    """The stop reached the top level: later signals only record (no KeyboardInterrupt escapes it)."""
+    _STATE["settled"] = True
+    _STATE["outside"] = DEFER
+
+
+def _unraisable(hook):
+    def quiet(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _STATE["stop"] is not None:
+            return  # a signal that landed in a callback: recorded, and sent again (`_start_resender`)
+        hook(unraisable)
+
+    quiet.phaze_quiet = True
+    return quiet
+
+
+def install(raise_outside: bool = True):
+    """Route SIGINT, SIGTERM and SIGHUP to the stop flag in this process (main thread only; elsewhere
+    a no-op). `raise_outside`: raise KeyboardInterrupt outside any region (a parent process) or only
+    record the request (a worker, whose loop checks it). Returns a function restoring the previous
+    handlers and default."""
+    if not getattr(sys.unraisablehook, "phaze_quiet", False):
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
+    previous_outside = _STATE["outside"]
+    _STATE["outside"] = RAISE if raise_outside else DEFER
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in _signals():
+            try:
+                previous[sig] = signal.signal(sig, _on_signal)
+            except (ValueError, OSError):  # pragma: no cover - not settable here
+                pass
+
+    def restore() -> None:
+        _STATE["outside"] = previous_outside
+        for sig, handler in previous.items():
+            if handler is not None and handler is not _on_signal:
+                try:
+                    signal.signal(sig, handler)
+                except (ValueError, OSError):  # pragma: no cover
+                    pass
+
+    return restore
+
+
+def request_stop(reason: str = "stop") -> None:
+    if _STATE["stop"] is None:
+        _STATE["stop"] = reason
+
+
+def stop_requested() -> str | None:
+    """The signal that asked this process to stop (its name), or None."""
+    return _STATE["stop"]
+
+
+def reset() -> None:
+    """Forget a stop request (a new invocation in the same process, e.g. a test)."""
+    _STATE["stop"] = None
+    _STATE["settled"] = False
+
+
+def _main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def _region(kind: str):
+    if not _main():
+        yield
+        return
+    _STATE["regions"].append(kind)
+    try:
+        yield
+    finally:
+        _STATE["regions"].pop()
+
+
+@contextmanager
+def interruptible():
+    """A block a signal may cut (an evaluation): raises KeyboardInterrupt at once when a stop was
+    already requested, and from the signal handler while it runs."""
+    with _region(RAISE):
+        if _STATE["stop"] is not None and _main():
+            raise KeyboardInterrupt(f"signal {_STATE['stop']}")
+        yield
+
+
+@contextmanager
+def deferred():
+    """A block a signal must not cut (bookkeeping, a loop that checks `stop_requested` itself)."""
+    with _region(DEFER):
+        yield
+
+
+def checkpoint() -> None:
+    """A solver's safe point: raise KeyboardInterrupt here when a stop was requested and the caller
+    is interruptible (a signal the interpreter delivered late, or one swallowed by a callback)."""
+    if _STATE["stop"] is None or not _main():
+        return
+    regions = _STATE["regions"]
+    if (regions[-1] if regions else _STATE["outside"]) == RAISE:
+        raise KeyboardInterrupt(f"signal {_STATE['stop']}")
+
+
+def checkpoint_deferred() -> None:
+    """A safe point of a deferred block (between storage writes): raise KeyboardInterrupt here when a
+    stop was requested."""
+    if _STATE["stop"] is not None and _main():
+        raise KeyboardInterrupt(f"signal {_STATE['stop']}")
+
+
+@contextmanager
+def blocked():
+    """Hold SIGINT, SIGTERM and SIGHUP pending in this thread for the block (they are delivered at
+    its end). Processes started inside inherit the mask, so a spawned worker cannot be interrupted
+    before it installs its own handlers (`search.signals.worker_started` unblocks them)."""
+    sigs = set(_signals())
+    if not hasattr(signal, "pthread_sigmask") or not _main():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock() -> None:
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_signals()))
