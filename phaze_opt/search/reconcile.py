@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .processes import pid_alive, proc_start  # noqa: F401  (re-exported)
+from .signals import spooled_artifact
 from .tracking import retrying
 
 OWNER_ATTR = "phaze.owner"
@@ -49,48 +51,6 @@ _OWNER: dict[str, Any] = {}
 
 def host() -> str:
     return socket.gethostname()
-
-
-def proc_start(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (Linux), None where unknown."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return int(text.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def pid_alive(pid: int, start: int | None = None) -> bool:
-    """Process `pid` exists (and, when `start` is given and known, is the same process, not a reuse)."""
-    try:
-        pid = int(pid)
-    except (TypeError, ValueError):
-        return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, another user's
-    except OSError:
-        return False
-    if start is not None:
-        now = proc_start(pid)
-        if now is not None and now != start:
-            return False
-    if Path(f"/proc/{pid}/stat").exists():
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state == "Z":  # exited, not yet reaped
-                return False
-        except (OSError, IndexError):
-            pass
-    return True
 
 
 def me() -> dict:
@@ -315,8 +275,6 @@ def sessions_of(trials: Iterable) -> set[str]:
 
 def _spooled(owner: Mapping, number: int) -> dict | None:
     """The artifact a worker of the dead invocation `owner` spooled for trial `number`, if still there."""
-    from .signals import spooled_artifact
-
     logger = owner.get("logger") or {}
     if logger.get("host") != host() or "pid" not in logger:
         return None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Collection
 
 from .. import interrupt
-from .reconcile import pid_alive, proc_start
+from .processes import pid_alive, proc_start
 
 WATCH_S = 0.5
 ORPHAN_GRACE_S = 10.0
