@@ -37,8 +37,7 @@ def slow_evaluate(model, arch, training, system="default"):
     if log:  # each finished evaluation: pid, time, point (the signal storm checks none is redone)
         point = {"num_tc": arch.num_tc, "tc_x": arch.tc_x, "mbs": training.mbs, "recompute": training.recomputes}
         with open(log, "a") as f:
-            f.write(f"{os.getpid()} {time.time()} {json.dumps(point)}
-")
+            f.write(f"{os.getpid()} {time.time()} {json.dumps(point)}\n")
     return result
 
 
