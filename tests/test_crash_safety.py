@@ -230,7 +230,9 @@ def test_workers_of_a_killed_parent_exit_and_their_spool_is_logged_at_the_next_s
     assert list(spools.glob("phaze-spool-*/*.json"))  # kept for the next start: the parent logged none of it
     db = tmp_path / "studies" / "fault.db"
     done = len(finished_trials(optuna.load_study(study_name="fault", storage=f"sqlite:///{db}").get_trials()))
-    cmd, env = _cli(tmp_path, trials=done)  # only the start: reconcile, nothing left to run
+    # The next start (one more trial: a study asked for no more than it holds opens nothing) reconciles
+    # first, logging what the dead parent's workers spooled.
+    cmd, env = _cli(tmp_path, trials=done + 1)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
