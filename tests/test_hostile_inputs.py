@@ -20,7 +20,7 @@ LAUGHS = "\n".join(["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
 
 
 def _space_text(**params) -> str:
-    data = yaml.safe_load((REPO / "configs/spaces/small.yaml").read_text())
+    data = yaml.safe_load((configs.shipped_dir() / "spaces" / "small.yaml").read_text())
     data["params"].update(params)
     return yaml.safe_dump(data)
 

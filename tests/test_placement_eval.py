@@ -293,7 +293,7 @@ def test_a_model_whose_ops_cost_nothing_is_one_clear_line():
     """All costs zero (a degenerate model): infeasible with a reason, not a ZeroDivisionError."""
     costs = make_costs(1, fwd=[0.0, 0.0], bwd=[0.0, 0.0], params=[0, 0], acts=[0, 0], boundary=[0, 0], inputs=[0, 0])
     system = make_system(accelerators=1, devices_per_node=1, global_batch=4, intra=(100.0, 0.0), inter=(8.0, 0.0))
-    problem = PlacementProblem((costs,), system, 1e6, peak_flops=1.0, mbs=1, recompute=False, seq_len=10,
+    problem = PlacementProblem((costs,), system, 1e6, peak_flops=1.0, training=Training(1, False), seq_len=10,
                                model_flops_per_sequence=0.0)
     r = evaluate_placement(problem, Placement(tp=1, dp=1, stages=((0, 1),)))
     assert not r.feasible and "take no time" in r.reason
