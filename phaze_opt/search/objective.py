@@ -95,11 +95,15 @@ class Baseline:
     system: str = ""
 
     @property
+    def point(self) -> dict:
+        """The baseline's recipe as the space's point values: microbatch, recompute and the rest (a
+        study stored before `recipe` existed kept only the first two; the others were the defaults)."""
+        return {"mbs": self.mbs, "recompute": self.recompute, **(self.recipe or {})}
+
+    @property
     def training(self) -> Training:
-        """The baseline's whole recipe, with its placement (a study stored before `recipe` existed
-        kept only the microbatch and recompute; the other fields were then the defaults)."""
-        point = {"mbs": self.mbs, "recompute": self.recompute, **(self.recipe or {})}
-        return Training.from_point(point, self.placement)
+        """The baseline's whole recipe, with its placement."""
+        return Training.from_point(self.point, self.placement)
 
     def to_json(self) -> dict:
         return jsonable(self.__dict__)

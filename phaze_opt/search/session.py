@@ -278,8 +278,7 @@ class Session:
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:
                 params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
-                params[f"{prefix}baseline_recipe"] = ",".join(
-                    f"{k}={v}" for k, v in {"mbs": b.mbs, "recompute": b.recompute, **(b.recipe or {})}.items())
+                params[f"{prefix}baseline_recipe"] = ",".join(f"{k}={v}" for k, v in b.point.items())
                 params[f"{prefix}baseline_system"] = b.system or c.baseline_system
         description = experiment_description(
             study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
@@ -325,9 +324,8 @@ class Session:
                    for rc in self.space.params["recompute"]]
         for b in self.baselines.values():
             if b.feasible:
-                baseline_recipe = {"mbs": b.mbs, "recompute": b.recompute, **(b.recipe or {})}
-                if baseline_recipe not in recipes:
-                    recipes.append(baseline_recipe)
+                if b.point not in recipes:
+                    recipes.append(b.point)
         n = 0
         for recipe in recipes:
             try:
