@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from phaze_opt.solve.placement import optimal_placement
-from phaze_opt.solve.placement_types import LayerCosts, PlacementProblem
+from phaze_opt.solve.placement.dp import optimal_placement
+from phaze_opt.solve.placement.types import LayerCosts, PlacementProblem
 from phaze_opt.system import load_system
 from phaze_opt.training import Training
 

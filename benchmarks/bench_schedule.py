@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from phaze_opt.hardware.arch import load_arch  # noqa: E402
 from phaze_opt.hardware.latency import estimate  # noqa: E402
 from phaze_opt.design.space import load_space  # noqa: E402
-from phaze_opt.solve.schedule import MIP_FIRST_S, SEARCH_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
-from phaze_opt.solve.schedule_cache import problem_key  # noqa: E402
-from phaze_opt.solve.schedule_instance import prepare  # noqa: E402
-from phaze_opt.solve.schedule_search import warm_up  # noqa: E402
+from phaze_opt.solve.schedule.solver import MIP_FIRST_S, SEARCH_FIRST_S, problem_from_graph, solve_schedule  # noqa: E402
+from phaze_opt.solve.schedule.cache import problem_key  # noqa: E402
+from phaze_opt.solve.schedule.instance import prepare  # noqa: E402
+from phaze_opt.solve.schedule.search import warm_up  # noqa: E402
 from phaze_opt.system import load_system  # noqa: E402
 from phaze_opt.workload.graphs import build_layer_graph  # noqa: E402
 from phaze_opt.workload.models import load_model  # noqa: E402

@@ -2,7 +2,7 @@
 
 `cache_root()` is `$PHAZE_OPT_CACHE`, else `.cache/phaze_opt` in the project folder (beside the
 package) of a clone, else the user's cache folder; the workload graphs (`workload/graphs.py`) and the solved schedules
-(`solve/schedule_cache.py`) each keep a folder under it.
+(`solve/schedule/cache.py`) each keep a folder under it.
 
 `BoundedMemo` is a least-recently-used mapping for the in-process memos (layer graphs, schedule
 records, per-layer costs and energies). A long study or sweep visits tens of thousands of designs;

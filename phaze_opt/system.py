@@ -61,7 +61,7 @@ between slices (the data-center network). What changes with a torus, and what do
   (one direction of one link, shared by interleaved groups); one that leaves the slice is priced as
   before, at the inter-node link;
 - pipeline hops and data-parallel rings keep the two-level rules above, with the slice as the node:
-  the placement DP vectorises exactly those rules (solve/placement.py, `_pairs` and
+  the placement DP vectorises exactly those rules (solve/placement/dp.py, `_pairs` and
   `_general_groups`), and the evaluator must agree with it. With a torus that prices a stage hop at
   one ICI link when S t divides the slice (exact for stage neighbours one torus hop apart,
   optimistic by the hop count when S t is not a product of leading dimensions), at the inter-slice

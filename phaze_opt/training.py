@@ -281,7 +281,7 @@ class Training:
         at least pp x v (first/last ranks of a x v and b x v layers, the middle ones v each, cover
         every multiple of v from pp x v up). A custom layout (`--pipeline-model-parallel-layout`)
         allows any split, but virtual stages of unequal size break the 1/v chunk pricing of
-        `placement_eval`, so it is not offered. pp = 1 runs no pipeline: always allowed."""
+        `placement.evaluate`, so it is not offered. pp = 1 runs no pipeline: always allowed."""
         v = self.virtual_stages
         pp = np.asarray(pp, dtype=np.int64)
         extra = int(self.account_for_embedding) + int(self.account_for_loss)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from phaze_opt.design.dominance import dominators
 from phaze_opt.design.upper_bound import WidthBounds, ideal_throughput, pipeline_throughput
-from phaze_opt.solve.placement import optimal_placement
-from phaze_opt.solve.placement_eval import evaluate_placement
-from phaze_opt.solve.placement_types import Placement
+from phaze_opt.solve.placement.dp import optimal_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.types import Placement
 from phaze_opt.system import load_system
 from phaze_opt.training import Training
 from test_placement_dp import SETTINGS, recipe_problems
@@ -204,7 +204,7 @@ def test_level1_bound_must_hide_the_overlapped_reduction():
     Its lower-bound backward (0.1 s instead of 1 s) leaves the bottleneck as it is but would expose
     0.9 s more of its reduction: a bound charging that exposed part would lie below the truth."""
     from test_placement_oracle import make_costs, make_system
-    from phaze_opt.solve.placement_types import PlacementProblem
+    from phaze_opt.solve.placement.types import PlacementProblem
 
     system = make_system(accelerators=4, devices_per_node=4, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
     costs = make_costs(1, [1.0, 0.1], [2.0, 1.0], [1, 125], [0, 0], [0, 0], [0, 0])

@@ -12,8 +12,8 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.design.evaluate import evaluate, training_problem
 from phaze_opt.training import Training
-from phaze_opt.solve.placement_eval import evaluate_placement
-from phaze_opt.solve.placement_types import Placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.types import Placement
 
 TPU = load_arch("tpuv4")
 
@@ -191,7 +191,7 @@ def test_a_short_ilp_time_limit_leaves_a_hard_design_unproven_with_a_sound_bound
     decides, as it did before that search existed. The schedule memo starts empty, so proofs from
     earlier runs cannot stand in for these solves."""
     from phaze_opt.design import evaluate as ev
-    from phaze_opt.solve import schedule, schedule_cache
+    from phaze_opt.solve.schedule import cache as schedule_cache, solver as schedule
 
     monkeypatch.setattr(schedule, "SEARCH_FIRST_S", 0.0)
     monkeypatch.setattr(schedule_cache, "cache_root", lambda: tmp_path)

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.solve.expert_parallel import effective_costs, optimal_placement
-from phaze_opt.solve.placement import optimal_placement as dense_optimal_placement
-from phaze_opt.solve.placement_eval import evaluate_placement, ring_allreduce_s
-from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem
+from phaze_opt.solve.placement.expert import effective_costs, optimal_placement
+from phaze_opt.solve.placement.dp import optimal_placement as dense_optimal_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
 from phaze_opt.training import RECIPE_FIELDS, Training
 
@@ -233,7 +233,7 @@ def test_effective_costs_are_the_evaluators_layer_terms():
 def test_effective_costs_at_every_ep_width_are_the_single_ones():
     """`effective_costs_at` shares the terms that do not depend on e: each width's arrays must be
     exactly those `effective_costs` gives alone (nothing carried from one width to the next)."""
-    from phaze_opt.solve.expert_parallel import effective_costs_at
+    from phaze_opt.solve.placement.expert import effective_costs_at
 
     for seed in range(5):
         prob = moe_problem(seed, ep=(1, 2, 4, 8), load_imbalance=1.0 + 0.25 * (seed % 2))

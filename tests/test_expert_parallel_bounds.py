@@ -13,9 +13,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from phaze_opt.solve import expert_parallel as ep
-from phaze_opt.solve.placement_eval import evaluate_placement
-from phaze_opt.solve.placement_types import Placement
+from phaze_opt.solve.placement import expert as ep
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.types import Placement
 from phaze_opt.training import Training
 
 from test_expert_parallel import moe_problem
@@ -90,7 +90,7 @@ def test_interleaved_memory_bound_at_its_edge():
     last 3 (Megatron); with 60 and 100 bytes both need 150, so at HBM 150 + state the split
     ((0, 1), (2, 3)) fits exactly, and the memory bound (least-loaded position: 3 chunks, over the
     mean stage) must keep its item. Counting 5 chunks there (the first device's) would drop it."""
-    from phaze_opt.solve.placement_types import LayerCosts, PlacementProblem
+    from phaze_opt.solve.placement.types import LayerCosts, PlacementProblem
 
     from test_placement_oracle import make_system
 

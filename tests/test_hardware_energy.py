@@ -18,7 +18,7 @@ from phaze_opt.hardware.energy import (
 )
 from phaze_opt.design.evaluate import evaluate, tp_layer_energies, training_problem
 from phaze_opt.training import Training
-from phaze_opt.solve.placement_types import LayerCosts
+from phaze_opt.solve.placement.types import LayerCosts
 from phaze_opt.system import load_system
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.ops import NET, NONE, TC, TCVC, VC, Op, OpGraph

@@ -13,8 +13,8 @@ from phaze_opt.design.evaluate import layer_costs
 from phaze_opt.design.parallel import attention_core_s, expert_s, with_parallel_terms
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.hardware.latency import estimate
-from phaze_opt.solve.expert_parallel import effective_costs
-from phaze_opt.solve.placement_types import PlacementProblem
+from phaze_opt.solve.placement.expert import effective_costs
+from phaze_opt.solve.placement.types import PlacementProblem
 from phaze_opt.system import load_system
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.models import load_model

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.solve.placement import min_memory_needed, optimal_placement
-from phaze_opt.solve.placement_eval import evaluate_placement
-from phaze_opt.solve.placement_types import Placement, PlacementProblem
+from phaze_opt.solve.placement.dp import min_memory_needed, optimal_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.types import Placement, PlacementProblem
 from phaze_opt.training import Training
 from test_placement_oracle import (
     brute_force,
@@ -275,7 +275,7 @@ def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
 
 def test_kmax_is_exact_where_float_division_rounds():
     """The number of in-flight microbatches that fit, against exact integer arithmetic."""
-    from phaze_opt.solve.placement import _kmax
+    from phaze_opt.solve.placement.dp import _kmax
 
     big = float(2**51 + 1)
     cases = [

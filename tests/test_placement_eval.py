@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.solve.placement import even_placement, optimal_placement
-from phaze_opt.solve.placement_eval import evaluate_placement, format_bytes, ring_allreduce_s
-from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
+from phaze_opt.solve.placement.dp import even_placement, optimal_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement, format_bytes, ring_allreduce_s
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
 from phaze_opt.training import Training
 from test_placement_oracle import make_costs, make_system
 

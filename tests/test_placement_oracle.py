@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from phaze_opt.solve.placement_eval import evaluate_placement
-from phaze_opt.solve.placement_types import LayerCosts, Placement, PlacementProblem
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
 from phaze_opt.training import Training
 

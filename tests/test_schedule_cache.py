@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from phaze_opt.solve import schedule_cache
-from phaze_opt.solve.schedule import solve_schedule
-from phaze_opt.solve.types import ScheduleProblem
+from phaze_opt.solve.schedule import cache as schedule_cache
+from phaze_opt.solve.schedule.solver import solve_schedule
+from phaze_opt.solve.schedule.types import ScheduleProblem
 
 P = ScheduleProblem(units=("tc", "vc", "tc"), single=(2.0, 1.0, 3.0), split=(1.0, 0.6, 1.5), edges=((0, 1),),
                     num_tc=2, num_vc=2, names=("a", "b", "c"))
@@ -108,7 +108,7 @@ def test_an_edited_or_malformed_disk_record_is_a_logged_miss_and_is_solved_again
         path.write_bytes(b"\xff" + path.read_bytes())
     else:
         true, path = _edit_on_disk(problem, EDITS[edit])
-    with caplog.at_level("WARNING", logger="phaze_opt.solve.schedule_cache"):
+    with caplog.at_level("WARNING", logger="phaze_opt.solve.schedule.cache"):
         again = solve_schedule(problem)
     assert again.method != "cache" and again.status == "optimal"
     assert again.makespan == true.makespan

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pulp
 import pytest
 
-from phaze_opt.solve.schedule_ilp import _run_solver, realise, relaxation_bound
-from phaze_opt.solve.schedule_instance import block_view, prepare
-from phaze_opt.solve.types import ScheduleProblem
+from phaze_opt.solve.schedule.ilp import _run_solver, realise, relaxation_bound
+from phaze_opt.solve.schedule.instance import block_view, prepare
+from phaze_opt.solve.schedule.types import ScheduleProblem
 
 
 def _lp() -> pulp.LpProblem:
@@ -89,9 +89,9 @@ IDLE_CHAIN_CASES = [
 def test_idle_chain_cut_lifts_the_relaxation_to_the_optimum(p, optimum, without_cut, monkeypatch):
     from schedule_oracle import oracle_makespan
 
-    from phaze_opt.solve.bounds import block_lower_bound
-    from phaze_opt.solve.schedule_heuristic import list_schedule
-    from phaze_opt.solve.schedule_ilp import BlockModel
+    from phaze_opt.solve.schedule.bounds import block_lower_bound
+    from phaze_opt.solve.schedule.heuristic import list_schedule
+    from phaze_opt.solve.schedule.ilp import BlockModel
 
     assert oracle_makespan(p.units, p.single, p.split, p.edges, p.num_tc, p.num_vc) == pytest.approx(optimum)
     inst = prepare(p)
@@ -106,7 +106,7 @@ def test_idle_chain_cut_lifts_the_relaxation_to_the_optimum(p, optimum, without_
     # The partner-idle cuts count the same forced idle (their width term g_i) and more, so they
     # go too: without both, the relaxation stops lower.
     monkeypatch.setattr(BlockModel, "_partner_idle_cuts", lambda *args: None)
-    from phaze_opt.solve import bounds
+    from phaze_opt.solve.schedule import bounds
     monkeypatch.setattr(bounds, "idle_chain_bound", lambda *args: 0.0)
     bound, proven, _ = relaxation_bound(inst, view, incumbent, block_lower_bound(inst, view))
     assert proven and bound == pytest.approx(without_cut)

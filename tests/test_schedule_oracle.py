@@ -6,13 +6,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.solve.bounds import block_lower_bound, lower_bound
-from phaze_opt.solve.schedule import solve_schedule
-from phaze_opt.solve.schedule_heuristic import list_schedule
-from phaze_opt.solve.schedule_ilp import relaxation_bound
-from phaze_opt.solve.schedule_instance import block_view, prepare
-from phaze_opt.solve.types import ScheduleProblem
-from phaze_opt.solve.verify import verify_schedule
+from phaze_opt.solve.schedule.bounds import block_lower_bound, lower_bound
+from phaze_opt.solve.schedule.solver import solve_schedule
+from phaze_opt.solve.schedule.heuristic import list_schedule
+from phaze_opt.solve.schedule.ilp import relaxation_bound
+from phaze_opt.solve.schedule.instance import block_view, prepare
+from phaze_opt.solve.schedule.types import ScheduleProblem
+from phaze_opt.solve.schedule.verify import verify_schedule
 
 from schedule_oracle import oracle_makespan
 
@@ -156,7 +156,7 @@ def test_oracle_itself_on_hand_cases():
 def _stopped_at_once(inst, view, incumbent, deadline):
     """A search before the MIP that stops at once, handing over a legal but poor schedule: every op
     alone, one after another, in its single mode (view.ops is in topological order)."""
-    from phaze_opt.solve.schedule_search import SearchResult
+    from phaze_opt.solve.schedule.search import SearchResult
 
     t, start, modes = 0.0, {}, {}
     for i in view.ops:
@@ -170,7 +170,7 @@ def _stopped_at_once(inst, view, incumbent, deadline):
 def test_an_unfinished_first_search_hands_over_to_the_mip(p):
     """The search before the MIP proves nothing when it stops early: its incumbent goes to the MIP,
     whose answer must still be the optimum. Fails if an unfinished first search is taken as a proof."""
-    from phaze_opt.solve import schedule
+    from phaze_opt.solve.schedule import solver as schedule
 
     with pytest.MonkeyPatch.context() as mp:  # patched for this example only
         mp.setattr(schedule, "_search_first", _stopped_at_once)

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.solve.schedule import solve_schedule
-from phaze_opt.solve.schedule_heuristic import list_schedule, schedule_from_hint
-from phaze_opt.solve.schedule_ilp import relaxation_bound
-from phaze_opt.solve.bounds import block_lower_bound
-from phaze_opt.solve.schedule_instance import block_view, prepare
-from phaze_opt.solve.schedule_search import search_block
-from phaze_opt.solve.types import ScheduleProblem
-from phaze_opt.solve.verify import verify_schedule
+from phaze_opt.solve.schedule.solver import solve_schedule
+from phaze_opt.solve.schedule.heuristic import list_schedule, schedule_from_hint
+from phaze_opt.solve.schedule.ilp import relaxation_bound
+from phaze_opt.solve.schedule.bounds import block_lower_bound
+from phaze_opt.solve.schedule.instance import block_view, prepare
+from phaze_opt.solve.schedule.search import search_block
+from phaze_opt.solve.schedule.types import ScheduleProblem
+from phaze_opt.solve.schedule.verify import verify_schedule
 
 from schedule_oracle import oracle_makespan
 
@@ -140,8 +140,8 @@ def test_restricted_search_and_hint_schedules_are_legal(p, data):
 
 
 def _check_legal(p: ScheduleProblem, start: dict, modes: dict, ms: float) -> None:
-    from phaze_opt.solve.types import Schedule
-    from phaze_opt.solve.verify import assign_cores, expected_duration
+    from phaze_opt.solve.schedule.types import Schedule
+    from phaze_opt.solve.schedule.verify import assign_cores, expected_duration
 
     n = len(p.units)
     split = tuple(bool(modes[i]) for i in range(n))
@@ -172,7 +172,7 @@ def test_every_partner_cut_holds_at_an_optimal_schedule(p, data):
     splits at, so add them all, at random modes, to the relaxation with its modes held to an optimal
     schedule's: its optimum must stay at or below that schedule's makespan. (The separation rounds
     only ever add a few of these; this tries them all, side binaries included.)"""
-    from phaze_opt.solve.schedule_ilp import BlockModel, _run_solver
+    from phaze_opt.solve.schedule.ilp import BlockModel, _run_solver
 
     inst = prepare(p)
     if len(inst.blocks) != 1 or len(inst.blocks[0]) < 2:

@@ -1,4 +1,4 @@
-"""The decision-point search (schedule_search) is exact: it matches the independent oracle on random
+"""The decision-point search (solve.schedule.search) is exact: it matches the independent oracle on random
 small problems when it alone has to find the optimum, and it closes real blocks the MIP cannot."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from phaze_opt.solve import schedule
-from phaze_opt.solve.schedule_ilp import IlpResult
-from phaze_opt.solve.schedule_instance import block_view, prepare
-from phaze_opt.solve.schedule_search import search_block
-from phaze_opt.solve.verify import verify_schedule
+from phaze_opt.solve.schedule import solver as schedule
+from phaze_opt.solve.schedule.ilp import IlpResult
+from phaze_opt.solve.schedule.instance import block_view, prepare
+from phaze_opt.solve.schedule.search import search_block
+from phaze_opt.solve.schedule.verify import verify_schedule
 
 from schedule_oracle import oracle_makespan
 from test_schedule_oracle import small_problems
@@ -72,7 +72,7 @@ def test_search_from_a_serial_incumbent_finds_the_optimum(p):
 
 
 def test_search_stopped_by_its_deadline_proves_nothing():
-    from phaze_opt.solve.types import ScheduleProblem
+    from phaze_opt.solve.schedule.types import ScheduleProblem
 
     p = ScheduleProblem(units=("tc",) * 6, single=(3.0, 2.0, 2.0, 1.0, 1.0, 1.0), split=(1.5, 1.0, 1.0, 0.5, 0.5, 0.5),
                         edges=(), num_tc=2, num_vc=1)
@@ -85,7 +85,7 @@ def test_search_stopped_by_its_deadline_proves_nothing():
 def _bert_bwd_block_on_two_tcs():
     from phaze_opt.hardware.arch import load_arch
     from phaze_opt.hardware.latency import estimate
-    from phaze_opt.solve.schedule import problem_from_graph
+    from phaze_opt.solve.schedule.solver import problem_from_graph
     from phaze_opt.system import load_system
     from phaze_opt.workload.graphs import build_layer_graph
     from phaze_opt.workload.models import load_model
@@ -113,8 +113,8 @@ def test_search_closes_a_real_block_the_mip_leaves_open():
 
 
 def test_a_full_memo_costs_speed_not_exactness(monkeypatch):
-    from phaze_opt.solve import schedule_search
-    from phaze_opt.solve.types import ScheduleProblem
+    from phaze_opt.solve.schedule import search as schedule_search
+    from phaze_opt.solve.schedule.types import ScheduleProblem
 
     monkeypatch.setattr(schedule_search, "MEMO_MAX_STATES", 3)
     p = ScheduleProblem(units=("tc", "vc", "tc", "vc", "tc"), single=(3.0, 2.0, 2.0, 3.0, 4.0),
@@ -133,8 +133,8 @@ def test_more_running_ops_than_memo_slots_stay_exact():
     """Ten independent vector ops on twelve VCs all run at once, more than a memo key holds: such
     nodes go unmemoised, and the search must still find the optimum (all ten side by side in single
     mode: 1.9 s; one after another in split mode would take 7.25 s)."""
-    from phaze_opt.solve import schedule_search
-    from phaze_opt.solve.types import ScheduleProblem
+    from phaze_opt.solve.schedule import search as schedule_search
+    from phaze_opt.solve.schedule.types import ScheduleProblem
 
     n = schedule_search.MEMO_SLOTS + 2
     single = tuple(1.0 + 0.1 * i for i in range(n))
@@ -148,8 +148,8 @@ def test_more_running_ops_than_memo_slots_stay_exact():
 
 
 def test_a_block_too_large_for_the_search_is_refused():
-    from phaze_opt.solve import schedule_search
-    from phaze_opt.solve.types import ScheduleProblem
+    from phaze_opt.solve.schedule import search as schedule_search
+    from phaze_opt.solve.schedule.types import ScheduleProblem
 
     n = schedule_search.SEARCH_MAX_OPS + 1
     p = ScheduleProblem(units=("tc",) * n, single=(1.0,) * n, split=(0.5,) * n, edges=(), num_tc=2, num_vc=1)

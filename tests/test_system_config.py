@@ -200,7 +200,7 @@ def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(
     microbatch counts (O(sqrt(batch))), never as an array of every degree."""
     import numpy as np
 
-    from phaze_opt.solve import placement
+    from phaze_opt.solve.placement import dp as placement
     from phaze_opt.system import LIMITS
 
     system = system_from_dict({**GOOD, "accelerators": LIMITS["accelerators"].maximum})

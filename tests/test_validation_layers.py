@@ -10,7 +10,7 @@ import pytest
 
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.hardware.efficiency import IDENTITY, Efficiency
-from phaze_opt.solve.schedule import schedule_graph
+from phaze_opt.solve.schedule.solver import schedule_graph
 from phaze_opt.validation.fit_operators import (
     DERIVED, FIT_TP, GRID, fit_operator_efficiency, serial_seconds, split_rows,
 )

@@ -27,7 +27,7 @@ def run(args) -> dict:
     from ..errors import PhazeError
     from ..hardware.arch import load_arch
     from ..hardware.latency import estimate
-    from ..solve.schedule import _utilisation, problem_from_graph, solve_schedule
+    from ..solve.schedule.solver import _utilisation, problem_from_graph, solve_schedule
     from ..system import load_system
     from ..workload.graphs import build_layer_graph
     from ..workload.models import load_model

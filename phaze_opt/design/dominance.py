@@ -9,7 +9,7 @@ random placement problems), up to floating-point rounding of equal sums:
 
 - `overlap`: overlapped gradient reduction on beats off. The only time terms it touches are the
   data-parallel reductions (the per-batch tail, ZeRO-3's per-microbatch reduce-scatter), each
-  max(0, reduction - backward) <= reduction (`solve.placement_eval`); memory does not depend on it.
+  max(0, reduction - backward) <= reduction (`solve.placement.evaluate`); memory does not depend on it.
 - `sequence_parallel`: on beats off. The layer times do not depend on it (its TP collectives, a
   reduce-scatter plus an all-gather, cost exactly the ring all-reduce they replace:
   2 (g-1)/g x bytes / bw + 2 (g-1) x latency either way; `workload.collectives`), and every activation

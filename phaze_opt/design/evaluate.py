@@ -44,11 +44,11 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.area import area_mm2
 from ..hardware.energy import batch_energy, layer_energies, load_constants as load_energy_constants, op_energy
 from ..hardware.latency import estimate
-from ..solve.expert_parallel import optimal_placement
-from ..solve.placement import even_placement
-from ..solve.placement_eval import evaluate_placement
-from ..solve.placement_types import LayerCosts, PlacementProblem
-from ..solve.schedule import schedule_graph
+from ..solve.placement.expert import optimal_placement
+from ..solve.placement.dp import even_placement
+from ..solve.placement.evaluate import evaluate_placement
+from ..solve.placement.types import LayerCosts, PlacementProblem
+from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import Training
 from ..workload.graphs import build_layer_graph, sequence_parallel_graph

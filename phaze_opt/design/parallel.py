@@ -1,5 +1,5 @@
 """Expert and context parallelism for a design (issue 19): which widths are searched, and the
-per-layer terms the placement prices them with (`solve/placement_eval.py`'s docstring).
+per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s docstring).
 
 - EP widths: the powers of two that divide the model's routed experts (1 for a dense model); each
   EP rank then holds experts / e whole experts.
@@ -24,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..hardware.latency import estimate
-from ..solve.placement_types import LayerCosts
+from ..solve.placement.types import LayerCosts
 from ..workload.graphs import build_layer_graph, routed_expert_params
 from ..workload.layers import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig

@@ -2,12 +2,12 @@
 
 A grid point may be skipped only if no schedule and no placement could make it beat the best
 design already evaluated. Both bounds below are built from *lower* bounds on every layer pass's
-makespan, and the placement cost model (`solve.placement_eval`) is non-decreasing in every layer
+makespan, and the placement cost model (`solve.placement.evaluate`) is non-decreasing in every layer
 time (stage times are sums of layer times; time per batch is (m + S - 1) x bottleneck + all-reduce),
 so shorter layer times can only raise throughput. Everything is vectorised over designs.
 
 Per layer pass, on each design (`pass_lower_bounds`), the largest of three sound bounds for the
-scheduling semantics of `solve.schedule` (the scheduler's own `solve.bounds`, restated on arrays
+scheduling semantics of `solve.schedule.solver` (the scheduler's own `solve.schedule.bounds`, restated on arrays
 of designs, whole graph at once):
 
 - critical path with every op at its faster mode;
@@ -25,7 +25,7 @@ throughput <= mbs N / min_t (t W_t): perfect scaling with no bubble, no communic
 memory limit. It holds for every HBM capacity and recipe (recompute, sequence parallelism, virtual
 stages, ZeRO, overlap: each only adds time or memory over the ideal) of a design whose latencies
 are no lower; the attention kernel changes the layer graph, so a space with both kernels takes
-the larger of the two bounds (`solve.schedule` makespans grow with latencies, and latencies fall with HBM
+the larger of the two bounds (`solve.schedule.solver` makespans grow with latencies, and latencies fall with HBM
 bandwidth), which lets one bound cover a whole architecture.
 
 `pipeline_throughput` tightens level 0 with what every placement pays whatever its recipe: whole
@@ -56,8 +56,8 @@ from typing import Sequence
 import numpy as np
 
 from ..hardware.latency import DesignArrays, estimate
-from ..solve.expert_parallel import optimal_placement
-from ..solve.placement_types import LayerCosts, PlacementProblem
+from ..solve.placement.expert import optimal_placement
+from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..training import Training
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC

@@ -27,7 +27,7 @@ Per training batch for a placement (tp x pp stages x dp replicas, m microbatches
 The recomputed forward runs on every stage, the last included, as in the placement evaluator
 (issue 16; `full` recomputes each layer's forward, `selective` the attention core's share of it,
 in the ratio of its forward time)
-(`solve/placement_eval.py`), and a stage's inputs and output gradients cross the pipeline link as
+(`solve/placement/evaluate.py`), and a stage's inputs and output gradients cross the pipeline link as
 there. Left out: the optimizer step (its time is not modelled either), HBM refresh/background power,
 on-chip wires beyond the GLB bank, the PE-array register traffic and the memory traffic of
 collectives.
@@ -299,7 +299,7 @@ def batch_energy(
     compute, sram, hbm, tp_link = per_mb * scale
     recompute_j = float(again.sum() * scale)
 
-    # pipeline: each stage receives its inputs forward and its outputs' gradients backward (placement_eval)
+    # pipeline: each stage receives its inputs forward and its outputs' gradients backward (placement.evaluate)
     boundary = np.asarray(costs.boundary_bytes, dtype=float)
     crossing = [(u, v) for u, v in costs.edges if stage_of[u] != stage_of[v]]
     inputs = {(u, int(stage_of[v])) for u, v in crossing}  # each producer once per consuming stage

@@ -13,7 +13,7 @@ ATen operator (configs/validation/truth/README.md), so by default the graph is t
 fusion pass (`fuse=False`: every operator its own op, as eager launched it); `fuse=True` compares the
 project's fused graph instead (the element-wise chains a compiler or Megatron's fused kernels merge). Its operators are priced by the latency model
 (hardware/latency.py, with the arch's `efficiency`), the collectives (the TP all-reduces) are given zero
-time, and the pass's makespan is the exact per-layer schedule (solve/schedule.py: proven optimal, or the
+time, and the pass's makespan is the exact per-layer schedule (solve/schedule/solver.py: proven optimal, or the
 verified incumbent and its bound if the time limit stops it; `LayerResult.proven` and `.gap` say
 which and how far: with the calibrated h100-sxm, Llama-2's unfused backward passes stop at the
 60 s limit at most 0.3% above their bound).
@@ -34,7 +34,7 @@ import numpy as np
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.latency import BYTES_PER_ELEMENT, estimate
-from ..solve.schedule import schedule_graph
+from ..solve.schedule.solver import schedule_graph
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, TC, Op, OpGraph
 from .suites import Gemm, LayerRow, Suite

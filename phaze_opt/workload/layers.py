@@ -447,7 +447,7 @@ class MoE(nn.Module):
 
     Under expert parallelism e the same tokens meet the same experts, E/e per device with e times
     the rows each: the FLOPs are those traced here; the all-to-alls around the experts are costed
-    by the placement (solve/expert_parallel.py).
+    by the placement (solve/placement/expert.py).
     """
 
     def __init__(self, model: ModelConfig, t: int, dtype):

@@ -1,6 +1,6 @@
 """Exact device placement: pipeline stages, TP width and data-parallel degree for one design.
 
-The cost model is defined once, in `placement_eval` (read its docstring first); this module finds
+The cost model is defined once, in `placement.evaluate` (read its docstring first); this module finds
 the placement that minimises its time per batch, and every answer is re-evaluated by that
 independent evaluator before it is returned.
 
@@ -56,9 +56,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import PhazeError
-from .placement_eval import evaluate_placement, format_bytes, fsdp_exposed_s, ring_allreduce_s
-from .placement_types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
+from ...errors import PhazeError
+from .evaluate import evaluate_placement, format_bytes, fsdp_exposed_s, ring_allreduce_s
+from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -152,7 +152,7 @@ def _kmax(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarray:
 
 def _layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer, by the recipe's recompute mode: (bytes kept per in-flight microbatch, working set
-    during its backward, recompute time); see placement_eval for the model and its sources."""
+    during its backward, recompute time); see placement.evaluate for the model and its sources."""
     if problem.training.recompute == "full":
         kept, work, rec = c.checkpoint_bytes, c.full_work_bytes, c.fwd_s
     elif problem.training.recompute == "selective":
@@ -682,7 +682,7 @@ def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> _
 
 
 def _half(nbytes, d: int, link) -> np.ndarray:
-    """Ring reduce-scatter / all-gather of nbytes per device over d replicas (placement_eval)."""
+    """Ring reduce-scatter / all-gather of nbytes per device over d replicas (placement.evaluate)."""
     if d <= 1:
         return np.zeros_like(nbytes)
     with np.errstate(invalid="ignore"):
@@ -691,7 +691,7 @@ def _half(nbytes, d: int, link) -> np.ndarray:
 
 def _zero3_exposed(st: _Stack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
-    ZeRO-3 with FSDP's prefetch (`placement_eval.fsdp_exposed_s`), forward and backward pass, from
+    ZeRO-3 with FSDP's prefetch (`placement.evaluate.fsdp_exposed_s`), forward and backward pass, from
     the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
     g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
     g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms."""
@@ -765,7 +765,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         lat = np.where(ring == 1, intra.latency, inter.latency)
         bw = np.where(ring == 1, intra.bandwidth, inter.bandwidth)
 
-        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement_eval.ring_half_s)
+        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement.evaluate.ring_half_s)
             return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
 
         big = total_params / S
@@ -856,7 +856,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
             exposed_f, exposed_b = _zero3_exposed(st, b, gather)
-            if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement_eval)
+            if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
             time_g = time_g + (exposed_f + exposed_b + scatter)
         else:
@@ -906,7 +906,7 @@ def stage_fit(state, acts, workmax, ok, hbm_bytes: float, S_only: int, v: int, m
     """Per candidate stage of one block, the most microbatches it can hold in flight within HBM
     (_KMAX_CAP: any number), so that a stage at pipeline position k (k in flight) fits iff kmax >= k.
     Interleaved (S_only = the group's stage count): memory at position k from Megatron's in-flight
-    chunk count, as placement_eval prices it; otherwise 1F1B's q = min(k, m), past m nothing grows."""
+    chunk count, as placement.evaluate prices it; otherwise 1F1B's q = min(k, m), past m nothing grows."""
     if S_only:
         fits = np.zeros(np.broadcast(state, acts).shape, dtype=np.int64)
         for k in range(1, S_only + 1):

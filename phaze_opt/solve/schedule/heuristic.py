@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 
-from .schedule_instance import BlockView, Instance, longest_tails
+from .instance import BlockView, Instance, longest_tails
 
 
 class Profile:

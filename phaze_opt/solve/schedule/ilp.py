@@ -86,10 +86,10 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from .schedule_heuristic import duration, schedule_from_hint
+from .heuristic import duration, schedule_from_hint
 from .bounds import idle_width
-from .schedule_instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
-from .schedule_search import SEARCH_MAX_OPS, ensure_warm, search_block
+from .instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
+from .search import SEARCH_MAX_OPS, ensure_warm, search_block
 
 SCALE_TARGET = 1000.0
 WINDOW_SLACK = 1e-7  # relative widening of the UB-based windows so the incumbent stays feasible

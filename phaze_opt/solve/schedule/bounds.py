@@ -1,7 +1,7 @@
 """Lower bounds on the makespan of a per-layer schedule.
 
-All are sound for the semantics of `phaze_opt.solve.schedule` (see its docstring). Each is taken
-per series block (`schedule_instance`): blocks run one after another, so the bound of a problem is
+All are sound for the semantics of `phaze_opt.solve.schedule.solver` (see its docstring). Each is taken
+per series block (`instance`): blocks run one after another, so the bound of a problem is
 the sum of its blocks' bounds, which is never below the bound of the whole graph at once.
 
 - critical path: the longest path with every op at its fastest allowed latency;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from .schedule_instance import BlockView, Instance, block_view, longest_heads, longest_tails, max_antichain, prepare
+from .instance import BlockView, Instance, block_view, longest_heads, longest_tails, max_antichain, prepare
 from .types import ScheduleProblem
 
 

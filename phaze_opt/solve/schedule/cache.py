@@ -35,9 +35,9 @@ import logging
 import math
 from pathlib import Path
 
-from ..cache import BoundedMemo, cache_root, write_atomic
+from ...cache import BoundedMemo, cache_root, write_atomic
 from .bounds import lower_bound as problem_lower_bound
-from .schedule_ilp import PROVEN_REL_GAP
+from .ilp import PROVEN_REL_GAP
 from .types import Schedule, ScheduleProblem
 from .verify import ScheduleViolation, verify_schedule
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..workload.ops import UNITS
+from ...workload.ops import UNITS
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Schedule:
     makespan: float
     lower_bound: float
     status: str  # optimal | time_limit | error
-    method: str  # bound (heuristic met the lower bound) | ilp | search (schedule_search proved it) | cache
+    method: str  # bound (heuristic met the lower bound) | ilp | search (the branch and bound proved it) | cache
     solve_s: float
     start: tuple[float, ...]
     split: tuple[bool, ...]  # True: op ran split across all cores of its type

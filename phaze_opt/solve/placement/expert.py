@@ -1,9 +1,9 @@
 """Exact placement with expert parallelism (EP) and context parallelism (CP) as further dimensions.
 
-The cost model is `placement_eval`'s (its docstring, "Expert parallelism e and context parallelism
+The cost model is `placement.evaluate`'s (its docstring, "Expert parallelism e and context parallelism
 c"); this module finds the placement minimising it over every TP width t, CP width c, EP width e,
 stage count S, data-parallel degree d (a multiple of e, t c S d <= accelerators) and split into
-stages, and re-checks the answer with that independent evaluator, as `placement.optimal_placement`
+stages, and re-checks the answer with that independent evaluator, as `dp.optimal_placement`
 does for TP/PP/DP alone. Problems without EP, CP or a load imbalance go to that DP unchanged.
 
 How. For a fixed (c, e) every layer's time and memory terms are fixed numbers
@@ -41,8 +41,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import PhazeError
-from .placement import (
+from ...errors import PhazeError
+from .dp import (
     INF,
     _Best,
     _chain_stack,
@@ -56,9 +56,9 @@ from .placement import (
     min_memory_needed,
     stage_fit,
 )
-from .placement import optimal_placement as dense_optimal_placement
-from .placement_eval import format_bytes
-from .placement_types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
+from .dp import optimal_placement as dense_optimal_placement
+from .evaluate import format_bytes
+from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -466,7 +466,7 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
     """The placement with the least time per batch over TP, CP, EP, PP, DP and the stage split,
-    checked by the independent evaluator; `placement.optimal_placement` when there is no EP/CP."""
+    checked by the independent evaluator; `dp.optimal_placement` when there is no EP/CP."""
     if not problem.parallel_dims:
         return dense_optimal_placement(problem, force_dag=force_dag)
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """The independent evaluator: time and memory of any given placement, recomputed from scratch.
 
-It shares no code with the DP (`placement.py`) beyond the input types and the System's link rules;
+It shares no code with the DP (`dp.py`) beyond the input types and the System's link rules;
 it walks the stages and layers one by one, so a slip in the DP's vectorised tables shows up as a
 disagreement in the tests. The model it implements (the definition the DP must optimise exactly):
 
@@ -87,7 +87,7 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
 
 from __future__ import annotations
 
-from .placement_types import (
+from .types import (
     Placement,
     PlacementProblem,
     PlacementResult,

@@ -53,7 +53,7 @@ import numpy as np
 from numba import njit, objmode, types
 from numba.typed import Dict
 
-from .schedule_instance import BlockView, Instance, block_view, prepare
+from .instance import BlockView, Instance, block_view, prepare
 from .types import ScheduleProblem
 
 REL_TOL = 1e-9  # a schedule must beat the incumbent by more than rounding to count

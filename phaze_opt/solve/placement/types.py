@@ -4,7 +4,7 @@
 backward time per microbatch (from the per-layer schedules, TP collectives included), parameters
 and activation sizes per device. A `PlacementProblem` bundles one `LayerCosts` per TP width with the
 system, the chip's HBM and peak, the microbatch and the recompute choice. The placement DP
-(`placement.optimal_placement`) and the independent evaluator (`placement_eval.evaluate_placement`)
+(`dp.optimal_placement`) and the independent evaluator (`placement.evaluate.evaluate_placement`)
 both read only these values, so they can be tested on synthetic layers.
 
 Units: seconds, bytes, parameters (counts), FLOP. Byte and parameter arrays are rounded up to whole
@@ -20,10 +20,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import PhazeError
-from ..system import System
-from ..training import Training, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
-from ..workload.ops import EXACT_BYTES, largest_memory_bytes
+from ...errors import PhazeError
+from ...system import System
+from ...training import Training, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
+from ...workload.ops import EXACT_BYTES, largest_memory_bytes
 
 
 def _array(name: str, values, n: int | None, whole: bool) -> np.ndarray:
@@ -63,7 +63,7 @@ class LayerCosts:
     - `selective_s`: the forward time of the attention core, what selective recompute adds to the
       backward (default 0); full recompute adds `fwd_s`.
 
-    Expert and context parallelism (issue 19; the model in `placement_eval`), all default 0:
+    Expert and context parallelism (issue 19; the model in `placement.evaluate`), all default 0:
     `expert_params` (of `params`, the routed experts' share, divided over the EP group),
     `dispatch_bytes` (one all-to-all's payload per device: tokens x k x capacity factor x hidden x
     bytes), `expert_fwd_s` / `expert_bwd_s` (the experts' grouped GEMMs, scaled by the load
@@ -288,7 +288,7 @@ class PlacementProblem:
     @property
     def parallel_dims(self) -> bool:
         """Whether expert or context parallelism (or a load imbalance) is in play: the placement is
-        then searched by `solve/expert_parallel.py`."""
+        then searched by `solve/placement/expert.py`."""
         return self.ep_widths != (1,) or self.cp_widths != (1,) or (
             self.training.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs))
 

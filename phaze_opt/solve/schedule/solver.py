@@ -15,19 +15,19 @@ Semantics (the verifier in `verify.py` checks exactly these):
 
 How it is solved exactly (each step is argued where it is implemented):
 
-1. `schedule_instance.prepare`: drop dominated split modes, contract zero-time ops, compute the
+1. `instance.prepare`: drop dominated split modes, contract zero-time ops, compute the
    transitive closure and cut the graph into series blocks, each solved on its own.
 2. `bounds`: a lower bound per block (critical path at fastest latencies, link serialisation, a
    timeline bound that mixes split time with TC and VC work over cores, and the idle time a chain
    of ops forces when too few ops can run beside them).
-3. `schedule_heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
+3. `heuristic.list_schedule`: a legal schedule by list scheduling. If it meets the lower
    bound (to 1e-9 relative, i.e. floating-point rounding), it is optimal and no solver runs
    (method "bound").
 4. Otherwise, on a block of at most SEARCH_MAX_OPS ops, the compiled decision-point search
-   (`schedule_search.search_block`, below) runs from the list schedule for SEARCH_FIRST_S; if it
+   (`search.search_block`, below) runs from the list schedule for SEARCH_FIRST_S; if it
    finishes, its schedule is proven optimal (method "search") and no LP or MIP is built. Most blocks
    close here in under a millisecond, where building and solving the MIP costs 0.1-2 s.
-   Otherwise `schedule_ilp.solve_block`: first the order-free relaxation (with its partner-idle
+   Otherwise `ilp.solve_block`: first the order-free relaxation (with its partner-idle
    cuts), and a hunt for a schedule meeting its bound (its hint, restricted searches; a finished
    unrestricted search also proves); then the MIP with the best schedule so far as warm start and upper bound,
    zero gap, lazy core-limit cuts, exact realisation of the solver's answer (method "ilp"; "search"
@@ -35,14 +35,14 @@ How it is solved exactly (each step is argued where it is implemented):
    that stops at the time limit returns its best schedule as status "time_limit" with the proven
    bound, never as "optimal".
    The MIP gets MIP_FIRST_S first. A block it has not closed by then goes to
-   `schedule_search.search_block`, an exact branch and bound over decision points started from the
+   `search.search_block`, an exact branch and bound over decision points started from the
    MIP's incumbent, for 80% of the time left; if that finishes, its schedule is optimal (it closes the
    blocks whose optimum turns on which vector ops hide beside equal single-mode GEMMs, which the
    MIP's relaxation cannot see). If not, the MIP runs again for the rest of the time, warm-started
    with the better incumbent, and the best proven bound of the phases is reported.
 5. Every result is replayed by `verify.verify_schedule` before it is returned, and memoised by
-   content (`schedule_cache`, method "cache" on a hit; a hit read from disk is replayed against
-   the problem and its claimed bound checked before it is used, see `schedule_cache.check_hit`).
+   content (`cache`, method "cache" on a hit; a hit read from disk is replayed against
+   the problem and its claimed bound checked before it is used, see `cache.check_hit`).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from __future__ import annotations
 import time
 
 from .bounds import block_bounds
-from .schedule_cache import get as cache_get
-from .schedule_cache import problem_key
-from .schedule_cache import put as cache_put
-from .schedule_heuristic import list_schedule
-from .schedule_ilp import IlpResult, solve_block
-from .schedule_search import SEARCH_MAX_OPS, ensure_warm, search_block
-from .schedule_instance import block_view, prepare
+from .cache import get as cache_get
+from .cache import problem_key
+from .cache import put as cache_put
+from .heuristic import list_schedule
+from .ilp import IlpResult, solve_block
+from .search import SEARCH_MAX_OPS, ensure_warm, search_block
+from .instance import block_view, prepare
 from .types import Schedule, ScheduleProblem
 from .verify import assign_cores, expected_duration, verify_schedule
 
@@ -65,10 +65,10 @@ BOUND_REL_TOL = 1e-9  # heuristic == bound up to floating-point rounding
 # A block the list schedule does not prove goes first to the compiled search for at most this long:
 # on 612 benchmark blocks that reach a solver it closed 605 with a median of 0.26 ms (BENCHMARKS.md,
 # "Per-layer scheduling"), where the MIP takes 0.1-2 s a block on chips of two tensor cores. A search
-# that finishes is a proof (schedule_search's docstring), so nothing is lost when it does; one that
+# that finishes is a proof (search's docstring), so nothing is lost when it does; one that
 # does not hands its incumbent, at least as good as the list schedule, to the MIP.
 SEARCH_FIRST_S = 0.1
-PHASE_S = 4.0  # the relaxation phases of the first solve_block (schedule_ilp), before its MIP
+PHASE_S = 4.0  # the relaxation phases of the first solve_block (ilp), before its MIP
 MIP_FIRST_S = 2.0  # the MIP closes all but a few dozen benchmark blocks within this; then the search joins in
 SEARCH_SHARE = 0.8  # the second MIP phase closed no benchmark block the search left open; it keeps the bound honest
 
@@ -125,7 +125,7 @@ def _search_first(inst, view, incumbent, deadline: float):
 
 
 def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
-    """The MIP did not close the block in MIP_FIRST_S: search (`schedule_search`) from its incumbent
+    """The MIP did not close the block in MIP_FIRST_S: search (`search`) from its incumbent
     for up to SEARCH_SHARE of the time left; if that does not finish, give the MIP the rest,
     warm-started with the better incumbent. Every phase's bound is proven, so the best of them
     stands."""

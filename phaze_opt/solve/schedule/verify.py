@@ -1,6 +1,6 @@
 """Independent replay of a per-layer schedule: is it legal, and what is its makespan?
 
-This module shares no code with the scheduler (`schedule.py` and its helpers) on purpose: every
+This module shares no code with the scheduler (`solver.py` and its helpers) on purpose: every
 schedule the solver returns, and every schedule in the tests, is replayed here from the problem
 alone. It checks, for every op i of a `ScheduleProblem` and a `Schedule`:
 
