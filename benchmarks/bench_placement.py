@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from phaze_opt.solve.placement.dp import optimal_placement
+from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.types import LayerCosts, PlacementProblem
 from phaze_opt.system import load_system
 from phaze_opt.training import Training
@@ -91,11 +91,11 @@ def main() -> None:
     for name, system_name, hbm, mbs, recompute, *extra in SCENARIOS:
         system = load_system(system_name)
         prob = problem(system, hbm, mbs, recompute, **(extra[0] if extra else {}))
-        optimal_placement(prob)  # cold run: imports, allocations
+        optimal_dense_placement(prob)  # cold run: imports, allocations
         times = []
         for _ in range(args.runs):
             start = time.perf_counter()
-            result = optimal_placement(prob)
+            result = optimal_dense_placement(prob)
             times.append(time.perf_counter() - start)
         if result.feasible:
             what = (f"tp {result.tp} pp {result.pp} dp {result.dp} m {result.microbatches}: "

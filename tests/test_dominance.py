@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from phaze_opt.design.dominance import dominators
 from phaze_opt.design.upper_bound import WidthBounds, ideal_throughput, pipeline_throughput
-from phaze_opt.solve.placement.dp import optimal_placement
+from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.types import Placement
 from phaze_opt.system import load_system
@@ -87,7 +87,7 @@ def test_overlap_and_zero1_dominate_placement_by_placement(problem):
             assert b.feasible or not a.feasible, (a.reason, b.reason)
             if a.feasible:
                 assert b.time_per_batch_s <= a.time_per_batch_s * (1 + 1e-12)
-        assert optimal_placement(better).throughput >= optimal_placement(worse).throughput * (1 - 1e-12)
+        assert optimal_dense_placement(better).throughput >= optimal_dense_placement(worse).throughput * (1 - 1e-12)
 
 
 @st.composite
@@ -108,7 +108,7 @@ def sp_pairs(draw):
 @given(sp_pairs())
 def test_less_memory_at_the_same_times_never_loses(pair):
     problem, smaller = pair
-    assert optimal_placement(smaller).throughput >= optimal_placement(problem).throughput * (1 - 1e-12)
+    assert optimal_dense_placement(smaller).throughput >= optimal_dense_placement(problem).throughput * (1 - 1e-12)
 
 
 @pytest.mark.slow
@@ -184,8 +184,8 @@ def test_level1_bound_never_below_the_true_optimum(case):
     (`reduction_hidden` off), or charged selective recompute's attention-core time from the lower
     bounds, or anything else that makes the bound's time exceed the true time of some placement."""
     problem, scale = case
-    true = optimal_placement(problem)
-    bound = optimal_placement(_lower_bound_problem(problem, scale))
+    true = optimal_dense_placement(problem)
+    bound = optimal_dense_placement(_lower_bound_problem(problem, scale))
     assert bound.throughput >= true.throughput * (1 - 1e-9), (bound.throughput, true.throughput)
     if true.feasible:
         assert bound.feasible
@@ -209,12 +209,12 @@ def test_level1_bound_must_hide_the_overlapped_reduction():
     system = make_system(accelerators=4, devices_per_node=4, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
     costs = make_costs(1, [1.0, 0.1], [2.0, 1.0], [1, 125], [0, 0], [0, 0], [0, 0])
     true = PlacementProblem(training=Training(mbs=1, overlap_grad_reduce=True), costs=(costs,), system=system, hbm_bytes=2010, peak_flops=1.0)
-    best = optimal_placement(true)
+    best = optimal_dense_placement(true)
     assert best.pp == 2 and best.dp == 2 and best.time_per_batch_s == pytest.approx(6.0 + 1.5)  # 3 x 2 + (2.5 - 1)
     case = (true, np.array([[1.0, 1.0], [1.0, 0.1]]))
     test_level1_bound_never_below_the_true_optimum.hypothesis.inner_test(case)
     charged = dataclasses.replace(_lower_bound_problem(*case), reduction_hidden=False)
-    assert optimal_placement(charged).throughput < best.throughput  # why the bound hides it
+    assert optimal_dense_placement(charged).throughput < best.throughput  # why the bound hides it
 
 
 def _width_bounds(problem, scale):
@@ -230,7 +230,7 @@ def test_level0_bounds_never_below_the_true_optimum(case):
     of any recipe. Breaks if the pipeline bound forgot the bubble's 1/v or took fewer microbatches
     than ceil(B / (mbs d))."""
     problem, scale = case
-    true = optimal_placement(problem)
+    true = optimal_dense_placement(problem)
     widths = _width_bounds(problem, scale)
     N, B = problem.system.accelerators, problem.system.global_batch
     ideal = ideal_throughput(widths, problem.training.mbs, N)[0]

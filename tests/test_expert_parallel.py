@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phaze_opt.solve.placement.expert import effective_costs, optimal_placement
-from phaze_opt.solve.placement.dp import optimal_placement as dense_optimal_placement
+from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s
 from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
@@ -116,7 +116,7 @@ def test_dp_matches_brute_force_interleaved_uneven(seed, layers, embedding, loss
 def test_without_ep_or_cp_the_dense_dp_answers():
     problem = moe_problem(3, ep=(1,), cp=(1,))
     assert not problem.parallel_dims
-    assert optimal_placement(problem).time_per_batch_s == dense_optimal_placement(problem).time_per_batch_s
+    assert optimal_placement(problem).time_per_batch_s == optimal_dense_placement(problem).time_per_batch_s
 
 
 def test_ep_and_cp_change_nothing_at_width_one():

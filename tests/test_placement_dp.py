@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.solve.placement.dp import min_memory_needed, optimal_placement
+from phaze_opt.solve.placement.dp import optimal_dense_placement
+from phaze_opt.solve.placement.kernel import min_memory_needed
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
 from phaze_opt.training import Training
@@ -96,7 +97,7 @@ def problems(draw, max_layers=8, max_devices=16, dag=False, flavour="any"):
 
 def assert_matches_oracle(problem, splits, force_dag=False):
     splits = list(splits)
-    result = optimal_placement(problem, force_dag=force_dag)
+    result = optimal_dense_placement(problem, force_dag=force_dag)
     best_time, best_placement = brute_force(problem, splits)
     if math.isinf(best_time):
         assert not result.feasible and result.reason
@@ -151,7 +152,7 @@ def test_dag_dp_equals_brute_force(problem):
 @settings(max_examples=60, **SETTINGS)
 @given(FLAVOURS.flatmap(lambda f: problems(flavour=f)), st.randoms(use_true_random=False))
 def test_dp_never_worse_than_random_valid_placements(problem, rnd):
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     n = problem.n_layers
     N = problem.system.accelerators
     for _ in range(25):
@@ -186,7 +187,7 @@ def test_two_max_terms_the_least_bottleneck_is_not_optimal():
     system = make_system(accelerators=12, devices_per_node=4, global_batch=34, intra=(130, 0.2), inter=(5, 0.5),
                          optimizer="sgd", optimizer_memory="mixed_precision")
     problem = PlacementProblem((costs,), system, 877.0, 1e3, training=Training(mbs=1, recompute=False), seq_len=8, model_flops_per_sequence=100.0)
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     assert result.time_per_batch_s == pytest.approx(brute_force(problem, chain_splits(3))[0], rel=1e-12)
     assert (result.pp, result.dp) == (2, 6)
     same_shape = [evaluate_placement(problem, Placement(1, 6, s)) for s in chain_splits(3) if len(s) == 2]
@@ -206,7 +207,7 @@ def test_memory_position_matters():
                        boundary=[0, 0, 0, 0])
     system = make_system(accelerators=2, devices_per_node=2, global_batch=8)
     problem = PlacementProblem((costs,), system, 20.0, 1e3, training=Training(mbs=1, recompute=False))
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     assert result.feasible and (result.pp, result.dp, result.microbatches) == (2, 1, 8)
     assert [s.layers for s in result.stages] == [[0], [1, 2, 3]]
     assert [s.inflight_microbatches for s in result.stages] == [2, 1]
@@ -219,7 +220,7 @@ def test_infeasible_reports_the_least_memory_and_never_raises():
     costs = make_costs(1, fwd=[1, 1], bwd=[1, 1], params=[10, 10], acts=[5, 5], boundary=[1, 1])
     system = make_system(accelerators=4, global_batch=4)
     problem = PlacementProblem((costs,), system, 100.0, 1e3, training=Training(mbs=1, recompute=False))
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     assert not result.feasible
     # best: one layer per stage with d = 2, m = 2: the first stage holds 2 microbatches,
     # 10 params x 16 B + 2 x 5 = 170 bytes; one stage would need 2 x 160 + 10 = 330
@@ -232,7 +233,7 @@ def test_infeasible_reports_the_least_memory_and_never_raises():
 def test_widths_wider_than_the_system_are_infeasible():
     costs = make_costs(8, fwd=[1], bwd=[1], params=[1], acts=[1], boundary=[0])
     problem = PlacementProblem((costs,), make_system(accelerators=4), 1e6, 1e3, training=Training(mbs=1, recompute=False))
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     assert not result.feasible and "exceeds the 4 accelerators" in result.reason
 
 
@@ -241,7 +242,7 @@ def test_result_fields_on_a_small_chain():
                        boundary=[1, 1, 1, 0])
     system = make_system(accelerators=8, devices_per_node=8, global_batch=16)
     problem = PlacementProblem((costs,), system, 1e6, 10.0, training=Training(mbs=2, recompute=False), seq_len=32, model_flops_per_sequence=50.0)
-    r = optimal_placement(problem)
+    r = optimal_dense_placement(problem)
     assert r.feasible and r.tp == 2 and r.method == "dp-chain"
     assert r.microbatches == math.ceil(16 / (2 * r.dp))
     assert r.throughput == pytest.approx(16 / r.time_per_batch_s)
@@ -265,7 +266,7 @@ def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
                        boundary=[1, 1, 1, 0])
     system = make_system(accelerators=4, devices_per_node=4, global_batch=2)
     problem = PlacementProblem((costs,), system, 40.0, 1e3, training=Training(mbs=1, recompute=False))
-    result = optimal_placement(problem)
+    result = optimal_dense_placement(problem)
     assert result.feasible, result.reason
     assert (result.pp, result.dp, result.microbatches) == (4, 1, 2)
     assert [s.inflight_microbatches for s in result.stages] == [2, 2, 2, 1]
@@ -275,7 +276,7 @@ def test_in_flight_microbatches_are_capped_by_the_microbatch_count():
 
 def test_kmax_is_exact_where_float_division_rounds():
     """The number of in-flight microbatches that fit, against exact integer arithmetic."""
-    from phaze_opt.solve.placement.dp import _kmax
+    from phaze_opt.solve.placement.kernel import most_in_flight
 
     big = float(2**51 + 1)
     cases = [
@@ -286,7 +287,7 @@ def test_kmax_is_exact_where_float_division_rounds():
         (7.0, 3.0, 16.0),
     ]
     base, stash, hbm = (np.array([c[i] for c in cases]) for i in range(3))
-    got = [int(_kmax(np.array([b]), np.array([s]), h)[0]) for b, s, h in zip(base, stash, hbm)]
+    got = [int(most_in_flight(np.array([b]), np.array([s]), h)[0]) for b, s, h in zip(base, stash, hbm)]
     expected = []
     for b, s, h in cases:
         b, s, h = int(b), int(s), int(h)
@@ -349,7 +350,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
 
 def assert_recipe_matches_oracle(problem, splits, force_dag=False):
     splits = list(splits)
-    result = optimal_placement(problem, force_dag=force_dag)
+    result = optimal_dense_placement(problem, force_dag=force_dag)
     best_time, best_placement = brute_force(problem, splits)
     if math.isinf(best_time):
         assert not result.feasible and result.reason
@@ -435,7 +436,7 @@ def test_optimizer_state_layouts_set_the_state_bytes():
     tight = {layout: PlacementProblem(training=Training(optimizer_state=layout), costs=(costs,),
                                       system=make_system(accelerators=1, global_batch=1), hbm_bytes=20 * 8,
                                       peak_flops=1.0) for layout in ("fp32-adam", "bf16-adamw")}
-    assert optimal_placement(tight["bf16-adamw"]).feasible and not optimal_placement(tight["fp32-adam"]).feasible
+    assert optimal_dense_placement(tight["bf16-adamw"]).feasible and not optimal_dense_placement(tight["fp32-adam"]).feasible
 
 
 def test_llama3_405b_interleaves_with_the_embedding_and_loss_counted():
@@ -467,7 +468,7 @@ def test_recompute_is_charged_on_the_last_stage_too():
     problem = PlacementProblem(training=Training(mbs=1, recompute="full"), costs=(costs,), system=make_system(accelerators=1, global_batch=1), hbm_bytes=1e6, peak_flops=1.0)
     r = evaluate_placement(problem, Placement(1, 1, ((0, 1),)))
     assert r.stages[0].recompute_s == 2.0 and r.time_per_batch_s == 8.0
-    assert optimal_placement(problem).time_per_batch_s == 8.0
+    assert optimal_dense_placement(problem).time_per_batch_s == 8.0
 
 
 def test_zero_shards_state_and_interleaving_shrinks_the_bubble():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.solve.placement.dp import even_placement, optimal_placement
+from phaze_opt.solve.placement.dp import even_placement, optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement, format_bytes, ring_allreduce_s
 from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
 from phaze_opt.training import Training
@@ -145,7 +145,7 @@ def test_even_split_by_layers():
 
 def test_even_split_is_no_better_than_the_optimum():
     problem = gpt_like(12)
-    best = optimal_placement(problem)
+    best = optimal_dense_placement(problem)
     for pp in (1, 2, 3, 4, 7):
         r = evaluate_placement(problem, even_placement(problem, 1, pp, 64 // pp))
         assert r.feasible and best.time_per_batch_s <= r.time_per_batch_s * (1 + 1e-12)
@@ -218,7 +218,7 @@ def test_format_bytes():
 def test_result_dict_is_json_ready():
     import json
 
-    r = optimal_placement(three_layer_problem())
+    r = optimal_dense_placement(three_layer_problem())
     text = json.dumps(r.to_dict())
     assert '"stages"' in text and json.loads(text)["tp"] == 2
     assert isinstance(r.placement_dict()["stages"][0]["layers"], list)
@@ -270,7 +270,7 @@ def test_zero3_gathers_are_prefetched_under_the_previous_layers_compute():
     st = r.stages[0]
     assert st.comm_s == pytest.approx(3.0 + 0.5 + scatter)
     assert st.time_s == pytest.approx(9.5 + 3.5 + scatter)
-    assert optimal_placement(problem).time_per_batch_s <= r.time_per_batch_s
+    assert optimal_dense_placement(problem).time_per_batch_s <= r.time_per_batch_s
 
 
 def test_zero3_stage_time_never_falls_as_a_backward_grows():
@@ -297,5 +297,5 @@ def test_a_model_whose_ops_cost_nothing_is_one_clear_line():
                                model_flops_per_sequence=0.0)
     r = evaluate_placement(problem, Placement(tp=1, dp=1, stages=((0, 1),)))
     assert not r.feasible and "take no time" in r.reason
-    best = optimal_placement(problem)
+    best = optimal_dense_placement(problem)
     assert not best.feasible and "\n" not in best.reason

@@ -3,7 +3,7 @@
 The cost model is `placement.evaluate`'s (its docstring, "Expert parallelism e and context parallelism
 c"); this module finds the placement minimising it over every TP width t, CP width c, EP width e,
 stage count S, data-parallel degree d (a multiple of e, t c S d <= accelerators) and split into
-stages, and re-checks the answer with that independent evaluator, as `dp.optimal_placement`
+stages, and re-checks the answer with that independent evaluator, as `dp.optimal_dense_placement`
 does for TP/PP/DP alone. Problems without EP, CP or a load imbalance go to that DP unchanged.
 
 How. For a fixed (c, e) every layer's time and memory terms are fixed numbers
@@ -11,7 +11,7 @@ How. For a fixed (c, e) every layer's time and memory terms are fixed numbers
 transfers, the routed experts' parameters over e, the c - 1 further attention cores), so the stage
 costs are those of `placement`'s stacks over these per-layer arrays; what (c, e) adds is
 per-stage: the gradient reduction of the dense parameters over d c ranks and of the routed experts
-over d c / e, and ZeRO-1's sharding of each over its own group. As in `placement._search_general`,
+over d c / e, and ZeRO-1's sharding of each over its own group. As in `dp._search_general`,
 each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
 (kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
 number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
@@ -42,21 +42,21 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ...errors import PhazeError
-from .dp import (
+from .dp import optimal_dense_placement
+from .kernel import (
     INF,
-    _Best,
-    _chain_stack,
-    _chain_width,
-    _layer_terms,
-    _stack,
-    _start,
-    _sweep,
+    Best,
+    chain_stack,
+    chain_width,
     checked_by_evaluator,
     epsilon_sweeps,
+    layer_terms,
     min_memory_needed,
     stage_fit,
+    stage_stack,
+    sweep,
+    sweep_start,
 )
-from .dp import optimal_placement as dense_optimal_placement
 from .evaluate import format_bytes
 from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
 
@@ -174,7 +174,7 @@ class _Blocks:
     st: object
     experts: np.ndarray  # [T, R, W]
     times: dict  # pipeline link (0 inter, 1 intra) -> [T, R, W] stage time per microbatch
-    own: np.ndarray | None = None  # [T] chain: each block's own `_chain_width` (None: a DAG)
+    own: np.ndarray | None = None  # [T] chain: each block's own `chain_width` (None: a DAG)
 
 
 _NARROW = 12  # chain blocks of own width up to 12 share a stack, then up to 24, 48, ... (`_prepare`)
@@ -184,8 +184,8 @@ def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
     """[T, R, W] bool: candidate stages some placement of the block could use, for the memory-free
     bounds (None: all). Without ZeRO and interleaving a stage's memory at one microbatch in flight
     does not depend on d or S, and every placement holds at least one microbatch, so a stage with
-    kmax = 0 (`_chain_stack`/`_dag_stack`: state + one microbatch's activations + working set >
-    HBM) is in none. Otherwise a chain stage longer than its own width's `_chain_width` (the
+    kmax = 0 (`chain_stack`/`dag_stack`: state + one microbatch's activations + working set >
+    HBM) is in none. Otherwise a chain stage longer than its own width's `chain_width` (the
     longest that fits at the most replicas and 1/v microbatch) is in none."""
     st = b.st
     if problem.training.zero == 0 and problem.training.virtual_stages == 1:
@@ -198,8 +198,8 @@ def _fit_mask(problem: PlacementProblem, b: _Blocks) -> np.ndarray | None:
 def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.ndarray | None) -> _Blocks:
     costs = [lc for _, _, lc in blocks]
     # A chain's stack is as wide as its widest block needs: no stage longer than a block's own
-    # `_chain_width` fits that block at any d (its docstring), so a narrower class loses no placement.
-    st = _chain_stack(problem, costs, int(np.max(own))) if own is not None else _stack(problem, costs, force_dag)
+    # `chain_width` fits that block at any d (its docstring), so a narrower class loses no placement.
+    st = chain_stack(problem, costs, int(np.max(own))) if own is not None else stage_stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
     times = {h: st.stage_time(links[h], problem.training.virtual_stages)[1] for h in (0, 1)}
@@ -226,7 +226,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     Memory: the fullest stage holds at least the mean stage's state (linear lower bounds of the
     ZeRO-1 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
     last stage; interleaved: min((v - 1) S + 1, m v) chunks of 1/v), so when that exceeds HBM no
-    split of the item fits (as `placement._general_groups`)."""
+    split of the item fits (as `dp._general_groups`)."""
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
     v = problem.training.virtual_stages
@@ -267,7 +267,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     # per block: total dense and expert parameters, kept activations per microbatch
     Pe_b = np.array([float(np.sum(lc.expert_params)) for lc in b.costs])
     P_b = np.array([float(np.sum(lc.params)) for lc in b.costs])
-    kept_b = np.array([float(np.sum(_layer_terms(problem, lc)[0])) for lc in b.costs])
+    kept_b = np.array([float(np.sum(layer_terms(problem, lc)[0])) for lc in b.costs])
     e = b.e[blk]
     ranks = d * b.c[blk]
     eranks = np.maximum(1, ranks // e)
@@ -303,7 +303,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
             "s_only": s_only, "fits": fits}
 
 
-def _search_all(problem: PlacementProblem, classes: list, items: dict, best: _Best, stats: dict) -> None:
+def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Best, stats: dict) -> None:
     """Every (class, block, d, links, S_only) group, least lower bound first, until none can beat the best."""
     if not items:
         return
@@ -334,7 +334,7 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: _Be
 
 
 def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, mults: list, floors: list,
-                  best: _Best, stats: dict):
+                  best: Best, stats: dict):
     """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
     system = problem.system
     v = problem.training.virtual_stages
@@ -394,15 +394,15 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, m
 
 def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:
     """[k_to, B]: the least bottleneck of any k-stage split of all layers, k = 1..k_to, with stage
-    costs `times` [B, R, W]: `placement._sweep`'s recursion f_k(D) = min_a max(cost, f_{k-1}(next)),
+    costs `times` [B, R, W]: `placement.sweep`'s recursion f_k(D) = min_a max(cost, f_{k-1}(next)),
     for a chain without its back-pointers and gradient tables (only the values are needed)."""
     B = times.shape[0]
     if st.masks is not None:
         twice = replace(st, grad=np.broadcast_to(st.grad[:1], (B,) + st.grad.shape[1:]))
-        return _sweep(twice, np.arange(B), lambda k, cut, cols: times[:, :cut, :cols], 1, k_to, *_start(st, B)).f[:, :, 0]
+        return sweep(twice, np.arange(B), lambda k, cut, cols: times[:, :cut, :cols], 1, k_to, *sweep_start(st, B)).f[:, :, 0]
     R, W = st.dst.shape
     tt = np.ascontiguousarray(times.transpose(2, 0, 1))  # [W, B, R]: the min runs over the leading axis (faster)
-    f_prev, _ = _start(st, B)
+    f_prev, _ = sweep_start(st, B)
     out = np.full((k_to, B), INF)
     for k in range(1, k_to + 1):
         cut = st.cuts[k] if k < len(st.cuts) else 0
@@ -420,7 +420,7 @@ def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:
 
 
 def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
-    """Every (c, e, t) as a block; the blocks of a chain in classes by their own `_chain_width`
+    """Every (c, e, t) as a block; the blocks of a chain in classes by their own `chain_width`
     (12 or less, up to 24, 48, ...: a stack and its sweeps cost its widest block's width for every
     block), each class one stack whose memory-free sweeps run together (one per pipeline link); and
     every (class, block, d, S) item with its lower bound (`_items`)."""
@@ -435,7 +435,7 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
     if not blocks:
         return [], {}
     if blocks[0][2].is_chain() and not force_dag:
-        own = np.array([_chain_width(problem, [lc]) for _, _, lc in blocks])
+        own = np.array([chain_width(problem, [lc]) for _, _, lc in blocks])
         cls_of = np.ceil(np.log2(np.maximum(own, _NARROW) / _NARROW)).astype(np.int64)
     else:
         own, cls_of = None, np.zeros(len(blocks), dtype=np.int64)
@@ -466,19 +466,19 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
 
 def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> PlacementResult:
     """The placement with the least time per batch over TP, CP, EP, PP, DP and the stage split,
-    checked by the independent evaluator; `dp.optimal_placement` when there is no EP/CP."""
+    checked by the independent evaluator; `dp.optimal_dense_placement` when there is no EP/CP."""
     if not problem.parallel_dims:
-        return dense_optimal_placement(problem, force_dag=force_dag)
+        return optimal_dense_placement(problem, force_dag=force_dag)
     start = time.perf_counter()
     stats: dict = {}
     method = "dp-ep-cp"
-    best = _Best()
+    best = Best()
     best.ep, best.cp = 1, 1
     if problem.training.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
         plain = replace(problem, costs=tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs),
                         ep_widths=(1,), cp_widths=(1,), cp_costs=(),
                         training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
-        found = dense_optimal_placement(plain, force_dag=force_dag)
+        found = optimal_dense_placement(plain, force_dag=force_dag)
         if found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
     classes, items = _prepare(problem, force_dag)

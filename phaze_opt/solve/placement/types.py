@@ -4,7 +4,7 @@
 backward time per microbatch (from the per-layer schedules, TP collectives included), parameters
 and activation sizes per device. A `PlacementProblem` bundles one `LayerCosts` per TP width with the
 system, the chip's HBM and peak, the microbatch and the recompute choice. The placement DP
-(`dp.optimal_placement`) and the independent evaluator (`placement.evaluate.evaluate_placement`)
+(`dp.optimal_dense_placement`) and the independent evaluator (`placement.evaluate.evaluate_placement`)
 both read only these values, so they can be tested on synthetic layers.
 
 Units: seconds, bytes, parameters (counts), FLOP. Byte and parameter arrays are rounded up to whole
