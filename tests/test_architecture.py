@@ -5,7 +5,8 @@ functions alike) are resolved to phaze_opt modules, and so are modules loaded by
 (`importlib.import_module("phaze_opt.x...")`, an f-string's fixed prefix naming the package). The
 checks, and docs/architecture.md, use the layer order below: a unit (a top-level module or a
 subpackage) may import units of a lower layer, and inside its own layer only the units listed before
-it (so two units of one layer never import each other both ways); never a unit above it.
+it (so two units of one layer never import each other both ways); never a unit above it. And no
+module uses another module's private (underscore) name: what two modules share is public in one.
 """
 
 from __future__ import annotations
@@ -166,6 +167,59 @@ def lazy_violations(lazy) -> list[str]:
     return out
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for a chain of attributes on a name; None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id] + parts[::-1])
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """Every place a phaze_opt module takes a private name from another phaze_opt module: `from m
+    import _x`, or `m._x` (or `pkg.m._x`) on a module it imported whole."""
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py")) if "presets" not in p.relative_to(root).parts}
+    known = set(modules)
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        bound: dict[str, str] = {}  # local name -> the phaze_opt module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "phaze_opt":
+                        local = alias.asname or alias.name.split(".")[0]
+                        bound[local] = alias.name if alias.asname else "phaze_opt"
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    target = _resolve(name, is_package, ast.ImportFrom(node.module, [alias], node.level), known)
+                    if not target or target[0] not in known:
+                        continue
+                    if target[0].endswith(f".{alias.name}"):  # a module imported by name
+                        bound[alias.asname or alias.name] = target[0]
+                    elif _private(alias.name):
+                        out.append(f"{name}:{node.lineno} imports {alias.name} from {target[0]}")
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            chain = _dotted(node.value)
+            if chain is None:
+                continue
+            head, _, rest = chain.partition(".")
+            module = ".".join(filter(None, [bound.get(head, ""), rest]))
+            if head in bound and module in known and module != name:
+                out.append(f"{name}:{node.lineno} uses {module}.{node.attr}")
+    return sorted(out)
+
+
 @pytest.fixture(scope="module")
 def graph_and_lazy():
     return import_graph()
@@ -217,3 +271,27 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     assert ("phaze_opt.errors", "phaze_opt.search") in graph.edges  # seen through importlib
     assert any(v.startswith("phaze_opt.errors -> phaze_opt.search") for v in violations)
     assert lazy_violations(lazy) == ["phaze_opt.search.b:2 imports phaze_opt.search.a inside a function"]
+
+
+def test_no_module_uses_another_modules_private_name():
+    assert private_imports() == []
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    """The check itself: `from m import _x` and `m._x` fail it; a module's own private names, a
+    dunder and a private name of a third-party module do not."""
+    pkg = tmp_path / "phaze_opt"
+    (pkg / "solve").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "solve" / "__init__.py").write_text("")
+    (pkg / "solve" / "dp.py").write_text("def _kernel():\n    pass\n\n\ndef public():\n    return _kernel()\n")
+    (pkg / "solve" / "expert.py").write_text("from .dp import _kernel, public\nfrom . import dp as dense\n"
+                                             "import os\n\ndense._kernel()\nos._exit\ndense.__name__\n")
+    (pkg / "errors.py").write_text("import phaze_opt.solve.dp\nimport phaze_opt.solve.dp as d\n"
+                                   "phaze_opt.solve.dp._kernel()\nd._kernel\n")
+    assert private_imports(pkg) == [
+        "phaze_opt.errors:3 uses phaze_opt.solve.dp._kernel",
+        "phaze_opt.errors:4 uses phaze_opt.solve.dp._kernel",
+        "phaze_opt.solve.expert:1 imports _kernel from phaze_opt.solve.dp",
+        "phaze_opt.solve.expert:5 uses phaze_opt.solve.dp._kernel",
+    ]

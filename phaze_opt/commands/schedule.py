@@ -27,7 +27,7 @@ def run(args) -> dict:
     from ..errors import PhazeError
     from ..hardware.arch import load_arch
     from ..hardware.latency import estimate
-    from ..solve.schedule.solver import _utilisation, problem_from_graph, solve_schedule
+    from ..solve.schedule.solver import core_utilisation, problem_from_graph, solve_schedule
     from ..system import load_system
     from ..workload.graphs import build_layer_graph
     from ..workload.models import load_model
@@ -45,7 +45,7 @@ def run(args) -> dict:
             lat = estimate(og, [arch], interconnect=link)
             problem = problem_from_graph(og, lat.single[0], lat.split[0], arch.num_tc, arch.num_vc)
             s = solve_schedule(problem, solver=args.solver, time_limit_s=args.time_limit)
-            util = _utilisation(problem, s.split, s.duration, s.makespan)
+            util = core_utilisation(problem, s.split, s.duration, s.makespan)
             ops = [
                 {
                     "name": op.name,

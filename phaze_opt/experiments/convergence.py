@@ -79,7 +79,7 @@ def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tu
         if not Path(text).is_file():
             raise PhazeError(f"{text}: no such study database")
         url = f"sqlite:///{text}"
-        names = _study_names(url)
+        names = study_names(url)
         if len(names) != 1:
             raise PhazeError(f"{text}: holds {len(names)} studies ({', '.join(names) or 'none'}); "
                              "name one with --storage sqlite:///" + text + " NAME")
@@ -92,7 +92,7 @@ def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tu
 
 
 @functools.lru_cache(maxsize=8)  # a comparison reads a handful of storages; each holds a connection pool
-def _storage(url: str):
+def read_storage(url: str):
     """The storage at `url`, for reading: a SQLite file must exist and hold Optuna's tables (not an
     MLflow database, whose tables Optuna would extend), and is opened read-only, so a comparison
     never creates or changes a file."""
@@ -114,10 +114,10 @@ def _storage(url: str):
     return optuna.storages.RDBStorage(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
 
 
-def _study_names(url: str) -> list[str]:
+def study_names(url: str) -> list[str]:
     quiet_optuna()
     try:
-        return list(optuna.study.get_all_study_names(_storage(url)))
+        return list(optuna.study.get_all_study_names(read_storage(url)))
     except PhazeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's URL
@@ -142,10 +142,10 @@ def _elapsed(trials) -> dict[int, float]:
 
 def load_curve(name: str, url: str) -> Curve:
     quiet_optuna()
-    names = _study_names(url)
+    names = study_names(url)
     if name not in names:
         raise PhazeError(f"unknown study '{name}' in {redact(url)}; it holds {', '.join(names) or 'no study'}")
-    study = optuna.load_study(study_name=name, storage=_storage(url))
+    study = optuna.load_study(study_name=name, storage=read_storage(url))
     return curve_from_trials(name, url, study.get_trials(deepcopy=False), study.user_attrs)
 
 

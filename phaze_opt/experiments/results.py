@@ -29,7 +29,7 @@ import pandas as pd
 from ..errors import PhazeError
 from ..search.session import REPEAT_ATTR, finished_trials, quiet_optuna
 from ..search.tracking import design_fields, trial_record
-from .convergence import _storage, _study_names, resolve_study
+from .convergence import read_storage, resolve_study, study_names
 
 FORMATS = ("csv", "parquet", "json")
 LEADING = ["trial", "state", "feasible", "reason", "repeat_of", "retry_of"]
@@ -61,9 +61,9 @@ def load(study: str, storage: str | None = None, output_dir: str = "studies") ->
     """A study by name (`<output_dir>/<name>.db`), by its `.db` file, or by name in `storage`."""
     quiet_optuna()
     name, url = resolve_study(study, storage, output_dir)
-    if name not in _study_names(url):
-        raise PhazeError(f"unknown study '{name}' in {url}; it holds {', '.join(_study_names(url)) or 'no study'}")
-    return name, url, optuna.load_study(study_name=name, storage=_storage(url))
+    if name not in study_names(url):
+        raise PhazeError(f"unknown study '{name}' in {url}; it holds {', '.join(study_names(url)) or 'no study'}")
+    return name, url, optuna.load_study(study_name=name, storage=read_storage(url))
 
 
 def results(study: str, storage: str | None = None, output_dir: str = "studies") -> pd.DataFrame:

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import PhazeError
 from ..hardware.accelerator import Accelerator
 from ..hardware.efficiency import IDENTITY, Efficiency
-from .layers import PASSES, BLOCK, _arch, block_graph, block_pass_latencies, compare_layers, mape
+from .layers import PASSES, BLOCK, block_graph, block_pass_latencies, compare_layers, mape, suite_accelerator
 from .suites import Suite, load_suite
 
 FIT_TP = (1, 4)  # the declared fit subset: rows at these TP widths; the others are held out
@@ -91,7 +91,7 @@ def fit_operator_efficiency(suite: Suite, arch: Accelerator | str | None = None,
     fixed = DERIVED if fixed is None else dict(fixed)
     grid = {k: v for k, v in (GRID if grid is None else grid).items() if k not in fixed}
     coarse = {k: v for k, v in (COARSE if coarse is None else coarse).items() if k not in fixed}
-    base = _arch(suite, arch)
+    base = suite_accelerator(suite, arch)
     fit, held = split_rows(suite, fit_tp)
     if not fit:
         raise ValueError(f"suite {suite.name}: no rows at TP {fit_tp} to fit on")

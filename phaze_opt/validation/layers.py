@@ -91,7 +91,7 @@ class GemmResult:
         return self.seconds / self.gemm.seconds - 1.0
 
 
-def _arch(suite: Suite, arch) -> Accelerator:
+def suite_accelerator(suite: Suite, arch) -> Accelerator:
     if arch is None:
         return load_arch(suite.arch)
     return arch if isinstance(arch, Accelerator) else load_arch(arch)
@@ -141,7 +141,7 @@ def compare_layers(suite: Suite, arch: Accelerator | str | None = None,
                    time_limit_s: float = 60.0, fuse: bool = False) -> list[LayerResult]:
     """Every layer row of `suite` predicted on `arch` (default: the suite's arch), in the suite's order."""
     _check(suite)
-    acc = _arch(suite, arch)
+    acc = suite_accelerator(suite, arch)
     results = []
     for row in suite.rows:
         fwd, bwd, proven, gap = predict_layer(row.model, row.tp, row.microbatch, row.flash, acc, time_limit_s, fuse)
@@ -164,7 +164,7 @@ def gemm_seconds(m: int, n: int, k: int, arch: Accelerator) -> float:
 def compare_gemms(suite: Suite, arch: Accelerator | str | None = None) -> list[GemmResult]:
     """Every GEMM timing of `suite` (Suite.gemms) predicted on `arch` (default: the suite's arch)."""
     _check(suite)
-    acc = _arch(suite, arch)
+    acc = suite_accelerator(suite, arch)
     return [GemmResult(gemm=g, seconds=gemm_seconds(g.m, g.n, g.k, acc)) for g in suite.gemms]
 
 

@@ -135,7 +135,7 @@ def _sdpa_attention(q, k, v, kv_heads: int, g: int, causal: bool, p: float, scal
     if g > 1:  # grouped-query attention: each KV head serves its g query heads
         kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
     if causal and 0 < window < s:
-        visible = ~layers._attention_mask(s, window, q.device)
+        visible = ~layers.attention_mask(s, window, q.device)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, dropout_p=p, scale=scale)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=causal, scale=scale)

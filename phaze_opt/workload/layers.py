@@ -239,12 +239,12 @@ def _scores(q, k, scale: float, causal: bool, s: int, g: int, window: int = 0) -
     """Q K^T * scale, the future (and keys beyond the window) masked; rows are (position, head in group)."""
     scores = torch.bmm(q, k.transpose(1, 2)) * scale
     if causal:
-        hidden = _attention_mask(s, window, q.device).repeat_interleave(g, dim=0)
+        hidden = attention_mask(s, window, q.device).repeat_interleave(g, dim=0)
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 
 
-def _attention_mask(s: int, window: int, device) -> torch.Tensor:
+def attention_mask(s: int, window: int, device) -> torch.Tensor:
     """[s, s] True where query i may not see key j: the future, and with a sliding window of w the
     keys w or more positions back (Beltagy et al. 2020; Mistral's window, Jiang et al. 2023)."""
     ones = torch.ones(s, s, dtype=torch.bool, device=device)
@@ -266,7 +266,7 @@ def _core_attention(module, q, k, v, s: int, b: int, kv: int, g: int):
         return out.view(s, b, kv * g * dv)
     scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [b kv, s g, s]
     if module.causal:
-        hidden = _attention_mask(s, module.window, q.device)
+        hidden = attention_mask(s, module.window, q.device)
         scores = scores.masked_fill(hidden.repeat_interleave(g, dim=0), float("-inf"))
     probs = dropout(torch.softmax(scores, dim=-1), module.p)
     ctx = torch.bmm(probs, v)  # [b kv, s g, dv]

@@ -88,7 +88,7 @@ import pulp
 
 from .heuristic import duration, schedule_from_hint
 from .bounds import idle_width
-from .instance import BlockView, Instance, _bits, longest_heads, longest_tails, max_antichain
+from .instance import BlockView, Instance, longest_heads, longest_tails, max_antichain, set_bits
 from .search import SEARCH_MAX_OPS, ensure_warm, search_block
 
 SCALE_TARGET = 1000.0
@@ -421,11 +421,11 @@ class BlockModel:
             for i in compute:  # topological order
                 a = inst.anc[i] & cmask
                 covered = 0
-                for p in _bits(a):
+                for p in set_bits(a):
                     covered |= inst.anc[p]
                 L[i] = self.prob.add_variable(f"L_{i}", lowBound=0)
                 prob += L[i] >= single_part(i)
-                for p in _bits(a & ~covered):
+                for p in set_bits(a & ~covered):
                     prob += L[i] >= L[p] + single_part(i)
                 if not (inst.desc[i] & cmask):
                     prob += T >= L[i]
@@ -620,7 +620,7 @@ class BlockModel:
             if t + 1 == len(chain):
                 break
             b = chain[t + 1]
-            for k in _bits(inst.desc[a] & inst.anc[b] & self.view.mask):
+            for k in set_bits(inst.desc[a] & inst.anc[b] & self.view.mask):
                 if k != i and inst.compute[k] and split_at(k):
                     seps.append(k)
                     segments.append(cur)
@@ -747,9 +747,9 @@ class BlockModel:
 
         def extremes(mask: int, rel) -> list[int]:  # the elements of mask not above (rel) another one
             covered = 0
-            for k in _bits(mask):
+            for k in set_bits(mask):
                 covered |= rel[k]
-            return list(_bits(mask & ~covered))
+            return list(set_bits(mask & ~covered))
 
         R = {}  # R_i >= the longest chain of single-mode compute ops starting at i
         for i in reversed(compute):
@@ -764,7 +764,7 @@ class BlockModel:
                                              (inst.anc[j] & cm, inst.anc, self.L, False)):
                 if not mask:
                     continue
-                group = list(_bits(mask))
+                group = list(set_bits(mask))
                 t = prob.add_variable(f"{'Tpost' if after else 'Tpre'}_{j}", lowBound=0)
                 if after:
                     prob += self.C >= self.S[j] + d_j + pulp.lpSum(split_part(k) for k in group) + t
@@ -836,7 +836,7 @@ class BlockModel:
                 if not inst.compute[i]:
                     continue
                 a = inst.anc[i] & self.cmask
-                chain[i] = single[i] + max((chain[p] for p in _bits(a)), default=0.0)
+                chain[i] = single[i] + max((chain[p] for p in set_bits(a)), default=0.0)
                 vals[f"L_{i}"] = chain[i]
             tc = sum(single[i] for i in chain if inst.uses_tc[i]) / inst.num_tc
             vc = sum(single[i] for i in chain if inst.uses_vc[i]) / inst.num_vc

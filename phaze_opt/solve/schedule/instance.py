@@ -36,7 +36,7 @@ from .verify import has_split_mode
 COMPUTE_UNITS = ("tc", "vc", "tc+vc")
 
 
-def _bits(mask: int):
+def set_bits(mask: int):
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
@@ -160,9 +160,9 @@ def prepare(problem: ScheduleProblem) -> Instance:
     for i in real:
         a = anc[i] & real_mask
         covered = 0
-        for p in _bits(a):
+        for p in set_bits(a):
             covered |= anc[p]
-        red_preds[i] = tuple(sorted(_bits(a & ~covered)))
+        red_preds[i] = tuple(sorted(set_bits(a & ~covered)))
 
     blocks: list[tuple[int, ...]] = []
     current: list[int] = []

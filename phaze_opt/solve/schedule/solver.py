@@ -144,7 +144,7 @@ def _search_then_mip(inst, view, res, stats, solver: str, deadline: float):
     return IlpResult(again.makespan, bound, again.status, again.start, again.modes, stats), stats
 
 
-def _utilisation(problem: ScheduleProblem, split, duration, makespan: float) -> dict:
+def core_utilisation(problem: ScheduleProblem, split, duration, makespan: float) -> dict:
     if makespan <= 0:
         return {"tc": 0.0, "vc": 0.0}
     tc = vc = 0.0
@@ -228,7 +228,7 @@ def _solve(problem: ScheduleProblem, solver: str, time_limit_s: float, t0: float
                        for blk in blocks if blk["method"] in ("ilp", "search")],
         "lower_bound_comb": sum(blk["lower_bound_comb"] for blk in blocks),
         "heuristic_makespan": sum(blk.get("heuristic", blk["makespan"]) for blk in blocks),
-        "utilisation": _utilisation(problem, split, duration, makespan),
+        "utilisation": core_utilisation(problem, split, duration, makespan),
     }
     sched = Schedule(makespan=makespan, lower_bound=min(lower, makespan), status=status, method=method,
                      solve_s=time.perf_counter() - t0, start=tuple(start), split=tuple(split), cores=cores,
