@@ -246,6 +246,19 @@ def test_no_import_inside_a_function_to_dodge_a_cycle(graph_and_lazy):
     assert lazy_violations(lazy) == []
 
 
+def test_the_schedule_and_placement_solvers_import_nothing_of_each_other(graph_and_lazy):
+    """solve/'s two wings meet only in design/ (the schedules' makespans become the placement's
+    layer costs there), so either can be read, tested and changed alone."""
+    graph, _ = graph_and_lazy
+    wing = {"phaze_opt.solve.schedule": "schedule", "phaze_opt.solve.placement": "placement"}
+
+    def side(module):
+        return next((w for prefix, w in wing.items() if module == prefix or module.startswith(prefix + ".")), None)
+
+    crossing = [(a, b) for a, b in graph.edges if side(a) and side(b) and side(a) != side(b)]
+    assert crossing == []
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     """The checks themselves: a made-up package with a cycle, an upward and a lazy import fails them."""
     pkg = tmp_path / "phaze_opt"
