@@ -1,7 +1,7 @@
 """EP/CP placement DP speed: a Mixtral-8x7B-like chain (34 layers) on 1024 accelerators, TP 1/2/4/8,
 EP 1/2/4/8, CP 1/2/4/8 (the sequence 32K so CP is searched), no recompute and full recompute.
 
-Target (issue 19): at most 50 ms per solve, excluding the per-layer ILP. The layer costs are
+Target: at most 50 ms per solve, excluding the per-layer ILP. The layer costs are
 synthetic but sized like Mixtral at 32K tokens (hidden 4096, 8 experts of FFN 14336, top-2, 8 KV
 heads) on a TPUv4-like chip (275 TFLOP/s at an assumed 50%, 32 GiB HBM), as bench_placement.py
 does for GPT-3.

@@ -70,7 +70,7 @@ SCENARIOS = [
     ("gpt3 1TiB (memory never binds) mbs1", "default", 1024, 1, False),
     ("gpt3 1TiB mbs16 (memory caps bind)", "default", 1024, 16, False),
     ("gpt3 8GiB (infeasible)", "default", 8, 1, False),
-    # issue 16: the general search (memory or the per-batch tail depends on d, or in-flight on S)
+    # the general search (memory or the per-batch tail depends on d, or in-flight on S)
     ("gpt3 32GiB selective zero1", "default", 32, 1, "selective", {"zero": 1}),
     ("gpt3 32GiB full zero1 overlap", "default", 32, 1, "full", {"zero": 1, "overlap_grad_reduce": True}),
     ("gpt3 32GiB full zero3", "default", 32, 1, "full", {"zero": 3}),

@@ -8,7 +8,7 @@ kind and pass is scheduled on tpuv4 and on `--designs` random architectures of t
 `--repeats` times with the cache off; a problem's time is the median of its runs, and we print the
 median and the maximum over problems, how many were proven optimal, how often the lower bound
 proved the list schedule optimal without a solver, and the size of the graphs (ops and pairs the
-DAG leaves unordered). Targets (issue 4): all proven optimal, median <= 0.5 s, max <= 10 s.
+DAG leaves unordered). Targets: all proven optimal, median <= 0.5 s, max <= 10 s.
 Exit status 1 when a target is missed.
 """
 

@@ -1,4 +1,4 @@
-"""What the study machinery itself costs per trial (Optuna storage, MLflow logging), and the issue-6
+"""What the study machinery itself costs per trial (Optuna storage, MLflow logging), and the study's
 acceptance flow with the real pipeline.
 
     python benchmarks/bench_study.py [--repeats 3] [--trials 40] [--real]

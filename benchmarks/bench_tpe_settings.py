@@ -1,4 +1,4 @@
-"""Why TPE misses the exhaustive optimum (issue 7, target 4): sampler settings on a fast proxy.
+"""Why TPE misses the exhaustive optimum (target: 99% of it in 500 trials): sampler settings on a fast proxy.
 
     python benchmarks/bench_tpe_settings.py [VARIANT,VARIANT...] [SEEDS]
 

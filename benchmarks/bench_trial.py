@@ -1,4 +1,4 @@
-"""Benchmark: one study trial end to end on gpt3-175b, by stage (issue 7, target 2).
+"""Benchmark: one study trial end to end on gpt3-175b, by stage (target: a new design <= 2 s, a seen one <= 50 ms).
 
     python benchmarks/bench_trial.py [--designs 20] [--seed 0] [--model gpt3-175b] [--ilp-time-limit S]
 

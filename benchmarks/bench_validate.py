@@ -1,4 +1,4 @@
-"""Wall time of `phaze-opt validate` over every shipped suite (issue 17 target: under 2 minutes).
+"""Wall time of `phaze-opt validate` over every shipped suite (target: under 2 minutes).
 
     python benchmarks/bench_validate.py [--repeats 3] [--suite NAME ...]
 

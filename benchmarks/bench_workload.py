@@ -4,7 +4,7 @@ Each run is a fresh Python process with an empty cache folder, so nothing is war
 includes importing torch and tracing. Reports the median of the runs for the whole process (wall and CPU
 time: on a shared machine the CPU time is the steadier number), the extraction alone, and the peak
 RSS; then the same graphs read back from the disk cache.
-Target (issue 2): under 10 s and under 1 GB RSS, cold.
+Target: under 10 s and under 1 GB RSS, cold.
 
     python benchmarks/bench_workload.py [--model gpt3-175b] [--runs 3]
     python benchmarks/bench_workload.py --model llama3-8b,deepseek-v3 --runs 1   # one row per model

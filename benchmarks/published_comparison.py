@@ -1,4 +1,4 @@
-"""The published comparison (issue 7) in one command, with its wall time and machine.
+"""The published comparison (Phaze, ICML 2024) in one command, with its wall time and machine.
 
     python benchmarks/published_comparison.py [--trials N] [--model M ...] [--system S ...] [--resume]
 

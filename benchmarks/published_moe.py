@@ -1,4 +1,4 @@
-"""The MoE and long-context rows of the published comparison alone (issue 19), with wall time.
+"""The MoE and long-context rows of the published comparison alone, with wall time.
 
     python benchmarks/published_moe.py [--trials N] [--ilp-time-limit S] [--system S] [--model M ...]
 

@@ -39,7 +39,7 @@ NVLink bandwidth (NVIDIA/nccl issue #412). Such a group's link (`spanning_link`)
 share, capped at the intra-node link (the ring's NVLink hops carry the same bytes), and the inter-node
 latency.
 
-Efficiency (issue 17). A system file may carry an `efficiency:` block of global physical parameters
+Efficiency (fitted by `validate --fit`). A system file may carry an `efficiency:` block of global physical parameters
 that the analytical model cannot know because they belong to the software stack (see
 `SystemEfficiency`): the fraction of each link's bandwidth that collectives and transfers achieve, and
 a fixed per-iteration overhead. Loading applies the fractions to the links (`System.intra_node` and
@@ -129,7 +129,7 @@ class Link:
 
 @dataclass(frozen=True)
 class SystemEfficiency:
-    """Global, physical efficiency parameters of a cluster's software stack (issue 17).
+    """Global, physical efficiency parameters of a cluster's software stack (fitted by `validate --fit`).
 
     intra_node_bandwidth: the fraction of the intra-node link's datasheet bandwidth that collectives
         and point-to-point transfers achieve. NCCL's all-reduce on 8 A100 over NVLink 3 / NVSwitch

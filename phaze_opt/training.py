@@ -116,7 +116,7 @@ def bool_flag(value: Any, name: str) -> bool:
 
 def parse_placement_spec(text: str) -> dict:
     """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; `ep=E` and `cp=C` (expert and context
-    parallelism, issue 19) may follow and then appear in the result; a one-line PhazeError otherwise."""
+    parallelism) may follow and then appear in the result; a one-line PhazeError otherwise."""
     allowed = ("tp", "pp", "dp", "ep", "cp")
     out: dict[str, int] = {}
     for part in str(text).split(","):

@@ -1,4 +1,4 @@
-"""Crash safety and concurrency (issue 18): zombies, reconciliation, signals, start-up races, limits."""
+"""Crash safety and concurrency: zombies, reconciliation, signals, start-up races, limits."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Expert and context parallelism in the placement (issue 19): the evaluator's new terms against
+"""Expert and context parallelism in the placement: the evaluator's new terms against
 hand computations, the all-to-all on the two-level network, and the EP/CP DP against a brute-force
 oracle (every TP, CP, EP, DP and stage split scored by the evaluator) on many random problems."""
 

@@ -94,7 +94,7 @@ def test_identity_keeps_keys_and_fields_of_the_presets():
 
 
 def test_shipped_search_presets_are_uncalibrated():
-    # The default search space's reference designs keep the bare template (README, issue 17).
+    # The default search space's reference designs keep the bare template (studies stay uncalibrated).
     for name in ("h100-like", "a100-like", "tpuv4"):
         assert load_arch(name).efficiency == IDENTITY
 

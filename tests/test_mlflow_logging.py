@@ -47,7 +47,7 @@ def test_trial_record_of_a_feasible_single_model_trial():
                                  "timings": {"graph_s": 1.0, "estimate_s": 0.1, "ilp_s": 2.0, "dp_s": 0.01}}}}
     rec = trial_record(frozen(result=result), study_name="s", sampler="tpe", models=["gpt"], mode="sampled")
     assert rec.params == {"mbs": "2", "recompute": "True", "arch.num_tc": "8", "arch.name": "x",
-                          # issue 16: the whole training recipe, the unsampled fields at their defaults
+                          # the whole training recipe, the unsampled fields at their defaults
                           "recipe.recompute": "full", "recipe.sequence_parallel": "False",
                           "recipe.virtual_stages": "1", "recipe.zero": "0", "recipe.overlap_grad_reduce": "False",
                           "recipe.attention": "None"}

@@ -1,4 +1,4 @@
-"""Expert and context parallelism at the design level (issue 19): the widths searched, the per-layer
+"""Expert and context parallelism at the design level: the widths searched, the per-layer
 terms read off the traced graphs, `evaluate --placement ...,ep=E,cp=C` and `--seq`, the recipe
 fields, and the MLflow metrics."""
 

@@ -302,7 +302,7 @@ def test_kmax_is_exact_where_float_division_rounds():
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 16: every recipe option (recompute mode, interleaving, ZeRO 0/1/3, overlapped reduction,
+# Every recipe option (recompute mode, interleaving, ZeRO 0/1/3, overlapped reduction,
 # the optimizer step) against the brute-force oracle
 # --------------------------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def test_evaluator_by_hand_with_recompute():
     problem = three_layer_problem(recompute=True)
     r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0,), (1, 2))))
     first, last = r.stages
-    # full recompute (True) on every stage, the last included (Megatron; issue 16)
+    # full recompute (True) on every stage, the last included (as Megatron does)
     assert first.recompute_s == 1.0 and last.recompute_s == 5.0
     assert first.time_s == 3.0 + 1.0 + (1.0 + 8 / 8.0)
     # full: each layer's input checkpointed per in-flight microbatch (layer 0's input is the

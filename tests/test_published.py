@@ -1,4 +1,4 @@
-"""The published comparison table (issue 7), on the fake space and evaluator of test_study_fakes."""
+"""The published comparison table, on the fake space and evaluator of test_study_fakes."""
 
 import json
 

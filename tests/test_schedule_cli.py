@@ -15,7 +15,7 @@ def test_schedule_json_rows_are_proven_and_self_consistent(tmp_path):
     env = dict(os.environ, PHAZE_OPT_CACHE=str(tmp_path))  # cold: the solver really runs
     # TP 4: its backward block runs the ILP and is proven in about a second. (At TP 2 the proof
     # takes HiGHS 30-60 s depending on its search path, too close to the 60 s default limit for
-    # a test; see BENCHMARKS.md, "Per-layer scheduling (issue 4)".)
+    # a test; see BENCHMARKS.md, "Per-layer scheduling".)
     out = _run("schedule", "--model", "bert-large", "--arch", "tpuv4", "--tp", "4", "--json", env=env)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)

@@ -1,4 +1,4 @@
-"""The partner-idle cuts of the relaxation and the search for a schedule meeting its bound (issue 19:
+"""The partner-idle cuts of the relaxation and the search for a schedule meeting its bound (built for
 the Mixtral block's backward pass) keep the solver exact.
 
 The problems here have the pattern those rules exploit: two vector cores whose split mode is

@@ -1,4 +1,4 @@
-"""Issue 6 acceptance, end to end with the real pipeline (graphs -> latencies -> ILP -> placement DP):
+"""The study's acceptance flow, end to end with the real pipeline (graphs -> latencies -> ILP -> placement DP):
 
 a 20-trial gpt2-xl study on the `small` space, an exhaustive sweep of the same space, then `compare`,
 all through the CLI, in under 3 minutes; checks the Optuna trials, the MLflow runs and artifacts, the

@@ -100,7 +100,7 @@ RECIPES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()))
 def test_bounds_hold_for_every_recipe_option(recipe):
-    """Issue 16: level 0 >= level 1 >= the evaluated throughput for every recipe field, with the
+    """Level 0 >= level 1 >= the evaluated throughput for every recipe field, with the
     layer bounds of the recipe's attention kernel (a bound below an evaluated throughput fails)."""
     space = load_space("phaze")
     model, system = load_model("gpt2-xl"), load_system("default")
@@ -223,7 +223,7 @@ RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4
 
 @pytest.mark.slow
 def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path):
-    """Issue 16: the pruned sweep over every recipe field with all its choices (144 recipes; 1 GiB
+    """The pruned sweep over every recipe field with all its choices (144 recipes; 1 GiB
     of HBM makes memory bind, so recompute, ZeRO and interleaving decide) finds the optimum of the
     full sweep, and every point's true throughput is at most the bound it was settled by, the
     dominance rules' included."""

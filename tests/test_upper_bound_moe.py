@@ -1,4 +1,4 @@
-"""The sweep's bounds stay valid with expert and context parallelism (issue 19): level 0 >= level 1
+"""The sweep's bounds stay valid with expert and context parallelism: level 0 >= level 1
 >= the evaluated throughput for a MoE model at a sequence CP may split, on random designs and
 recipes; and level 0 takes the CP widths' work."""
 

@@ -1,4 +1,4 @@
-"""Issue 17: `phaze-opt validate`, its report, the efficiency fit on the declared subset, and the
+"""`phaze-opt validate`, its report, the efficiency fit on the declared subset, and the
 identity default of the system efficiency block."""
 
 from __future__ import annotations

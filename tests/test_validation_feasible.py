@@ -1,4 +1,4 @@
-"""Issue 16: every published run of Narayanan et al. SC'21 (Table 1) and Korthikanti et al. 2022
+"""Every published run of Narayanan et al. SC'21 (Table 1) and Korthikanti et al. 2022
 (Table 5) fits its A100 80 GB GPUs in `evaluate` with its published TP, PP, GPUs, batch, microbatch,
 recompute, sequence parallelism and virtual stages, with positive HBM headroom, as it did in reality."""
 

@@ -19,7 +19,7 @@ from phaze_opt.validation.layers import (
 )
 from phaze_opt.validation.suites import LayerRow, Source, load_suite
 
-TARGET = 0.10  # issue 17: mean absolute error at most 10% on the held-out rows
+TARGET = 0.10  # the validation target: mean absolute error at most 10% on the held-out rows
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_gemm_rows_and_the_qkv_shape(suite):
         assert c.seconds > 0 and b.seconds > 0
         assert c.error == pytest.approx(c.seconds / c.gemm.seconds - 1)
     qkv = next(i for i, g in enumerate(suite.gemms) if (g.m, g.n, g.k) == (2048, 36864, 12288))
-    # the bare template is bound by re-streaming the activation (about 578 TFLOP/s, issue 17); with the
+    # the bare template is bound by re-streaming the activation (about 578 TFLOP/s); with the
     # tile reuse the projection is compute-bound and within 10% of cuBLAS's measured 769 TFLOP/s (704)
     assert bare[qkv].tflops == pytest.approx(579, abs=2)
     assert abs(calibrated[qkv].error) < 0.10 and calibrated[qkv].tflops > 1.2 * bare[qkv].tflops
@@ -148,5 +148,5 @@ def test_committed_h100_values_are_the_fit_s_kind_of_answer():
     for name in ("tc_fraction", "hbm_fraction", "op_overhead_s"):
         assert any(math.isclose(getattr(eff, name), g, rel_tol=1e-9, abs_tol=1e-12) for g in GRID[name]), name
     # a100-80gb: the GEMM tiling, plus the tensor-core fraction that `validate --fit-tc` fitted on the
-    # training suites (issue 17; tests/test_validate.py checks it is a point of that fit's grid)
+    # training suites (tests/test_validate.py checks it is a point of that fit's grid)
     assert load_arch("a100-80gb").efficiency == Efficiency(gemm_tile_reuse=8.0, tc_fraction=0.81)

@@ -37,7 +37,7 @@ MEGATRON = tuple(f"megatron-gpt-{size}" for size in (
     "1.7b", "3.6b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b", "310.1b", "530b", "1t", "22b", "175b"))
 
 
-# Mixture-of-experts models (issue 19); their sizes are tested in test_workload_moe.py.
+# Mixture-of-experts models; their sizes are tested in test_workload_moe.py.
 MOE = ("mixtral-8x7b", "deepseek-moe-16b", "llama2-7b-32k")  # and the long-context Llama
 
 # Models trained since 2023 (decoupled heads, MQA, QK-norm, windows, parallel blocks, MLA, MTP); their

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (issue 19): sizes against the papers, an independent parameter count,
+"""Mixture-of-experts models: sizes against the papers, an independent parameter count,
 FLOPs per token against 2 x active parameters + attention, the traced router / dispatch / grouped
 experts / combine / load-balancing loss, and the config checks."""
 

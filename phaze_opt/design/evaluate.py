@@ -281,7 +281,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         interleave_layers=repeated,
         training=training,
     )
-    # Expert and context parallelism (issue 19; design/parallel.py): nothing changes for a dense
+    # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.
     fixed = training.fixed if isinstance(training.fixed, dict) else (
         model.expert_placement if training.fixed == "expert" else None)

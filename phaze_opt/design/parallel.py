@@ -1,4 +1,4 @@
-"""Expert and context parallelism for a design (issue 19): which widths are searched, and the
+"""Expert and context parallelism for a design (MoE, long sequences): which widths are searched, and the
 per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s docstring).
 
 - EP widths: the powers of two that divide the model's routed experts (1 for a dense model); each

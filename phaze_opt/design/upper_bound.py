@@ -32,7 +32,7 @@ bandwidth), which lets one bound cover a whole architecture.
 microbatches and replicas, the pipeline bubble at the space's most virtual stages, and no stage
 faster than its slowest layer (per TP and CP width). The sweep takes the smaller of the two.
 
-Expert and context parallelism (issue 19). EP adds no work per device (the balanced experts'
+Expert and context parallelism. EP adds no work per device (the balanced experts'
 FLOPs are the traced ones; imbalance and all-to-alls only add), so level 0 stands. With CP c a
 stage's t c devices share each microbatch: time per batch >= B / (mbs d S) x W_{t,c} with W_{t,c}
 the lower-bound work of the layers traced at s / c (the further ring-attention blocks only add), so
@@ -207,7 +207,7 @@ def pipeline_throughput(widths: list[WidthBounds], mbs: int, accelerators: int, 
     """
     best = np.full(widths[0].kind_fwd.shape[0], np.inf)
     v = max(1, int(max_virtual_stages))
-    # With context parallelism c (issue 19) a stage is t x c devices, each running the layers traced at
+    # With context parallelism c a stage is t x c devices, each running the layers traced at
     # seq / c (ring attention's further K/V blocks only add), so the same argument holds per (t, c).
     for w in (cw for width in widths for cw in width.all_cp()):
         per_kind = w.kind_fwd + w.kind_bwd

@@ -1,4 +1,4 @@
-"""The published comparison (issue 7): TPUv4 against searched designs, beside Phaze's 3.6x and 2.9x.
+"""The published comparison (Phaze, ICML 2024): TPUv4 against searched designs, beside Phaze's 3.6x and 2.9x.
 
 For each system and model, five throughputs (sequences/s) and their ratio to the first:
 
@@ -53,7 +53,7 @@ from ..search.setup import Backend, StudyConfig, clean_name, default_storage
 from ..search.progress import say
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
-# Issue 19: a mixture of experts and a long context, each TPUv4 (expert and optimal placement) against
+# Beyond the paper: a mixture of experts and a long context, each TPUv4 (expert and optimal placement) against
 # its own co-designed chip (rows 1, 2 and 4; not in the common design, whose objective they would
 # dominate). `phaze-opt published` runs them unless --no-extra.
 EXTRA_MODELS = ("mixtral-8x7b", "llama2-7b-32k")

@@ -25,7 +25,7 @@ Per training batch for a placement (tp x pp stages x dp replicas, m microbatches
     static   = W/mm^2 x area x devices used x time per batch
 
 The recomputed forward runs on every stage, the last included, as in the placement evaluator
-(issue 16; `full` recomputes each layer's forward, `selective` the attention core's share of it,
+(as Megatron does; `full` recomputes each layer's forward, `selective` the attention core's share of it,
 in the ratio of its forward time)
 (`solve/placement/evaluate.py`), and a stage's inputs and output gradients cross the pipeline link as
 there. Left out: the optimizer step (its time is not modelled either), HBM refresh/background power,

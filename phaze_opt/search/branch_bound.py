@@ -78,7 +78,7 @@ DIVE_AFTER = 8
 
 class Grid:
     """Points as (microbatch index, design row, recipe index); design row = arch x HBM; a recipe is
-    one choice of recompute and of each further recipe field the space samples (issue 16)."""
+    one choice of recompute and of each further recipe field the space samples."""
 
     def __init__(self, space):
         self.space = space
@@ -155,7 +155,7 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
 
 
 def _concat(chunks: list[WidthBounds]) -> WidthBounds:
-    return concat_bounds(chunks)  # issue 19: keeps the CP widths' bounds
+    return concat_bounds(chunks)  # keeps the context-parallel widths' bounds
 
 
 def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,

@@ -43,7 +43,7 @@ _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
 MODEL_METRICS = {"throughput": "throughput_seq_per_s", "throughput_bound": "throughput_bound_seq_per_s",
                  "tokens_per_s": "tokens_per_s", "time_per_batch_s": "time_per_batch_s", "mfu": "mfu",
                  "energy_j": "energy_j"}
-PLACEMENT_METRICS = ("tp", "pp", "dp", "ep", "cp", "microbatches")  # ep, cp: expert and context parallelism (issue 19)
+PLACEMENT_METRICS = ("tp", "pp", "dp", "ep", "cp", "microbatches")  # ep, cp: expert and context parallelism
 TIMINGS = ("graph_s", "estimate_s", "ilp_s", "dp_s")
 # What every metric means, in its unit: the experiment's description lists them.
 TRIAL_METRICS = {
@@ -696,7 +696,7 @@ def experiment_description(*, study: str, models: Sequence[str], space: str, spa
     return "\n".join(lines)[:MAX_TAG]
 
 
-# -- one experiment per storage and study (issue 18) ---------------------------------------------
+# -- one experiment per storage and study (a study name reused elsewhere must not mix runs) ------
 
 STORAGE_TAG = "phaze.storage"  # on experiments: the Optuna storage their study lives in
 

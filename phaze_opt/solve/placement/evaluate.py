@@ -59,7 +59,7 @@ disagreement in the tests. The model it implements (the definition the DP must o
 - Throughput = global batch / time per batch; MFU = model FLOP per sequence x global batch /
   (devices used x peak FLOP/s x time per batch); bubble fraction = (S - 1) / (m + S - 1).
 
-Expert parallelism e and context parallelism c (issue 19). Ranks are ordered tp, cp, ep/dp, pp
+Expert parallelism e and context parallelism c. Ranks are ordered tp, cp, ep/dp, pp
 (Megatron-Core), so a stage runs on t x c devices per replica, t x c x S x d devices in all, and
 the pipeline and data-parallel links are those of a TP width t x c (`System.pipeline_link`,
 `dp_link`). EP splits each MoE layer's routed experts over e of the d replicas (e divides d;

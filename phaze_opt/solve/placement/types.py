@@ -63,7 +63,7 @@ class LayerCosts:
     - `selective_s`: the forward time of the attention core, what selective recompute adds to the
       backward (default 0); full recompute adds `fwd_s`.
 
-    Expert and context parallelism (issue 19; the model in `placement.evaluate`), all default 0:
+    Expert and context parallelism (the model in `placement.evaluate`), all default 0:
     `expert_params` (of `params`, the routed experts' share, divided over the EP group),
     `dispatch_bytes` (one all-to-all's payload per device: tokens x k x capacity factor x hidden x
     bytes), `expert_fwd_s` / `expert_bwd_s` (the experts' grouped GEMMs, scaled by the load
@@ -196,7 +196,7 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     return e, system.grad_bytes_per_param, rest
 
 
-# LayerCosts' expert- and context-parallel per-layer terms (issue 19), zero by default.
+# LayerCosts' expert- and context-parallel per-layer terms, zero by default (a dense model at a short sequence).
 PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bwd_s", "core_fwd_s", "core_bwd_s",
                    "kv_bytes")
 

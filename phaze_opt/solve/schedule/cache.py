@@ -43,7 +43,7 @@ from .verify import ScheduleViolation, verify_schedule
 
 CACHE_VERSION = 1
 METHODS_VERSION = 4  # 2: MIP, then the decision-point search, then the MIP again; 3: the search gets 80% of the time;
-# 4: the relaxation's partner-idle cuts and the hunt for a schedule meeting its bound (issue 19)
+# 4: the relaxation's partner-idle cuts and the hunt for a schedule meeting its bound (MoE blocks)
 # Records of a few kB; the disk holds them all, memory the recently used (a design's passes are
 # solved together, and the per-layer cost memo above keeps what a sweep revisits).
 MEMO_MAX = 8192
