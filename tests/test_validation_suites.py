@@ -18,7 +18,8 @@ from phaze_opt.validation.suites import (
 from phaze_opt.workload.graphs import model_params
 from phaze_opt.workload.models import load_model
 
-SUITES = ("korthikanti-2022", "layers-h100", "megatron-core-h100", "narayanan-sc21", "tpuv4-pod")
+SUITES = ("korthikanti-2022", "layers-h100", "megatron-core-h100", "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100",
+          "tpuv4-pod")
 TRUTH = configs.shipped_dir() / "validation" / "truth" / "h100-blocks.json"
 
 # Published sizes in billions: Narayanan et al., SC'21, Table 1 ("Number of parameters (billion)"),
@@ -149,7 +150,8 @@ def test_gpu_presets(name, peak_tflops, hbm_gib, hbm_gbps, glb_mib):
     assert acc.num_tc == {"a100-80gb": 108, "h100-sxm": 132}[name]  # one PE array per SM
 
 
-@pytest.mark.parametrize("name, nvlink, nic", [("dgx-a100", 300e9, 25e9), ("dgx-h100", 450e9, 50e9)])
+@pytest.mark.parametrize("name, nvlink, nic", [("dgx-a100", 300e9, 25e9), ("dgx-h100", 450e9, 50e9),
+                                                 ("dgx-b200", 900e9, 50e9)])
 def test_dgx_presets(name, nvlink, nic):
     s = load_system(name)
     assert (s.name, s.accelerators, s.devices_per_node, s.global_batch) == (name, 1024, 8, 4096)

@@ -136,7 +136,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             "virtual_stages": row.virtual_stages, "system": row.system or suite.system, "arch": row.arch or suite.arch,
             # the newer fields only where a row sets them, so the older suites' reports are unchanged
             **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
-                                 ("overlap_grad_reduce", row.overlap_grad_reduce)) if v not in (1, None, 0, False)}}
+                                 ("overlap_grad_reduce", row.overlap_grad_reduce)) if v not in (1, None, 0, False)},
+            **({"precision": row.precision} if row.precision != "bf16" else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:

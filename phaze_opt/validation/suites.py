@@ -34,6 +34,8 @@ A training row is one published run:
                                 adds it); such a row is skipped with that reason until it exists
     system, arch                optional: this row's cluster and chip (names in configs/systems and
                                 configs/archs), in place of the suite's (runs on different machines)
+    precision                   optional: the GEMM datatype of the run, one of ROW_PRECISIONS (default
+                                bf16); one outside MODELLED_PRECISIONS is skipped with that reason
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -74,14 +76,21 @@ PUBLISHED_FIELDS = (
     "mfu_percent",  # model FLOPs utilisation
     "hfu_percent",  # hardware FLOPs utilisation
     "throughput_increase_percent",  # speed-up over the paper's baseline
+    "tokens_per_s_per_gpu",  # training tokens per second per GPU (NeMo / Megatron-Bridge tables)
 )
+# The GEMM datatype a published run trained in. NVIDIA's NeMo / Megatron-Bridge tables name bf16, fp8
+# (per-tensor scaling, delayed or current), mxfp8 (1 x 32 blocks with an E8M0 scale) and nvfp4. The
+# Training recipe prices only what MODELLED_PRECISIONS holds; a row in any other precision loads in
+# full (every field checked) and is skipped with that reason, so that it is never priced as BF16.
+ROW_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
+MODELLED_PRECISIONS = ("bf16",)
 
 TOP_REQUIRED = ("suite", "description", "arch", "metric")
 TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
-                "system", "arch")
+                "system", "arch", "precision")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
@@ -173,6 +182,7 @@ class Row:
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
+    precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS)
 
     @property
     def dp(self) -> int:
@@ -391,7 +401,7 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, nam
                sequence_parallel=bool(row.get("sequence_parallel", False)), virtual_stages=ints["virtual_stages"],
                cp=ints["cp"], ep=ints["ep"], seq=row.get("seq"), zero=_zero(row, file, at),
                skip=f"model config '{name}' not in configs/models yet ({pending.strip()})",
-               **_row_numbers(row, at, metric, papers, file), **names)
+               precision=_precision(row, file, at), **_row_numbers(row, at, metric, papers, file), **names)
 
 
 def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
@@ -437,9 +447,12 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     if not isinstance(overlap, bool):
         raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
+    precision = _precision(row, file, at)
+    skip = "" if precision in MODELLED_PRECISIONS else \
+        f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
                sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
-               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula,
+               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip,
                **_row_numbers(row, at, metric, papers, file), **names)
 
 
@@ -454,6 +467,10 @@ def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> 
     return dict(value=values[metric], source=_source(row["source"], f"{at}.source", papers, file),
                 per_gpu_tflops=values.get("per_gpu_tflops"), iteration_time_s=values.get("iteration_time_s"),
                 published=published, note=note)
+
+
+def _precision(row: Mapping[str, Any], file, at: str) -> str:
+    return _choice(row, "precision", ROW_PRECISIONS, file, at) if "precision" in row else "bf16"
 
 
 def _zero(row: Mapping[str, Any], file, at: str) -> int:
