@@ -60,15 +60,15 @@ between slices (the data-center network). What changes with a torus, and what do
 - a group inside the slice that does not map onto torus lines runs as a ring along the rank order
   (one direction of one link, shared by interleaved groups); one that leaves the slice is priced as
   before, at the inter-node link;
-- pipeline hops and data-parallel rings keep the two-level rules above, with the slice as the node:
-  the placement DP vectorises exactly those rules (solve/placement/dp.py, `_pairs` and
-  `_general_groups`), and the evaluator must agree with it. With a torus that prices a stage hop at
-  one ICI link when S t divides the slice (exact for stage neighbours one torus hop apart,
-  optimistic by the hop count when S t is not a product of leading dimensions), at the inter-slice
-  link when it does not (pessimistic: the hop stays on ICI), and a data-parallel ring inside the slice at one ICI
-  link, a lower bound on the 2 to 6 links a torus ring gets (conservative). `dp_ring_link` is the
-  ring a torus does give (hierarchical: multi-dimensional inside a slice, the 1/g shards across
-  slices); it waits for the placement DP to price rings through a System method. On PaLM 540B
+- pipeline hops keep the two-level rule above, with the slice as the node: the placement DP
+  vectorises exactly that rule (solve/placement/dp.py, `_pairs` and `_general_groups`), and the
+  evaluator must agree with it. With a torus that prices a stage hop at one ICI link when S t
+  divides the slice (exact for stage neighbours one torus hop apart, optimistic by the hop count
+  when S t is not a product of leading dimensions), at the inter-slice link when it does not
+  (pessimistic: the hop stays on ICI);
+- a data-parallel ring is priced as the ring a torus does give (`dp_ring_link`: hierarchical, multi-dimensional inside a
+  slice, the 1/g shards across slices), by the evaluator and by both placement DPs
+  (`solve.placement.kernel.RingLinks`). On PaLM 540B
   (tpuv4-2x3072, ZeRO-3 over 512 replicas) it is the difference between 17.7 s and 45.8 s an
   iteration (published: 17.6 s), the two-level rule pricing the whole ring at the inter-slice link.
 """
@@ -295,8 +295,8 @@ class System:
         return Link(self.intra_node.bandwidth / lines[0].spacing, self.intra_node.latency)
 
     def dp_ring_link(self, t: int, pp: int, dp: int) -> Link:
-        """The data-parallel ring a torus actually gives (not yet what the placement DP prices: it
-        vectorises `dp_link`'s two-level rule; see the module docstring): the single-ring equivalent
+        """The data-parallel ring a torus actually gives, as the evaluator and the placement DPs price
+        it (see the module docstring): the single-ring equivalent
         of the hierarchical all-reduce, a multi-dimensional ring over the replicas inside a slice and
         a ring of the 1/g shards across slices. Without a torus, or for a group that does not split
         into whole slices, `dp_link`."""

@@ -18,14 +18,20 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phaze_opt.errors import PhazeError
+from phaze_opt.solve.placement.dp import optimal_dense_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s
+from phaze_opt.solve.placement.expert import optimal_placement
+from phaze_opt.solve.placement.types import PlacementProblem
 from phaze_opt.system import Link, load_system, system_from_dict
 from phaze_opt.torus import Torus, alltoall_seconds, ring_equivalent
-from test_placement_dp import SETTINGS, assert_matches_oracle, problems
-from test_placement_oracle import chain_splits
+from phaze_opt.training import Training
+from test_placement_dp import SETTINGS, assert_matches_oracle, assert_recipe_matches_oracle, problems, recipe_problems
+from test_placement_oracle import chain_splits, make_costs, make_system
+from test_expert_parallel import brute as moe_brute, moe_problem
 
 B, ALPHA = 50e9, 1e-6
 DIMS = st.lists(st.integers(1, 9), min_size=1, max_size=3)
@@ -200,6 +206,65 @@ def test_placement_dp_equals_brute_force_on_a_torus(problem, dims):
     torus = Torus(dims)
     system = replace(problem.system, devices_per_node=torus.size, torus=torus)
     assert_matches_oracle(replace(problem, system=system), chain_splits(problem.n_layers))
+
+
+TORI = st.sampled_from([(2,), (4,), (2, 2), (4, 2), (3, 3), (2, 2, 2)])
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(recipe_problems(), TORI, st.booleans())
+def test_placement_dp_with_torus_rings_equals_brute_force(problem, dims, wraparound):
+    """Data-parallel rings priced as the torus gives them (`dp_ring_link`): a larger ring can span
+    more torus lines and run faster, so neither DP may keep only the smallest d of a microbatch
+    count; every recipe (the fast path without ZeRO, the general one with ZeRO, overlapped
+    reduction, interleaving) checked."""
+    torus = Torus(dims, wraparound)
+    system = replace(problem.system, devices_per_node=torus.size, torus=torus)
+    assert_recipe_matches_oracle(replace(problem, system=system), chain_splits(problem.n_layers))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), TORI, st.sampled_from([0, 1]), st.booleans())
+def test_expert_dp_with_torus_rings_equals_brute_force(seed, dims, zero, overlap):
+    problem = moe_problem(seed, zero=zero, overlap_grad_reduce=overlap)
+    torus = Torus(dims)
+    problem = replace(problem, system=replace(problem.system, devices_per_node=torus.size, torus=torus))
+    want, where = moe_brute(problem)
+    got = optimal_placement(problem)
+    assert got.feasible == math.isfinite(want), (want, where, got.reason)
+    if got.feasible:
+        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), where
+
+
+def test_a_wider_ring_on_a_torus_can_be_faster_than_a_narrower_one():
+    """Why the DPs try every d on a torus: some ring of more replicas, spanning more torus lines,
+    finishes the same all-reduce sooner than a ring of fewer (under the two-level rule never)."""
+    s = replace(load_system("tpuv4-pod"), torus=Torus((2, 2, 2)), accelerators=16)
+
+    def ring_s(t, pp, dp, nbytes=1e9):
+        link = s.dp_ring_link(t, pp, dp)
+        return 2 * (dp - 1) * link.latency + 2 * (dp - 1) / dp * nbytes / link.bandwidth
+
+    assert any(ring_s(1, 1, d2) < ring_s(1, 1, d1) for d1 in range(2, 9) for d2 in range(d1 + 1, 17)
+               if s.dp_ring_link(1, 1, d2) != s.dp_link(1, 1, d2))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_dps_take_the_wider_faster_ring(zero):
+    """On a closed line of 4, a ring of 4 replicas all-reduces faster than one of 3 (which does
+    not map onto the line and rides the rank order); with a global batch of 3 both run one
+    microbatch, so only the ring tells them apart, and both DPs must find d = 4."""
+    system = replace(make_system(accelerators=4, global_batch=3, intra=(100.0, 0.01), inter=(10.0, 0.5)),
+                     devices_per_node=4, torus=Torus((4,)))
+    four, three = system.dp_ring_link(1, 1, 4), system.dp_ring_link(1, 1, 3)
+    assert ring_allreduce_s(1e2, 4, four.bandwidth, four.latency) < ring_allreduce_s(1e2, 3, three.bandwidth, three.latency)
+    costs = make_costs(1, [1.0], [2.0], [50.0], [1.0], [0.0])
+    problem = PlacementProblem(training=Training(mbs=1, zero=zero), costs=(costs,), system=system,
+                               hbm_bytes=1e9, peak_flops=1.0)
+    for solve in (optimal_dense_placement, optimal_placement):
+        got = solve(problem)
+        assert got.dp == 4, (solve.__name__, got.dp)
+        assert got.time_per_batch_s == pytest.approx(evaluate_placement(problem, got.placement()).time_per_batch_s)
 
 
 DROP = object()  # a field left out of the block

@@ -23,7 +23,8 @@ are swept together as one batch.
 
 Memory makes the position matter: the stage at position k holds min(k, m) microbatches, and m
 depends on d. Only the smallest d of each distinct m can be optimal (the same pipeline, and the
-least all-reduce, since the system configs guarantee the intra-node link is not the slower one).
+least all-reduce, since the system configs guarantee the intra-node link is not the slower one);
+on a torus, whose rings can grow faster with d (`System.dp_ring_link`), every d is tried.
 For S <= m the cap never binds, so one uncapped sweep serves all those (S, d) pairs. A pair with
 S > m needs a capped sweep (continued from row k = m of the uncapped one); its value lies between
 the uncapped sweep's and the "loosest" sweep's (one microbatch per stage), so where those two
@@ -66,6 +67,7 @@ from .kernel import (
     epsilon_sweeps,
     layer_terms,
     min_memory_needed,
+    ring_links,
     stage_fit,
     stage_stack,
     state_bytes,
@@ -88,10 +90,15 @@ def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarr
 
     m(d) = ceil(B / (mbs d)) = ceil(n / d) with n = ceil(B / mbs) takes at most 2 sqrt(n) values, and
     the next smaller one starts at d = ceil(n / (m - 1)); walking those never touches the other d, so
-    the cost does not grow with the accelerator count.
+    the cost does not grow with the accelerator count. The smallest d wins because a larger one
+    only lengthens the ring on a link no faster (`System.dp_link`). On a torus a larger ring can
+    span more torus lines and run faster (`System.dp_ring_link`), so there every d is tried.
     """
     top = problem.system.accelerators // t
     n = -(-problem.system.global_batch // problem.training.mbs)
+    if problem.system.torus is not None:
+        ds = np.arange(1, top + 1, dtype=np.int64)
+        return ds, -(-n // ds)
     ds, ms = [], []
     d = 1
     while d <= top:
@@ -149,7 +156,7 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
     block, S, d, m, g_floor = (np.concatenate(parts[k]) for k in ("block", "S", "d", "m", "g_floor"))
     t = np.array([c.tp for c in costs], dtype=np.int64)[block]
     # The link rules of phaze_opt.system, vectorised (the evaluator calls the methods themselves).
-    ring_intra = S * t * d <= dpn
+    rings = ring_links(system, t, S, d)
     return _Pairs(
         block=block,
         S=S,
@@ -158,8 +165,8 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
         hop=(dpn % (S * t) == 0).astype(np.int64),
         cap=np.where(m < S, m, 0),
         multiplier=(m + S - 1).astype(np.float64),
-        ring_bw=np.where(ring_intra, system.intra_node.bandwidth, system.inter_node.bandwidth),
-        ring_lat=np.where(ring_intra, system.intra_node.latency, system.inter_node.latency),
+        ring_bw=rings.bandwidth(),
+        ring_lat=rings.latency(),
         g_floor=g_floor,
         step_rate=_step_rate(problem),
     )
@@ -354,7 +361,6 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     N, dpn = system.accelerators, system.devices_per_node
     w_b, g_b, o_b = state_split(problem)
     L = costs[0].n_layers
-    intra, inter = system.intra_node, system.inter_node
     groups: dict = {}
     for b, c in enumerate(costs):
         t = c.tp
@@ -371,10 +377,9 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
             ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         h = (dpn % (S * t) == 0).astype(np.int64)
-        ring = (S * t * d <= dpn).astype(np.int64)
+        rings = ring_links(system, t, S, d)
         mult = m + (S - 1) / v
-        lat = np.where(ring == 1, intra.latency, inter.latency)
-        bw = np.where(ring == 1, intra.bandwidth, inter.bandwidth)
+        lat, bw = rings.latency(), rings.bandwidth()
 
         def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement.evaluate.ring_half_s)
             return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
@@ -410,7 +415,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         keep = np.flatnonzero(ok & np.isfinite(lb))
         s_key = np.where((v > 1) & (S > 1), S, 0)
         for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
-            key = (b, int(d[i]), int(h[i]), int(ring[i]), int(s_key[i]))
+            key = (b, int(d[i]), int(h[i]), rings.links[int(rings.ids[i])], int(s_key[i]))
             groups.setdefault(key, []).append((float(lb[i]), int(S[i]), float(mult[i])))
     return groups
 
@@ -444,7 +449,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     order = sorted(groups.items(), key=lambda kv: kv[1][0][0])
     best = Best()
     valid = np.isfinite(st.grad)
-    for (b, d, h, ring_intra, S_only), items in order:
+    for (b, d, h, ring, S_only), items in order:
         if items[0][0] >= best.time:  # groups come by their least bound: none after this one can win
             break
         items = [x for x in items if x[0] < best.time]
@@ -457,7 +462,6 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if need[0] > problem.hbm_bytes:
                 return best
         m = problem.microbatches(d)
-        ring = system.intra_node if ring_intra else system.inter_node
         sl = slice(b, b + 1)
         params, acts, workmax, bwdwin = st.params[sl], st.acts[sl], st.workmax[sl], st.bwdwin[sl]
         params0 = np.where(valid[sl], params, 0.0)

@@ -62,7 +62,7 @@ disagreement in the tests. The model it implements (the definition the DP must o
 Expert parallelism e and context parallelism c. Ranks are ordered tp, cp, ep/dp, pp
 (Megatron-Core), so a stage runs on t x c devices per replica, t x c x S x d devices in all, and
 the pipeline and data-parallel links are those of a TP width t x c (`System.pipeline_link`,
-`dp_link`). EP splits each MoE layer's routed experts over e of the d replicas (e divides d;
+`dp_ring_link`, which is `dp_link` without a torus). EP splits each MoE layer's routed experts over e of the d replicas (e divides d;
 expert tensor parallelism = t); CP splits every sequence over c groups of t devices. Per layer, with
 its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load imbalance:
 - MoE: the forward and the backward each run two all-to-alls (dispatch and combine; Lepikhin et
@@ -184,7 +184,7 @@ def evaluate_placement(
     m = problem.microbatches(d)
     hbm = problem.hbm_bytes
     hop = system.pipeline_link(t * c, S)
-    ring = system.dp_link(t * c, S, d)
+    ring = system.dp_ring_link(t * c, S, d)  # on a torus the ring it really gives
     imb = problem.training.load_imbalance
     ring_cp = system.cp_link(t, c)
     ranks = d * c  # holders of the same dense weights

@@ -30,7 +30,8 @@ force).
 
 Which d. Without ZeRO only the smallest multiple of e giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
-link no faster). With ZeRO-1 memory falls as d grows, so every multiple of e is tried.
+link no faster). With ZeRO-1 memory falls as d grows, so every multiple of e is tried; so it is on
+a torus, where a larger ring can span more torus lines and run faster (`kernel.RingLinks`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ...errors import PhazeError
+from ...system import Link
 from .dp import optimal_dense_placement
 from .kernel import (
     INF,
@@ -52,6 +54,7 @@ from .kernel import (
     epsilon_sweeps,
     layer_terms,
     min_memory_needed,
+    ring_links,
     stage_fit,
     stage_stack,
     sweep,
@@ -155,7 +158,7 @@ def _degrees(problem: PlacementProblem, top: int, e: int) -> np.ndarray:
     """The data-parallel degrees worth trying (the module docstring: "Which d"): without ZeRO the
     first multiple of e of each microbatch count (m falls as d grows, so each count is a run)."""
     multiples = np.arange(e, top + 1, e, dtype=np.int64)
-    if problem.training.zero or multiples.size == 0:
+    if problem.training.zero or problem.system.torus is not None or multiples.size == 0:
         return multiples
     m = -(-problem.system.global_batch // (problem.training.mbs * multiples))  # PlacementProblem.microbatches
     return multiples[np.concatenate([[True], m[1:] != m[:-1]])]
@@ -261,7 +264,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
     h = (dpn % (S * w) == 0).astype(np.int64)
-    ring = (S * w * d <= dpn).astype(np.int64)
+    rings = ring_links(system, w, S, d)
     mult = m + (S - 1) / v
     c_lb = np.where(h == 1, free[1][S - 1, blk], free[0][S - 1, blk])
     # per block: total dense and expert parameters, kept activations per microbatch
@@ -274,8 +277,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     P, Pe = P_b[blk], Pe_b[blk]
     Pd = P - Pe
     split = e > 1
-    lat = np.where(ring == 1, system.intra_node.latency, system.inter_node.latency)
-    bw = np.where(ring == 1, system.intra_node.bandwidth, system.inter_node.bandwidth)
+    lat, bw = rings.latency(), rings.bandwidth()
     ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
@@ -299,7 +301,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
     s_only = np.where((v > 1) & (S > 1), S, 0)
-    return {"blk": blk, "d": d, "S": S, "h": h, "ring": ring, "mult": mult, "lb": lb, "tail_lb": tail_lb,
+    return {"blk": blk, "d": d, "S": S, "h": h, "ring_bw": bw, "ring_lat": lat, "mult": mult, "lb": lb, "tail_lb": tail_lb,
             "s_only": s_only, "fits": fits}
 
 
@@ -312,10 +314,14 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
     lb = items["lb"]
     if lb.size == 0:
         return
-    # One integer per group: the (class, block, d) run (items come in that order) and the links and S_only
+    # One integer per group: the (class, block, d) run (items come in that order) and the links and
+    # S_only; the ring link's id orders the distinct rings by bandwidth (0 inter-node, 1 intra-node
+    # without a torus), so groups of different classes on the same ring share an id.
+    items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"]]), axis=1, return_inverse=True)[1].reshape(-1)
+    rings = int(np.max(items["ring"])) + 1
     run = np.cumsum(np.concatenate([[0], (items["cls"][1:] != items["cls"][:-1]) | (items["blk"][1:] != items["blk"][:-1])
                                     | (items["d"][1:] != items["d"][:-1])]))
-    key = (run * 4 + items["h"] * 2 + items["ring"]) * (int(np.max(items["s_only"])) + 1) + items["s_only"]
+    key = ((run * 2 + items["h"]) * rings + items["ring"]) * (int(np.max(items["s_only"])) + 1) + items["s_only"]
     order = np.argsort(key, kind="stable")
     ks = key[order]
     lo = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
@@ -328,25 +334,26 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
         idx = idx[lb[idx] < best.time]
         idx = idx[np.argsort(lb[idx], kind="stable")]  # least bound first (which of equal totals is kept)
         i = int(idx[0])
-        key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "ring", "s_only"))
-        _search_group(problem, classes[int(items["cls"][i])], key, items["S"][idx].tolist(), items["mult"][idx].tolist(),
+        key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "s_only"))
+        ring = Link(float(items["ring_bw"][i]), float(items["ring_lat"][i]))
+        _search_group(problem, classes[int(items["cls"][i])], key, ring, items["S"][idx].tolist(), items["mult"][idx].tolist(),
                       items["tail_lb"][idx].tolist(), best, stats)
 
 
-def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, Ss: list, mults: list, floors: list,
+def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link, Ss: list, mults: list, floors: list,
                   best: Best, stats: dict):
-    """One (block, d, links, S_only) group: the epsilon-constraint on the stage tail."""
+    """One (block, d, pipeline link, S_only) group on the data-parallel ring `ring`: the
+    epsilon-constraint on the stage tail."""
     system = problem.system
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
     st, experts, costs = b.st, b.experts, b.costs
-    blk, d, h, ring_intra, S_only = key
+    blk, d, h, S_only = key
     e, c = int(b.e[blk]), int(b.c[blk])
     if not Ss:
         return
     stats["groups"] = stats.get("groups", 0) + 1
     m = problem.microbatches(d)
-    ring = system.intra_node if ring_intra else system.inter_node
     ranks, expert_ranks = d * c, max(1, d * c // e)
     sl = slice(blk, blk + 1)
     ok = np.isfinite(st.grad[sl])

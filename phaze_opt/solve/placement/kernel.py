@@ -109,6 +109,41 @@ def most_in_flight(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarra
     return q.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class RingLinks:
+    """The data-parallel ring link of every candidate (width, S, d), as an id into `links`.
+
+    Without a torus the id is the two-level rule of `System.dp_link` (1: the ring stays inside a
+    node, 0: it crosses nodes), vectorised. On a torus each distinct (width, S, d) asks
+    `System.dp_ring_link` for the ring the torus really gives (multi-dimensional inside a slice, the
+    1/g shards across slices), the same link `evaluate_placement` prices, so the DPs and their
+    independent check agree; the distinct links are few, so a group keyed by the id stays small.
+    """
+
+    ids: np.ndarray
+    links: tuple
+
+    def bandwidth(self) -> np.ndarray:
+        return np.array([k.bandwidth for k in self.links])[self.ids]
+
+    def latency(self) -> np.ndarray:
+        return np.array([k.latency for k in self.links])[self.ids]
+
+
+def ring_links(system, width, S: np.ndarray, d: np.ndarray) -> RingLinks:
+    """`RingLinks` for the candidates (width, S, d); width is a TP (x CP) width or an array of them."""
+    width = np.broadcast_to(np.asarray(width, dtype=np.int64), np.shape(S))
+    if system.torus is None:
+        return RingLinks(ids=(S * width * d <= system.devices_per_node).astype(np.int64),
+                         links=(system.inter_node, system.intra_node))
+    triples, inverse = np.unique(np.stack([width, S, d]).reshape(3, -1), axis=1, return_inverse=True)
+    found = [system.dp_ring_link(int(w), int(s), int(r)) for w, s, r in triples.T]
+    links = tuple(dict.fromkeys(found))
+    index = {link: i for i, link in enumerate(links)}
+    ids = np.array([index[k] for k in found], dtype=np.int64)[inverse.reshape(-1)]
+    return RingLinks(ids=ids.reshape(np.shape(S)), links=links)
+
+
 def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer, by the recipe's recompute mode: (bytes kept per in-flight microbatch, working set
     during its backward, recompute time); see placement.evaluate for the model and its sources."""
