@@ -76,6 +76,7 @@ import numpy as np
 
 from ..errors import shown
 from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
+from ..workload.precision import FORMATS
 from .accelerator import Accelerator
 from .efficiency import IDENTITY, Efficiency
 
@@ -361,8 +362,6 @@ def gemm_formats(datatypes, designs, bytes_per_element: float):
     """(operand bytes [1, n_gemm], MAC rate [n_designs, n_gemm]) of GEMM rows in `datatypes`
     ("" = BF16: `bytes_per_element` at rate 1). A format a design lacks raises: callers check
     support first (design/evaluate.py makes such a design infeasible with the reason)."""
-    from ..workload.precision import FORMATS
-
     op_bytes = np.array([[FORMATS[t].operand_bytes if t else float(bytes_per_element) for t in datatypes]])
     if isinstance(designs, DesignArrays):
         raise ValueError("low-precision GEMMs need the designs as Accelerators (their tc_datatypes)")
@@ -383,7 +382,6 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
     `designs` is a sequence of Accelerators or a DesignArrays (BF16 graphs only); `interconnect` an
     Interconnect, a system Link (.bandwidth, .latency) or None for the default NVLink-class link.
     """
-    accelerators = designs if not isinstance(designs, DesignArrays) else None
     d = designs if isinstance(designs, DesignArrays) else DesignArrays.from_accelerators(list(designs))
     ops = op_graph.ops
     n_d, n_o = len(d), len(ops)
@@ -407,7 +405,7 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
         B, M, K, N, nbytes, elements, cpe, fused = g
         op_bytes, rate = None, 1.0
         if any(c.gemm_datatypes):
-            op_bytes, rate = gemm_formats(c.gemm_datatypes, designs if accelerators is None else list(accelerators), e)
+            op_bytes, rate = gemm_formats(c.gemm_datatypes, designs, e)
         for out, k_tc, k_vc, share in (
             (single, 1.0, 1.0, 1.0 / d.num_tc),
             (split, d.num_tc, d.num_vc, 1.0),
