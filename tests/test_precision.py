@@ -194,3 +194,17 @@ def test_space_samples_the_datatype_set():
     with pytest.raises(PhazeError, match="tc_datatypes"):
         space_from_mapping({**SPACE, "params": {**SPACE["params"], "tc_datatypes": ["fp8"]}}, "s.yaml")
 
+
+
+def test_bound_pruning_is_not_used_on_a_low_precision_space():
+    from phaze_opt.search.config import StudyConfig
+    from phaze_opt.search.setup import resolve_prune
+
+    space = space_from_mapping(SPACE, "s.yaml")
+    backend = type("B", (), {"evaluator": None, "space": space})()
+    config = StudyConfig(models=("megatron-gpt-1.7b",), exhaustive=True, prune="auto")
+    assert resolve_prune(config, backend) == "off"
+    with pytest.raises(PhazeError, match="BF16 GEMMs"):
+        resolve_prune(dataclasses.replace(config, prune="bound"), backend)
+    bf16 = space_from_mapping({**SPACE, "params": {**SPACE["params"], "precision": ["bf16"]}}, "s.yaml")
+    assert resolve_prune(config, type("B", (), {"evaluator": None, "space": bf16})()) == "bound"

@@ -242,10 +242,6 @@ def run_pruned(session: Session) -> dict:
     """The bound-pruned exhaustive sweep: every point settled by evaluation or by a proven bound."""
     if Grid(session.space).size == 0:
         raise PhazeError(f"space '{session.space.name}': no grid point passes the area rule")
-    low = [p for p in session.space.params.get("precision", ()) if p != "bf16"]
-    if low:  # its layer-time lower bounds are BF16 latencies, which a faster format undercuts
-        raise PhazeError(f"space '{session.space.name}': --prune bound prices BF16 GEMMs only, and the space samples "
-                         f"precision {', '.join(low)}; run the sweep without --prune bound")
     stats = run_branch_bound(session)
     history = best_history(session.all_trials())
     session.study.set_user_attr("best_history", history)
