@@ -208,3 +208,27 @@ def test_bound_pruning_is_not_used_on_a_low_precision_space():
         resolve_prune(dataclasses.replace(config, prune="bound"), backend)
     bf16 = space_from_mapping({**SPACE, "params": {**SPACE["params"], "precision": ["bf16"]}}, "s.yaml")
     assert resolve_prune(config, type("B", (), {"evaluator": None, "space": bf16})()) == "bound"
+
+
+def test_moe_experts_run_low_and_never_slower(tmp_path, monkeypatch):
+    """The routed experts' grouped GEMMs run in the format (TE's GroupedLinear), in the layer times
+    and in the expert-parallel terms alike."""
+    from test_moe_design import TINY, small_system
+
+    from phaze_opt.design.evaluate import training_problem
+    from phaze_opt.workload.graphs import build_layer_graph
+    from phaze_opt.workload.models import parse_model
+    from phaze_opt.workload.precision import precision_graph
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path))
+    model = parse_model(dict(TINY, seq=1024), "tiny.yaml")
+    graph = precision_graph(build_layer_graph(model, 1, 1), "fp8")
+    experts = [op for passes in graph.op_graphs.values() for og in passes.values() for op in og.ops
+               if op.kind == "grouped_gemm"]
+    assert experts and all(op.datatype == "fp8" for op in experts)
+    arch, system = load_arch("h100-sxm"), small_system()
+    bf16 = training_problem(model, arch, Training(1), system, (1,), 2.0)[2]
+    fp8 = training_problem(model, arch, Training(1, precision="fp8"), system, (1,), 2.0)[2]
+    for a, b in zip(bf16.costs, fp8.costs):
+        assert (b.expert_fwd_s <= a.expert_fwd_s).all() and (b.expert_bwd_s <= a.expert_bwd_s).all()
+        assert (b.expert_fwd_s < a.expert_fwd_s).any()
