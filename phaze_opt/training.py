@@ -42,6 +42,12 @@ It holds
   --exp-avg-sq-dtype bf16`); `bf16-adamw` BF16 moments and no master copy, 4 B (pure BF16 AdamW,
   8 B per parameter in all; Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the
   state each device holds (sharded as ZeRO says) and the bytes the optimizer step streams.
+- `precision`: the number format of the transformer blocks' linear-layer GEMMs, `bf16` (default,
+  every GEMM in BF16), `fp8` (Transformer Engine's per-tensor delayed scaling, E4M3 forward / E5M2
+  gradients, Megatron-Core `--fp8-format hybrid --fp8-recipe delayed`), `mxfp8` (OCP MX blocks of
+  32 elements with an E8M0 scale, `--fp8-recipe mxfp8`) or `nvfp4` (blocks of 16 with an E4M3
+  scale). What runs in the format, the casts and the FP8 weight copies: `workload/precision.py`;
+  a chip whose tensor cores lack the format makes the design infeasible (`Accelerator.mac_rate`).
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -62,7 +68,7 @@ from .errors import PhazeError
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
 OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
-                   "optimizer_state")
+                   "optimizer_state", "precision")
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -70,6 +76,8 @@ ZERO_STAGES = (0, 1, 3)
 # Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
 OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
+# GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
+PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 PLACEMENTS = ("optimal", "expert")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
@@ -187,6 +195,7 @@ class Training:
     account_for_embedding: bool = False
     account_for_loss: bool = False
     optimizer_state: str | None = None
+    precision: str = "bf16"
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -206,6 +215,10 @@ class Training:
                 raise PhazeError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
                                  f"got {self.optimizer_state!r}")
             object.__setattr__(self, "optimizer_state", layout)
+        precision = str(self.precision).strip().lower()
+        if precision not in PRECISIONS:
+            raise PhazeError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -260,7 +273,9 @@ class Training:
                 **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
                 **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
                 **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
-                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {})}
+                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {}),
+                # only when not BF16, so every earlier recipe (and resumed point key) is unchanged
+                **({"precision": self.precision} if self.precision != "bf16" else {})}
 
     @property
     def optimizer_state_bytes(self) -> int | None:

@@ -337,6 +337,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         account_for_embedding=uneven and draw(st.booleans()),
         account_for_loss=uneven and draw(st.booleans()),
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
+        precision=draw(st.sampled_from(["bf16", "fp8", "nvfp4"])),  # low-precision weight copies in the state
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(

@@ -154,7 +154,7 @@ def fake_evaluate(model, arch, training: Training, system="default"):
 # Every recipe field a space can sample, with every choice: what a trial may get, the baseline gets.
 EVERY_RECIPE = {"mbs": [1, 2], "recompute": ["none", "selective", "full"], "sequence_parallel": [False, True],
                 "virtual_stages": [1, 2], "zero": [0, 1, 3], "overlap_grad_reduce": [False, True],
-                "attention": ["unfused", "flash"]}
+                "attention": ["unfused", "flash"], "precision": ["bf16", "fp8"]}
 
 
 class RecordingEvaluator:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import OPTIMIZER_STATES
+from ..training import OPTIMIZER_STATES, PRECISIONS
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -37,6 +37,10 @@ def add_arguments(p):
                    help="overlap the data-parallel gradient reduction with the backward pass")
     p.add_argument("--attention", choices=("unfused", "flash"), default=None,
                    help="attention kernel (default: the model config's)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="number format of the transformer blocks' linear-layer GEMMs (Transformer Engine): bf16, "
+                        "fp8 (per-tensor delayed scaling), mxfp8 or nvfp4 (block scaled); the arch's tensor cores "
+                        "must support it (tc_datatypes), else the design is infeasible (default bf16)")
     p.add_argument("--system", default="default", help="system config name or path (default: default)")
     p.add_argument("--devices", type=int, default=None, metavar="N", help="override the system's accelerator count")
     p.add_argument("--global-batch", type=int, default=None, metavar="B",
@@ -78,7 +82,7 @@ def run(args) -> dict:
                       overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
-                      optimizer_state=args.optimizer_state)
+                      optimizer_state=args.optimizer_state, precision=args.precision)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -117,6 +121,8 @@ def render(r: dict) -> str:
         extras.append(f"{' and '.join(counted)} counted in the pipeline split")
     if r.get("optimizer_state"):
         extras.append(f"{r['optimizer_state']} optimizer state")
+    if r.get("precision"):
+        extras.append(f"{r['precision'].upper()} GEMMs")
     if r.get("zero"):
         extras.append(f"ZeRO-{r['zero']}")
     if r.get("overlap_grad_reduce"):

@@ -52,6 +52,7 @@ from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import Training
 from ..workload.graphs import build_layer_graph, sequence_parallel_graph
+from ..workload.precision import precision_graph
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, ep_widths as model_ep_widths, parallel_setup
 
@@ -110,16 +111,17 @@ def _link_key(link) -> tuple:
 
 def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int,
                 ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, sequence_parallel: bool = False,
-                attention: str | None = None) -> _TpCosts:
+                attention: str | None = None, precision: str = "bf16") -> _TpCosts:
     """Per-layer forward/backward time and memory facts at TP width tp.
 
     Times are proven-optimal schedules, or incumbents of passes that hit the ILP time limit (then
     `bound_costs` holds the proven lower bounds as well; see the module docstring). Memory by
-    recompute mode follows the recipe's sequence parallelism; `attention` picks the kernel.
+    recompute mode follows the recipe's sequence parallelism; `attention` picks the kernel;
+    `precision` the linear layers' GEMM format (workload/precision.py).
     """
     link = system.tp_link(tp)
     key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision, float(ilp_time_limit_s),
-           bool(sequence_parallel), attention)
+           bool(sequence_parallel), attention) + ((precision,) if precision != "bf16" else ())
     hit = _COSTS_MEMO.get(key)
     if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
@@ -128,6 +130,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
     graph = build_layer_graph(model, tp, mbs, attention=attention)
     if sequence_parallel:  # its collectives: reduce-scatter + all-gather (the same cost as the all-reduce)
         graph = sequence_parallel_graph(graph)
+    graph = precision_graph(graph, precision)
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}
@@ -190,7 +193,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
 
 
 def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts,
-                      attention: str | None = None):
+                      attention: str | None = None, precision: str = "bf16"):
     """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
     with every op in the mode its schedule chose; memoised by the costs' content key and the constants."""
     constants = load_energy_constants()
@@ -199,7 +202,9 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
     if hit is not None:
         return hit
     tp = tp_costs.costs.tp
-    graph = build_layer_graph(model, tp, mbs, attention=attention)
+    # the ops the schedules chose modes for (the casts included); a low-precision GEMM is charged
+    # the BF16 MAC energy (the energy model has one MAC energy), its operand bytes at the format's
+    graph = precision_graph(build_layer_graph(model, tp, mbs, attention=attention), precision)
     intra = system.tp_within_node(tp)
     passes = {}
     for kind in graph.kinds:
@@ -213,7 +218,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
 
 
 def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, result, area: float) -> float:
-    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention)
+    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention, training.precision)
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system).total_j
@@ -266,7 +271,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
     per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
-                             training.attention) for t in widths}
+                             training.attention, training.precision) for t in widths}
     graph = build_layer_graph(model, widths[0], training.mbs, attention=training.attention)
     kinds = [l.kind for l in graph.layers]
     repeated = max(kinds.count(k) for k in set(kinds))  # the decoder layers Megatron interleaves
@@ -288,7 +293,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
 
     def short_costs(short, t):
         v = layer_costs(short, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
-                        training.attention)
+                        training.attention, training.precision)
         return v.costs, v.bound_costs, v.unproven
 
     extra = parallel_setup(model, arch, training, system, {t: (v.costs, v.bound_costs) for t, v in per_tp.items()},
@@ -335,6 +340,8 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     """Throughput of one design: `arch` trained by `training` (its placement the best or the given one)."""
     check_ilp_time_limit(ilp_time_limit_s)
     model_cfg = load_model(model)
+    if arch.mac_rate(training.precision) is None:
+        return unsupported_precision(model_cfg, arch, training)
     training, note = _without_missing_expert(model_cfg, training)
     fixed = training.fixed
     widths = None
@@ -392,6 +399,16 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         unproven=unproven,
         note=note,
     )
+
+
+def unsupported_precision(model: ModelConfig, arch: Accelerator, training: Training) -> DesignResult:
+    """The infeasible result of a recipe whose GEMM format the chip's tensor cores cannot multiply."""
+    reason = (f"precision {training.precision}: the tensor cores of {arch.name or 'this design'} support "
+              f"{', '.join(arch.datatype_names)}")
+    return DesignResult(feasible=False, reason=reason, throughput=0.0, tokens_per_s=0.0,
+                        time_per_batch_s=float("inf"), area_mm2=float(area_mm2(arch)), mfu=0.0,
+                        placement={"tp": 0, "pp": 0, "dp": 0, "microbatches": 0, "stages": []},
+                        timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0, "dp_s": 0.0}, model=model.name)
 
 
 def _without_missing_expert(model: ModelConfig, training: Training) -> tuple[Training, str]:

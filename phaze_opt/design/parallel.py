@@ -28,6 +28,7 @@ from ..solve.placement.types import LayerCosts
 from ..workload.graphs import build_layer_graph, routed_expert_params
 from ..workload.layers import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
+from ..workload.precision import precision_graph
 
 CP_MIN_SEQ = 8192
 CP_MAX = 32
@@ -96,10 +97,12 @@ def _layer_kinds(model: ModelConfig) -> list[str]:
     return [kind for _, kind in layer_sequence(model)]
 
 
-def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, system, attention, cp: int = 1) -> LayerCosts:
-    """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms."""
+def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, system, attention, cp: int = 1,
+                        precision: str = "bf16") -> LayerCosts:
+    """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms, the
+    experts' GEMMs in the recipe's `precision` as the layer times have them."""
     t = costs.tp
-    graph = build_layer_graph(model, t, mbs, attention=attention)
+    graph = precision_graph(build_layer_graph(model, t, mbs, attention=attention), precision)
     link = system.tp_link(t)
     per_kind = {}
     for kind in graph.kinds:
@@ -136,7 +139,7 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
     mbs, attention = training.mbs, training.attention
     costs, bounds = [], []
     for lc, bound in per_tp.values():
-        full = with_parallel_terms(lc, model, arch, mbs, system, attention)
+        full = with_parallel_terms(lc, model, arch, mbs, system, attention, precision=training.precision)
         costs.append(full)
         bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
     cp_costs, cp_bounds, unproven = [], [], []
@@ -147,7 +150,7 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
         for t in per_tp:
             if t * c <= system.accelerators:
                 lc, bound, open_passes = layer_costs_fn(short, t)
-                full = with_parallel_terms(lc, short, arch, mbs, system, attention, c)
+                full = with_parallel_terms(lc, short, arch, mbs, system, attention, c, training.precision)
                 cp_costs.append(full)
                 cp_bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
                 unproven += [f"tp{t} cp{c} {u}" for u in open_passes]

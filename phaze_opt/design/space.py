@@ -26,7 +26,15 @@ sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item li
 recipe fields (the rest of `Training`) may be sampled too; a space without one trains with its default:
 `sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 3],
 `overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own),
-`optimizer_state` [fp32-adam, bf16-moments, bf16-adamw] (absent: the system's own accounting).
+`optimizer_state` [fp32-adam, bf16-moments, bf16-adamw] (absent: the system's own accounting),
+`precision` [bf16, fp8, mxfp8, nvfp4] (the GEMM format; workload/precision.py).
+
+`tc_datatypes` (optional, sampled only) is the tensor cores' set of number formats, each choice
+a `+`-joined set that starts with bf16, e.g. [bf16, bf16+fp8]: the formats run at their published
+rates over BF16 (`DATATYPE_RATES`: FP8 and MXFP8 2x as on Hopper and Blackwell, NVFP4 4x as on
+Blackwell) and their datapath counts in the area (hardware/area.py `datatype_fraction`). With both
+it and `precision` sampled, a study answers whether a format is worth its area: a point asking for
+a format its chip lacks is infeasible. Absent: BF16 only.
 
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
@@ -48,7 +56,7 @@ from .. import configs
 from ..errors import PhazeError, config_error, shown
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import GIB, LIMITS, MIB, load_arch
-from ..hardware.area import area_mm2, area_mm2_arrays
+from ..hardware.area import area_mm2, area_mm2_arrays, datatype_fraction
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
 from ..system import MBS_LIMIT
 from ..training import OPTIONAL_FIELDS, RECOMPUTE_MODES, SAMPLED_FIELDS, Training, check_recipe_value
@@ -59,7 +67,12 @@ RUN_FIELDS = SAMPLED_FIELDS  # the training recipe's fields a space samples (tra
 RECIPE_FIELDS = OPTIONAL_FIELDS  # further recipe fields a space may sample; absent: the Training default
 INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
 POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
-ALL_FIELDS = ARCH_FIELDS + RUN_FIELDS + RECIPE_FIELDS
+DATATYPE_FIELD = "tc_datatypes"  # optional, sampled: the tensor cores' number formats (module docstring)
+# MACs per PE per cycle over BF16 of each format a space's datatype set names: the published ratios
+# (H100 SXM datasheet: 1979 dense FP8 vs 989 BF16 TFLOP/s; NVIDIA Blackwell datasheet (B200): FP8
+# and MXFP8 2x, NVFP4 4x the dense BF16 rate).
+DATATYPE_RATES = {"bf16": 1.0, "fp8": 2.0, "mxfp8": 2.0, "nvfp4": 4.0}
+ALL_FIELDS = ARCH_FIELDS + (DATATYPE_FIELD,) + RUN_FIELDS + RECIPE_FIELDS
 # Every choice stays within the reference architectures' limits (hardware.arch.LIMITS); a
 # microbatch is part of one global batch, so it has the global batch's limit.
 FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
@@ -85,12 +98,28 @@ def _native(v):
     return v
 
 
+def datatype_set(text: str) -> tuple:
+    """A space's datatype-set choice ("bf16+fp8") as `Accelerator.tc_datatypes` pairs at `DATATYPE_RATES`;
+    a ValueError saying what is allowed otherwise."""
+    names = [n.strip().lower() for n in str(text).split("+")]
+    if not names or names[0] != "bf16" or any(n not in DATATYPE_RATES for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"must be formats joined by '+', starting with bf16 (formats: {', '.join(DATATYPE_RATES)}), "
+                         f"got {text!r}")
+    return tuple((n, DATATYPE_RATES[n]) for n in names)
+
+
 def _check_value(file, where: str, name: str, v) -> Any:
+    if name == DATATYPE_FIELD:
+        try:
+            datatype_set(v)
+        except ValueError as exc:
+            raise config_error(file, where, f"choices {exc}") from None
+        return str(v)
     if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe itself (training.check_recipe_value)
         if name == "recompute" and not isinstance(v, bool) and v not in RECOMPUTE_MODES:
             raise config_error(file, where, f"choices must be true or false or one of {', '.join(RECOMPUTE_MODES)}, "
                                             f"got {shown(v)}")
-        if isinstance(v, str) and name not in ("recompute", "attention"):
+        if isinstance(v, str) and name not in ("recompute", "attention", "precision", "optimizer_state"):
             raise config_error(file, where, f"choices must be plain values, not text, got {shown(v)}")
         try:
             return check_recipe_value(name, v)
@@ -189,6 +218,7 @@ class SearchSpace:
             num_tc=int(v["num_tc"]), tc_x=int(v["tc_x"]), tc_y=int(v["tc_y"]), num_vc=int(v["num_vc"]),
             vc_width=int(v["vc_width"]), glb_bytes=int(round(v["glb_mib"] * MIB)), glb_bw=float(glb_bw),
             hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
+            **({"tc_datatypes": datatype_set(point[DATATYPE_FIELD])} if DATATYPE_FIELD in self.params else {}),
         )
 
     def constant_arch_fields(self) -> dict:
@@ -206,7 +236,8 @@ class SearchSpace:
                                                                 "clock_ghz")
         sources = {**{f: (f,) for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")},
                    "glb_bytes": ("glb_mib",), "glb_bw": glb_bw_from, "hbm_bytes": ("hbm_gib",),
-                   "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS}
+                   "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS,
+                   DATATYPE_FIELD: (DATATYPE_FIELD,)}
         fields = self.accelerator({p: choices[0] for p, choices in self.params.items()}).fields()
         return {k: v for k, v in fields.items() if not any(varies(f) for f in sources[k])}
 
@@ -236,7 +267,7 @@ class SearchSpace:
     @property
     def area_params(self) -> list[str]:
         """Sampled parameters that change the chip's area (directly or through a tie)."""
-        used = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed}
+        used = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed} | {DATATYPE_FIELD}
         return [p for p in self.params if p in used]
 
     def _grid_arrays(self):
@@ -245,7 +276,7 @@ class SearchSpace:
             return self._cache["grid"]
         names = list(self.params)
         shape = tuple(len(self.params[n]) for n in names)
-        area_axes = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed}
+        area_axes = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed} | {DATATYPE_FIELD}
         cells = math.prod(len(self.params[n]) for n in names if n in area_axes)
         if cells > MAX_AREA_CELLS:  # checked before the arrays below are allocated
             raise PhazeError(f"space '{self.name}': its area parameters ({', '.join(n for n in names if n in area_axes)}) "
@@ -261,7 +292,13 @@ class SearchSpace:
             return vals.reshape([-1 if i == k else 1 for i in range(len(names))])
 
         v = {f: axis_values(f) for f in AREA_FIELDS}
-        area = area_mm2_arrays(v["num_tc"], v["tc_x"], v["tc_y"], v["num_vc"], v["vc_width"], v["glb_mib"] * MIB)
+        datatypes = 0.0
+        if DATATYPE_FIELD in self.params:  # the extra PE area of each datatype set, on its own axis
+            k = names.index(DATATYPE_FIELD)
+            datatypes = np.array([datatype_fraction(datatype_set(c)) for c in self.params[DATATYPE_FIELD]])
+            datatypes = datatypes.reshape([-1 if i == k else 1 for i in range(len(names))])
+        area = area_mm2_arrays(v["num_tc"], v["tc_x"], v["tc_y"], v["num_vc"], v["vc_width"], v["glb_mib"] * MIB,
+                               datatypes=datatypes)
         exempt = np.zeros(area.shape, dtype=bool)
         for f in self.floor_exempt_if_one:
             exempt = exempt | (axis_values(f) == 1)
@@ -360,6 +397,12 @@ class SearchSpace:
                 point[p] = self.params["mbs"][0]
             elif p == "recompute":
                 point[p] = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
+            elif p == DATATYPE_FIELD:  # the design's own set where the space offers it
+                own = "+".join(acc.datatype_names)
+                if own not in self.params[p]:
+                    raise PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': its tensor cores' "
+                                     f"formats {own} are not among {self.params[p]}")
+                point[p] = own
             elif p in RECIPE_FIELDS:  # the Training default where the space offers it, else its first choice
                 default = getattr(Training(), p)
                 point[p] = default if default in self.params[p] else self.params[p][0]

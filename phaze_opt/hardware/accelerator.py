@@ -7,14 +7,21 @@ Units are SI: bytes, bytes/s, Hz.
 `efficiency` (hardware/efficiency.py) says how well a preset's software stack uses the template; its
 identity default leaves every latency as the template computes it, and `compute_key` and `fields()`
 then read exactly as they did before the field existed (cache keys and logged parameters unchanged).
+
+`tc_datatypes` lists the number formats the tensor cores multiply and their MAC rate in each, in
+MACs per PE per cycle (BF16 is the template's 1, the rate `peak_flops` counts). The BF16-only
+default likewise leaves `compute_key` and `fields()` as they were.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 from .efficiency import IDENTITY, Efficiency, as_efficiency
 from .memory import l2_bytes
+
+BF16_ONLY = (("bf16", 1.0),)  # the template's tensor cores: BF16 at one MAC per PE per cycle
 
 
 @dataclass(frozen=True)
@@ -31,10 +38,21 @@ class Accelerator:
     clock_hz: float
     name: str = ""
     efficiency: Efficiency = field(default=IDENTITY)
+    # (format, MACs per PE per cycle) of each number format the tensor cores support, BF16 first
+    tc_datatypes: tuple = BF16_ONLY
 
     def __post_init__(self):
         if not isinstance(self.efficiency, Efficiency):  # e.g. the mapping `fields()` wrote
             object.__setattr__(self, "efficiency", as_efficiency(self.efficiency))
+        object.__setattr__(self, "tc_datatypes", as_datatypes(self.tc_datatypes))
+
+    def mac_rate(self, datatype: str) -> float | None:
+        """MACs per PE per cycle in `datatype`; None when the tensor cores do not support it."""
+        return dict(self.tc_datatypes).get(datatype)
+
+    @property
+    def datatype_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.tc_datatypes)
 
     @property
     def peak_flops(self) -> float:
@@ -46,7 +64,8 @@ class Accelerator:
         """The fields that decide operator latencies and schedules (HBM capacity does not)."""
         key = (self.num_tc, self.tc_x, self.tc_y, self.num_vc, self.vc_width, self.glb_bytes,
                self.glb_bw, self.hbm_bw, self.clock_hz)
-        return key if self.efficiency.is_identity else key + (("efficiency",) + self.efficiency.key(),)
+        key = key if self.efficiency.is_identity else key + (("efficiency",) + self.efficiency.key(),)
+        return key if self.tc_datatypes == BF16_ONLY else key + (("tc_datatypes",) + self.tc_datatypes,)
 
     @property
     def tc_pes(self) -> int:
@@ -73,4 +92,17 @@ class Accelerator:
         out = asdict(self)
         if self.efficiency.is_identity:
             del out["efficiency"]
+        if self.tc_datatypes == BF16_ONLY:
+            del out["tc_datatypes"]
+        else:
+            out["tc_datatypes"] = dict(self.tc_datatypes)
         return out
+
+
+def as_datatypes(value) -> tuple:
+    """(format, rate) pairs, BF16 first then by name, from pairs or a {format: rate} mapping; BF16
+    at rate 1 must be among them (the template's unit). Files are checked by `hardware.arch`."""
+    pairs = dict(value.items() if isinstance(value, Mapping) else value)
+    if pairs.get("bf16") != 1.0:
+        raise ValueError(f"tc_datatypes must include bf16 at 1 MAC per PE per cycle, got {pairs!r}")
+    return (("bf16", 1.0),) + tuple(sorted((str(k), float(v)) for k, v in pairs.items() if k != "bf16"))

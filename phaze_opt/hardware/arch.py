@@ -10,6 +10,10 @@ SI on load. Fields:
     glb_bw_gbps                      optional; default: the published system's rule (hardware.memory)
     hbm_gib, hbm_bw_gbps             off-chip memory; bandwidth defaults to the per-capacity table
     clock_ghz
+    tc_datatypes                     optional mapping {format: MACs per PE per cycle}: the number
+                                     formats the tensor cores multiply (bf16: 1, the template's
+                                     unit, must be listed; fp8, mxfp8, nvfp4 as the chip has them);
+                                     absent = BF16 only
     efficiency                       optional mapping: how well the software stack uses the template
                                      (hardware/efficiency.py: gemm_tile_reuse, gemm_wave_balance,
                                      tc_fraction, hbm_fraction, op_overhead_s); absent = identity,
@@ -23,6 +27,7 @@ import os
 from .. import configs
 from ..configs import Limit
 from ..errors import config_error, shown
+from ..training import PRECISIONS
 from .accelerator import Accelerator
 from .efficiency import efficiency_from_mapping
 from .memory import HBM_BW_BY_GIB, glb_bandwidth
@@ -53,7 +58,23 @@ LIMITS = {
 }
 
 REQUIRED = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
-OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps", "efficiency")
+OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps", "efficiency", "tc_datatypes")
+# A format's MAC rate relative to BF16: published chips reach 4x (NVFP4 on Blackwell); 64x is a typo.
+MAX_MAC_RATE = Limit(64, "16x the 4x BF16 rate of the fastest published format (NVFP4)")
+
+
+def tc_datatypes_from_mapping(value, file) -> tuple:
+    """The `tc_datatypes` field as (format, rate) pairs; a one-line PhazeError naming the entry."""
+    if not isinstance(value, dict) or not value:
+        raise config_error(file, "tc_datatypes", f"must be a mapping of {', '.join(PRECISIONS)} to MACs per PE "
+                                                 f"per cycle, got {shown(value)}")
+    for name in value:
+        if name not in PRECISIONS:
+            raise config_error(file, f"tc_datatypes.{name}", f"unknown number format; allowed: {', '.join(PRECISIONS)}")
+        configs.positive_number(value, name, file, limit=MAX_MAC_RATE, field=f"tc_datatypes.{name}")
+    if value.get("bf16") != 1:
+        raise config_error(file, "tc_datatypes.bf16", f"must be 1 (the template's BF16 rate), got {shown(value.get('bf16'))}")
+    return tuple(value.items())
 
 
 def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accelerator:
@@ -80,6 +101,7 @@ def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accele
         glb_bytes=int(round(glb_mib * MIB)), glb_bw=float(glb_bw), hbm_bytes=int(round(hbm_gib * GIB)),
         hbm_bw=float(hbm_bw), clock_hz=float(clock_hz), name=name,
         efficiency=efficiency_from_mapping(data.get("efficiency"), file), **ints,
+        **({"tc_datatypes": tc_datatypes_from_mapping(data["tc_datatypes"], file)} if "tc_datatypes" in data else {}),
     )
 
 

@@ -21,6 +21,20 @@ would budget them:
 - per-core overhead (control, NoC port), per-PE area (MAC + register file), per-lane area;
 - per-core local SRAM sized by the published rule (16 bytes per PE, at least 1 KiB; hardware.memory).
 
+Number formats beyond BF16 (`Accelerator.tc_datatypes`) add datapath to every PE, charged as a
+fraction of the fitted per-PE area (`datatype_fraction`). The published design set is BF16 only,
+so these are derived, not fitted: a BF16 MAC's 8 x 8-bit mantissa multiplier dominates its PE;
+FP8 at twice the rate needs two 4 x 4 (E4M3) or 3 x 3 (E5M2) products, their exponent adds and a
+second input to the FP32 adder. Built on partitioned partial-product cells of the BF16 multiplier
+(the precision-scalable MAC of Camus et al., "Review and Benchmarking of Precision-Scalable
+Multiply-Accumulate Unit Architectures for Embedded Neural-Network Processing", IEEE JETCAS 2019,
+whose sub-word-parallel designs spend tens of percent of a MAC's area on the extra modes), we put
+the FP8 datapath at 15% of a PE at 2x rate (uncertain by about 2x either way: 7-30%), scaled by
+the declared rate over 2. MX block scaling adds an 8-bit shared-exponent add per block at the
+array edge: 3% on top of the FP8 datapath (with or without plain FP8 listed, the datapath is
+counted once). NVFP4 at 4x rate (four 2 x 2 products, a 4-input adder tree, its E4M3 block
+scales): 12%, scaled by rate over 4. These constants live in `DATATYPE_PE_FRACTION`.
+
 The constants are fitted by least squares on relative error, with every term but the density slope
 kept non-negative, and live in `configs/area.yaml` with their provenance; the published design set
 and the fit are `hardware/calibrate.py` (refit with `python -m phaze_opt.hardware.calibrate --fit --write`).
@@ -37,7 +51,7 @@ import numpy as np
 
 from .. import configs
 from ..errors import config_error, shown
-from .accelerator import Accelerator
+from .accelerator import BF16_ONLY, Accelerator
 from .memory import l2_bytes
 
 MIB = 2**20
@@ -54,6 +68,24 @@ CONSTANT_FIELDS = (
     "l2_um2_per_kib",
 )
 SIGNED_FIELDS = ("glb_mm2_per_mib_per_doubling",)
+# Extra PE area per number format, as a fraction of the fitted BF16 PE (`pe_um2`) at the format's
+# nominal rate (module docstring: derived, uncertain ~2x): (fraction, nominal MACs per PE per cycle).
+FP8_DATAPATH = (0.15, 2.0)
+MX_BLOCK_SCALING = 0.03
+DATATYPE_PE_FRACTION = {"nvfp4": (0.12, 4.0)}
+
+
+def datatype_fraction(tc_datatypes) -> float:
+    """Extra PE area of the tensor cores' number formats beyond BF16, as a fraction of a BF16 PE."""
+    rates = dict(tc_datatypes)
+    fp8_rate = max(rates.get("fp8", 0.0), rates.get("mxfp8", 0.0))
+    out = FP8_DATAPATH[0] * fp8_rate / FP8_DATAPATH[1] if fp8_rate else 0.0
+    if "mxfp8" in rates:
+        out += MX_BLOCK_SCALING
+    for name, (fraction, nominal) in DATATYPE_PE_FRACTION.items():
+        if name in rates:
+            out += fraction * rates[name] / nominal
+    return out
 
 
 @dataclass(frozen=True)
@@ -120,14 +152,22 @@ def design_features(num_tc, tc_x, tc_y, num_vc, vc_width, glb_bytes) -> np.ndarr
     return np.stack(cols, axis=-1)
 
 
-def area_mm2_arrays(num_tc, tc_x, tc_y, num_vc, vc_width, glb_bytes, constants: AreaConstants | None = None) -> np.ndarray:
-    """Vectorised area over arrays of design fields (broadcast together)."""
+def area_mm2_arrays(num_tc, tc_x, tc_y, num_vc, vc_width, glb_bytes, constants: AreaConstants | None = None,
+                    datatypes=0.0) -> np.ndarray:
+    """Vectorised area over arrays of design fields (broadcast together); `datatypes` is the extra
+    PE fraction of the number formats beyond BF16 (`datatype_fraction`, an array or a scalar)."""
     c = constants or load_constants()
-    return design_features(num_tc, tc_x, tc_y, num_vc, vc_width, glb_bytes) @ c.as_vector()
+    area = design_features(num_tc, tc_x, tc_y, num_vc, vc_width, glb_bytes) @ c.as_vector()
+    extra = np.asarray(datatypes, dtype=float)
+    if not np.any(extra):  # BF16 only: the fitted model, bit for bit
+        return area
+    pes = np.asarray(num_tc, dtype=float) * np.asarray(tc_x, dtype=float) * np.asarray(tc_y, dtype=float)
+    return area + pes * c.pe_um2 * 1e-6 * extra
 
 
 def area_mm2(accel: Accelerator, constants: AreaConstants | None = None) -> float:
-    return float(area_mm2_arrays(accel.num_tc, accel.tc_x, accel.tc_y, accel.num_vc, accel.vc_width, accel.glb_bytes, constants))
+    return float(area_mm2_arrays(accel.num_tc, accel.tc_x, accel.tc_y, accel.num_vc, accel.vc_width, accel.glb_bytes,
+                                 constants, datatype_fraction(accel.tc_datatypes)))
 
 
 def breakdown(accel: Accelerator, constants: AreaConstants | None = None) -> dict[str, float]:
@@ -141,6 +181,8 @@ def breakdown(accel: Accelerator, constants: AreaConstants | None = None) -> dic
         "tensor_cores": float(part["tc_core_um2"] + part["pe_um2"]),
         "vector_cores": float(part["vc_core_um2"] + part["vc_lane_um2"]),
         "local_sram": float(part["l2_um2_per_kib"]),
+        **({"datatypes": float(part["pe_um2"] * datatype_fraction(accel.tc_datatypes))}
+           if accel.tc_datatypes != BF16_ONLY else {}),
     }
 
 

@@ -50,6 +50,15 @@ Collectives (unit "net") use the interconnect link: ring all-reduce 2(g-1)/g x b
 latency (Patarasuk and Yuan, JPDC 2009), all-gather / reduce-scatter / all-to-all (g-1)/g x bytes /
 bw + (g-1) x latency. They take the same time on every design. "none" ops take zero time.
 
+Low-precision GEMMs (an op with a `datatype`, set by workload/precision.py): the PE computes
+`mac_rate` MACs of that format per cycle (Accelerator.tc_datatypes; FP8 on Hopper: 2), as a
+multi-precision MAC does, by reducing `mac_rate` products of the K dimension in one cycle (NVIDIA's
+FP8 MMA instructions take K = 32 where BF16 takes K = 16 for the same M x N tile; PTX ISA, mma
+shapes m16n8k32 .e4m3 against m16n8k16 .bf16): a fold covers tc_y x mac_rate rows of the stationary
+operand, in the same fill, stream and drain cycles. Both operands move at the format's bytes
+(`op_bytes`, the op's own HBM bytes already cut by workload/precision.py); the output in BF16.
+At rate 1 and two-byte operands every term is the BF16 one, bit for bit.
+
 Software efficiency (hardware/efficiency.py, one `Efficiency` per preset, carried by the Accelerator
 and by DesignArrays as a scalar): the activation's GLB stream is shared by `gemm_tile_reuse` column
 tiles (A x ceil(col / reuse) instead of A x col), `gemm_wave_balance` takes back that share of the
@@ -67,6 +76,7 @@ import numpy as np
 
 from ..errors import shown
 from ..workload.ops import NET, NONE, TC, TCVC, VC, OpGraph
+from ..workload.precision import FORMATS
 from .accelerator import Accelerator
 from .efficiency import IDENTITY, Efficiency
 
@@ -203,20 +213,22 @@ def _ceil_div(a, b):
     return np.ceil(a / b)
 
 
-def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
+def _gemm_seconds(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e, op_bytes=None, rate=1.0):
     """GEMM latency on k tensor cores holding `share` of the GLB and of the bandwidths; arrays broadcast."""
-    compute_s, glb_s, hbm_s = _gemm_terms(B, M, K, N, hbm_bytes, d, k, share, e)
+    compute_s, glb_s, hbm_s = _gemm_terms(B, M, K, N, hbm_bytes, d, k, share, e, op_bytes, rate)
     return np.maximum(np.maximum(compute_s, glb_s), hbm_s)
 
 
-def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
-    """(compute, GLB, HBM) seconds of a GEMM, the three bounds `_gemm_seconds` takes the largest of."""
-    tx, ty = d.tc_x, d.tc_y
+def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e, op_bytes=None, rate=1.0):
+    """(compute, GLB, HBM) seconds of a GEMM, the three bounds `_gemm_seconds` takes the largest of.
+    `op_bytes`: bytes per operand element (default `e`); `rate`: MACs per PE per cycle in that format."""
+    tx, ty = d.tc_x, d.tc_y * rate  # a fold reduces tc_y x rate rows of K (module docstring)
     eff = d.efficiency
     # HBM: compulsory traffic plus re-reads when the resident operand does not fit half the GLB share,
     # at the achieved fraction of the bandwidth (efficiency.hbm_fraction)
     cap = np.maximum(d.glb_bytes * share / 2.0, 1.0)
-    a_b, w_b = M * K * e, K * N * e
+    ob = e if op_bytes is None else op_bytes
+    a_b, w_b = M * K * ob, K * N * ob
     extra = np.minimum((_ceil_div(w_b, cap) - 1.0) * B * a_b, (_ceil_div(a_b, cap) - 1.0) * B * w_b)
     hbm_s = (hbm_bytes + extra) / (d.hbm_bw * eff.hbm_fraction * share)
     # compute: the stationary operand (K x N) in folds of tc_y x tc_x, the M rows of A streaming through
@@ -228,7 +240,7 @@ def _gemm_terms(B, M, K, N, hbm_bytes, d: DesignArrays, k, share, e):
     # Stream-K balance (efficiency.gemm_wave_balance): the last round's idle cores take a share of the
     # work; at 1 the time is the work spread over all k cores (units x parts / k rounds of m_per rows)
     rounds = rounds - eff.gemm_wave_balance * (rounds - units * parts / k)
-    cycles = rounds * _ceil_div(K, ty) * (2.0 * ty + tx + m_per - 2.0)
+    cycles = rounds * _ceil_div(K, ty) * (2.0 * d.tc_y + tx + m_per - 2.0)
     compute_s = cycles / (d.clock_hz * eff.tc_fraction)  # at the sustained fraction of the peak rate
     # GLB: A streams once per group of `gemm_tile_reuse` column tiles (the template: once per tile)
     glb_s = B * (a_b * _ceil_div(col, eff.gemm_tile_reuse) + w_b + M * N * e) / (d.glb_bw * share)
@@ -298,6 +310,7 @@ class ClassifiedOps:
     vec_rows: list = field(default_factory=list)  # (elements, cpe, bytes)
     net_idx: list = field(default_factory=list)  # collectives
     attention_idx: list = field(default_factory=list)  # fused attention ops (several GEMMs each), when kept apart
+    gemm_datatypes: list = field(default_factory=list)  # per GEMM row: its `op.datatype` ("" = BF16)
     unknown: set = field(default_factory=set)  # vector op kinds costed by the op-kind fallback
 
 
@@ -328,6 +341,7 @@ def classify_ops(ops, bytes_per_element: float, model: str = "latency",
                 cpe = max(cpe, (op.flops - 2.0 * b * m * kk * n) / elements)
             out.gemm_idx.append(i)
             out.gemm_rows.append((b, m, kk, n, nbytes, elements, cpe, op.unit == TCVC))
+            out.gemm_datatypes.append(op.datatype)
         elif op.unit == VC:
             cpe, unk = cycles_per_element(op)
             out.unknown.update(unk)
@@ -344,11 +358,29 @@ def classify_ops(ops, bytes_per_element: float, model: str = "latency",
     return out
 
 
+def gemm_formats(datatypes, designs, bytes_per_element: float):
+    """(operand bytes [1, n_gemm], MAC rate [n_designs, n_gemm]) of GEMM rows in `datatypes`
+    ("" = BF16: `bytes_per_element` at rate 1). A format a design lacks raises: callers check
+    support first (design/evaluate.py makes such a design infeasible with the reason)."""
+    op_bytes = np.array([[FORMATS[t].operand_bytes if t else float(bytes_per_element) for t in datatypes]])
+    if isinstance(designs, DesignArrays):
+        raise ValueError("low-precision GEMMs need the designs as Accelerators (their tc_datatypes)")
+    rates = np.ones((len(designs), len(datatypes)))
+    for j, t in enumerate(datatypes):
+        for i, a in enumerate(designs):
+            if t:
+                r = a.mac_rate(t)
+                if r is None:
+                    raise ValueError(f"design {a.name or i}: its tensor cores do not support {t}")
+                rates[i, j] = r
+    return op_bytes, rates
+
+
 def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: int = BYTES_PER_ELEMENT) -> OpLatencies:
     """Latency of every op of `op_graph` on every design: `single` and `split`, [n_designs, n_ops] s.
 
-    `designs` is a sequence of Accelerators or a DesignArrays; `interconnect` an Interconnect, a
-    system Link (.bandwidth, .latency) or None for the default NVLink-class link.
+    `designs` is a sequence of Accelerators or a DesignArrays (BF16 graphs only); `interconnect` an
+    Interconnect, a system Link (.bandwidth, .latency) or None for the default NVLink-class link.
     """
     d = designs if isinstance(designs, DesignArrays) else DesignArrays.from_accelerators(list(designs))
     ops = op_graph.ops
@@ -371,11 +403,14 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
     if gemm_idx:
         g = np.array(gemm_rows, dtype=float).T[:, None, :]  # each field [1, n_gemm]
         B, M, K, N, nbytes, elements, cpe, fused = g
+        op_bytes, rate = None, 1.0
+        if any(c.gemm_datatypes):
+            op_bytes, rate = gemm_formats(c.gemm_datatypes, designs, e)
         for out, k_tc, k_vc, share in (
             (single, 1.0, 1.0, 1.0 / d.num_tc),
             (split, d.num_tc, d.num_vc, 1.0),
         ):
-            t = _gemm_seconds(B, M, K, N, nbytes, d, k_tc, share, e)
+            t = _gemm_seconds(B, M, K, N, nbytes, d, k_tc, share, e, op_bytes, rate)
             epilogue = _ceil_div(elements, d.vc_width * k_vc) * cpe / d.clock_hz
             out[:, gemm_idx] = np.where(fused > 0, np.maximum(t, epilogue), t)
     for i in attention_idx:

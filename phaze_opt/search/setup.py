@@ -256,7 +256,8 @@ def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
     an exhaustive sweep without hysteresis (which depends on the visiting order), one model, the
-    throughput objective alone, the real evaluator and a space with HBM capacities.
+    throughput objective alone, the real evaluator and a space with HBM capacities whose recipes
+    are all BF16.
     """
     prune = str(config.prune).strip().lower()
     if prune not in PRUNES:
@@ -276,6 +277,9 @@ def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         why = "a custom evaluator has no throughput bound"
     elif space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
         why = "the space has no architecture grid with HBM capacities"
+    elif space is not None and any(p != "bf16" for p in getattr(space, "params", {}).get("precision", ())):
+        # its layer-time lower bounds are BF16 latencies, which a faster GEMM format undercuts
+        why = "its bounds price BF16 GEMMs, and the space samples a lower precision"
     if why is None:
         return "bound"
     if prune == "bound":

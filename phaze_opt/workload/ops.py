@@ -61,6 +61,10 @@ class Op:
     contains: tuple[str, ...] = ()
     shape: tuple[int, ...] = ()  # output shape
     gemms: tuple[tuple[int, int, int, int], ...] = ()  # the GEMMs of a fused attention op, in order
+    # A GEMM's operand number format when not the graph's own BF16 ("fp8", "mxfp8", "nvfp4"; set by
+    # workload/precision.py, never by the tracer): left out of `cost_fields` and the cached JSON
+    # when empty, so BF16 graphs hash and store as before.
+    datatype: str = ""
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -73,6 +77,8 @@ class Op:
         d.pop("contains")
         if not d["gemms"]:
             d.pop("gemms")
+        if not d["datatype"]:
+            d.pop("datatype")
         return d
 
 
@@ -229,7 +235,7 @@ def largest_memory_bytes(params: float, state_bytes_per_param: float, n_layers: 
 OP_FIELDS = {
     "name": "str", "kind": "str", "unit": "str", "flops": "num", "bytes_read": "num", "bytes_written": "num",
     "gemm": "ints", "elements": "int", "vector_ops": "strs", "collective": "str", "comm_bytes": "num",
-    "group": "int", "contains": "strs", "shape": "ints", "gemms": "gemm list",
+    "group": "int", "contains": "strs", "shape": "ints", "gemms": "gemm list", "datatype": "str",
 }
 LAYER_FIELDS = {
     "name": "str", "kind": "str", "params": "int", "param_bytes": "num", "activation_bytes": "num",
@@ -295,7 +301,7 @@ def layer_graph_to_json(graph: LayerGraph) -> dict:
         "layers": [asdict(layer) for layer in graph.layers],
         "edges": [list(e) for e in graph.edges],
         "op_graphs": {
-            kind: {p: {"layer": og.layer, "ops": [asdict(op) for op in og.ops], "edges": [list(e) for e in og.edges]}
+            kind: {p: {"layer": og.layer, "ops": [_op_json(op) for op in og.ops], "edges": [list(e) for e in og.edges]}
                    for p, og in passes.items()}
             for kind, passes in graph.op_graphs.items()
         },
@@ -303,11 +309,21 @@ def layer_graph_to_json(graph: LayerGraph) -> dict:
     }
 
 
+def _op_json(op: Op) -> dict:
+    """An op as plain data; an empty `datatype` (the graph's own format) is left out, as it was
+    before the field existed."""
+    d = asdict(op)
+    if not d["datatype"]:
+        d.pop("datatype")
+    return d
+
+
 def _op_graph(data, kind: str, pass_name: str) -> OpGraph:
     where = f"op_graphs.{kind}.{pass_name}"
     if not isinstance(data, dict) or set(data) != {"layer", "ops", "edges"} or not isinstance(data["ops"], list):
         raise GraphFormatError(f"{where}: expected layer, ops and edges")
-    ops = tuple(Op(**_record(op, OP_FIELDS, f"{where}.ops[{i}]")) for i, op in enumerate(data["ops"]))
+    ops = tuple(Op(**_record({"datatype": "", **op} if isinstance(op, dict) else op, OP_FIELDS, f"{where}.ops[{i}]"))
+                for i, op in enumerate(data["ops"]))
     return OpGraph(layer=_typed(data["layer"], "str", where), pass_name=pass_name, ops=ops,
                    edges=_pairs(data["edges"], len(ops), f"{where}.edges"))
 

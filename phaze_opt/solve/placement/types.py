@@ -24,6 +24,7 @@ from ...errors import PhazeError
 from ...system import System
 from ...training import Training, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
 from ...workload.ops import EXACT_BYTES, largest_memory_bytes
+from ...workload.precision import weight_copy_bytes
 
 
 def _array(name: str, values, n: int | None, whole: bool) -> np.ndarray:
@@ -188,12 +189,13 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     """(weight, gradient, optimizer state) bytes per parameter: the System's state bytes split into
     the 16-bit (or fp32) weight, its gradient, and the rest (fp32 master weight and Adam's moments
     under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1); a recipe's optimizer-state
-    layout (`Training.optimizer_state`) replaces the rest with its own bytes."""
+    layout (`Training.optimizer_state`) replaces the rest with its own bytes. A low-precision
+    recipe's weight copies (workload/precision.py, `weight_copy_bytes`) join the rest."""
     system = problem.system
     e = system.bytes_per_element
     layout = problem.training.optimizer_state_bytes
     rest = system.state_bytes_per_param - e - system.grad_bytes_per_param if layout is None else layout
-    return e, system.grad_bytes_per_param, rest
+    return e, system.grad_bytes_per_param, rest + weight_copy_bytes(problem.training.precision)
 
 
 # LayerCosts' expert- and context-parallel per-layer terms, zero by default (a dense model at a short sequence).
