@@ -16,7 +16,7 @@ from phaze_opt.hardware.accelerator import Accelerator
 from phaze_opt.hardware.arch import accelerator_from_mapping, load_arch
 from phaze_opt.hardware.area import area_mm2, breakdown
 from phaze_opt.hardware.latency import estimate
-from phaze_opt.solve.placement_types import state_split
+from phaze_opt.solve.placement.types import state_split
 from phaze_opt.training import PRECISIONS, Training, recipe_points
 from phaze_opt.workload.ops import Op, OpGraph
 from phaze_opt.workload.precision import FORMATS, precision_ops
@@ -115,7 +115,7 @@ def test_which_gemms_run_low():
 def _problem(training):
     from test_placement_oracle import make_costs, make_system
 
-    from phaze_opt.solve.placement_types import PlacementProblem
+    from phaze_opt.solve.placement.types import PlacementProblem
 
     costs = make_costs(1, [1.0] * 4, [2.0] * 4, [1000, 5000, 5000, 3000], [10.0] * 4, [5.0] * 4)
     return PlacementProblem(costs=(costs,), system=make_system(accelerators=1, global_batch=4), hbm_bytes=1e9,
@@ -124,8 +124,8 @@ def _problem(training):
 
 @pytest.mark.parametrize("fmt", [p for p in PRECISIONS if p != "bf16"])
 def test_weight_copies_in_memory(fmt):
-    from phaze_opt.solve.placement_eval import evaluate_placement
-    from phaze_opt.solve.placement import even_placement
+    from phaze_opt.solve.placement.evaluate import evaluate_placement
+    from phaze_opt.solve.placement.dp import even_placement
 
     base = _problem(Training(mbs=1))
     low = dataclasses.replace(base, training=Training(mbs=1, precision=fmt))

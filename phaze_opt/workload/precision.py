@@ -38,7 +38,7 @@ traffic is in the optimizer step (`weight_copy_bytes`).
 Memory. TE keeps an FP8 copy of each weight and its transpose beside the BF16 weight and the FP32
 master copy (Hopper's FP8 GEMMs take only the TN layout, so dgrad needs W^T in FP8; MXFP8 keeps a
 row-wise and a column-wise copy): `weight_copy_bytes` per parameter, added to the optimizer-state
-term of `solve.placement_types.state_split` (so the optimizer step streams it too: the cast writes
+term of `solve.placement.types.state_split` (so the optimizer step streams it too: the cast writes
 it once per step). Limits: it is charged on every parameter (the embedding and output layer have
 none), and under ZeRO-1 it is sharded with the optimizer state, which understates it (each data-
 parallel rank holds its own copy). The scale bytes of the copies are left out (at most 1/16 B).
