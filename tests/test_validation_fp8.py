@@ -54,7 +54,7 @@ def test_iteration_time_is_the_published_throughput(name):
 
 
 @pytest.mark.parametrize("name", FP8_SUITES)
-def test_rows_in_an_unpriced_precision_are_skipped_never_priced_as_bf16(name):
+def test_each_row_is_priced_in_its_own_precision_never_as_bf16(name):
     suite = load_suite(name)
     assert {r.precision for r in suite.rows} <= set(ROW_PRECISIONS)
     assert any(r.precision != "bf16" for r in suite.rows) and any(r.precision == "bf16" for r in suite.rows)

@@ -153,7 +153,7 @@ def row_training(row: Row) -> Training:
     parallel = "".join(f",{k}={v}" for k, v in (("ep", row.ep), ("cp", row.cp)) if v > 1)
     return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}{parallel}",
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
-                    overlap_grad_reduce=row.overlap_grad_reduce)
+                    overlap_grad_reduce=row.overlap_grad_reduce, precision=row.precision)
 
 
 def row_model(row: Row):

@@ -63,6 +63,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
+from ..training import PRECISIONS
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -83,7 +84,7 @@ PUBLISHED_FIELDS = (
 # Training recipe prices only what MODELLED_PRECISIONS holds; a row in any other precision loads in
 # full (every field checked) and is skipped with that reason, so that it is never priced as BF16.
 ROW_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
-MODELLED_PRECISIONS = ("bf16",)
+MODELLED_PRECISIONS = PRECISIONS  # every format the Training recipe prices
 
 TOP_REQUIRED = ("suite", "description", "arch", "metric")
 TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
