@@ -43,6 +43,21 @@ It holds
   8 B per parameter in all; Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the
   state each device holds (sharded as ZeRO says) and the bytes the optimizer step streams.
 
+- `overlap_param_gather`: under ZeRO-1 (the distributed optimizer) the all-gather of the updated
+  weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which
+  needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
+  use it, so what it cannot hide is the part longer than the stage's forward of the first
+  microbatch; with ZeRO-0 there is no such gather and with ZeRO-3 the gathers are per layer
+  already, so it changes nothing there. Default off.
+- `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
+  run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
+  each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
+  "Overlap Communication with Dependent Computation via Decomposition", ASPLOS 2023): a layer pass
+  of time T with TP collectives C takes max(T - C, C), only the part of C longer than the rest of
+  the pass exposed (`design.evaluate.layer_costs`). Without SP the all-reduces stay exposed (the
+  overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
+  are. Default off.
+
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
 `SAMPLED_FIELDS`.
@@ -62,7 +77,7 @@ from .errors import PhazeError
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
 OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
-                   "optimizer_state")
+                   "optimizer_state", "overlap_param_gather")
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -187,6 +202,8 @@ class Training:
     account_for_embedding: bool = False
     account_for_loss: bool = False
     optimizer_state: str | None = None
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -198,7 +215,7 @@ class Training:
             raise PhazeError(str(exc)) from None
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
-        for name in ("account_for_embedding", "account_for_loss"):
+        for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
         if self.optimizer_state is not None:
             layout = str(self.optimizer_state).strip().lower()
@@ -260,7 +277,9 @@ class Training:
                 **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
                 **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
                 **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
-                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {})}
+                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {}),
+                **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
+                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {})}
 
     @property
     def optimizer_state_bytes(self) -> int | None:

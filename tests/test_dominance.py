@@ -142,7 +142,7 @@ def test_sequence_parallel_changes_no_layer_time_and_only_lowers_memory():
             for name in ("fwd_s", "bwd_s", "selective_s"):
                 assert np.array_equal(getattr(on, name), getattr(off, name)), name
             for name in ("activation_bytes", "selective_bytes", "checkpoint_bytes", "selective_work_bytes",
-                         "full_work_bytes"):
+                         "full_work_bytes", "boundary_bytes"):
                 assert np.all(getattr(on, name) <= getattr(off, name)), name
             if tp > 1:
                 assert np.any(on.activation_bytes < off.activation_bytes)  # SP does shard something

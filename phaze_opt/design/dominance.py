@@ -14,7 +14,8 @@ random placement problems), up to floating-point rounding of equal sums:
   reduce-scatter plus an all-gather, cost exactly the ring all-reduce they replace:
   2 (g-1)/g x bytes / bw + 2 (g-1) x latency either way; `workload.collectives`), and every activation
   term (kept, checkpoint, recompute working set) only loses the 1 - 1/t of the norm and dropout
-  regions it shards (`workload.ops.Layer`; Korthikanti et al. 2022, Sec. 4.2.2).
+  regions it shards (`workload.ops.Layer`; Korthikanti et al. 2022, Sec. 4.2.2); the pipeline sends
+  and the all-to-alls carry each rank's s/t share, no more bytes than without it.
 - `zero`: ZeRO-1 beats ZeRO-0 when a weight is no wider than its gradient: the reduce-scatter of
   the gradients plus the all-gather of the weights moves (d-1)/d (G + W) <= 2 (d-1)/d G bytes in the
   same 2 (d-1) steps as the all-reduce, the optimizer step is divided over the replicas and so is

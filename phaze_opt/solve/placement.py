@@ -108,6 +108,7 @@ class _Stack:
     layer_fwd: np.ndarray | None = None
     layer_bwd: np.ndarray | None = None
     layer_params: np.ndarray | None = None
+    fwdwin: np.ndarray | None = None  # [T, R, W] forward time per microbatch (an overlapped param gather's window)
 
     @property
     def rows(self) -> int:
@@ -216,6 +217,7 @@ def _chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> _St
     # Running sums from each stage's first layer: the evaluator adds in the same order.
     work = np.cumsum(window(fwd + bwd), axis=2) + np.cumsum(window(rec), axis=2)
     bwdwin = np.cumsum(window(bwd + rec), axis=2)
+    fwdwin = np.cumsum(window(fwd), axis=2)
     params = np.cumsum(window(stacked("params")), axis=2)
     acts = np.cumsum(window(kept), axis=2)
     workmax = np.maximum.accumulate(window(wset), axis=2)
@@ -252,6 +254,7 @@ def _chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> _St
         acts=full(acts, INF),
         workmax=full(workmax, INF),
         bwdwin=full(bwdwin, INF),
+        fwdwin=full(fwdwin, INF),
         bytes_in=full(bytes_in, 0.0),
         has_in=full(has_in, False, bool),
         bytes_out=full(bytes_out, 0.0),
@@ -310,7 +313,7 @@ def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
     shape = (T, R, W)
     dst = np.full((R, W), R, dtype=np.int64)
     arrays = {name: np.full(shape, INF) for name in ("work1", "work2", "grad", "base", "stash", "params", "acts",
-                                                     "workmax", "bwdwin")}
+                                                     "workmax", "bwdwin", "fwdwin")}
     terms = [_layer_terms(problem, c) for c in costs]
     arrays.update(bytes_in=np.zeros(shape), bytes_out=np.zeros(shape))
     has_in = np.zeros(shape, dtype=bool)
@@ -325,11 +328,12 @@ def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
                 kept, wset, rec = terms[ti]
                 work = 0.0
                 recs = 0.0
-                bwdwin = 0.0
+                bwdwin = fwdwin = 0.0
                 for v in layers:
                     work += float(c.fwd_s[v]) + float(c.bwd_s[v])
                     recs += float(rec[v])
                     bwdwin += float(c.bwd_s[v]) + float(rec[v])
+                    fwdwin += float(c.fwd_s[v])
                 params = float(sum(c.params[v] for v in layers))
                 acts = float(sum(kept[v] for v in layers))
                 workmax = float(max(wset[v] for v in layers))
@@ -340,6 +344,7 @@ def _dag_stack(problem: PlacementProblem, costs, shard_d=1) -> _Stack:
                 arrays["acts"][ti, r, a] = acts
                 arrays["workmax"][ti, r, a] = workmax
                 arrays["bwdwin"][ti, r, a] = bwdwin
+                arrays["fwdwin"][ti, r, a] = fwdwin
                 arrays["bytes_in"][ti, r, a] = b_in
                 arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
                 has_in[ti, r, a] = bool(producers_in)
@@ -784,7 +789,10 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
         elif not problem.training.overlap_grad_reduce:
-            tail_lb = half(big * g_b) + half(big * (g_b if problem.training.zero == 0 else w_b))
+            # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
+            gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
+                big * (g_b if problem.training.zero == 0 else w_b))
+            tail_lb = half(big * g_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
@@ -852,6 +860,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         params0 = np.where(valid[sl], params, 0.0)
         time_g = times[h][sl]
         tail = np.zeros(params.shape)
+        hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
         if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
@@ -863,11 +872,17 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
                     reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+            elif hide_gather:
+                reduce = _half(params0 * g_b, d, ring)
             else:
                 reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
+            if hide_gather:  # under the next iteration's forward (placement_eval)
+                gather = _half(params0 * w_b, d, ring)
+                reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
+                                   else np.maximum(0.0, gather - np.where(valid[sl], st.fwdwin[sl], 0.0)))
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)
@@ -890,7 +905,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if problem.training.zero == 0 and not problem.training.overlap_grad_reduce:
                 red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
-                red = float(_half(p * g_b, d, ring) + _half(p * w_b, d, ring))
+                # an overlapped param gather may hide entirely: only the reduce-scatter then
+                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
             step = p * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)
