@@ -94,6 +94,8 @@ RECIPES = [
     dict(recompute="full", virtual_stages=2), dict(recompute="full", virtual_stages=2, zero=1, overlap_grad_reduce=True),
     dict(recompute="none", attention="flash"), dict(recompute="selective", attention="flash", zero=3,
                                                     overlap_grad_reduce=True, sequence_parallel=True),
+    dict(recompute="none", zero=1, overlap_param_gather=True),
+    dict(recompute="full", zero=1, overlap_grad_reduce=True, overlap_param_gather=True, virtual_stages=2),
 ]
 
 
