@@ -49,6 +49,21 @@ It holds
   scale). What runs in the format, the casts and the FP8 weight copies: `workload/precision.py`;
   a chip whose tensor cores lack the format makes the design infeasible (`Accelerator.mac_rate`).
 
+- `overlap_param_gather`: under ZeRO-1 (the distributed optimizer) the all-gather of the updated
+  weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which
+  needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
+  use it, so what it cannot hide is the part longer than the stage's forward of the first
+  microbatch; with ZeRO-0 there is no such gather and with ZeRO-3 the gathers are per layer
+  already, so it changes nothing there. Default off.
+- `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
+  run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
+  each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
+  "Overlap Communication with Dependent Computation via Decomposition", ASPLOS 2023): a layer pass
+  of time T with TP collectives C takes max(T - C, C), only the part of C longer than the rest of
+  the pass exposed (`design.evaluate.layer_costs`). Without SP the all-reduces stay exposed (the
+  overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
+  are. Default off.
+
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
 `SAMPLED_FIELDS`.
@@ -68,7 +83,7 @@ from .errors import PhazeError
 SAMPLED_FIELDS = ("mbs", "recompute")
 # Recipe fields a space may also sample (each optional in a space; absent means the default below).
 OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
-                   "optimizer_state", "precision")
+                   "optimizer_state", "precision", "overlap_param_gather")
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -196,6 +211,8 @@ class Training:
     account_for_loss: bool = False
     optimizer_state: str | None = None
     precision: str = "bf16"
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
     # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
     fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -207,7 +224,7 @@ class Training:
             raise PhazeError(str(exc)) from None
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
-        for name in ("account_for_embedding", "account_for_loss"):
+        for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
         if self.optimizer_state is not None:
             layout = str(self.optimizer_state).strip().lower()
@@ -274,8 +291,18 @@ class Training:
                 **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
                 **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
                 **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {}),
-                # only when not BF16, so every earlier recipe (and resumed point key) is unchanged
-                **({"precision": self.precision} if self.precision != "bf16" else {})}
+                # only when not the default, so every earlier recipe (and resumed point key) is unchanged
+                **({"precision": self.precision} if self.precision != "bf16" else {}),
+                **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
+                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {})}
+
+    def layer_key(self) -> tuple:
+        """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
+        parallelism, the attention kernel, the GEMM format, TP communication overlap): what keys
+        `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO, recompute...) act later."""
+        return (self.mbs, bool(self.sequence_parallel), self.attention) + \
+            ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
+            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ())
 
     @property
     def optimizer_state_bytes(self) -> int | None:

@@ -71,6 +71,14 @@ def _placements(problem, limit=60):
     return out
 
 
+def test_zero1_does_not_dominate_zero0_with_an_overlapped_param_gather():
+    """ZeRO-1's all-gather then hides only under one microbatch's forward, while ZeRO-0's overlapped
+    all-reduce hides under the backward: no rule may skip ZeRO-0 there."""
+    both = [dict(r, overlap_param_gather=True) for r in SPACE_RECIPES if r["zero"] in (0, 1)]
+    dom = dominators(both, load_system("default"), lambda attention: attention == "flash")
+    assert all(both[d]["zero"] == 0 for i, d in enumerate(dom) if both[i]["zero"] == 0)
+
+
 @settings(max_examples=200, **SETTINGS)
 @given(recipe_problems())
 def test_overlap_and_zero1_dominate_placement_by_placement(problem):
@@ -78,7 +86,7 @@ def test_overlap_and_zero1_dominate_placement_by_placement(problem):
     wider than gradients). Breaks if overlap added time anywhere, or ZeRO-1's reduction moved more
     bytes than the all-reduce it replaces."""
     pairs = [(_variants(problem, overlap_grad_reduce=False), _variants(problem, overlap_grad_reduce=True))]
-    if problem.training.zero in (0, 1):
+    if problem.training.zero in (0, 1) and not problem.training.overlap_param_gather:  # the rule's condition
         pairs.append((_variants(problem, zero=0), _variants(problem, zero=1)))
     for worse, better in pairs:
         for pl in _placements(problem):
@@ -137,12 +145,12 @@ def test_sequence_parallel_changes_no_layer_time_and_only_lowers_memory():
                     la, lb = (estimate(g, [arch], interconnect=system.tp_link(tp)) for g in (a, b))
                     assert np.array_equal(la.single, lb.single) and np.array_equal(la.split, lb.split)
             assert (pairs > 0) == (tp > 1)
-            off = layer_costs(model, arch, 1, system, tp, sequence_parallel=False, attention=attention).costs
-            on = layer_costs(model, arch, 1, system, tp, sequence_parallel=True, attention=attention).costs
+            off = layer_costs(model, arch, Training(mbs=1, attention=attention), system, tp).costs
+            on = layer_costs(model, arch, Training(mbs=1, sequence_parallel=True, attention=attention), system, tp).costs
             for name in ("fwd_s", "bwd_s", "selective_s"):
                 assert np.array_equal(getattr(on, name), getattr(off, name)), name
             for name in ("activation_bytes", "selective_bytes", "checkpoint_bytes", "selective_work_bytes",
-                         "full_work_bytes"):
+                         "full_work_bytes", "boundary_bytes"):
                 assert np.all(getattr(on, name) <= getattr(off, name)), name
             if tp > 1:
                 assert np.any(on.activation_bytes < off.activation_bytes)  # SP does shard something

@@ -74,10 +74,10 @@ def brute(problem):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
        zero=st.sampled_from([0, 1]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
-       hbm_bw=st.sampled_from([0.0, 50.0]))
-def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw):
+       hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans())
+def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather):
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
-                          load_imbalance=imbalance, hbm_bandwidth=hbm_bw)
+                          load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather)
     want, where = brute(problem)
     got = optimal_placement(problem)
     if not math.isfinite(want):

@@ -28,7 +28,7 @@ def recipe(seed):
     rng = np.random.default_rng(seed + 12345)
     rc, zero, overlap, hbm_bw = RECIPES[int(rng.integers(len(RECIPES)))]
     kw = dict(recompute=rc, zero=zero, overlap_grad_reduce=overlap, hbm_bandwidth=hbm_bw,
-              load_imbalance=float(rng.choice([1.0, 1.5])))
+              load_imbalance=float(rng.choice([1.0, 1.5])), overlap_param_gather=bool(rng.random() < 0.5))
     if rng.random() < 0.25:
         kw.update(n=4, virtual_stages=2, global_batch=8)
     return kw

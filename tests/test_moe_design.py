@@ -63,7 +63,7 @@ def test_parallel_terms_read_off_the_graph():
     system = small_system()
     tr = Training(2)
     _, _, problem, per_tp = training_problem(m, arch, tr, system, (2,), 10.0)
-    lc = with_parallel_terms(per_tp[2].costs, m, arch, 2, system, None)
+    lc = with_parallel_terms(per_tp[2].costs, m, arch, tr, system)
     blocks = [i for i, n in enumerate(lc.names) if n.startswith("block")]
     for i in range(lc.n_layers):
         if i in blocks:
@@ -74,8 +74,11 @@ def test_parallel_terms_read_off_the_graph():
             assert 0 < lc.core_fwd_s[i] < lc.fwd_s[i] and 0 < lc.core_bwd_s[i] < lc.bwd_s[i]
         else:
             assert lc.expert_params[i] == lc.dispatch_bytes[i] == lc.kv_bytes[i] == lc.core_fwd_s[i] == 0
-    cf = with_parallel_terms(per_tp[2].costs, dataclasses.replace(m, capacity_factor=1.5), arch, 2, system, None)
+    cf = with_parallel_terms(per_tp[2].costs, dataclasses.replace(m, capacity_factor=1.5), arch, tr, system)
     assert cf.dispatch_bytes[blocks[0]] == math.ceil(1.5 * 2 * 256 * 2) * 128 * 2
+    # sequence parallelism: each of the 2 TP ranks dispatches its half of the tokens (Megatron-Core)
+    sp = with_parallel_terms(per_tp[2].costs, m, arch, dataclasses.replace(tr, sequence_parallel=True), system)
+    assert sp.dispatch_bytes[blocks[0]] == 256 * 2 * 128 * 2 == lc.dispatch_bytes[blocks[0]] // 2
 
 
 def test_design_problem_has_ep_and_cp_and_the_dp_beats_every_fixed_choice():

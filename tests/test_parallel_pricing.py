@@ -16,6 +16,7 @@ from phaze_opt.hardware.latency import estimate
 from phaze_opt.solve.placement.expert import effective_costs
 from phaze_opt.solve.placement.types import PlacementProblem
 from phaze_opt.system import load_system
+from phaze_opt.training import Training
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.models import load_model
 
@@ -28,8 +29,8 @@ def _cache(monkeypatch, tmp_path_factory):
 
 
 def _terms(model, arch, system, tp, mbs=1, attention=None):
-    costs = layer_costs(model, arch, mbs, system, tp, ILP_S, attention=attention).costs
-    return costs, with_parallel_terms(costs, model, arch, mbs, system, attention)
+    costs = layer_costs(model, arch, Training(mbs=mbs, attention=attention), system, tp, ILP_S).costs
+    return costs, with_parallel_terms(costs, model, arch, Training(mbs, attention=attention), system)
 
 
 def test_the_ring_core_is_the_core_selective_recompute_prices():
@@ -82,3 +83,27 @@ def test_ring_core_and_expert_terms_use_split_latencies():
         assert expert[b] == pytest.approx(expert_s(op_graph, lat.split[0]), rel=1e-12)
         assert 0 < expert[b] < 0.9 * (costs.fwd_s[b] if p == "fwd" else costs.bwd_s[b])
         assert expert_s(op_graph, lat.single[0]) > 10 * expert[b]  # what one core's latency made of it
+
+
+def test_tp_comm_overlap_hides_the_sp_collectives_under_the_rest_of_the_pass():
+    """`--tp-comm-overlap` (Training.tp_comm_overlap): each pass of T seconds with SP collectives of
+    C seconds takes max(T - C, C); without SP (all-reduces) or at TP 1 nothing changes."""
+    from phaze_opt.design.evaluate import overlapped_pass_s, sp_collective_s
+    from phaze_opt.workload.graphs import sequence_parallel_graph
+
+    assert overlapped_pass_s(10.0, 3.0) == 7.0 and overlapped_pass_s(10.0, 6.0) == 6.0
+    assert overlapped_pass_s(2.0, 3.0) == 2.0  # a lower bound below C stays a lower bound
+    model, arch, system = load_model("llama3-8b"), load_arch("h100-sxm"), load_system("dgx-h100")
+    plain = layer_costs(model, arch, Training(mbs=1, sequence_parallel=True), system, 4, ILP_S).costs
+    hidden = layer_costs(model, arch, Training(mbs=1, sequence_parallel=True, tp_comm_overlap=True), system, 4, ILP_S).costs
+    graph = sequence_parallel_graph(build_layer_graph(model, 4, 1))
+    block = [i for i, n in enumerate(plain.names) if n.startswith("block")][0]
+    for name, pass_name in (("fwd_s", "fwd"), ("bwd_s", "bwd")):
+        og = graph.op_graphs["block"][pass_name]
+        comm = sp_collective_s(og, estimate(og, [arch], interconnect=system.tp_link(4)).single[0])
+        assert comm > 0
+        got, full = getattr(hidden, name)[block], getattr(plain, name)[block]
+        assert got == pytest.approx(max(full - comm, comm)) and got < full
+    no_sp = layer_costs(model, arch, Training(mbs=1, tp_comm_overlap=True), system, 4, ILP_S).costs
+    base = layer_costs(model, arch, Training(mbs=1), system, 4, ILP_S).costs
+    assert list(no_sp.fwd_s) == list(base.fwd_s) and list(no_sp.bwd_s) == list(base.bwd_s)

@@ -333,6 +333,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 3])),
         overlap_grad_reduce=draw(st.booleans()),
+        overlap_param_gather=draw(st.booleans()),
         # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted
         account_for_embedding=uneven and draw(st.booleans()),
         account_for_loss=uneven and draw(st.booleans()),

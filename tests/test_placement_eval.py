@@ -299,3 +299,26 @@ def test_a_model_whose_ops_cost_nothing_is_one_clear_line():
     assert not r.feasible and "take no time" in r.reason
     best = optimal_dense_placement(problem)
     assert not best.feasible and "\n" not in best.reason
+
+
+def test_overlapped_param_gather_hides_under_the_stages_forward_by_hand():
+    """ZeRO-1, one stage of two layers, 2 replicas on a 100 B/s link without latency, 2-byte weights
+    and gradients: the reduce-scatter and the all-gather move 0.5 x 300 x 2 / 100 = 3 s each. With
+    `overlap_param_gather` the gather runs under the stage's forward (1 + 0.5 s per microbatch):
+    1.5 s of it exposed; the reduce-scatter stays whole. No effect without ZeRO-1."""
+    costs = make_costs(1, [1.0, 0.5], [2.0, 1.0], [100, 200], [0, 0], [0, 0])
+    system = make_system(accelerators=2, devices_per_node=2, global_batch=2, intra=(100.0, 0.0), inter=(100.0, 0.0))
+    placement = Placement(1, 2, ((0, 1),))
+
+    def reduce_s(**recipe):
+        problem = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, **recipe), peak_flops=1.0)
+        return evaluate_placement(problem, placement).stages[0].allreduce_s
+
+    assert reduce_s(zero=1) == pytest.approx(3.0 + 3.0)
+    assert reduce_s(zero=1, overlap_param_gather=True) == pytest.approx(3.0 + 1.5)
+    # with the gradient reduction overlapped too: the reduce-scatter beside the 3 s backward
+    assert reduce_s(zero=1, overlap_grad_reduce=True, overlap_param_gather=True) == pytest.approx(0.0 + 1.5)
+    assert reduce_s(zero=0, overlap_param_gather=True) == reduce_s(zero=0)
+    hidden = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, zero=1, overlap_param_gather=True),
+                              peak_flops=1.0, reduction_hidden=True)
+    assert evaluate_placement(hidden, placement).stages[0].allreduce_s == pytest.approx(3.0)

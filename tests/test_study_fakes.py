@@ -121,6 +121,7 @@ def training_throughput(model: str, arch: Accelerator, training: Training) -> fl
     eff *= 0.7 if training.placement == "expert" else 1.0
     eff *= (1.03 if training.sequence_parallel else 1.0) * (1.0 + 0.02 * (training.virtual_stages - 1))
     eff *= ZERO_FACTOR[training.zero] * (1.04 if training.overlap_grad_reduce else 1.0)
+    eff *= 1.02 if training.overlap_param_gather else 1.0
     eff *= 1.05 if training.attention == "flash" else 1.0
     eff /= training.capacity_factor * training.load_imbalance
     return round(peak * eff * model_factor(model), 6)
@@ -154,7 +155,7 @@ def fake_evaluate(model, arch, training: Training, system="default"):
 # Every recipe field a space can sample, with every choice: what a trial may get, the baseline gets.
 EVERY_RECIPE = {"mbs": [1, 2], "recompute": ["none", "selective", "full"], "sequence_parallel": [False, True],
                 "virtual_stages": [1, 2], "zero": [0, 1, 3], "overlap_grad_reduce": [False, True],
-                "attention": ["unfused", "flash"], "precision": ["bf16", "fp8"]}
+                "attention": ["unfused", "flash"], "precision": ["bf16", "fp8"], "overlap_param_gather": [False, True]}
 
 
 class RecordingEvaluator:

@@ -77,7 +77,7 @@ def test_bounds_hold_on_real_layers_and_placements():
     ideal = ideal_throughput(widths, 1, system.accelerators)
     for i, (p, a) in enumerate(zip(points, accels)):
         for w in widths:
-            exact = layer_costs(model, a, 1, system, w.tp).costs
+            exact = layer_costs(model, a, Training(mbs=1), system, w.tp).costs
             fwd, bwd = w.layer_rows(i)
             assert np.all(fwd <= np.asarray(exact.fwd_s) + 1e-15) and np.all(bwd <= np.asarray(exact.bwd_s) + 1e-15)
             assert fwd.sum() >= 0.5 * np.sum(exact.fwd_s)  # a bound of 0 would prune nothing
@@ -94,6 +94,8 @@ RECIPES = [
     dict(recompute="full", virtual_stages=2), dict(recompute="full", virtual_stages=2, zero=1, overlap_grad_reduce=True),
     dict(recompute="none", attention="flash"), dict(recompute="selective", attention="flash", zero=3,
                                                     overlap_grad_reduce=True, sequence_parallel=True),
+    dict(recompute="none", zero=1, overlap_param_gather=True),
+    dict(recompute="full", zero=1, overlap_grad_reduce=True, overlap_param_gather=True, virtual_stages=2),
 ]
 
 

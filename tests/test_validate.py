@@ -294,7 +294,7 @@ def test_selective_recompute_costs_the_attention_core_not_the_forward():
     from phaze_opt.workload.models import load_model
 
     model, arch, system = load_model("megatron-gpt-22b"), load_arch("a100-80gb"), load_system("default")
-    costs = layer_costs(model, arch, 4, system, 8).costs
+    costs = layer_costs(model, arch, Training(mbs=4), system, 8).costs
     graph = build_layer_graph(model, 8, 4)
     fwd = graph.op_graphs["block"]["fwd"]
     lat = estimate(fwd, [arch], interconnect=system.tp_link(8))

@@ -117,6 +117,29 @@ def test_capacity_factor_pads_the_expert_buffers():
         build_layer_graph(m, 8, 1, seq=s, capacity_factor=0)
 
 
+def test_sequence_parallelism_converts_a_moe_blocks_all_reduces():
+    """A MoE block also returns its 4-byte load-balancing loss, so its output is not the hidden
+    states' size: every TP all-reduce of the hidden states (attention's, the experts' combine, the
+    shared experts') still becomes SP's reduce-scatter + all-gather, and only those."""
+    from phaze_opt.workload.graphs import SP_COLLECTIVE, sequence_parallel_graph
+
+    m = load_model("deepseek-moe-16b")
+    s, t = 256, 2
+    g = build_layer_graph(m, t, 1, seq=s)
+    hidden = s * m.hidden * m.bytes_per_element
+    assert g.layers[2].kind == "block" and g.layers[2].boundary_bytes == hidden + 4
+    sp = sequence_parallel_graph(g)
+    for kind in ("dense_block", "block"):
+        for name in ("fwd", "bwd"):
+            before = [op for op in _ops(g, kind, name) if op.unit == "net"]
+            after = [op for op in _ops(sp, kind, name) if op.unit == "net"]
+            assert before and all(op.comm_bytes == hidden for op in before)
+            assert all(op.collective == SP_COLLECTIVE for op in after), (kind, name)
+    # the head's loss reductions are smaller than the hidden states: they stay all-reduces
+    head = [op for op in _ops(sp, "head", "fwd") if op.unit == "net"]
+    assert head and all(op.collective == "allreduce" for op in head)
+
+
 def _tiny(**extra):
     data = dict(name="tiny", family="llama", layers=2, hidden=64, heads=4, ffn=128, seq=32, vocab=100,
                 activation="swiglu", norm="rmsnorm", position="rotary", tied_embeddings=False,

@@ -35,6 +35,10 @@ def add_arguments(p):
                    help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer) or 3 (FSDP)")
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="overlap the data-parallel gradient reduction with the backward pass")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --zero 1: the weights' all-gather under the next iteration's forward")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="with --sequence-parallel: TP reduce-scatters/all-gathers pipelined with the GEMMs")
     p.add_argument("--attention", choices=("unfused", "flash"), default=None,
                    help="attention kernel (default: the model config's)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
@@ -80,6 +84,7 @@ def run(args) -> dict:
     recipe = Training(mbs=check_mbs(args), recompute=args.recompute, placement=args.placement,
                       sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, zero=args.zero,
                       overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
+                      overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
                       optimizer_state=args.optimizer_state, precision=args.precision)
@@ -127,6 +132,10 @@ def render(r: dict) -> str:
         extras.append(f"ZeRO-{r['zero']}")
     if r.get("overlap_grad_reduce"):
         extras.append("overlapped grad reduce")
+    if r.get("overlap_param_gather"):
+        extras.append("overlapped param gather")
+    if r.get("tp_comm_overlap"):
+        extras.append("TP comm overlapped")
     if r.get("attention"):
         extras.append(f"{r['attention']} attention")
     if r.get("seq"):

@@ -14,11 +14,14 @@ random placement problems), up to floating-point rounding of equal sums:
   reduce-scatter plus an all-gather, cost exactly the ring all-reduce they replace:
   2 (g-1)/g x bytes / bw + 2 (g-1) x latency either way; `workload.collectives`), and every activation
   term (kept, checkpoint, recompute working set) only loses the 1 - 1/t of the norm and dropout
-  regions it shards (`workload.ops.Layer`; Korthikanti et al. 2022, Sec. 4.2.2).
+  regions it shards (`workload.ops.Layer`; Korthikanti et al. 2022, Sec. 4.2.2); the pipeline sends
+  and the all-to-alls carry each rank's s/t share, no more bytes than without it.
 - `zero`: ZeRO-1 beats ZeRO-0 when a weight is no wider than its gradient: the reduce-scatter of
   the gradients plus the all-gather of the weights moves (d-1)/d (G + W) <= 2 (d-1)/d G bytes in the
   same 2 (d-1) steps as the all-reduce, the optimizer step is divided over the replicas and so is
-  the optimizer state (Rajbhandari et al., SC'20, Sec. 5.1).
+  the optimizer state (Rajbhandari et al., SC'20, Sec. 5.1). Not with `overlap_param_gather`: it
+  moves ZeRO-1's all-gather from beside the backward (where an overlapped all-reduce hides whole)
+  to beside one microbatch's forward, a shorter window, so ZeRO-1 can then expose more.
 - `selective`: selective recompute equals no recompute when the attention kernel keeps no
   attention core (flash attention, Dao et al. 2022): it then drops nothing, recomputes nothing
   (`LayerCosts.selective_s` is 0 where `attention_core_bytes` is 0) and keeps the same bytes.
@@ -44,7 +47,7 @@ def _improve(recipe: Mapping, weight_le_grad: bool, keeps_no_core: Callable[[obj
         out.append(("overlap", {**recipe, "overlap_grad_reduce": True}))
     if recipe.get("sequence_parallel") is False:
         out.append(("sequence_parallel", {**recipe, "sequence_parallel": True}))
-    if recipe.get("zero") == 0 and weight_le_grad:
+    if recipe.get("zero") == 0 and weight_le_grad and not recipe.get("overlap_param_gather"):
         out.append(("zero", {**recipe, "zero": 1}))
     if recipe.get("recompute") == "selective" and keeps_no_core(recipe.get("attention")):
         out.append(("selective", {**recipe, "recompute": "none"}))

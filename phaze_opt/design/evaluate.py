@@ -51,7 +51,7 @@ from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import Training
-from ..workload.graphs import build_layer_graph, sequence_parallel_graph
+from ..workload.graphs import SP_COLLECTIVE, build_layer_graph, sequence_parallel_graph
 from ..workload.precision import precision_graph
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, ep_widths as model_ep_widths, parallel_setup
@@ -105,23 +105,40 @@ _COSTS_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
 _ENERGY_MEMO: BoundedMemo = BoundedMemo(MEMO_MAX)
 
 
+def sp_collective_s(op_graph, single) -> float:
+    """Seconds of a pass's sequence-parallel collectives (reduce-scatter + all-gather pairs), what
+    `--tp-comm-overlap` pipelines with the GEMMs around them."""
+    return float(sum(single[i] for i, op in enumerate(op_graph.ops) if op.collective == SP_COLLECTIVE))
+
+
+def overlapped_pass_s(pass_s: float, comm_s: float) -> float:
+    """A pass of `pass_s` whose collectives (`comm_s`, on its critical path) overlap the rest of
+    it: max(pass - comm, comm), only what the compute cannot cover exposed. Non-decreasing in
+    `pass_s`, so a lower bound on the pass gives a lower bound on this."""
+    return max(pass_s - comm_s, min(comm_s, pass_s))
+
+
 def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
 
-def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp: int,
-                ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, sequence_parallel: bool = False,
-                attention: str | None = None, precision: str = "bf16") -> _TpCosts:
+def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, system: System, tp: int,
+                ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> _TpCosts:
     """Per-layer forward/backward time and memory facts at TP width tp.
 
     Times are proven-optimal schedules, or incumbents of passes that hit the ILP time limit (then
     `bound_costs` holds the proven lower bounds as well; see the module docstring). Memory by
     recompute mode follows the recipe's sequence parallelism; `attention` picks the kernel;
-    `precision` the linear layers' GEMM format (workload/precision.py).
+    `precision` the linear layers' GEMM format (workload/precision.py). `tp_comm_overlap`
+    (`Training.tp_comm_overlap`): each pass's SP collectives run beside its compute, max(T - C, C)
+    (`overlapped_pass_s`), the proven lower bounds likewise (non-decreasing in T, so they stay
+    bounds). Only the recipe fields that change a layer's time or memory key the memo
+    (`Training.layer_key`), so recipes that differ elsewhere share the work.
     """
+    mbs, sequence_parallel, attention = training.mbs, training.sequence_parallel, training.attention
+    precision, tp_comm_overlap = training.precision, training.tp_comm_overlap
     link = system.tp_link(tp)
-    key = (model, arch.compute_key, mbs, tp, _link_key(link), system.precision, float(ilp_time_limit_s),
-           bool(sequence_parallel), attention) + ((precision,) if precision != "bf16" else ())
+    key = (model, arch.compute_key, tp, _link_key(link), system.precision, float(ilp_time_limit_s)) + training.layer_key()
     hit = _COSTS_MEMO.get(key)
     if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
@@ -156,6 +173,10 @@ def layer_costs(model: ModelConfig, arch: Accelerator, mbs: int, system: System,
             statuses[label] = statuses.get(label, 0) + 1
             times[(kind, pass_name)] = sched.makespan
             lower[(kind, pass_name)] = sched.makespan if sched.status == "optimal" else sched.lower_bound
+            if tp_comm_overlap and sequence_parallel:
+                comm = sp_collective_s(op_graph, lat.single[0])
+                times[(kind, pass_name)] = overlapped_pass_s(times[(kind, pass_name)], comm)
+                lower[(kind, pass_name)] = overlapped_pass_s(lower[(kind, pass_name)], comm)
             if sched.status != "optimal":
                 unproven.append(f"{kind}/{pass_name}: gap {sched.makespan / sched.lower_bound - 1:.1e}")
             modes[(kind, pass_name)] = tuple(sched.split)
@@ -270,8 +291,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         model = replace(model, capacity_factor=training.capacity_factor)
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
-    per_tp = {t: layer_costs(model, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
-                             training.attention, training.precision) for t in widths}
+    per_tp = {t: layer_costs(model, arch, training, system, t, ilp_time_limit_s) for t in widths}
     graph = build_layer_graph(model, widths[0], training.mbs, attention=training.attention)
     kinds = [l.kind for l in graph.layers]
     repeated = max(kinds.count(k) for k in set(kinds))  # the decoder layers Megatron interleaves
@@ -292,8 +312,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         model.expert_placement if training.fixed == "expert" else None)
 
     def short_costs(short, t):
-        v = layer_costs(short, arch, training.mbs, system, t, ilp_time_limit_s, training.sequence_parallel,
-                        training.attention, training.precision)
+        v = layer_costs(short, arch, training, system, t, ilp_time_limit_s)
         return v.costs, v.bound_costs, v.unproven
 
     extra = parallel_setup(model, arch, training, system, {t: (v.costs, v.bound_costs) for t, v in per_tp.items()},

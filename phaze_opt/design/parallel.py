@@ -11,7 +11,10 @@ per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s 
 - Per layer at TP width t and sequence s (traced at s / c for CP): the routed experts' parameters
   per device (E x one expert's / t), one all-to-all's payload per device (tokens x k x capacity
   factor x hidden x bytes: every TP rank dispatches its copy of the tokens; GShard, Lepikhin et
-  al. 2021, Sec. 3.2), the experts' grouped-GEMM time forward and backward (each op spread over
+  al. 2021, Sec. 3.2; with sequence parallelism each TP rank holds and dispatches only its s/t
+  share, as Megatron-Core's all-to-all dispatcher does, then all-gathers the received tokens over
+  the TP group: that NVLink gather is left to the traced block's SP reduce-scatter + all-gather of
+  its hidden states, k x capacity factor fewer bytes than the gathered tokens), the experts' grouped-GEMM time forward and backward (each op spread over
   all cores, added in sequence: `expert_s`), the attention core's forward and backward time (one
   K/V block's worth, `attention_core_s`, the same sum selective recompute prices), and the K and V
   block a ring step passes on (2 x s/c x batch x KV heads / t x head size x bytes).
@@ -73,14 +76,16 @@ def expert_s(op_graph, split) -> float:
     return float(sum(split[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
 
 
-def parallel_sizes(costs: LayerCosts, model: ModelConfig, mbs: int, cp: int = 1) -> LayerCosts:
+def parallel_sizes(costs: LayerCosts, model: ModelConfig, training, cp: int = 1) -> LayerCosts:
     """`costs` (at its TP width, for `model`'s sequence) with the EP/CP per-layer sizes (routed
     expert parameters, all-to-all and K/V bytes) and no time terms: what the bounds use
     (design/upper_bound.py), the time terms being non-negative additions."""
     t = costs.tp
     kinds = _layer_kinds(model)
     e_bytes = model.bytes_per_element
-    tokens = mbs * model.seq
+    tokens = training.mbs * model.seq
+    if training.sequence_parallel:  # each TP rank's SP share (module docstring)
+        tokens = -(-tokens // t)
     expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
     dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
     kv = float(tokens * model.kv_elements_per_token(t) * e_bytes)
@@ -97,12 +102,11 @@ def _layer_kinds(model: ModelConfig) -> list[str]:
     return [kind for _, kind in layer_sequence(model)]
 
 
-def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, system, attention, cp: int = 1,
-                        precision: str = "bf16") -> LayerCosts:
+def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, system, cp: int = 1) -> LayerCosts:
     """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms, the
     experts' GEMMs in the recipe's `precision` as the layer times have them."""
     t = costs.tp
-    graph = precision_graph(build_layer_graph(model, t, mbs, attention=attention), precision)
+    graph = precision_graph(build_layer_graph(model, t, training.mbs, attention=training.attention), training.precision)
     link = system.tp_link(t)
     per_kind = {}
     for kind in graph.kinds:
@@ -115,7 +119,7 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, mbs: int, s
         }
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     return replace(
-        parallel_sizes(costs, model, mbs, cp),
+        parallel_sizes(costs, model, training, cp),
         expert_fwd_s=[per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows],
         expert_bwd_s=[per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows],
         core_fwd_s=[per_kind[k]["core"][0] if attn else 0.0 for k, _, attn in rows],
@@ -136,10 +140,9 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
         cps = tuple(sorted({1, fixed.get("cp", 1)}))
     if eps == (1,) and cps == (1,) and not model.moe:
         return {}
-    mbs, attention = training.mbs, training.attention
     costs, bounds = [], []
     for lc, bound in per_tp.values():
-        full = with_parallel_terms(lc, model, arch, mbs, system, attention, precision=training.precision)
+        full = with_parallel_terms(lc, model, arch, training, system)
         costs.append(full)
         bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
     cp_costs, cp_bounds, unproven = [], [], []
@@ -150,7 +153,7 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
         for t in per_tp:
             if t * c <= system.accelerators:
                 lc, bound, open_passes = layer_costs_fn(short, t)
-                full = with_parallel_terms(lc, short, arch, mbs, system, attention, c, training.precision)
+                full = with_parallel_terms(lc, short, arch, training, system, c)
                 cp_costs.append(full)
                 cp_bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
                 unproven += [f"tp{t} cp{c} {u}" for u in open_passes]

@@ -237,7 +237,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     placement model grows with the layer times except an overlapped per-batch reduction's exposed
     part (reduction minus backward), which shrinks as the backward grows; with
     `overlap_grad_reduce` the bound therefore counts that part as 0 (`reduction_hidden`), which only
-    lowers the time. (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
+    lowers the time; likewise the weights' all-gather with `overlap_param_gather` (its exposed part,
+    all-gather minus the stage's forward, shrinks as the forward grows). (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
     runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
     holds max(B, scatter), non-decreasing in every layer time; against the backward compute alone
     it would not be, since compute hidden under gathers lengthens the window but not the pass.)
@@ -250,7 +251,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         m = replace(model, seq=model.seq // w.cp) if w.cp > 1 else model
         g = build_layer_graph(m, w.tp, mbs, attention=attention)
         return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row),
-                                                          sequence_parallel=training.sequence_parallel), m, mbs, w.cp)
+                                                          sequence_parallel=training.sequence_parallel), m, training, w.cp)
 
     further = [costs_of(cw) for w in widths for cw in w.cp_bounds]
     # The imbalance only lengthens the experts' times, which the bound takes at zero (module docstring).
@@ -259,7 +260,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         ep_widths=ep_widths(model), cp_widths=tuple(sorted({1, *(c.cp for c in further)})), cp_costs=tuple(further),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, training=training,
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
-        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=training.overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)),
+        reduction_hidden=training.overlap_grad_reduce or training.overlap_param_gather,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0
@@ -314,7 +316,8 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
         g0 = graphs0[i]
         costs.append(LayerCosts(
             tp=w0.tp, fwd_s=fwd, bwd_s=bwd, params=[l.params for l in g0.layers], activation_bytes=kept,
-            boundary_bytes=[min(ls[j].boundary_bytes for ls in layers) for j in range(len(g0.layers))],
+            boundary_bytes=[min(ls[j].boundary_bytes_for(sp) for ls in layers for sp in sequence_parallels)
+                            for j in range(len(g0.layers))],
             input_bytes=[min(ls[j].input_bytes for ls in layers) for j in range(len(g0.layers))],
             edges=tuple(g0.edges), names=tuple(l.name for l in g0.layers)))
     kinds = [layer.kind for layer in graphs0[0].layers]
@@ -322,7 +325,8 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
     problem = PlacementProblem(
         costs=tuple(costs), system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, training=relaxed,
         seq_len=model.seq, model_flops_per_sequence=graphs0[0].train_flops_per_sequence,
-        interleave_layers=max(kinds.count(k) for k in set(kinds)), reduction_hidden=relaxed.overlap_grad_reduce,
+        interleave_layers=max(kinds.count(k) for k in set(kinds)),
+        reduction_hidden=relaxed.overlap_grad_reduce or relaxed.overlap_param_gather,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

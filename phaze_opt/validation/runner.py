@@ -136,7 +136,9 @@ def row_config(row: Row, suite: Suite) -> dict:
             "virtual_stages": row.virtual_stages, "system": row.system or suite.system, "arch": row.arch or suite.arch,
             # the newer fields only where a row sets them, so the older suites' reports are unchanged
             **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
-                                 ("overlap_grad_reduce", row.overlap_grad_reduce)) if v not in (1, None, 0, False)},
+                                 ("overlap_grad_reduce", row.overlap_grad_reduce),
+                                 ("overlap_param_gather", row.overlap_param_gather),
+                                 ("tp_comm_overlap", row.tp_comm_overlap)) if v not in (1, None, 0, False)},
             **({"precision": row.precision} if row.precision != "bf16" else {})}
 
 
@@ -153,7 +155,8 @@ def row_training(row: Row) -> Training:
     parallel = "".join(f",{k}={v}" for k, v in (("ep", row.ep), ("cp", row.cp)) if v > 1)
     return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}{parallel}",
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
-                    overlap_grad_reduce=row.overlap_grad_reduce, precision=row.precision)
+                    overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
+                    tp_comm_overlap=row.tp_comm_overlap, precision=row.precision)
 
 
 def row_model(row: Row):

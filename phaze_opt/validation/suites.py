@@ -29,6 +29,10 @@ A training row is one published run:
     sequence_parallel           true | false (default false; needs tp > 1)
     zero, overlap_grad_reduce   optional recipe fields (training.Training): 1 = Megatron's distributed
                                 optimizer; the gradient reduction beside the backward
+    overlap_param_gather        optional: ZeRO-1's weight all-gather under the next forward
+                                (Megatron `--overlap-param-gather`; default false)
+    tp_comm_overlap             optional: SP's TP collectives pipelined with the GEMMs
+                                (Megatron `--tp-comm-overlap`; default false)
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
@@ -91,7 +95,7 @@ TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
-                "system", "arch", "precision")
+                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
@@ -180,6 +184,8 @@ class Row:
     zero: int = 0
     overlap_grad_reduce: bool = False
     flops_formula: str | None = None  # None: the suite's
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
@@ -447,13 +453,18 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     overlap = row.get("overlap_grad_reduce", False)
     if not isinstance(overlap, bool):
         raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
+    flags = {}
+    for name in ("overlap_param_gather", "tp_comm_overlap"):
+        flags[name] = row.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     precision = _precision(row, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
                sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
-               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip,
+               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip, **flags,
                **_row_numbers(row, at, metric, papers, file), **names)
 
 

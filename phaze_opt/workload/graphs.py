@@ -120,14 +120,16 @@ SP_COLLECTIVE = "reducescatter+allgather"
 
 def sequence_parallel_graph(graph: LayerGraph) -> LayerGraph:
     """The layer graph with sequence parallelism's collectives (Korthikanti et al. 2022, Sec. 4.2.2):
-    every TP all-reduce of the residual stream (a payload as large as the layer's output, the
-    hidden states of the microbatch) becomes a reduce-scatter into the sequence-parallel region plus
-    an all-gather out of it (`collective` SP_COLLECTIVE, costed as that pair by the hardware model).
-    The vocabulary-parallel loss's smaller reductions stay all-reduces. Memory by SP is priced by
-    `Layer.activation_bytes_for`; at t = 1 there is nothing to change."""
+    every TP all-reduce of the residual stream (a payload as large as the hidden states of the
+    microbatch) becomes a reduce-scatter into the sequence-parallel region plus an all-gather out of
+    it (`collective` SP_COLLECTIVE, costed as that pair by the hardware model). The hidden states'
+    size is the layer's floating input (a block, the head), or its output for the embedding, whose
+    input is token ids: not the output of every layer, since a MoE block also returns its
+    load-balancing loss. The vocabulary-parallel loss's smaller reductions stay all-reduces. Memory
+    by SP is priced by `Layer.activation_bytes_for`; at t = 1 there is nothing to change."""
     if graph.tp == 1:
         return graph
-    sizes = {layer.kind: layer.boundary_bytes for layer in graph.layers}
+    sizes = {layer.kind: layer.input_sequence_parallel_bytes or layer.boundary_bytes for layer in graph.layers}
     op_graphs = {}
     for kind, passes in graph.op_graphs.items():
         op_graphs[kind] = {}

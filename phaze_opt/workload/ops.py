@@ -172,6 +172,13 @@ class Layer:
             return 0
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
 
+    def boundary_bytes_for(self, sequence_parallel: bool = False) -> int:
+        """Bytes one TP rank sends to the next pipeline stage per microbatch: the layer's output, or
+        with sequence parallelism its s/t share of it (Megatron-Core sends the SP shard: its p2p
+        tensor shape is (s / t, b, h) under SP, `pipeline_parallel/schedules.py`
+        `get_tensor_shapes`), the t ranks sending their shares side by side."""
+        return _whole(self.boundary_bytes) - self._sp_saving(self.boundary_bytes, sequence_parallel)
+
     def activation_bytes_by_mode(self) -> dict[str, int]:
         """`activation_bytes_for` of every mode: keys `none`, `selective`, `full`, and each with `+sp`."""
         return {f"{mode}{'+sp' if sp else ''}": self.activation_bytes_for(mode, sp)

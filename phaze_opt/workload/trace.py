@@ -21,7 +21,11 @@ lists the traced nodes it contains, reads only what enters the chain and writes 
 
 The bytes of activations a layer keeps for its backward pass are read off the same trace: every
 forward value (or layer input) that a backward op consumes, counted once per underlying storage
-(views of one tensor share it), excluding parameters and constants.
+(views of one tensor share it), excluding parameters and constants, and excluding what Megatron's
+fused kernels rebuild in backward instead of keeping (`_Mapper._rebuilt_in_backward`: the interior
+of a pointwise chain, e.g. RMSNorm's x / rms before its scale and SwiGLU's silu(gate); listed in
+`LayerTrace.rebuilt`). For a Llama block this is Megatron's own count (fused RMSNorm, SwiGLU, RoPE,
+GQA, no dropout); for Megatron's GPT block nothing is rebuilt (Table 2 below).
 
 Activation memory by recompute mode and sequence parallelism. Each saved tensor gets a region from
 the op that produced it and where that op sits in the graph (never from its size):
@@ -192,6 +196,9 @@ class LayerTrace:
     attention_core_bytes: int = 0
     sequence_parallel_bytes: int = 0
     input_sequence_parallel_bytes: int = 0  # the floating inputs: what SP shards of a full-recompute checkpoint
+    # What eager autograd saves beyond `saved`: values a fused kernel rebuilds in backward
+    # (`_Mapper._rebuilt_in_backward`), same form as `saved`; not in `activation_bytes`.
+    rebuilt: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
 
 
 def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
@@ -250,7 +257,7 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         output_bytes=sum(_nbytes(o) for o in outs0),
         saved=mapped["saved"], input_grad_ops=mapped["input_grad_ops"], param_grad_ops=mapped["param_grad_ops"],
         unmapped_ops=mapped["unmapped"], trace_s=time.perf_counter() - start,
-        saved_regions=mapped["saved_regions"],
+        saved_regions=mapped["saved_regions"], rebuilt=mapped["rebuilt"],
         attention_core_bytes=_region_bytes(mapped, ATTENTION_CORE),
         sequence_parallel_bytes=_region_bytes(mapped, SEQUENCE_PARALLEL),
         input_sequence_parallel_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
@@ -389,14 +396,68 @@ class _Mapper:
                 if not (base in self.input_ph or base in self.act_dep):
                     continue
                 bases[base] = None
-        saved = []
+        rebuilt = self._rebuilt_in_backward(bases)
+        saved, dropped = [], []
         for base in bases:
             vals = _vals(base)
             if len(vals) != 1:
                 continue
             v = vals[0]
-            saved.append((base.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v)))
-        return tuple(saved)
+            entry = (base.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v))
+            (dropped if base in rebuilt else saved).append(entry)
+        return tuple(saved), tuple(dropped)
+
+    def _forward_consumers(self, node) -> list:
+        """The forward ops that read `node`'s value, looking through views of it."""
+        bpos = self.pos[self.boundary]
+        out, stack = [], [node]
+        while stack:
+            for u in stack.pop().users:
+                if u.op != "call_function" or self.pos[u] >= bpos:
+                    continue
+                if _op_name(u) in _ALIASES or (u.target is operator.getitem and _op_name(u.args[0]) in _ALIASES):
+                    stack.append(u)
+                else:
+                    out.append(u)
+        return out
+
+    def _rebuilt_in_backward(self, bases) -> set:
+        """The saved values a fused pointwise kernel recomputes in its backward instead of keeping.
+
+        Megatron's fused kernels keep only what enters a pointwise chain (and a norm's per-row
+        statistics) and rebuild the chain's interior in backward: Transformer Engine's and Apex's
+        fused RMSNorm/LayerNorm save the input and 1/rms, not the normalised value before its scale
+        (TE `LayerNormLinear`, Apex `FusedRMSNormAffineFunction`); Megatron-Core's fused SwiGLU
+        (`megatron/core/fusions/fused_bias_swiglu.py`, `SwiGLUFunction`) saves its input, not
+        silu(gate); the same holds for the fused bias-GeLU, whose input and output the traced GPT
+        block already keeps as Korthikanti et al. 2022, Table 2, count them. A value is rebuilt when
+        (1) a pointwise op other than dropout produced it (a dropout mask needs the random stream),
+        (2) only pointwise ops read it in the forward (a GEMM's, an attention kernel's, a norm's or
+        a softmax's input is materialised and kept by that op), and (3) every activation it is made
+        of is itself kept or rebuilt. The op graphs (time) are unchanged: this is memory only."""
+        bpos = self.pos[self.boundary]
+        kept_anyway = self.param_ph | self.const | self.param_only
+        memo: dict = {}
+
+        def available(node) -> bool:
+            base = self._alias_base(node)
+            if base in kept_anyway or base in bases:
+                return True
+            if base not in memo:
+                memo[base] = (base.op == "call_function" and self.pos[base] < bpos and _rebuildable(base)
+                              and all(available(a) for a in _arg_nodes(base)))
+            return memo[base]
+
+        def _rebuildable(node) -> bool:
+            return _op_name(node) in _POINTWISE and _op_name(node) != "native_dropout"
+
+        rebuilt = set()
+        for base in bases:
+            if (base.op == "call_function" and _rebuildable(base)
+                    and all(_op_name(u) in _POINTWISE for u in self._forward_consumers(base))
+                    and all(available(a) for a in _arg_nodes(base))):
+                rebuilt.add(base)
+        return rebuilt
 
     def _linear_role(self, node) -> str:
         """"column" / "row" for a GEMM whose weight is a parameter split that way over the TP group."""
@@ -505,7 +566,7 @@ class _Mapper:
 
     def run(self):
         self._classify()
-        saved = self._saved()
+        saved, rebuilt = self._saved()
         bpos = self.pos[self.boundary]
         passes = {"fwd": [], "bwd": []}
         for n in self.nodes:
@@ -528,6 +589,7 @@ class _Mapper:
         op_of = extra["bwd"]
         return {
             "fwd": graphs["fwd"], "bwd": graphs["bwd"], "activation_bytes": activation_bytes, "saved": saved,
+            "rebuilt": rebuilt,
             "input_grad_ops": tuple(sorted({i for g in in_nodes if (i := op_of(g)) is not None})),
             "param_grad_ops": tuple(sorted({i for g in par_nodes if (i := op_of(g)) is not None})),
             "unmapped": tuple(dict.fromkeys(self.unmapped)),

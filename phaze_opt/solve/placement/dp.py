@@ -400,7 +400,10 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
         elif not problem.training.overlap_grad_reduce:
-            tail_lb = half(big * g_b) + half(big * (g_b if problem.training.zero == 0 else w_b))
+            # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
+            gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
+                big * (g_b if problem.training.zero == 0 else w_b))
+            tail_lb = half(big * g_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
@@ -467,6 +470,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         params0 = np.where(valid[sl], params, 0.0)
         time_g = times[h][sl]
         tail = np.zeros(params.shape)
+        hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
         if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
@@ -478,11 +482,17 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
                     reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+            elif hide_gather:
+                reduce = _half(params0 * g_b, d, ring)
             else:
                 reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
+            if hide_gather:  # under the next iteration's forward (placement_eval)
+                gather = _half(params0 * w_b, d, ring)
+                reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
+                                   else np.maximum(0.0, gather - np.where(valid[sl], st.fwdwin[sl], 0.0)))
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)
@@ -505,7 +515,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if problem.training.zero == 0 and not problem.training.overlap_grad_reduce:
                 red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
-                red = float(_half(p * g_b, d, ring) + _half(p * w_b, d, ring))
+                # an overlapped param gather may hide entirely: only the reduce-scatter then
+                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
             step = p * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)

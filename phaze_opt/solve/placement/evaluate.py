@@ -52,7 +52,10 @@ disagreement in the tests. The model it implements (the definition the DP must o
   microbatch (Megatron's `--overlap-grad-reduce` launches each bucket's reduction as soon as its
   gradients are final, i.e. during the last microbatch's backward; Li et al., VLDB 2020, PyTorch
   DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed (0 in the
-  lower-bound mode `PlacementProblem.reduction_hidden`, see design/upper_bound.py). The
+  lower-bound mode `PlacementProblem.reduction_hidden`, see design/upper_bound.py). With
+  overlap_param_gather (ZeRO-1) the weights' all-gather runs under the next iteration's forward
+  (Megatron-Core `--overlap-param-gather`): only max(0, all-gather - the stage's forward time per
+  microbatch) of it is exposed (0 in the lower-bound mode), the reduce-scatter as above on its own. The
   optimizer step reads the gradients and the optimizer state and writes the state and the
   weights once per batch on HBM: params x (weight + gradient + 2 x optimizer) bytes / HBM
   bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
@@ -216,6 +219,7 @@ def evaluate_placement(
         working = 0.0
         flops = 0.0
         rec_of, fwd_of, bwd_of = {}, {}, {}
+        forward = 0.0
         experts = 0.0
         for v in layers:
             fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp)
@@ -235,6 +239,7 @@ def evaluate_placement(
             recompute += rec
             rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
             backward += bwd_v + rec
+            forward += fwd_v
             stash += kept
             working = max(working, work)
         producers_in = {u for v in layers for u in preds[v] if stage_of[u] != s}
@@ -278,17 +283,23 @@ def evaluate_placement(
         memory = state + stashed + working
         # The per-batch tail: gradient reduction (exposed part) and the optimizer step.
         groups = [(dense, ranks), (experts, expert_ranks)] if e > 1 else [(params, ranks)]
-        reduce = 0.0
+        reduce = gather = 0.0
+        hide_gather = zero == 1 and problem.training.overlap_param_gather
         for n_params, n_ranks in groups:
             if e > 1 and n_params == 0:
                 continue
             if zero == 0:
                 reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+            elif hide_gather:
+                reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
                 reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
                     n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
         if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
+        if hide_gather:  # under the next iteration's forward of this stage
+            reduce += 0.0 if problem.reduction_hidden else max(0.0, gather - forward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
         if zero and e > 1:
             step_bytes = (dense / ranks + experts / expert_ranks) * (w_b + g_b + 2 * o_b)

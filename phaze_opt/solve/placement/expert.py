@@ -278,13 +278,14 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     Pd = P - Pe
     split = e > 1
     lat, bw = rings.latency(), rings.bandwidth()
-    ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + w_b  # all-reduce, or reduce-scatter + all-gather
+    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather  # the gather may hide wholly
+    ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + (0 if hide_gather else w_b)  # all-reduce, or RS + AG
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
     if not problem.training.overlap_grad_reduce:
         tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
                     * ring_bytes / bw)
-        tail_const = np.where(split, 0.0, 2 * (ranks - 1) * lat)
+        tail_const = np.where(split, 0.0, (1 if hide_gather else 2) * (ranks - 1) * lat)
     if problem.hbm_bandwidth > 0:
         per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
         if problem.training.zero:
@@ -363,14 +364,23 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     acts, workmax, bwdwin = st.acts[sl], st.workmax[sl], st.bwdwin[sl]
     parts = [(dense0, ranks), (expert0, expert_ranks)] if e > 1 else [(params0, ranks)]
     reduce = np.zeros(params0.shape)
+    gather = np.zeros(params0.shape)
+    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
     for n_params, n_ranks in parts:
         if problem.training.zero == 0:
             r = _ring_allreduce(n_params * g_b, n_ranks, ring)
+        elif hide_gather:
+            r = _ring_half(n_params * g_b, n_ranks, ring)
+            a = _ring_half(n_params * w_b, n_ranks, ring)
+            gather = gather + (np.where(n_params > 0, a, 0.0) if e > 1 else a)
         else:
             r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
         reduce = reduce + (np.where(n_params > 0, r, 0.0) if e > 1 else r)
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
+    if hide_gather:  # under the next iteration's forward of the stage (placement_eval)
+        reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
+                           else np.maximum(0.0, gather - np.where(ok, st.fwdwin[sl], 0.0)))
     tail = reduce
     if problem.hbm_bandwidth > 0:
         per = w_b + g_b + 2 * o_b

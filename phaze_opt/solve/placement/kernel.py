@@ -67,6 +67,7 @@ class StageStack:
     layer_fwd: np.ndarray | None = None
     layer_bwd: np.ndarray | None = None
     layer_params: np.ndarray | None = None
+    fwdwin: np.ndarray | None = None  # [T, R, W] forward time per microbatch (an overlapped param gather's window)
 
     @property
     def rows(self) -> int:
@@ -210,6 +211,7 @@ def chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> Stag
     # Running sums from each stage's first layer: the evaluator adds in the same order.
     work = np.cumsum(window(fwd + bwd), axis=2) + np.cumsum(window(rec), axis=2)
     bwdwin = np.cumsum(window(bwd + rec), axis=2)
+    fwdwin = np.cumsum(window(fwd), axis=2)
     params = np.cumsum(window(stacked("params")), axis=2)
     acts = np.cumsum(window(kept), axis=2)
     workmax = np.maximum.accumulate(window(wset), axis=2)
@@ -246,6 +248,7 @@ def chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> Stag
         acts=full(acts, INF),
         workmax=full(workmax, INF),
         bwdwin=full(bwdwin, INF),
+        fwdwin=full(fwdwin, INF),
         bytes_in=full(bytes_in, 0.0),
         has_in=full(has_in, False, bool),
         bytes_out=full(bytes_out, 0.0),
@@ -304,7 +307,7 @@ def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
     shape = (T, R, W)
     dst = np.full((R, W), R, dtype=np.int64)
     arrays = {name: np.full(shape, INF) for name in ("work1", "work2", "grad", "base", "stash", "params", "acts",
-                                                     "workmax", "bwdwin")}
+                                                     "workmax", "bwdwin", "fwdwin")}
     terms = [layer_terms(problem, c) for c in costs]
     arrays.update(bytes_in=np.zeros(shape), bytes_out=np.zeros(shape))
     has_in = np.zeros(shape, dtype=bool)
@@ -319,11 +322,12 @@ def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
                 kept, wset, rec = terms[ti]
                 work = 0.0
                 recs = 0.0
-                bwdwin = 0.0
+                bwdwin = fwdwin = 0.0
                 for v in layers:
                     work += float(c.fwd_s[v]) + float(c.bwd_s[v])
                     recs += float(rec[v])
                     bwdwin += float(c.bwd_s[v]) + float(rec[v])
+                    fwdwin += float(c.fwd_s[v])
                 params = float(sum(c.params[v] for v in layers))
                 acts = float(sum(kept[v] for v in layers))
                 workmax = float(max(wset[v] for v in layers))
@@ -334,6 +338,7 @@ def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
                 arrays["acts"][ti, r, a] = acts
                 arrays["workmax"][ti, r, a] = workmax
                 arrays["bwdwin"][ti, r, a] = bwdwin
+                arrays["fwdwin"][ti, r, a] = fwdwin
                 arrays["bytes_in"][ti, r, a] = b_in
                 arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
                 has_in[ti, r, a] = bool(producers_in)

@@ -156,7 +156,8 @@ class LayerCosts:
     def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False) -> "LayerCosts":
         """Per-layer arrays of a workload `LayerGraph` at its TP width, with each layer's forward
         and backward time (seconds per microbatch, e.g. from its kind's schedules), the attention
-        core's forward time (selective recompute) and the memory of every recompute mode."""
+        core's forward time (selective recompute) and the memory of every recompute mode; with
+        sequence parallelism the pipeline sends carry each rank's s/t share (`boundary_bytes_for`)."""
         layers = graph.layers
         sp = bool(sequence_parallel)
         return cls(
@@ -170,7 +171,7 @@ class LayerCosts:
             bwd_s=bwd_s,
             params=[layer.params for layer in layers],
             activation_bytes=[layer.activation_bytes_for("none", sp) for layer in layers],
-            boundary_bytes=[layer.boundary_bytes for layer in layers],
+            boundary_bytes=[layer.boundary_bytes_for(sp) for layer in layers],
             input_bytes=[layer.input_bytes for layer in layers],
             edges=tuple(graph.edges),
             names=tuple(layer.name for layer in layers),
