@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .. import configs
 from .objective import directions
-from .tracking import DEFAULT_TRACKING_URI
+from ..runs.tracking import DEFAULT_TRACKING_URI
 
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
 SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..figures import pyplot, write_figure
-from .reconcile import count_own
+from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_prune
-from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
+from ..runs.tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
 def phaze_opt_ui(study: str, tracking_uri: str) -> str:

@@ -17,12 +17,12 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from . import reconcile, signals
+from ..runs import reconcile, signals
 from .. import interrupt
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
-from .progress import Progress, say
+from ..runs.progress import Progress, say
 from .session import (
     Session,
     SpoolLogger,
@@ -38,8 +38,8 @@ from .session import (
 from .trials import mark_design
 from .setup import (Backend, StudyConfig, load_study, make_storage, release_storage, storage_url, study_identity,
                     study_name, validate)
-from .tracking import NullTracker, sqlite_path
-from .urls import redact
+from ..runs.tracking import NullTracker, sqlite_path
+from ..runs.urls import redact
 
 
 class TrialError(Exception):

@@ -39,11 +39,11 @@ from ..design.protocols import BoundedEvaluator
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
-from . import reconcile, signals
+from ..runs import reconcile, signals
 from .. import interrupt
-from .progress import Progress, close_bar
+from ..runs.progress import Progress, close_bar
 from .setup import Backend, StudyConfig, prepare, release_storage
-from .tracking import (
+from ..runs.tracking import (
     NOTE_TAG,
     TRIALS_VIEW,
     VIEW_TAG,

@@ -35,9 +35,9 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     SINGLE_OBJECTIVE_SAMPLERS,
     StudyConfig,
 )
-from .locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
+from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
 from .objective import parse_objectives
-from .tracking import driver_url, redact
+from ..runs.tracking import driver_url, redact
 
 HEARTBEAT_S = 30
 GRACE_S = 120
