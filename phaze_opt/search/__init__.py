@@ -10,6 +10,7 @@ from .report import render
 from .runner import run_study
 from .session import REPEAT_ATTR, Session, best_trial, finished_trials, is_feasible, quiet_optuna, study_wall_s
 from .setup import Backend, clean_name, default_storage
+from .strategy import Strategy, strategy_for
 
 __all__ = [
     "Backend",
@@ -18,6 +19,7 @@ __all__ = [
     "REPEAT_ATTR",
     "SAMPLERS",
     "Session",
+    "Strategy",
     "StudyConfig",
     "baseline_points",
     "best_trial",
@@ -30,5 +32,6 @@ __all__ = [
     "reference_system_for",
     "render",
     "run_study",
+    "strategy_for",
     "study_wall_s",
 ]
