@@ -36,8 +36,7 @@ from .session import (
     tally,
 )
 from .trials import mark_design
-from .setup import (Backend, StudyConfig, load_study, make_storage, release_storage, storage_url, study_identity,
-                    study_name, validate)
+from .setup import Backend, StudyConfig, load_study, locate, make_storage, release_storage, study_identity
 from ..runs.tracking import NullTracker, sqlite_path
 from ..runs.urls import redact
 
@@ -62,8 +61,8 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     """
     quiet_optuna()
     reconcile.adopt(spec.owner)
-    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     ctx = spec.context()
+    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     codec = SpaceCodec(spec.backend.space.params)
     tracker = tracker or NullTracker()
     artifacts: dict[int, dict] = {}
@@ -156,8 +155,7 @@ def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[st
     with other settings, which opening it refuses), without creating the study or touching it."""
     quiet_optuna()
     backend = backend or Backend()
-    config = validate(config, backend)
-    name, url = study_name(config), storage_url(config)
+    config, name, url = locate(config, backend)
     db = sqlite_path(url)
     if db is not None and not db.is_file():
         return name, url, 0

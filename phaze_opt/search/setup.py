@@ -92,15 +92,20 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     """Everything before the first trial, in one call: validate the settings, resolve the backend,
     check the space, then name, open (or resume) the study in its storage with this process's sampler."""
     backend = backend or Backend()
-    config = validate(config, backend)
+    config, name, url = locate(config, backend)
     backend = backend.resolved(config)
     check_space(backend.space)
-    name, url = study_name(config), storage_url(config)
     storage = make_storage(url)
     sampler = config.strategy.optuna_sampler(config)
     with interrupt.deferred():  # a study is created with its identity, whole
         study, resumed = open_study(config, storage, backend.space, sampler)
     return Prepared(config, backend, name, url, storage, study, resumed)
+
+
+def locate(config: StudyConfig, backend: Backend) -> tuple[StudyConfig, str, str]:
+    """(the validated config, the study's name, its storage URL): where a study is, before opening it."""
+    config = validate(config, backend)
+    return config, study_name(config), storage_url(config)
 
 
 def load_study(config: StudyConfig, url: str, name: str, worker: int | None = None) -> optuna.Study:
