@@ -18,7 +18,7 @@ from . import configs
 from . import interrupt
 from .errors import PhazeError
 from .jsonable import jsonable
-from .search.progress import Heartbeat
+from .runs import Heartbeat
 
 COMMANDS = ("workload", "arch", "schedule", "evaluate", "study", "compare", "published", "measure", "validate",
             "ui", "export")

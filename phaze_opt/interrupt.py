@@ -194,7 +194,7 @@ def checkpoint_deferred() -> None:
 def blocked():
     """Hold SIGINT, SIGTERM and SIGHUP pending in this thread for the block (they are delivered at
     its end). Processes started inside inherit the mask, so a spawned worker cannot be interrupted
-    before it installs its own handlers (`search.signals.worker_started` unblocks them)."""
+    before it installs its own handlers (`runs.signals.worker_started` unblocks them)."""
     sigs = set(_signals())
     if not hasattr(signal, "pthread_sigmask") or not _main():
         yield

@@ -260,7 +260,7 @@ def _redone_evaluations(work: Path, log: Path) -> list[int]:
     """Interrupted trials whose process had finished evaluating their point (so it is evaluated again)."""
     import optuna
 
-    from phaze_opt.search.reconcile import owner_of
+    from phaze_opt.runs.reconcile import owner_of
 
     if not log.exists():
         return []
@@ -326,7 +326,7 @@ def check(work: Path, trials: int, workers: int, summary: dict, reference: dict)
     spools = list((work / "tmp").glob("phaze-spool-*"))
     if spools:
         problems.append(f"spool folders left: {[p.name for p in spools]}")
-    from phaze_opt.search.tracking import _local_dir
+    from phaze_opt.runs.tracking import _local_dir
 
     no_artifact = sorted(int(r.data.tags["optuna.trial_number"]) for r in trial_runs
                          if r.info.status == "FINISHED" and not (_local_dir(r.info.artifact_uri) / "placement.json").is_file())

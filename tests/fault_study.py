@@ -61,11 +61,10 @@ def best_of_space() -> float:
 
 
 def main(argv) -> int:
-    from phaze_opt import cli
-    from phaze_opt.search import runner
+    from phaze_opt import cli, search
 
-    real = runner.run_study
-    runner.run_study = lambda config, backend_=None: real(config, backend_ or backend())
+    real = search.run_study  # the name `phaze-opt study` calls, from the search package's face
+    search.run_study = lambda config, backend_=None: real(config, backend_ or backend())
     return cli.main(["study", *argv])
 
 

@@ -25,6 +25,7 @@ LAYERS = (
     ("workload", "hardware"),
     ("solve",),
     ("design",),
+    ("runs",),
     ("search",),
     ("experiments", "validation"),
     ("commands",),
@@ -35,7 +36,7 @@ RANK = {unit: (i, j) for i, units in enumerate(LAYERS) for j, unit in enumerate(
 
 # Packages in which no function may import a phaze_opt module (an import inside a function there
 # would only hide a cycle). Elsewhere such imports are listed with their reason.
-NO_LAZY_IMPORTS = ("design", "search", "experiments")
+NO_LAZY_IMPORTS = ("design", "runs", "search", "experiments")
 LAZY_IMPORTS_ALLOWED = {
     # The commands import their work when they run, so `phaze-opt --help` and every other command
     # start without torch, the solvers or MLflow.
@@ -157,6 +158,20 @@ def package_cycles(graph: nx.DiGraph) -> list[list[str]]:
     return cycles
 
 
+# Packages with a public face (`__init__` and its `__all__`): the units above them import its names,
+# never its modules, so the modules inside may be split or renamed without touching their callers.
+FACES = ("runs", "search")
+
+
+def face_violations(graph: nx.DiGraph) -> list[str]:
+    out = []
+    for a, b in graph.edges:
+        ua, ub = _unit(a), _unit(b)
+        if ub in FACES and ua != ub and ua in LAYER and LAYER[ua] > LAYER["search"] and b != f"phaze_opt.{ub}":
+            out.append(f"{a} -> {b}: import it from phaze_opt.{ub} (its __all__), not from the module")
+    return out
+
+
 def lazy_violations(lazy) -> list[str]:
     out = []
     for module, target, line in lazy:
@@ -241,6 +256,20 @@ def test_no_import_cycle_inside_a_package(graph_and_lazy):
     assert package_cycles(graph) == []
 
 
+def test_packages_above_search_use_the_faces_of_search_and_runs(graph_and_lazy):
+    graph, _ = graph_and_lazy
+    assert face_violations(graph) == []
+
+
+def test_every_face_exports_what_it_lists():
+    import importlib
+
+    for unit in FACES:
+        package = importlib.import_module(f"phaze_opt.{unit}")
+        missing = [name for name in package.__all__ if not hasattr(package, name)]
+        assert missing == [], f"phaze_opt.{unit}.__all__ lists names it lacks: {missing}"
+
+
 def test_no_import_inside_a_function_to_dodge_a_cycle(graph_and_lazy):
     _, lazy = graph_and_lazy
     assert lazy_violations(lazy) == []
@@ -270,6 +299,8 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     (pkg / "search" / "a.py").write_text("from .b import x\n")
     (pkg / "search" / "b.py").write_text("def f():\n    from .a import y\n")
     (pkg / "solve" / "c.py").write_text("from ..search import a\n")
+    (pkg / "commands").mkdir()
+    (pkg / "commands" / "__init__.py").write_text("from ..search import a\n")  # a module, not the face
     (pkg / "workload").mkdir()
     (pkg / "workload" / "__init__.py").write_text("from ..hardware import h\n")  # hardware is after it in layer 1
     (pkg / "hardware").mkdir()
@@ -279,10 +310,12 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     graph, lazy = import_graph(pkg)
     assert package_cycles(graph) == [["phaze_opt.search.a", "phaze_opt.search.b"]]
     violations = layering_violations(graph)
-    assert any("solve (layer 2) imports search (layer 4)" in v for v in violations)
+    assert any("solve (layer 2) imports search (layer 5)" in v for v in violations)
     assert any("workload imports hardware, listed after it in layer 1" in v for v in violations)
     assert ("phaze_opt.errors", "phaze_opt.search") in graph.edges  # seen through importlib
     assert any(v.startswith("phaze_opt.errors -> phaze_opt.search") for v in violations)
+    assert face_violations(graph) == ["phaze_opt.commands -> phaze_opt.search.a: import it from phaze_opt.search "
+                                      "(its __all__), not from the module"]
     assert lazy_violations(lazy) == ["phaze_opt.search.b:2 imports phaze_opt.search.a inside a function"]
 
 

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.search import branch_bound as bb
-from phaze_opt.search import locks, reconcile, signals
+from phaze_opt.runs import locks, reconcile, signals
 from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.session import finished_trials
@@ -209,7 +209,7 @@ def _wait_group_gone(pgid: int, limit_s: float = 30.0) -> float:
 
 
 def _artifact_missing(client, runs) -> list[int]:
-    from phaze_opt.search.tracking import _local_dir
+    from phaze_opt.runs.tracking import _local_dir
 
     return sorted(int(r.data.tags["optuna.trial_number"]) for r in runs
                   if not (_local_dir(r.info.artifact_uri) / "placement.json").is_file())
@@ -285,7 +285,7 @@ def test_stale_spools_of_dead_parents_are_removed(tmp_path):
 
 
 def test_mlflow_database_is_built_aside(tmp_path):
-    from phaze_opt.search.tracking import MlflowTracker
+    from phaze_opt.runs.tracking import MlflowTracker
 
     db = tmp_path / "ml" / "mlflow.db"
     (db.parent).mkdir()
@@ -369,7 +369,7 @@ def test_points_file_marks_every_evaluated_point_of_a_resumed_sweep():
 def test_a_tracking_store_that_stops_answering_holds_the_end_for_a_bounded_time(tmp_path, monkeypatch, capsys):
     import threading
 
-    from phaze_opt.search import tracking
+    from phaze_opt.runs import tracking
 
     tracker = tracking.MlflowTracker(mlflow_uri(tmp_path), "0", "run", context={})
     monkeypatch.setattr(tracking, "FLUSH_LIMIT_S", 0.5)

@@ -8,7 +8,7 @@ import time
 import optuna
 
 from phaze_opt import cli
-from phaze_opt.search.progress import Heartbeat
+from phaze_opt.runs.progress import Heartbeat
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import default_study_name
 from test_study_fakes import backend, config, mlflow_uri

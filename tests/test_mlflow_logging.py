@@ -23,7 +23,7 @@ from phaze_opt.search.session import is_feasible
 from phaze_opt.search.setup import default_study_name
 from phaze_opt.search.objective import Context, evaluate_point
 from phaze_opt.search.report import render
-from phaze_opt.search.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, redact, sqlite_path, trial_record
+from phaze_opt.runs.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, redact, sqlite_path, trial_record
 from test_study_fakes import FakeSpace, backend, best_score_series, config, expected_best_series, mlflow_uri
 
 OLD_METRIC_NAMES = {"throughput", "throughput_bound", "area", "energy", "objective.throughput", "objective.area",

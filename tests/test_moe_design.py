@@ -16,7 +16,7 @@ from phaze_opt.design.evaluate import evaluate, training_problem
 from phaze_opt.design.parallel import cp_widths, ep_widths, with_parallel_terms
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
-from phaze_opt.search.tracking import trial_note, trial_record
+from phaze_opt.runs.tracking import trial_note, trial_record
 from phaze_opt.solve.placement.expert import optimal_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.system import load_system

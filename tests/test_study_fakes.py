@@ -247,7 +247,7 @@ def mlflow_uri(directory) -> str:
     from pathlib import Path
 
     if "path" not in _MLFLOW_TEMPLATE:
-        from phaze_opt.search.tracking import MlflowTracker
+        from phaze_opt.runs.tracking import MlflowTracker
 
         base = Path(tempfile.mkdtemp(prefix="mlflow-template-"))
         MlflowTracker.prepare(f"sqlite:///{base / 'mlflow.db'}", "template")

@@ -22,7 +22,7 @@ from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.session import finished_trials
 from phaze_opt.search.setup import default_study_name
-from phaze_opt.search.tracking import driver_url
+from phaze_opt.runs.tracking import driver_url
 from test_study_fakes import backend, best_score_series, config, expected_best_series, mlflow_uri, small_space
 
 
@@ -132,7 +132,7 @@ def test_three_processes_create_mlflows_schema_on_a_new_postgres_database(postgr
     (without the lock and retries, one or two died with UniqueViolation pg_type_typname_nsp_index)."""
     import sys
 
-    code = ("import sys; from phaze_opt.search.tracking import MlflowTracker; "
+    code = ("import sys; from phaze_opt.runs.tracking import MlflowTracker; "
             "print(MlflowTracker.prepare(sys.argv[1], 'e'))")
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true")
     procs = [subprocess.Popen([sys.executable, "-c", code, postgres["mlflow"]], env=env, stdout=subprocess.PIPE,

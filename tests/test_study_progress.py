@@ -15,7 +15,7 @@ from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.design.space import load_space
 from phaze_opt.search import branch_bound as bb
 from phaze_opt.design.evaluate import tp_widths as _tp_widths
-from phaze_opt.search.progress import Progress, duration
+from phaze_opt.runs.progress import Progress, duration
 from phaze_opt.search.runner import run_study
 from phaze_opt.design.upper_bound import ideal_throughput, pipeline_throughput, layer_lower_bounds
 from phaze_opt.system import load_system

@@ -15,7 +15,7 @@ import pytest
 
 import phaze_opt
 from phaze_opt import cli
-from phaze_opt.search import ui_server
+from phaze_opt.runs import ui_server
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..search.tracking import DEFAULT_TRACKING_URI
+from ..runs import DEFAULT_TRACKING_URI
 
 HELP = "compare how fast studies converge: a table and a best-so-far vs wall-clock plot, logged to MLflow"
 DESCRIPTION = (

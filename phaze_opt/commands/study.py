@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from . import add_ilp_time_limit
-from ..search.report import render as _render
-from ..search.setup import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig
-from ..search.tracking import DEFAULT_TRACKING_URI
+from ..runs import DEFAULT_TRACKING_URI
+from ..search import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig, render as _render
 
 HELP = "search accelerator designs and placements with an Optuna study (or an exhaustive sweep), logged to MLflow"
 DESCRIPTION = (
@@ -86,7 +85,7 @@ def config_from_args(args) -> StudyConfig:
 
 
 def run(args) -> dict:
-    from ..search.runner import run_study
+    from ..search import run_study
 
     return run_study(config_from_args(args))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..configs import Limit, positive_arg
-from ..search.tracking import DEFAULT_TRACKING_URI
+from ..runs import DEFAULT_TRACKING_URI
 
 HELP = "start the MLflow UI on the studies' store (127.0.0.1, a free port) and open a study's trials"
 DESCRIPTION = (
@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..search.ui_server import serve
+    from ..runs import serve
 
     if args.port is not None:
         positive_arg(args.port, "--port", Limit(65535, "TCP ports end at 65,535"))

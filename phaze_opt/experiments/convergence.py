@@ -31,10 +31,8 @@ import optuna
 
 from ..errors import PhazeError
 from ..figures import pyplot, write_figure
-from ..search.session import best_trial as first_best, finished_trials, is_feasible, quiet_optuna, study_wall_s
-from ..search.setup import clean_name, default_storage
-from ..search.locks import OPTUNA_TABLES, check_sqlite_storage
-from ..search.tracking import MlflowTracker, driver_url, redact, sqlite_path, tracking_enabled
+from ..runs import OPTUNA_TABLES, MlflowTracker, check_sqlite_storage, driver_url, redact, sqlite_path, tracking_enabled
+from ..search import best_trial as first_best, clean_name, default_storage, finished_trials, is_feasible, quiet_optuna, study_wall_s
 
 
 @dataclass

@@ -45,12 +45,9 @@ from ..design.evaluate import evaluate
 from ..design.protocols import BoundedEvaluator, Evaluator, Result
 from ..hardware.accelerator import Accelerator
 from ..training import RECIPE_FIELDS, RECOMPUTE_MODES, Training, recipe_points
-from ..search.objective import Baseline, baseline_points, compute_baselines
-from ..search.runner import run_study
-from ..search.session import Session
-from ..search.config import reference_system_for
-from ..search.setup import Backend, StudyConfig, clean_name, default_storage
-from ..search.progress import say
+from ..runs import say
+from ..search import (Backend, Baseline, Session, StudyConfig, baseline_points, clean_name, compute_baselines,
+                      default_storage, reference_system_for, run_study)
 
 MODELS = ("gpt3-175b", "opt-1.3b", "llama2-7b", "bert-large", "gpt2-xl")
 # Beyond the paper: a mixture of experts and a long context, each TPUv4 (expert and optimal placement) against

@@ -1,6 +1,6 @@
 """A study's trials as a table: one row per finished trial, for pandas, CSV, Parquet or JSON.
 
-The columns are the MLflow run's (`search.tracking.trial_record`), so a study reads the same in
+The columns are the MLflow run's (`runs.tracking.trial_record`), so a study reads the same in
 the UI, in a notebook and in a spreadsheet:
 
     trial, state, feasible, reason     COMPLETE / INFEASIBLE / FAIL, and why (the infeasible reason
@@ -27,8 +27,8 @@ import optuna
 import pandas as pd
 
 from ..errors import PhazeError
-from ..search.session import REPEAT_ATTR, finished_trials, quiet_optuna
-from ..search.tracking import design_fields, trial_record
+from ..runs import design_fields, trial_record
+from ..search import REPEAT_ATTR, finished_trials, quiet_optuna
 from .convergence import read_storage, resolve_study, study_names
 
 FORMATS = ("csv", "parquet", "json")

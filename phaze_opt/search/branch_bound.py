@@ -57,7 +57,8 @@ from ..jsonable import jsonable
 from ..system import load_system
 from ..training import Training, recipe_choices
 from ..workload.models import load_model
-from . import objective, signals
+from . import objective
+from ..runs import signals
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key

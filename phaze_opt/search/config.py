@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 from .. import configs
 from .objective import directions
-from .tracking import DEFAULT_TRACKING_URI
+from ..runs.tracking import DEFAULT_TRACKING_URI
+from .strategy import SAMPLERS, SINGLE_OBJECTIVE_SAMPLERS, Strategy, strategy_for  # noqa: F401  (re-exported)
 
-SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
-SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
 ORDERS = ("area", "grid")
 # The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
 # (msr-fiddle/phaze, Solver/solver.py: acc_group_range = 10000, areas in um^2).
@@ -41,7 +40,7 @@ class StudyConfig:
     storage: str | None = None  # default sqlite:///<output_dir>/<study-name>.db
     tracking_uri: str | None = DEFAULT_TRACKING_URI  # "off" disables MLflow
     workers: int = 1
-    exhaustive: bool = False
+    exhaustive: bool = False  # with `prune`, names the strategy (`strategy_for`): read `strategy`, not this
     order: str = "area"
     hysteresis: int | None = None  # None: evaluate every grid point
     prune: str = "auto"  # exhaustive: bound | off | auto (bound where it applies, see validate)
@@ -53,8 +52,12 @@ class StudyConfig:
     reference_system: str | None = None  # the baseline's cluster; None: `reference_system_for`'s choice
 
     @property
+    def strategy(self) -> Strategy:
+        return strategy_for(self)
+
+    @property
     def mode(self) -> str:
-        return "exhaustive" if self.exhaustive else "sampled"
+        return self.strategy.mode
 
     @property
     def baseline_system(self) -> str:

@@ -38,10 +38,10 @@ from ..errors import PhazeError
 from ..training import RECIPE_FIELDS
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
-from . import reconcile, signals
+from ..runs import reconcile, signals
 from .. import interrupt
 from .branch_bound import run_pruned
-from .progress import say
+from ..runs.progress import say
 from .report import finish
 from .session import (
     Session,
@@ -54,7 +54,7 @@ from .session import (
 )
 from .setup import load_study, release_storage
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
-from .tracking import NullTracker
+from ..runs.tracking import NullTracker
 
 RUN_PARAMS = RECIPE_FIELDS
 

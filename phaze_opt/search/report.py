@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..figures import pyplot, write_figure
-from .reconcile import count_own
+from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_prune
-from .tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
+from ..runs.tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
 def phaze_opt_ui(study: str, tracking_uri: str) -> str:
@@ -134,13 +134,8 @@ def next_steps(session) -> dict:
     """The study to compare this one with, and the commands: for a sampled study the exhaustive sweep
     of the same models, space, system and objectives (what `compare` is for); for a sweep, TPE."""
     c = session.config
-    if c.exhaustive:
-        other = replace(c, exhaustive=False, sampler="tpe", seed=0, study_name=None, prune="off")
-        what, extra = "the default TPE study", []
-    else:
-        other = replace(c, exhaustive=True, prune="auto", hysteresis=None, order="area", study_name=None)
-        other = replace(other, prune=resolve_prune(other, session.backend))
-        what, extra = "the exhaustive sweep", ["--exhaustive"]
+    other, what, extra = c.strategy.counterpart(c)
+    other = replace(other, prune=resolve_prune(other, session.backend))
     name = default_study_name(other)
     exe = venv_command("phaze-opt")
     study = [exe, "study"] + [a for m in c.models for a in ("--model", str(m))] + ["--space", str(c.space)]
@@ -174,7 +169,7 @@ def crash_notes(session, done) -> list[str]:
                      f"{fixed.get('closed', 0)} runs left RUNNING closed as KILLED, "
                      f"{fixed.get('deleted', 0)} incomplete or duplicate runs deleted")
     over = len(done) - session.config.trials
-    if not session.config.exhaustive and over > 0 and own_trials(session, done) > 0:
+    if session.config.strategy.counts_trials and over > 0 and own_trials(session, done) > 0:
         notes.append(f"{len(done)} finished trials, {over} over --trials {session.config.trials}: they were in "
                      "flight in other processes or workers when the study reached its total")
     return notes
@@ -197,7 +192,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
         "models": list(config.models),
         "space": getattr(session.space, "name", config.space),
         "system": config.system,
-        "sampler": "exhaustive" if config.exhaustive else config.sampler,
+        "sampler": config.strategy.sampler_label(config),
         "seed": config.seed,
         "objectives": list(config.objectives),
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1

@@ -21,7 +21,10 @@ from .setup import Backend, StudyConfig
 
 
 def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
-    """Run (or resume) a sampled study, or an exhaustive sweep when `config.exhaustive`."""
-    if config.exhaustive:
-        return run_exhaustive(config, backend)
-    return run_sampled(config, backend)
+    """Run (or resume) the study by its strategy's mode: sampled, or a sweep of the whole grid
+    (`run_exhaustive` hands a branch-and-bound sweep to `branch_bound.run_pruned` once the
+    settings are validated, since `--prune auto` is resolved there)."""
+    return RUNS[config.strategy.mode](config, backend)
+
+
+RUNS = {"sampled": run_sampled, "exhaustive": run_exhaustive}

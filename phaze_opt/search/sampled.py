@@ -17,12 +17,12 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from . import reconcile, signals
+from ..runs import reconcile, signals
 from .. import interrupt
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
-from .progress import Progress, say
+from ..runs.progress import Progress, say
 from .session import (
     Session,
     SpoolLogger,
@@ -36,10 +36,9 @@ from .session import (
     tally,
 )
 from .trials import mark_design
-from .setup import (Backend, StudyConfig, load_study, make_storage, release_storage, storage_url, study_identity,
-                    study_name, validate)
-from .tracking import NullTracker, sqlite_path
-from .urls import redact
+from .setup import Backend, StudyConfig, load_study, locate, make_storage, release_storage, study_identity
+from ..runs.tracking import NullTracker, sqlite_path
+from ..runs.urls import redact
 
 
 class TrialError(Exception):
@@ -62,8 +61,8 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     """
     quiet_optuna()
     reconcile.adopt(spec.owner)
-    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     ctx = spec.context()
+    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     codec = SpaceCodec(spec.backend.space.params)
     tracker = tracker or NullTracker()
     artifacts: dict[int, dict] = {}
@@ -156,8 +155,7 @@ def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[st
     with other settings, which opening it refuses), without creating the study or touching it."""
     quiet_optuna()
     backend = backend or Backend()
-    config = validate(config, backend)
-    name, url = study_name(config), storage_url(config)
+    config, name, url = locate(config, backend)
     db = sqlite_path(url)
     if db is not None and not db.is_file():
         return name, url, 0

@@ -39,11 +39,11 @@ from ..design.protocols import BoundedEvaluator
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
-from . import reconcile, signals
+from ..runs import reconcile, signals
 from .. import interrupt
-from .progress import Progress, close_bar
+from ..runs.progress import Progress, close_bar
 from .setup import Backend, StudyConfig, prepare, release_storage
-from .tracking import (
+from ..runs.tracking import (
     NOTE_TAG,
     TRIALS_VIEW,
     VIEW_TAG,
@@ -198,42 +198,59 @@ class Session:
             raise
 
     def _open(self, config: StudyConfig, backend: Backend | None) -> None:
+        """The set-up, one job a step; the config is read here and by the steps, never passed on."""
         quiet_optuna()
-        ready = prepare(config, backend)
-        self.config = config = ready.config
+        self._adopt(prepare(config, backend))
+        with interrupt.deferred():
+            trials = self._claim_trials()
+        interrupt.checkpoint_deferred()
+        self._count_start(trials)
+        with interrupt.deferred():  # the computation inside is cut at once, its storing is not
+            self.baselines = self._baselines()
+        interrupt.checkpoint_deferred()
+        if tracking_enabled(self.config.tracking_uri):  # the slow part (imports, database), cut at once
+            MlflowTracker.prepare(self.config.tracking_uri, self.name, storage_key=storage_key(self.url))
+        with interrupt.deferred():
+            self.tracker = self._start_tracker()
+            self._reconcile_runs()
+        interrupt.checkpoint_deferred()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _adopt(self, ready) -> None:
+        """Hold what `setup.prepare` opened: the validated config, the backend, the study and its storage."""
+        self.config = ready.config
         self.backend = ready.backend
         self.space = self.backend.space
         self.codec = SpaceCodec(self.space.params)
         self.name, self.url, self.storage = ready.name, ready.url, ready.storage
         self.study, self.resumed = ready.study, ready.resumed
-        with interrupt.deferred():
-            self.session_id = reconcile.new_session()
-            self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
-            trials = self.study.get_trials(deepcopy=False)
-            self.offset_s = study_wall_s(self.study.user_attrs, trials)
-            self.wall_s: float | None = None  # set by end_wall
-            self.study.set_user_attr("workers_per_run",
-                                     [*(self.study.user_attrs.get("workers_per_run") or []), config.workers])
-        interrupt.checkpoint_deferred()
+
+    def _claim_trials(self) -> list:
+        """Take this invocation's place in the study: a session id for the trials it will own, the
+        trials of dead invocations failed or requeued, the study's wall time so far, this run's
+        worker count. Returns the study's trials after the claim."""
+        self.session_id = reconcile.new_session()
+        self.zombies = reconcile.fail_zombies(self.study) + reconcile.requeue_lost(self.study)
+        trials = self.study.get_trials(deepcopy=False)
+        self.offset_s = study_wall_s(self.study.user_attrs, trials)
+        self.wall_s: float | None = None  # set by end_wall
+        self.study.set_user_attr("workers_per_run",
+                                 [*(self.study.user_attrs.get("workers_per_run") or []), self.config.workers])
+        return trials
+
+    def _count_start(self, trials) -> None:
+        """What the study held when this invocation began (the summary counts its own trials against it)."""
         self.finished_at_start = {t.number for t in finished_trials(trials)}
         self.trials_before = len(self.finished_at_start)
-        self.notes: list[str] = []
-        if config.sampler == "cmaes" and not config.exhaustive:
-            self.notes.append("cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput")
-        with interrupt.deferred():  # the computation inside is cut at once, its storing is not
-            self.baselines = self._baselines()
-        interrupt.checkpoint_deferred()
-        if tracking_enabled(config.tracking_uri):  # the slow part (imports, database), cut at once
-            MlflowTracker.prepare(config.tracking_uri, self.name, storage_key=storage_key(self.url))
-        with interrupt.deferred():
-            self.tracker = self._start_tracker()
-            reconcile.set_parent_run(self.tracker.parent_run_id)
-            self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
-            if self.tracker.enabled:  # the spools of this study's dead invocations are logged now
-                signals.clean_stale_spools(sessions=reconcile.sessions_of(self.all_trials()))
-        interrupt.checkpoint_deferred()
+        self.notes: list[str] = list(self.config.strategy.notes(self.config))
 
-    # -- set-up ----------------------------------------------------------------------------------
+    def _reconcile_runs(self) -> None:
+        """MLflow agrees with the study before the first trial: missing runs logged, dead runs closed."""
+        reconcile.set_parent_run(self.tracker.parent_run_id)
+        self.reconciled = reconcile.reconcile_runs(self.tracker, self.all_trials(), finished_trials)
+        if self.tracker.enabled:  # the spools of this study's dead invocations are logged now
+            signals.clean_stale_spools(sessions=reconcile.sessions_of(self.all_trials()))
+
     def _baselines(self) -> dict[str, Baseline]:
         stored = self.study.user_attrs.get("baselines") or {}
         if all(m in stored for m in self.config.models):
@@ -259,27 +276,17 @@ class Session:
         if not tracking_enabled(c.tracking_uri):
             return NullTracker()
         constant = constant_params(self.space)
-        context = {"study_name": self.name, "sampler": "exhaustive" if c.exhaustive else c.sampler,
+        context = {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
                    "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
                    "constant": sorted(constant)}
         trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
         space_name = getattr(self.space, "name", c.space)
-        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": space_name,
-                  "system": c.system, "sampler": context["sampler"], "seed": c.seed, "trials": c.trials,
-                  "objectives": ",".join(c.objectives), "workers": c.workers, **constant}
-        if c.exhaustive:
-            params.update({"order": c.order, "hysteresis": "off" if c.hysteresis is None else c.hysteresis})
+        params = self._run_params(space_name, context["sampler"], constant)
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
                 "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower(),
                 reconcile.OWNER_TAG: reconcile.owner_tag()}
-        for m, b in self.baselines.items():
-            prefix = "" if len(c.models) == 1 else f"{m}."
-            if b.feasible:
-                params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
-                params[f"{prefix}baseline_recipe"] = ",".join(f"{k}={v}" for k, v in b.point.items())
-                params[f"{prefix}baseline_system"] = b.system or c.baseline_system
         description = experiment_description(
             study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
             system=c.system, objectives=c.objectives, directions=c.directions, sampler=context["sampler"], mode=c.mode)
@@ -290,6 +297,21 @@ class Session:
                                       storage_key=storage_key(self.url))
         tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
         return tracker
+
+    def _run_params(self, space_name: str, sampler: str, constant: dict) -> dict:
+        """The parent run's MLflow params: the settings, the strategy's own, each model's baseline."""
+        c = self.config
+        params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": space_name,
+                  "system": c.system, "sampler": sampler, "seed": c.seed, "trials": c.trials,
+                  "objectives": ",".join(c.objectives), "workers": c.workers, **constant}
+        params.update({key: "off" if value is None else value for key, value in c.strategy.settings(c).items()})
+        for m, b in self.baselines.items():
+            prefix = "" if len(c.models) == 1 else f"{m}."
+            if b.feasible:
+                params[f"{prefix}baseline_throughput_seq_per_s"] = b.throughput
+                params[f"{prefix}baseline_recipe"] = ",".join(f"{k}={v}" for k, v in b.point.items())
+                params[f"{prefix}baseline_system"] = b.system or c.baseline_system
+        return params
 
     def worker_spec(self, spool_dir: str | None = None) -> WorkerSpec:
         return WorkerSpec(self.config, self.backend, self.url, self.name, self.baselines, self.clock_start,

@@ -35,9 +35,10 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     SINGLE_OBJECTIVE_SAMPLERS,
     StudyConfig,
 )
-from .locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
+from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
 from .objective import parse_objectives
-from .tracking import driver_url, redact
+from .strategy import make_sampler
+from ..runs.tracking import driver_url, redact
 
 HEARTBEAT_S = 30
 GRACE_S = 120
@@ -91,16 +92,20 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     """Everything before the first trial, in one call: validate the settings, resolve the backend,
     check the space, then name, open (or resume) the study in its storage with this process's sampler."""
     backend = backend or Backend()
-    config = validate(config, backend)
+    config, name, url = locate(config, backend)
     backend = backend.resolved(config)
     check_space(backend.space)
-    name, url = study_name(config), storage_url(config)
     storage = make_storage(url)
-    sampler = (optuna.samplers.RandomSampler(seed=config.seed) if config.exhaustive
-               else make_sampler(config.sampler, config.seed, len(config.objectives)))
+    sampler = config.strategy.optuna_sampler(config)
     with interrupt.deferred():  # a study is created with its identity, whole
         study, resumed = open_study(config, storage, backend.space, sampler)
     return Prepared(config, backend, name, url, storage, study, resumed)
+
+
+def locate(config: StudyConfig, backend: Backend) -> tuple[StudyConfig, str, str]:
+    """(the validated config, the study's name, its storage URL): where a study is, before opening it."""
+    config = validate(config, backend)
+    return config, study_name(config), storage_url(config)
 
 
 def load_study(config: StudyConfig, url: str, name: str, worker: int | None = None) -> optuna.Study:
@@ -128,13 +133,7 @@ def default_study_name(config: StudyConfig) -> str:
     parts = [models, _stem(config.space)]
     if _stem(config.system) != "default":
         parts.append(_stem(config.system))
-    if config.exhaustive and config.prune == "bound":
-        parts += ["exhaustive", "bound"]
-    elif config.exhaustive:
-        hyst = "off" if config.hysteresis is None else str(config.hysteresis)
-        parts += ["exhaustive", config.order, f"h{hyst}"]
-    else:
-        parts += [config.sampler, f"seed{config.seed}"]
+    parts += config.strategy.name_parts(config)
     if tuple(config.objectives) != ("throughput",):
         parts.append("+".join(config.objectives))
     return clean_name("-".join(parts))
@@ -198,9 +197,6 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if sampler not in SAMPLERS:
         raise PhazeError(f"--sampler: unknown sampler '{config.sampler}'; choose one of {', '.join(SAMPLERS)}")
     objectives = parse_objectives(config.objectives)
-    if len(objectives) > 1 and sampler in SINGLE_OBJECTIVE_SAMPLERS and not config.exhaustive:
-        raise PhazeError(f"--sampler {sampler} optimises one objective; use tpe, random, qmc, gp or nsga2 "
-                         f"with --objectives {','.join(objectives)}")
     if not config.models:
         raise PhazeError("--model: give at least one model")
     if len(set(config.models)) != len(config.models):
@@ -222,10 +218,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if order not in ORDERS:
         raise PhazeError(f"--order: unknown order '{config.order}'; choose area or grid")
     hysteresis = parse_hysteresis(config.hysteresis)
-    if config.exhaustive and hysteresis is not None and order != "area":
-        raise PhazeError("--hysteresis stops a sweep by decreasing area; it needs --order area (or --hysteresis off)")
-    if config.exhaustive and hysteresis is not None and config.workers > 1:
-        raise PhazeError("--hysteresis needs the area groups in order; use --workers 1 or --hysteresis off")
+    config.strategy.check(replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis))
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
         raise PhazeError(f"--area-group-mm2: expected a positive number, got {shown(config.area_group_mm2)}")
     if config.ilp_time_limit_s is not None:
@@ -262,7 +255,7 @@ def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
     prune = str(config.prune).strip().lower()
     if prune not in PRUNES:
         raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
-    if prune == "off" or not config.exhaustive:
+    if prune == "off" or not config.strategy.can_prune:
         return "off"
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None
@@ -362,25 +355,6 @@ def _sqlite_wal(storage) -> None:
     storage.engine.dispose()
 
 
-def make_sampler(name: str, seed: int, n_objectives: int, worker: int = 0) -> optuna.samplers.BaseSampler:
-    """The sampler for one process; worker k > 0 gets seed + k so workers do not propose the same points."""
-    s = seed + worker
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=s)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=s)
-    if name == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=s, warn_independent_sampling=False)
-    if name == "qmc":
-        return optuna.samplers.QMCSampler(seed=s, scramble=True, warn_independent_sampling=False,
-                                          warn_asynchronous_seeding=False)
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=s, warn_independent_sampling=False)
-    if name == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=s)
-    raise PhazeError(f"unknown sampler '{name}'; choose one of {', '.join(SAMPLERS)}")
-
-
 IDENTITY_KEYS = ("mode", "models", "space", "system", "objectives")
 
 
@@ -416,9 +390,8 @@ def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Stu
                                 directions=config.directions, load_if_exists=True)
     for key, value in identity.items():
         study.set_user_attr(key, value)
-    study.set_user_attr("sampler", "exhaustive" if config.exhaustive else config.sampler)
+    study.set_user_attr("sampler", config.strategy.sampler_label(config))
     study.set_user_attr("seed", config.seed)
-    if config.exhaustive:
-        study.set_user_attr("order", config.order)
-        study.set_user_attr("hysteresis", config.hysteresis)
+    for key, value in config.strategy.settings(config).items():
+        study.set_user_attr(key, value)
     return study, False

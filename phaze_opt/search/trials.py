@@ -13,7 +13,7 @@ from typing import Iterable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from . import reconcile
+from ..runs import reconcile
 from .encoding import SpaceCodec
 from .objective import accelerator_fields, jsonable
 from .session import REPEAT_ATTR, finished_trials, is_feasible

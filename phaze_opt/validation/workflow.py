@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import PhazeError
-from ..search.tracking import MlflowTracker, tracking_enabled
+from ..runs import MlflowTracker, tracking_enabled
 from ..system import load_system
 from .calibration import fit_rows, fit_system
 from .report import to_json, write_report
