@@ -137,30 +137,57 @@ def bool_flag(value: Any, name: str) -> bool:
     raise PhazeError(f"{name} must be on/off (a boolean), got {value!r}")
 
 
-def parse_placement_spec(text: str) -> dict:
-    """`tp=8,pp=16,dp=8` -> {"tp": 8, "pp": 16, "dp": 8}; `ep=E` and `cp=C` (expert and context
-    parallelism) may follow and then appear in the result; a one-line PhazeError otherwise."""
-    allowed = ("tp", "pp", "dp", "ep", "cp")
-    out: dict[str, int] = {}
-    for part in str(text).split(","):
-        key, sep, value = part.strip().partition("=")
-        key = key.strip().lower()
-        if not sep or key not in allowed:
-            raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D[,ep=E,cp=C] (positive integers), "
-                             f"got {part.strip()!r}")
-        if key in out:
-            raise PhazeError(f"placement {text!r}: {key} given twice")
-        try:
-            number = int(value.strip())
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise PhazeError(f"placement {text!r}: {key} must be a positive integer, got {value.strip()!r}")
-        out[key] = number
-    missing = [k for k in ("tp", "pp", "dp") if k not in out]
-    if missing:
-        raise PhazeError(f"placement {text!r}: missing {', '.join(missing)}; expected tp=T,pp=P,dp=D")
-    return out
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel layout: TP x PP x DP, with EP (routed experts split over ep of the dp
+    replicas) and CP (each sequence split over cp groups of tp devices). The one noun for what a user
+    fixes (`--placement tp=8,pp=16,dp=8`), what a model's hand-tuned `expert_placement` names and what
+    a validation row published; a `solve.placement.types.Placement` adds the split of the layers into
+    the pp stages, and a PlacementResult reports its `layout()`."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int = 1
+    cp: int = 1
+
+    @classmethod
+    def from_spec(cls, text: str) -> "Layout":
+        """`tp=8,pp=16,dp=8` (`ep=E`, `cp=C` may follow) -> Layout; a one-line PhazeError otherwise."""
+        allowed = ("tp", "pp", "dp", "ep", "cp")
+        out: dict[str, int] = {}
+        for part in str(text).split(","):
+            key, sep, value = part.strip().partition("=")
+            key = key.strip().lower()
+            if not sep or key not in allowed:
+                raise PhazeError(f"placement {text!r}: expected tp=T,pp=P,dp=D[,ep=E,cp=C] (positive integers), "
+                                 f"got {part.strip()!r}")
+            if key in out:
+                raise PhazeError(f"placement {text!r}: {key} given twice")
+            try:
+                number = int(value.strip())
+            except ValueError:
+                number = 0
+            if number < 1:
+                raise PhazeError(f"placement {text!r}: {key} must be a positive integer, got {value.strip()!r}")
+            out[key] = number
+        missing = [k for k in ("tp", "pp", "dp") if k not in out]
+        if missing:
+            raise PhazeError(f"placement {text!r}: missing {', '.join(missing)}; expected tp=T,pp=P,dp=D")
+        return cls(**out)
+
+    def fields(self) -> dict:
+        """tp, pp, dp, and ep and cp where they are not 1 (how configs and reports write a layout)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp,
+                **{k: v for k, v in (("ep", self.ep), ("cp", self.cp)) if v != 1}}
+
+    def spec(self) -> str:
+        """The `--placement` text that `from_spec` reads back."""
+        return ",".join(f"{k}={v}" for k, v in self.fields().items())
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
 
 
 def recipe_names(params: Mapping[str, Sequence]) -> list[str]:
@@ -213,8 +240,8 @@ class Training:
     precision: str = "bf16"
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
-    # "expert", or the parsed {"tp", "pp", "dp"} of a fixed placement; None for "optimal"
-    fixed: str | dict | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+    # "expert", or the Layout of a fixed placement; None for "optimal"
+    fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "mbs", check_mbs(self.mbs))
@@ -267,7 +294,7 @@ class Training:
         if placement == "expert":
             object.__setattr__(self, "fixed", "expert")
         elif placement != "optimal":
-            object.__setattr__(self, "fixed", parse_placement_spec(placement))
+            object.__setattr__(self, "fixed", Layout.from_spec(placement))
 
     @classmethod
     def from_point(cls, point: Mapping[str, Any], placement: str = "optimal") -> "Training":

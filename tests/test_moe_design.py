@@ -11,6 +11,7 @@ import math
 import pytest
 import yaml
 
+from phaze_opt.training import Layout
 from phaze_opt import cli
 from phaze_opt.design.evaluate import evaluate, training_problem
 from phaze_opt.design.parallel import cp_widths, ep_widths, with_parallel_terms
@@ -180,7 +181,7 @@ def test_published_cli_defaults_to_the_moe_and_long_context_models():
 
 
 def test_expert_placements_may_name_ep_and_cp():
-    assert load_model("mixtral-8x7b").expert_placement == {"tp": 4, "pp": 8, "dp": 32, "ep": 8}
-    assert load_model("llama2-7b-32k").expert_placement == {"tp": 8, "pp": 4, "dp": 8, "cp": 4}
+    assert load_model("mixtral-8x7b").expert_placement == Layout(tp=4, pp=8, dp=32, ep=8)
+    assert load_model("llama2-7b-32k").expert_placement == Layout(tp=8, pp=4, dp=8, cp=4)
     with pytest.raises(PhazeError, match="'xp': unknown field; allowed fields are cp, dp, ep, pp, tp"):
         parse_model(dict(TINY, expert_placement={"tp": 1, "pp": 1, "dp": 1, "xp": 2}), "t.yaml")

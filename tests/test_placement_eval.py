@@ -10,7 +10,8 @@ import pytest
 from phaze_opt.errors import PhazeError
 from phaze_opt.solve.placement.dp import even_placement, optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement, format_bytes, ring_allreduce_s
-from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem, parse_placement_spec
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
+from phaze_opt.training import Layout
 from phaze_opt.training import Training
 from test_placement_oracle import make_costs, make_system
 
@@ -166,8 +167,11 @@ def test_even_split_errors(kwargs, words):
 
 
 def test_parse_placement_spec():
-    assert parse_placement_spec("tp=8,pp=16,dp=8") == {"tp": 8, "pp": 16, "dp": 8}
-    assert parse_placement_spec(" PP=2 , tp=1,dp=4 ") == {"tp": 1, "pp": 2, "dp": 4}
+    assert Layout.from_spec("tp=8,pp=16,dp=8") == Layout(8, 16, 8)
+    assert Layout.from_spec(" PP=2 , tp=1,dp=4 ") == Layout(tp=1, pp=2, dp=4)
+    assert Layout.from_spec("tp=2,pp=1,dp=16,ep=4,cp=2").spec() == "tp=2,pp=1,dp=16,ep=4,cp=2"
+    assert Layout.from_spec(Layout(4, 8, 32, ep=8).spec()) == Layout(4, 8, 32, ep=8)
+    assert Placement(2, 3, ((0,), (1, 2)), ep=3).layout == Layout(2, 2, 3, ep=3)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +182,7 @@ def test_parse_placement_spec():
 )
 def test_bad_placement_specs(text, words):
     with pytest.raises(PhazeError, match=words):
-        parse_placement_spec(text)
+        Layout.from_spec(text)
 
 
 def test_layer_costs_validation():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from phaze_opt.training import Layout
 from phaze_opt import configs
 from phaze_opt.errors import PhazeError
 from phaze_opt.validation.calibration import fit_rows
@@ -80,10 +81,10 @@ def test_the_row_recipe_reaches_the_evaluator(tmp_path):
     row = load_suite(_suite(tmp_path, MIXTRAL, {**MIXTRAL, "tp": 2, "pp": 1, "ep": 4, "cp": 2, "seq": 8192,
                                                "virtual_stages": 1, "source": {"paper": "p", "table": "t", "row": "cp"}})).rows
     t = row_training(row[0])
-    assert t.fixed == {"tp": 1, "pp": 4, "dp": 16, "ep": 8} and t.zero == 1 and t.overlap_grad_reduce
+    assert t.fixed == Layout(tp=1, pp=4, dp=16, ep=8) and t.zero == 1 and t.overlap_grad_reduce
     assert t.virtual_stages == 8
     t = row_training(row[1])
-    assert t.fixed == {"tp": 2, "pp": 1, "dp": 16, "ep": 4, "cp": 2} and row[1].seq == 8192
+    assert t.fixed == Layout(tp=2, pp=1, dp=16, ep=4, cp=2) and row[1].seq == 8192
 
 
 def test_a_recipe_the_project_cannot_express_is_an_infeasible_row(tmp_path):

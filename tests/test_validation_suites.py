@@ -132,7 +132,7 @@ def test_megatron_models_share_the_papers_conventions():
         m = load_model(model)
         assert (m.seq, m.vocab, m.ffn, m.family, m.tied_embeddings) == (2048, 51200, 4 * m.hidden, "gpt", True)
         e = m.expert_placement
-        assert e["tp"] * e["pp"] * e["dp"] <= 1024 and e["tp"] in m.tp_widths
+        assert e.tp * e.pp * e.dp <= 1024 and e.tp in m.tp_widths
     gpt3, megatron = load_model("gpt3-175b"), load_model("megatron-gpt-175b")
     assert (gpt3.layers, gpt3.hidden, gpt3.heads) == (megatron.layers, megatron.hidden, megatron.heads)
 

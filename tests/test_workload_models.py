@@ -3,6 +3,7 @@
 import pytest
 import yaml
 
+from phaze_opt.training import Layout
 from phaze_opt import configs
 from phaze_opt.errors import PhazeError
 from phaze_opt.workload.graphs import model_params
@@ -86,11 +87,11 @@ def test_tp_widths_default_to_divisors_of_heads():
 
 
 def test_expert_placements():
-    assert load_model("gpt3-175b").expert_placement == {"tp": 4, "pp": 32, "dp": 8}
+    assert load_model("gpt3-175b").expert_placement == Layout(tp=4, pp=32, dp=8)
     for name in MODELS:
         m = load_model(name)
         e = m.expert_placement
-        assert e["tp"] in m.tp_widths and e["tp"] * e["pp"] * e["dp"] <= 1024, name
+        assert e.tp in m.tp_widths and e.tp * e.pp * e.dp <= 1024, name
 
 
 def test_load_by_path_equals_by_name():

@@ -50,7 +50,7 @@ from ..solve.placement.evaluate import evaluate_placement
 from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
-from ..training import Training
+from ..training import Layout, Training
 from ..workload.graphs import SP_COLLECTIVE, build_layer_graph, sequence_parallel_graph
 from ..workload.precision import precision_graph
 from ..workload.models import ModelConfig, load_model
@@ -308,7 +308,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.
-    fixed = training.fixed if isinstance(training.fixed, dict) else (
+    fixed = training.fixed if isinstance(training.fixed, Layout) else (
         model.expert_placement if training.fixed == "expert" else None)
 
     def short_costs(short, t):
@@ -339,13 +339,13 @@ def with_iteration_overhead(result, system: System):
 
 
 def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Training):
-    fields = dict(model.expert_placement) if training.fixed == "expert" else training.fixed
-    tp, pp, dp = fields["tp"], fields["pp"], fields["dp"]
+    layout = model.expert_placement if training.fixed == "expert" else training.fixed
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
     if tp not in problem.tp_widths:
         raise PhazeError(
             f"placement tp={tp}: TP width not allowed for {model.name}; allowed: {', '.join(map(str, problem.tp_widths))}"
         )
-    ep, cp = fields.get("ep", 1), fields.get("cp", 1)
+    ep, cp = layout.ep, layout.cp
     if ep not in model_ep_widths(model) and not (model.moe and model.experts % ep == 0):
         raise PhazeError(f"placement ep={ep}: must divide the {model.experts} experts of {model.name}"
                          if model.moe else f"placement ep={ep}: {model.name} has no experts; use ep=1")
@@ -365,7 +365,7 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     fixed = training.fixed
     widths = None
     if fixed is not None:
-        tp = model_cfg.expert_placement["tp"] if fixed == "expert" else fixed["tp"]
+        tp = (model_cfg.expert_placement if fixed == "expert" else fixed).tp
         if tp not in model_cfg.tp_widths:
             raise PhazeError(
                 f"placement tp={tp}: TP width not allowed for {model_cfg.name}; "

@@ -136,8 +136,8 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
     eps = ep_widths(model)
     cps = cp_widths(model)
     if fixed is not None:
-        eps = tuple(sorted({1, fixed.get("ep", 1)}))
-        cps = tuple(sorted({1, fixed.get("cp", 1)}))
+        eps = tuple(sorted({1, fixed.ep}))
+        cps = tuple(sorted({1, fixed.cp}))
     if eps == (1,) and cps == (1,) and not model.moe:
         return {}
     costs, bounds = [], []

@@ -39,7 +39,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import Training
+from ..training import Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -152,8 +152,8 @@ def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = Non
 
 
 def row_training(row: Row) -> Training:
-    parallel = "".join(f",{k}={v}" for k, v in (("ep", row.ep), ("cp", row.cp)) if v > 1)
-    return Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}{parallel}",
+    layout = Layout(row.tp, row.pp, row.dp, row.ep, row.cp)
+    return Training(row.microbatch, row.recompute, layout.spec(),
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision)

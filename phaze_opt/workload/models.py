@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..system import LIMITS as SYSTEM_LIMITS
+from ..training import Layout
 
 FAMILIES = ("gpt", "bert", "opt", "llama")
 ACTIVATIONS = ("gelu", "relu", "swiglu", "squared_relu")
@@ -102,7 +103,7 @@ class ModelConfig:
     tp_widths: tuple[int, ...]
     # {"tp": t, "pp": p, "dp": d}: the hand-tuned placement the baselines use; None when the file
     # gives none (the baselines then use the optimal placement and say so: design/evaluate.py)
-    expert_placement: dict | None
+    expert_placement: Layout | None
     positions: int = 0  # rows of the learned position table (OPT keeps 2 extra); 0 for rotary
     dropout: float = 0.1
     bias: bool = True  # biases on the linear layers (Llama has none)
@@ -340,7 +341,7 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
     )
 
 
-def _expert_placement(data: dict, file, tp_widths: tuple[int, ...], graph_layers: int) -> dict | None:
+def _expert_placement(data: dict, file, tp_widths: tuple[int, ...], graph_layers: int) -> Layout | None:
     """The hand-tuned placement, checked; None when the file gives none (it is optional: a new
     model need not invent one, and the baselines fall back to the optimal placement)."""
     if "expert_placement" not in data:
@@ -361,7 +362,7 @@ def _expert_placement(data: dict, file, tp_widths: tuple[int, ...], graph_layers
             file, "expert_placement.pp",
             f"cannot exceed the {graph_layers} layers of the layer graph (blocks + embedding + head), got {expert['pp']}",
         )
-    return {k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert}
+    return Layout(**{k: expert[k] for k in ("tp", "pp", "dp", "ep", "cp") if k in expert})
 
 
 def _non_negative_int(data: dict, key: str, file, limit: configs.Limit) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import PhazeError
 from ...system import System
-from ...training import Training, parse_placement_spec  # noqa: F401  (parse_placement_spec: re-exported)
+from ...training import Layout, Training
 from ...workload.ops import EXACT_BYTES, largest_memory_bytes
 from ...workload.precision import weight_copy_bytes
 
@@ -353,7 +353,8 @@ class PlacementProblem:
 
 @dataclass(frozen=True)
 class Placement:
-    """TP width, data-parallel degree, and the pipeline stages as layer index tuples, first to last.
+    """A `Layout` (TP, DP, EP, CP; PP = the number of stages) with its pipeline stages as layer index
+    tuples, first to last: what the evaluator prices and the DPs return.
 
     Each stage runs on `tp` devices of every one of the `dp` replicas.
     """
@@ -371,6 +372,10 @@ class Placement:
     @property
     def devices(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.dp, self.ep, self.cp)
 
 
 @dataclass
