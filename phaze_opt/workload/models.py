@@ -230,6 +230,65 @@ class ModelConfig:
         return hash(json.dumps(self.identity(), sort_keys=True))
 
 
+def model_features(model: ModelConfig) -> list[str]:
+    """The attention and block variants a model uses, in words (empty for a classic transformer)."""
+    out = []
+    if model.mla:
+        out.append(f"MLA (q latent {model.q_lora_rank or 'none'}, KV latent {model.kv_lora_rank}, "
+                   f"head {model.qk_nope_head_dim}+{model.qk_rope_head_dim} rotary, value {model.v_head_dim})")
+    elif model.kv_heads == 1 and model.heads > 1:
+        out.append("multi-query attention")
+    elif model.kv_heads < model.heads:
+        out.append(f"grouped-query attention ({model.kv_heads} KV heads)")
+    if model.head_size:
+        out.append(f"head size {model.head_size}")
+    if model.qk_norm:
+        out.append("QK-norm")
+    if model.window:
+        out.append(f"sliding window {model.window}"
+                   + (f", one block in {model.global_every} global" if model.global_every else ""))
+    if model.parallel_block:
+        out.append("parallel attention + MLP blocks")
+    if model.moe and model.shared_experts:
+        out.append(f"{model.shared_experts} shared experts")
+    if model.moe and model.dense_layers:
+        out.append(f"first {model.dense_layers} blocks dense")
+    if model.mtp_layers:
+        out.append(f"{model.mtp_layers} MTP module(s)")
+    return out
+
+
+def attention_kind(model: ModelConfig) -> str:
+    """mla, mqa (one KV head), gqa (fewer KV heads than query heads) or mha."""
+    if model.mla:
+        return "mla"
+    if model.kv_heads == 1 and model.heads > 1:
+        return "mqa"
+    return "gqa" if model.kv_heads < model.heads else "mha"
+
+
+def feature_fields(model: str | os.PathLike | ModelConfig) -> dict[str, str]:
+    """A model's shape and features under short keys that stay the same from model to model (a
+    study's MLflow run logs them as `model.<key>`, so runs of different models compare column by
+    column): every key is present for every model, 0 or false when the feature is absent; MLA's
+    latent ranks only for MLA models. Sizes count parameters as `workload --json` does."""
+    from .graphs import active_params, model_params  # the tracer: only when a size is asked for
+
+    model = load_model(model)
+    out = {
+        "family": model.family, "layers": model.layers, "hidden": model.hidden, "seq": model.seq,
+        "attention": attention_kind(model), "heads": model.heads,
+        "kv_heads": model.heads if model.mla else model.kv_heads, "head_dim": model.head_dim,
+        "qk_norm": model.qk_norm, "window": model.window, "global_every": model.global_every,
+        "parallel_block": model.parallel_block, "moe_experts": model.experts, "moe_top_k": model.top_k,
+        "shared_experts": model.shared_experts, "dense_layers": model.dense_layers if model.moe else 0,
+        "mtp_layers": model.mtp_layers, "params": model_params(model), "active_params": active_params(model),
+    }
+    if model.mla:
+        out.update({"q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank})
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in out.items()}
+
+
 def load_model(name_or_path: str | os.PathLike | ModelConfig) -> ModelConfig:
     """Read and validate a model config by short name or path; a ModelConfig passes through."""
     if isinstance(name_or_path, ModelConfig):
