@@ -52,8 +52,8 @@ class Backend:
 
     Left as None they are the real ones: `design.evaluate.DesignEvaluator` (at the config's ILP
     time limit), the space named by the config, `load_arch(config.reference_arch)`, `load_model`
-    to check model names and `feature_fields` to describe a model to MLflow. Worker processes get a copy, so anything put here must be picklable
-    (module-level functions and classes).
+    to check model names and `feature_fields` to describe a model to MLflow. Worker processes get a
+    copy, so anything put here must be picklable (module-level functions and classes).
     """
 
     evaluator: Evaluator | None = None
