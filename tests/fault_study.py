@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_study_fakes import REFERENCE, FakeSpace, check_model, fake_evaluate  # noqa: E402
+from test_study_fakes import REFERENCE, FakeSpace, check_model, describe_model, fake_evaluate  # noqa: E402
 
 PARAMS = {"num_tc": [1, 2, 4, 8], "tc_x": [8, 16], "glb_mib": [4], "hbm_gib": [32], "mbs": [1, 2],
           "recompute": [False, True]}
@@ -44,7 +44,8 @@ def slow_evaluate(model, arch, training, system="default"):
 def backend():
     from phaze_opt.search.setup import Backend
 
-    return Backend(evaluator=slow_evaluate, space=FaultSpace(), reference_arch=REFERENCE, check_model=check_model)
+    return Backend(evaluator=slow_evaluate, space=FaultSpace(), reference_arch=REFERENCE, check_model=check_model,
+                   describe_model=describe_model)
 
 
 def best_of_space() -> float:

@@ -24,7 +24,7 @@ from phaze_opt.search.setup import default_study_name
 from phaze_opt.search.objective import Context, evaluate_point
 from phaze_opt.search.report import render
 from phaze_opt.runs.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, redact, sqlite_path, trial_record
-from test_study_fakes import FakeSpace, backend, best_score_series, config, expected_best_series, mlflow_uri
+from test_study_fakes import FAKE_FEATURES, FakeSpace, backend, best_score_series, config, expected_best_series, mlflow_uri
 
 OLD_METRIC_NAMES = {"throughput", "throughput_bound", "area", "energy", "objective.throughput", "objective.area",
                     "objective.energy", "best_throughput", "baseline_throughput"}
@@ -243,6 +243,26 @@ def test_metric_names_carry_units(logged_study):
     last = max(parents, key=lambda r: r.info.start_time)
     assert {"best_throughput_seq_per_s", "best_tokens_per_s", "best_mfu", "best_area_mm2"} <= set(last.data.metrics)
     assert "baseline_throughput_seq_per_s" in last.data.params
+
+
+def test_every_run_carries_the_models_features(logged_study):
+    from mlflow import MlflowClient
+
+    tmp, uri, cfg = logged_study
+    client = MlflowClient(uri)
+    parents, children = runs_by_trial(client, client.get_experiment_by_name(default_study_name(cfg)).experiment_id)
+    expected = {f"model.{k}": v for k, v in FAKE_FEATURES["m-big"].items()}
+    for p in parents:
+        assert {k: p.data.params.get(k) for k in expected} == expected
+    assert children
+    for run in children.values():
+        assert {k: run.data.tags.get(k) for k in expected} == expected
+
+
+def test_a_common_design_names_each_models_features_by_model():
+    rec = trial_record(frozen(result={"feasible": True}), study_name="s", sampler="tpe", models=["m-big", "m-small"],
+                       mode="sampled", model_tags={"m-big.model.attention": "gqa", "m-small.model.attention": "mha"})
+    assert (rec.tags["m-big.model.attention"], rec.tags["m-small.model.attention"]) == ("gqa", "mha")
 
 
 def test_params_the_space_fixes_are_on_the_parent_only(logged_study):

@@ -209,10 +209,20 @@ def check_model(name: str):
     return name
 
 
+# what `feature_fields` says of the fake models (its real output is checked on the shipped configs)
+FAKE_FEATURES = {"m-small": {"attention": "mha", "kv_heads": "8", "moe_experts": "0", "params": "1000000"},
+                 "m-big": {"attention": "gqa", "kv_heads": "2", "moe_experts": "8", "params": "4000000"}}
+
+
+def describe_model(name: str) -> dict:
+    return FAKE_FEATURES[check_model(name)]
+
+
 def backend(space=None, evaluator=fake_evaluate):
     from phaze_opt.search.setup import Backend
 
-    return Backend(evaluator=evaluator, space=space or FakeSpace(), reference_arch=REFERENCE, check_model=check_model)
+    return Backend(evaluator=evaluator, space=space or FakeSpace(), reference_arch=REFERENCE, check_model=check_model,
+                   describe_model=describe_model)
 
 
 def config(tmp_path, **kw):

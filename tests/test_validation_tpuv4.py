@@ -35,7 +35,7 @@ def _pending_copy(tmp_path):
 
     text = configs.resolve("validation", "tpuv4-pod").read_text()
     path = tmp_path / "tpuv4-pending.yaml"
-    path.write_text(text.replace("model: palm-540b", "model: palm-9000b"))
+    path.write_text(text.replace("model: palm-540b", "model: palm-9000b\n    pending_model: its config is not written yet"))
     return path
 
 

@@ -348,6 +348,34 @@ def test_workload_json_reports_params_active_params_and_features(capsys):
     assert any(f.startswith("MLA") for f in out["features"]) and out["distinct_layer_kinds"][-2:] == ["mtp", "head"]
 
 
+# What each model card says of the attention and block layout (independent of the tracer's code).
+CARD_FEATURES = {
+    "llama3-8b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
+    "llama3-70b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
+    "llama3-405b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
+    "qwen3-30b-a3b": {"attention": "gqa", "kv_heads": "4", "qk_norm": "true", "moe_experts": "128", "moe_top_k": "8"},
+    "qwen3-235b-a22b": {"attention": "gqa", "kv_heads": "4", "qk_norm": "true", "moe_experts": "128", "moe_top_k": "8"},
+    "deepseek-v3": {"attention": "mla", "kv_lora_rank": "512", "q_lora_rank": "1536", "moe_experts": "256",
+                    "moe_top_k": "8", "shared_experts": "1", "dense_layers": "3", "mtp_layers": "1"},
+    "gpt-oss-120b": {"attention": "gqa", "kv_heads": "8", "head_dim": "64", "window": "128", "global_every": "2",
+                     "moe_experts": "128", "moe_top_k": "4"},
+    "nemotron-4-340b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
+    "palm-540b": {"attention": "mqa", "kv_heads": "1", "head_dim": "256", "parallel_block": "true"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CARD_FEATURES))
+def test_feature_fields_name_each_models_layout_under_the_same_keys(name):
+    from phaze_opt.workload.features import feature_fields
+
+    m = load_model(name)
+    fields = feature_fields(m)
+    assert {k: fields[k] for k in CARD_FEATURES[name]} == CARD_FEATURES[name]
+    assert (fields["params"], fields["active_params"]) == (str(model_params(m)), str(active_params(m)))
+    # the same keys for every model (MLA's latent ranks aside), so runs compare column by column
+    assert set(fields) - {"q_lora_rank", "kv_lora_rank"} == set(feature_fields("llama3-8b"))
+
+
 # --- through evaluate, with the bounds ------------------------------------------------------------
 
 # Small models carrying every feature (each path of the tracer) through evaluate on an H100.

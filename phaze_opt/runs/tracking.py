@@ -176,10 +176,12 @@ def trial_params(trial) -> dict[str, str]:
 
 
 def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str], mode: str,
-                 objectives: Sequence[str] = ("throughput",), constant: Collection[str] = ()) -> RunRecord:
+                 objectives: Sequence[str] = ("throughput",), constant: Collection[str] = (),
+                 model_tags: Mapping[str, str] | None = None) -> RunRecord:
     """The MLflow run of one finished trial, from the trial alone (see the module docstring).
 
     `constant`: params every design of the space shares (`constant_params`); the parent run holds them.
+    `model_tags`: the models' features (`model.*`), tagged on every trial run.
     """
     ua = trial.user_attrs
     res = ua.get("result") or {}
@@ -198,6 +200,7 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
         "sampler": sampler,
         "models": ",".join(models),
         "mode": mode,
+        **(model_tags or {}),
     })
     if "feasible" in res:
         rec.tags["feasible"] = "true" if res["feasible"] else "false"

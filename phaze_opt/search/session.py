@@ -278,7 +278,11 @@ class Session:
         constant = constant_params(self.space)
         context = {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
                    "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
-                   "constant": sorted(constant)}
+                   "constant": sorted(constant),
+                   # each model's shape and features (`feature_fields`): params of the parent, tags of each
+                   # trial, so runs of different models compare by them
+                   "model_tags": {f"{'' if len(c.models) == 1 else m + '.'}model.{k}": v
+                                  for m in c.models for k, v in self.backend.describe_model(m).items()}}
         trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
@@ -287,6 +291,7 @@ class Session:
         tags = {"optuna.study": self.name, "optuna.storage": redact(self.url), "mode": c.mode,
                 "sampler": context["sampler"], "models": ",".join(c.models), "resumed": str(self.resumed).lower(),
                 reconcile.OWNER_TAG: reconcile.owner_tag()}
+        params.update(context["model_tags"])
         description = experiment_description(
             study=self.name, models=c.models, space=space_name, space_description=getattr(self.space, "description", ""),
             system=c.system, objectives=c.objectives, directions=c.directions, sampler=context["sampler"], mode=c.mode)

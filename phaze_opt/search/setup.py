@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -27,6 +27,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..system import load_system
 from ..training import SAMPLED_FIELDS
+from ..workload.features import feature_fields
 from ..workload.models import load_model
 from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     ORDERS,
@@ -52,15 +53,16 @@ class Backend:
     """The pieces a study calls, injectable so the study machinery can be tested on its own.
 
     Left as None they are the real ones: `design.evaluate.DesignEvaluator` (at the config's ILP
-    time limit), the space named by the config, `load_arch(config.reference_arch)` and `load_model`
-    to check model names. Worker processes get a copy, so anything put here must be picklable
-    (module-level functions and classes).
+    time limit), the space named by the config, `load_arch(config.reference_arch)`, `load_model`
+    to check model names and `feature_fields` to describe a model to MLflow. Worker processes get a
+    copy, so anything put here must be picklable (module-level functions and classes).
     """
 
     evaluator: Evaluator | None = None
     space: SearchSpace | None = None
     reference_arch: Accelerator | None = None
     check_model: Callable[[str], Any] | None = None
+    describe_model: Callable[[str], Mapping[str, str]] | None = None
 
     def resolved(self, config: StudyConfig) -> "Backend":
         evaluator = self.evaluator
@@ -72,7 +74,8 @@ class Backend:
         reference = self.reference_arch
         if reference is None:
             reference = load_arch(config.reference_arch)
-        return replace(self, evaluator=evaluator, space=space, reference_arch=reference)
+        describe = self.describe_model or feature_fields
+        return replace(self, evaluator=evaluator, space=space, reference_arch=reference, describe_model=describe)
 
 
 @dataclass

@@ -231,6 +231,43 @@ class ModelConfig:
         return hash(json.dumps(self.identity(), sort_keys=True))
 
 
+def model_features(model: ModelConfig) -> list[str]:
+    """The attention and block variants a model uses, in words (empty for a classic transformer)."""
+    out = []
+    if model.mla:
+        out.append(f"MLA (q latent {model.q_lora_rank or 'none'}, KV latent {model.kv_lora_rank}, "
+                   f"head {model.qk_nope_head_dim}+{model.qk_rope_head_dim} rotary, value {model.v_head_dim})")
+    elif model.kv_heads == 1 and model.heads > 1:
+        out.append("multi-query attention")
+    elif model.kv_heads < model.heads:
+        out.append(f"grouped-query attention ({model.kv_heads} KV heads)")
+    if model.head_size:
+        out.append(f"head size {model.head_size}")
+    if model.qk_norm:
+        out.append("QK-norm")
+    if model.window:
+        out.append(f"sliding window {model.window}"
+                   + (f", one block in {model.global_every} global" if model.global_every else ""))
+    if model.parallel_block:
+        out.append("parallel attention + MLP blocks")
+    if model.moe and model.shared_experts:
+        out.append(f"{model.shared_experts} shared experts")
+    if model.moe and model.dense_layers:
+        out.append(f"first {model.dense_layers} blocks dense")
+    if model.mtp_layers:
+        out.append(f"{model.mtp_layers} MTP module(s)")
+    return out
+
+
+def attention_kind(model: ModelConfig) -> str:
+    """mla, mqa (one KV head), gqa (fewer KV heads than query heads) or mha."""
+    if model.mla:
+        return "mla"
+    if model.kv_heads == 1 and model.heads > 1:
+        return "mqa"
+    return "gqa" if model.kv_heads < model.heads else "mha"
+
+
 def load_model(name_or_path: str | os.PathLike | ModelConfig) -> ModelConfig:
     """Read and validate a model config by short name or path; a ModelConfig passes through."""
     if isinstance(name_or_path, ModelConfig):
