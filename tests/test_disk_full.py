@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from phaze_opt import cli, search
 from phaze_opt.runs import disk
 from phaze_opt.search.session import WorkerSpec, finished_trials
-from test_study_fakes import backend, config, mlflow_uri
+from test_study_fakes import backend, mlflow_uri
 
 
 class _Filling:

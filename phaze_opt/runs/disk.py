@@ -3,9 +3,10 @@
 Every file a study writes (its summary, Pareto plot, the exhaustive sweep's points file, a worker's
 spooled `placement.json`, an MLflow artifact) is written whole beside its place and moved into it
 (`write_whole`): a write the disk refuses leaves no part of a file. A database that runs out of
-room keeps its last committed transaction (each is atomic); its error becomes `DiskFull` too
-(`reported`). The CLI prints that one line (exit status 1); the next start of the same command
-resumes the study and reconciles whatever the stop left open.
+room keeps its last committed transaction (each is atomic); its error becomes `DiskFull` too,
+naming the database (`search.session.disk_full`; the tracking store names its own). The CLI prints
+that one line (exit status 1); the next start of the same command resumes the study and reconciles
+whatever the stop left open.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import errno
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import PhazeError
@@ -86,19 +86,6 @@ def is_full(exc: BaseException | None) -> bool:
             return True
         stack += [e.__cause__, e.__context__, getattr(e, "orig", None)]
     return False
-
-
-@contextmanager
-def reported(path: str | os.PathLike, needed: int = DATABASE_HEADROOM_BYTES):
-    """Inside, an error that says the disk is full becomes `DiskFull(path, needed)`."""
-    try:
-        yield
-    except DiskFull:
-        raise
-    except Exception as exc:
-        if is_full(exc):
-            raise DiskFull(path, needed) from None
-        raise
 
 
 def write_whole(path: str | os.PathLike, data: bytes | str) -> Path:
