@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render(result) if render else dumps(result))
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_status", 2)  # 1 for a full disk: not the user's mistake
     except KeyboardInterrupt:
         interrupt.settle()
         print("interrupted", file=sys.stderr)

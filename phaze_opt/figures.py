@@ -7,6 +7,8 @@ is drawn without a display (Agg), saved at one resolution into a folder made on 
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 DPI = 110
@@ -22,13 +24,26 @@ def pyplot():
     return plt
 
 
-def write_figure(fig, path: Path, *, tight: bool = False) -> Path:
+def write_figure(fig, path: Path, *, tight: bool = False, write=None) -> Path:
     """Save `fig` as `path` (PNG by its suffix), making the folder; `tight` crops to what is drawn,
-    legends outside the axes included. The figure is closed afterwards."""
+    legends outside the axes included. The figure is closed afterwards. The image is drawn in
+    memory and handed whole to `write(path, data)` (a study passes its full-disk-aware writer);
+    by default it is written beside its place and renamed into it, so no half-written file stays."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
     try:
-        fig.savefig(path, dpi=DPI, bbox_inches="tight" if tight else None)
+        fig.savefig(buffer, format=path.suffix.lstrip(".") or "png", dpi=DPI, bbox_inches="tight" if tight else None)
     finally:
         pyplot().close(fig)
+    (write or _write_aside)(path, buffer.getvalue())
     return path
+
+
+def _write_aside(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

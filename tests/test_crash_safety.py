@@ -387,3 +387,95 @@ def test_an_unreachable_database_tracking_store_fails_at_once(tmp_path):
     with pytest.raises(PhazeError, match="no database server answers"):
         run_study(config(tmp_path, tracking_uri="postgresql://u@127.0.0.1:9/db"), backend())
     assert time.monotonic() - start < 60  # not MLflow's minutes of retries
+
+
+class _Server:
+    """A tracking server on 127.0.0.1 whose API fails: it answers `status`, or hangs (status None)."""
+
+    def __init__(self, status):
+        import http.server
+        import threading
+
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server name
+                if self.path == "/health":  # up, by the old probe's measure
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(b"OK")
+                    return
+                if status is None:
+                    outer.release.wait(60)
+                    return
+                self.send_response(status)
+                self.end_headers()
+
+            do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("status", [500, None], ids=["answers-500", "hangs"])
+def test_a_tracking_server_whose_api_fails_stops_the_start_at_once_and_changes_nothing(tmp_path, monkeypatch, status):
+    from phaze_opt.runs import locks as locks_module
+
+    monkeypatch.setattr(locks_module, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(locks_module.probe_tracking_uri, "__defaults__", (1.0,))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a broken probe fails fast here, not in minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    server = _Server(status)
+    try:
+        cfg = config(tmp_path, trials=3, tracking_uri=server.uri)
+        start = time.monotonic()
+        with pytest.raises(PhazeError, match="500|within 1 s"):
+            run_study(cfg, backend())
+        assert time.monotonic() - start < 30
+    finally:
+        server.close()
+    assert not (tmp_path / "studies" / "optuna.db").exists()  # no study storage created
+
+
+@pytest.mark.parametrize("where", ["mlflow-store", "after-the-parent-run"])
+def test_a_start_that_fails_late_changes_nothing(tmp_path, monkeypatch, where):
+    """The start fails after the Optuna storage was opened (opening the MLflow store), or after the
+    parent run was created (reconciling MLflow): no new trial, run or workers_per_run entry."""
+    from mlflow import MlflowClient
+
+    from phaze_opt.runs import tracking
+    from phaze_opt.search import session as session_module
+
+    uri = mlflow_uri(tmp_path)
+    first = run_study(config(tmp_path, trials=3, tracking_uri=uri), backend())
+    client = MlflowClient(uri)
+    exp_id = first["mlflow"]["experiment_id"]
+    before_runs = sorted(r.info.run_id for r in client.search_runs([exp_id], max_results=1000))
+    before = load(config(tmp_path))
+    before_trials, before_workers = len(before.get_trials()), before.user_attrs["workers_per_run"]
+
+    def boom(*args, **kwargs):
+        raise PhazeError("the store broke")
+
+    if where == "mlflow-store":
+        monkeypatch.setattr(tracking.MlflowTracker, "prepare", staticmethod(boom))
+    else:
+        monkeypatch.setattr(session_module.reconcile, "reconcile_runs", boom)
+    with pytest.raises(PhazeError, match="the store broke"):
+        run_study(config(tmp_path, trials=6, tracking_uri=uri, workers=2), backend())
+    after = load(config(tmp_path))
+    assert len(after.get_trials()) == before_trials
+    assert after.user_attrs["workers_per_run"] == before_workers == [1]
+    assert sorted(r.info.run_id for r in client.search_runs([exp_id], max_results=1000)) == before_runs

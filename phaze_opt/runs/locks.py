@@ -142,9 +142,9 @@ def prebuild_optuna_sqlite(url: str, open_storage: Callable[[str], object]) -> N
 
 
 def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """One quick request to an http(s) tracking server, or a connection to a database server's
-    port; a PhazeError at once when it does not answer. SQLite and files pass (opening them fails
-    fast on its own)."""
+    """One quick request to an http(s) tracking server's API, or a connection to a database server's
+    port; a PhazeError at once when it does not answer, or answers with a server error (MLflow's
+    client retries those for minutes). SQLite and files pass (opening them fails fast on its own)."""
     text = str(uri)
     if text.startswith(("postgresql", "postgres://", "mysql")):
         _probe_database(text, timeout_s)
@@ -154,16 +154,38 @@ def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     import urllib.error
     import urllib.request
 
-    url = text.rstrip("/") + "/health"
+    # the call MLflow makes first (a search of experiments), not just /health: a server whose
+    # database is gone answers /health and fails every API call
+    url = text.rstrip("/") + API_PROBE
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s):  # noqa: S310 - the user's own server
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_auth_headers()),  # noqa: S310 - the user's own server
+                                    timeout=timeout_s):
             return
-    except urllib.error.HTTPError:
-        return  # it answered (an old server without /health, or auth): it is up
+    except urllib.error.HTTPError as exc:
+        if exc.code < 500:
+            return  # it answered (authentication, an older API): MLflow reports a refusal at once
+        raise PhazeError(f"--tracking-uri {redact(text)}: the MLflow server answers {exc.code} ({exc.reason}) to "
+                         "its API; fix the server, or use --tracking-uri off") from None
     except Exception as exc:  # noqa: BLE001 - refused, timed out, no such host
-        reason = getattr(exc, "reason", exc)
-        raise PhazeError(f"--tracking-uri {redact(text)}: no MLflow server answers ({reason}); start it, or "
-                         "use --tracking-uri off") from None
+        reason = getattr(exc, "reason", None) or exc or type(exc).__name__
+        raise PhazeError(f"--tracking-uri {redact(text)}: no MLflow server answers within {timeout_s:g} s "
+                         f"({reason}); start it, or use --tracking-uri off") from None
+
+
+API_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"
+
+
+def _auth_headers() -> dict:
+    """The credentials MLflow's client sends (its MLFLOW_TRACKING_TOKEN, or USERNAME and PASSWORD)."""
+    import base64
+
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
 
 
 DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306}

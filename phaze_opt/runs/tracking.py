@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
@@ -32,6 +33,7 @@ from ..errors import PhazeError
 from ..jsonable import jsonable
 from ..training import Training
 from . import locks
+from .disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .urls import redact
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
@@ -322,6 +324,9 @@ class NullTracker:
     def close(self, status="FINISHED"):
         pass
 
+    def discard(self):
+        pass
+
     def stop(self):
         pass
 
@@ -375,6 +380,9 @@ class MlflowTracker:
         locks.probe_tracking_uri(tracking_uri)
         from mlflow import MlflowClient
 
+        # MLflow logs each database error with its traceback before raising it; we report it in one line
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
         try:
             if db is not None:
                 locks.build_mlflow_db(db, _open_store)
@@ -405,6 +413,8 @@ class MlflowTracker:
         except PhazeError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad URI is the user's input
+            if is_full(exc):
+                raise DiskFull(db or redact(tracking_uri), DATABASE_HEADROOM_BYTES) from None
             raise PhazeError(f"--tracking-uri {redact(tracking_uri)}: cannot open the MLflow store: "
                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
@@ -424,11 +434,19 @@ class MlflowTracker:
             retrying(lambda: client.set_experiment_tag(exp_id, k, v))
         run_name = _unique_run_name(client, exp_id, run_name)
         run = retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
-        if params:
-            retrying(lambda: client.log_batch(run.info.run_id, params=[
-                Param(_key(k), str(v)[:MAX_PARAM]) for k, v in params.items()]))
-        tracker = cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background, run_name=run_name)
-        tracker.experiment_name = retrying(lambda: client.get_experiment(exp_id).name)
+        try:
+            if params:
+                retrying(lambda: client.log_batch(run.info.run_id, params=[
+                    Param(_key(k), str(v)[:MAX_PARAM]) for k, v in params.items()]))
+            tracker = cls(tracking_uri, exp_id, run.info.run_id, context=context, background=background,
+                          run_name=run_name)
+            tracker.experiment_name = retrying(lambda: client.get_experiment(exp_id).name)
+        except BaseException:  # a start that fails here leaves no run behind
+            try:
+                client.delete_run(run.info.run_id)
+            except Exception:  # noqa: BLE001 - keep the error that stopped the start
+                pass
+            raise
         return tracker
 
     @classmethod
@@ -466,8 +484,7 @@ class MlflowTracker:
         text = json.dumps(data, indent=1, allow_nan=False)
         local = _local_dir(artifact_uri)
         if local is not None:
-            local.mkdir(parents=True, exist_ok=True)
-            (local / name).write_text(text)
+            write_whole(local / name, text)  # a full disk leaves no half-written artifact
         else:
             self.client.log_text(run_id, text, name)
 
@@ -519,7 +536,15 @@ class MlflowTracker:
 
     def log_parent_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         path = str(path)
-        self._submit(lambda: retrying(lambda: self.client.log_artifact(self.parent_run_id, path, artifact_path)))
+        self._submit(lambda: self._write_file(path, artifact_path))
+
+    def _write_file(self, path: str, artifact_path: str | None) -> None:
+        """A file into the parent run's artifacts; into a local store whole or not at all (a full disk)."""
+        local = _local_dir(retrying(lambda: self.client.get_run(self.parent_run_id)).info.artifact_uri)
+        if local is None:
+            retrying(lambda: self.client.log_artifact(self.parent_run_id, path, artifact_path))
+            return
+        write_whole(local / (artifact_path or "") / Path(path).name, Path(path).read_bytes())
 
     def _submit(self, op: Callable) -> None:
         if self._queue is None:
@@ -531,6 +556,8 @@ class MlflowTracker:
         try:
             op()
         except Exception as exc:  # noqa: BLE001 - tracking must not kill a study; reported at the end
+            if is_full(exc) and not isinstance(exc, DiskFull):  # the store's database: say where and how much
+                exc = DiskFull(sqlite_path(self.tracking_uri) or redact(self.tracking_uri), DATABASE_HEADROOM_BYTES)
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def _drain(self) -> None:
@@ -561,6 +588,15 @@ class MlflowTracker:
         A tracking store that stops answering holds the end for at most `FLUSH_LIMIT_S`: then a
         warning, and the study (whole in its storage) ends; the next start logs what is missing."""
         self._submit(lambda: retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
+        self._end()
+
+    def discard(self) -> None:
+        """End the parent run of a start that failed by deleting it: an invocation that ran nothing
+        leaves no run (an interrupted one is closed as KILLED instead, `close`)."""
+        self._submit(lambda: retrying(lambda: self.client.delete_run(self.parent_run_id)))
+        self._end()
+
+    def _end(self) -> None:
         if not self.flush(FLUSH_LIMIT_S):
             left = self._queue.unfinished_tasks if self._queue is not None else 0
             print(f"warning: MLflow at {redact(self.tracking_uri)} took no writes for {FLUSH_LIMIT_S:.0f} s; "

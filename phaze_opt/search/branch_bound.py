@@ -34,11 +34,11 @@ summary and the parent run's metrics.
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 import itertools
 import multiprocessing
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, as_completed, wait
 from datetime import datetime
@@ -59,6 +59,7 @@ from ..training import Training, recipe_choices
 from ..workload.models import load_model
 from . import objective
 from ..runs import signals
+from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
@@ -566,8 +567,6 @@ def _write_points(grid: Grid, cells: Cells, ub0: np.ndarray, path: Path) -> Path
     frame["settled"] = np.asarray(SETTLED)[status]
     frame["upper_bound"] = bound
     frame["throughput"] = score
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written aside, moved into place: never half a file
-    frame.to_csv(partial, index=False, compression="gzip", float_format="%.6g")
-    os.replace(partial, path)
-    return path
+    data = frame.to_csv(index=False, float_format="%.6g").encode()
+    # compressed in memory, then written aside and moved into place: never half a file
+    return write_whole(path, gzip.compress(data, mtime=0))

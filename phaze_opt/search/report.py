@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..figures import pyplot, write_figure
+from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_prune
@@ -115,7 +116,7 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return write_figure(fig, path)
+    return write_figure(fig, path, write=write_whole)
 
 
 def _study_flags(config) -> list[str]:
@@ -244,8 +245,7 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
                     if isinstance(s.get(k), (int, float)):
                         metrics[f"best_{prefix}{MODEL_METRICS[k]}"] = s[k]
         tracker.log_parent(metrics=metrics, tags={"best_trial": str(best.number) if best else "none"})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1, default=str))
+    write_whole(out, json.dumps(summary, indent=1, default=str))
     if tracker.enabled:
         tracker.log_parent_file(out)
         tracker.flush()

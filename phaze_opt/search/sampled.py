@@ -18,6 +18,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..runs import reconcile, signals
+from ..runs.disk import DiskFull
 from .. import interrupt
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
@@ -103,10 +104,14 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         result = outcome.result_attr()
         result["elapsed_s"] = spec.elapsed()
         result["worker"] = index
-        trial.set_user_attr("result", result)
         if spec.spool_dir:
-            spec.spool(trial.number, outcome.artifact())
-        else:
+            try:
+                spec.spool(trial.number, outcome.artifact())
+            except DiskFull:  # its artifact is lost with the disk: not counted, its point queued again
+                interrupted(trial)
+                raise
+        trial.set_user_attr("result", result)
+        if not spec.spool_dir:
             artifacts[trial.number] = outcome.artifact()
         return outcome.values if len(outcome.values) > 1 else outcome.values[0]
 

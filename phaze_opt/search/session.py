@@ -40,9 +40,10 @@ from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from ..runs import reconcile, signals
+from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .. import interrupt
 from ..runs.progress import Progress, close_bar
-from .setup import Backend, StudyConfig, prepare, release_storage
+from .setup import Backend, StudyConfig, database_place, prepare, release_storage
 from ..runs.tracking import (
     NOTE_TAG,
     TRIALS_VIEW,
@@ -139,11 +140,8 @@ class WorkerSpec:
                        baselines=self.baselines)
 
     def spool(self, number: int, artifact: dict | None) -> None:
-        if self.spool_dir and artifact is not None:
-            path = os.path.join(self.spool_dir, f"{number}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(artifact, f)
-            os.replace(path + ".tmp", path)
+        if self.spool_dir and artifact is not None:  # whole or not at all: a full disk leaves no part
+            write_whole(os.path.join(self.spool_dir, f"{number}.json"), json.dumps(artifact))
 
 
 class SpoolLogger:
@@ -192,9 +190,15 @@ class Session:
             self._open(config, backend)
         except BaseException as exc:
             with interrupt.deferred():
-                self.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+                if isinstance(exc, KeyboardInterrupt):
+                    self.close("KILLED")
+                else:  # a start that failed ran nothing: it leaves no run (nor a worker count, `_count_workers`)
+                    self.tracker.discard()
                 reconcile.end_session()
                 self.restore_signals()
+            full = disk_full(exc, getattr(self, "url", None))
+            if full is not None:
+                raise full from None
             raise
 
     def _open(self, config: StudyConfig, backend: Backend | None) -> None:
@@ -213,6 +217,7 @@ class Session:
         with interrupt.deferred():
             self.tracker = self._start_tracker()
             self._reconcile_runs()
+            self._count_workers()  # last: only a start that succeeded counts
         interrupt.checkpoint_deferred()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -234,9 +239,13 @@ class Session:
         trials = self.study.get_trials(deepcopy=False)
         self.offset_s = study_wall_s(self.study.user_attrs, trials)
         self.wall_s: float | None = None  # set by end_wall
+        return trials
+
+    def _count_workers(self) -> None:
+        """This invocation's worker count, appended to the study's `workers_per_run` once its start
+        has succeeded (a start that fails leaves no phantom entry for `compare` to report)."""
         self.study.set_user_attr("workers_per_run",
                                  [*(self.study.user_attrs.get("workers_per_run") or []), self.config.workers])
-        return trials
 
     def _count_start(self, trials) -> None:
         """What the study held when this invocation began (the summary counts its own trials against it)."""
@@ -383,8 +392,11 @@ class Session:
         except KeyboardInterrupt:
             status = "KILLED"
             raise
-        except BaseException:
+        except BaseException as exc:
             status = "FAILED"
+            full = disk_full(exc, self.url)
+            if full is not None:
+                raise full from None
             raise
         finally:
             with interrupt.deferred():  # the clean-up itself is not cut by a second signal
@@ -409,6 +421,16 @@ class Session:
         close_bar()
         self.close(status)
         reconcile.end_session()
+
+
+def disk_full(exc: BaseException, url: str | None) -> DiskFull | None:
+    """A full disk under an error that ended an invocation, as one line: the file an OSError names,
+    else the study's storage (whose database the writes that failed went to); None for other errors."""
+    if isinstance(exc, DiskFull) or not is_full(exc):
+        return None
+    filename = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
+    place = filename or (database_place(url) if url else os.getcwd())
+    return DiskFull(place, DATABASE_HEADROOM_BYTES)
 
 
 def score_label(config: StudyConfig) -> Callable[[float], str]:

@@ -36,10 +36,11 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     SINGLE_OBJECTIVE_SAMPLERS,
     StudyConfig,
 )
-from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite
+from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_tracking_uri
 from .objective import parse_objectives
 from .strategy import make_sampler
-from ..runs.tracking import driver_url, redact
+from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
+from ..runs.tracking import driver_url, redact, sqlite_path, tracking_enabled
 
 HEARTBEAT_S = 30
 GRACE_S = 120
@@ -98,6 +99,8 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     config, name, url = locate(config, backend)
     backend = backend.resolved(config)
     check_space(backend.space)
+    if tracking_enabled(config.tracking_uri):  # a tracking server that fails stops the start before any store changes
+        probe_tracking_uri(config.tracking_uri)
     storage = make_storage(url)
     sampler = config.strategy.optuna_sampler(config)
     with interrupt.deferred():  # a study is created with its identity, whole
@@ -315,11 +318,19 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
             driver_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3), **kwargs), url)
     except Exception as exc:  # noqa: BLE001 - a bad URL or unreachable server is user input
+        if is_full(exc):
+            raise DiskFull(database_place(url), DATABASE_HEADROOM_BYTES) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PhazeError(f"--storage {redact(url)}: cannot open: {first}") from None
     if url.startswith("sqlite:"):
         _sqlite_wal(storage)
     return storage
+
+
+def database_place(url: str) -> str:
+    """Where a storage's data lives, for a message: a SQLite file's path, else the URL without password."""
+    path = sqlite_path(url)
+    return str(path) if path is not None else redact(url)
 
 
 def release_storage(study_or_storage) -> None:
