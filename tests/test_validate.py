@@ -220,7 +220,9 @@ def _cli(*args):
 
 def test_unknown_suite_is_one_line(tmp_path):
     out = _cli("--suite", "no-such-suite", "--out", str(tmp_path))
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    # the progress heartbeat ("[validate ...] still working") may precede the error on a slow machine
+    errors = [line for line in out.stderr.strip().splitlines() if not line.startswith("[validate ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
     assert "no-such-suite" in out.stderr and "narayanan-sc21" in out.stderr
 
 
@@ -233,7 +235,9 @@ def test_malformed_suite_is_one_line(tmp_path):
     broken.write_text("suite: [unclosed\n")
     for path, words in ((bad, "rows[1].tp"), (broken, str(broken))):
         out = _cli("--suite", str(path), "--out", str(tmp_path / "out"))
-        assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+        # the progress heartbeat ("[validate ...] still working") may precede the error on a slow machine
+    errors = [line for line in out.stderr.strip().splitlines() if not line.startswith("[validate ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
         assert words in out.stderr
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
 
@@ -242,7 +246,9 @@ def test_unwritable_out_is_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     out = _cli("--suite", "korthikanti-2022", "--out", str(blocker / "sub"))
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    # the progress heartbeat ("[validate ...] still working") may precede the error on a slow machine
+    errors = [line for line in out.stderr.strip().splitlines() if not line.startswith("[validate ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
     assert "--out" in out.stderr
 
 
