@@ -236,8 +236,8 @@ def test_malformed_suite_is_one_line(tmp_path):
     for path, words in ((bad, "rows[1].tp"), (broken, str(broken))):
         out = _cli("--suite", str(path), "--out", str(tmp_path / "out"))
         # the progress heartbeat ("[validate ...] still working") may precede the error on a slow machine
-    errors = [line for line in out.stderr.strip().splitlines() if not line.startswith("[validate ")]
-    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
+        errors = [line for line in out.stderr.strip().splitlines() if not line.startswith("[validate ")]
+        assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
         assert words in out.stderr
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
 
