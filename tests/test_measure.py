@@ -87,7 +87,10 @@ def test_output_has_the_truth_files_form_and_loads_as_a_suite(configs, tmp_path,
     assert {type(data[k]) for k in ("device", "torch", "measured")} == {str}
     assert data["dtype"] == "bf16" and data["timing"] == "perf_counter" and data["repeats"] == 3
     assert "summary" not in data
-    assert [list(r) for r in data["layers"]] == [list(truth["layers"][0])] * 2 == [list(LAYER_KEYS)] * 2
+    # the truth file's keys, and how the kernels ran (absent from the shipped H100 file: eager)
+    assert [sorted(r) for r in data["layers"]] == [sorted([*truth["layers"][0], "kernels"])] * 2 \
+        == [sorted([*LAYER_KEYS, "kernels"])] * 2
+    assert {r["kernels"] for r in data["layers"]} == {"eager"}
     assert {tuple(g) for g in data["gemm"]} == {tuple(truth["gemm"][0])} == {GEMM_KEYS}
     assert [(r["tp"], r["flash"]) for r in data["layers"]] == [(2, False), (2, True)]
     for r in data["layers"]:
@@ -110,6 +113,34 @@ def test_output_has_the_truth_files_form_and_loads_as_a_suite(configs, tmp_path,
         [("tiny-gpt", r["tp"], 2, r["flash"]) for r in data["layers"]]
     assert [r.fwd_s for r in suite.rows] == [r["fwd_s"] for r in data["layers"]]
     assert [(g.m, g.n, g.k) for g in suite.gemms] == [(g["M"], g["N"], g["K"]) for g in data["gemm"]]
+
+
+TINY_MOE = {  # Qwen3-MoE's kind of block at a toy size: 4 routed experts, top 2, GQA, SwiGLU, no shared expert
+    "name": "tiny-moe", "family": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96,
+    "seq": 16, "vocab": 101, "activation": "swiglu", "norm": "rmsnorm", "position": "rotary",
+    "tied_embeddings": False, "bias": False, "dropout": 0.0, "experts": 4, "top_k": 2, "expert_ffn": 32,
+    "expert_placement": {"tp": 1, "pp": 1, "dp": 8},
+}
+
+
+def test_moe_block_backward_includes_its_balancing_loss(configs, tmp_path):
+    """A MoE block returns (output, load-balancing loss): the timed backward must take the tuple (a
+    plain `.backward` on it fails) and reach every parameter, the router's included."""
+    path = tmp_path / "tiny-moe.yaml"
+    path.write_text(yaml.safe_dump(TINY_MOE))
+    model = load_model(str(path))
+    block = M.materialise_block(model, 1, 1, CPU, "fp32")
+    out = block.module(block.x)
+    assert isinstance(out, tuple) and out[1].requires_grad
+    router = [p for n, p in block.module.named_parameters() if "router" in n or "gate" in n.split(".")[-2:][0]]
+    block.forward_backward()
+    assert block.x.grad is not None and all(p.grad is not None for p in block.module.parameters() if p.requires_grad)
+    assert router, "the tiny MoE block has a router"
+
+
+def test_unknown_kernels_is_one_line(configs):
+    with pytest.raises(PhazeError, match="--kernels must be one of eager, inductor, got 'jit'"):
+        _measure("tiny-gpt", kernels=("jit",))
 
 
 def _counted_and_traced(name, tp, mbs, attention):

@@ -18,8 +18,8 @@ from phaze_opt.validation.suites import (
 from phaze_opt.workload.graphs import model_params
 from phaze_opt.workload.models import load_model
 
-SUITES = ("korthikanti-2022", "layers-h100", "megatron-core-h100", "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100",
-          "tpuv4-pod")
+SUITES = ("korthikanti-2022", "layers-h100", "layers-h100-2026", "layers-h200-2026", "megatron-core-h100",
+          "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100", "tpuv4-pod")
 TRUTH = configs.shipped_dir() / "validation" / "truth" / "h100-blocks.json"
 
 # Published sizes in billions: Narayanan et al., SC'21, Table 1 ("Number of parameters (billion)"),
@@ -109,6 +109,36 @@ def test_truth_json_has_the_expected_grid():
     for model, mbs, flash in itertools.product(("gpt3-175b", "llama2-70b"), (1, 2, 4), (False, True)):
         times = [by_key[model, tp, mbs, flash] for tp in (1, 2, 4, 8)]
         assert times == sorted(times, reverse=True), (model, mbs, flash)
+
+
+@pytest.mark.parametrize("chip", ["h100", "h200"])
+def test_2026_block_truth_covers_the_new_models_eager_and_compiled(chip):
+    suite = load_suite(f"layers-{chip}-2026")
+    assert suite.arch == f"{chip}-sxm" and len(suite.rows) == 22
+    models = {r.model for r in suite.rows}
+    assert {"llama3-8b", "llama3-70b", "llama3-405b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"} <= models
+    by_key = {(r.model, r.tp, r.microbatch, r.flash, r.kernels): r.fwd_bwd_s for r in suite.rows}
+    compiled = [k for k in by_key if k[-1] == "inductor"]
+    assert len(compiled) == 4
+    for key in compiled:  # every compiled block has its eager twin, and fusing never made it slower
+        assert by_key[(*key[:-1], "eager")] > by_key[key]
+    # the repeat of layers-h100's TP 8 blocks (the H100 file only) agrees with the 2026-11-24 run within 10%
+    if chip == "h100":
+        old = {(r.model, r.tp, r.microbatch, r.flash): r.fwd_bwd_s for r in load_suite("layers-h100").rows}
+        for (model, tp, mbs, flash, kernels), seconds in by_key.items():
+            if (model, tp, mbs, flash) in old and kernels == "eager":
+                assert seconds == pytest.approx(old[model, tp, mbs, flash], rel=0.10)
+
+
+def test_unknown_kernels_in_a_truth_file_is_one_line(tmp_path):
+    data = json.loads((TRUTH.parent / "h100-blocks-2026.json").read_text())
+    data["layers"][0]["kernels"] = "xla"
+    (tmp_path / "blocks.json").write_text(json.dumps(data))
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({
+        "suite": "mine", "description": "d", "arch": "h100-sxm", "metric": "layer_seconds", "papers": {"p": "x"},
+        "data": "blocks.json", "source": {"paper": "p", "table": "t"}}))
+    with pytest.raises(PhazeError, match=r"blocks.json.*layers\[0\]\.kernels.*must be one of eager, inductor, got 'xla'"):
+        load_suite(tmp_path / "mine.yaml")
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_B))

@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", choices=("unfused", "flash"), nargs="+", default=None,
                    help="attention kernel(s): unfused (the traced graphs' default) and/or flash (PyTorch SDPA); "
                         "default: the model config's")
+    p.add_argument("--kernels", choices=("eager", "inductor"), nargs="+", default=["eager"],
+                   help="how the block's kernels run: eager (one PyTorch kernel per operator, default) and/or "
+                        "inductor (torch.compile fuses the element-wise work, a stand-in for a fusing stack)")
     p.add_argument("--repeats", type=int, default=10, metavar="N", help="timed runs per pass; the median is kept (default 10)")
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed runs first (default 3)")
     p.add_argument("--gemms", action="store_true",
@@ -51,7 +54,8 @@ def run(args) -> dict:
     if path is not None and path.is_dir():
         raise PhazeError(f"measure: --out {args.out}: is a folder; give a file name")
     result = measure(model, args.tp, mbs, device=args.device, attentions=args.attention or [None],
-                     repeats=args.repeats, warmup=args.warmup, gemms=args.gemms, cuda_graphs=not args.no_cuda_graphs)
+                     repeats=args.repeats, warmup=args.warmup, gemms=args.gemms, cuda_graphs=not args.no_cuda_graphs,
+                     kernels=args.kernels)
     if path is not None:
         if not write_atomic(path, json.dumps(truth_json(result), indent=1) + "\n"):
             raise PhazeError(f"measure: --out {args.out}: cannot write the file")
@@ -63,11 +67,11 @@ def render(r: dict) -> str:
     lines = [f"device {r['device']}, torch {r['torch']}, {r['dtype']}, timing: {r['timing']} "
              f"(median of {r['repeats']} after {r['warmup']} warm-up)"]
     lines.append(f"  {'model':<14} {'tp':>3} {'mbs':>4} {'attention':>9} {'fwd ms':>9} {'bwd ms':>9} "
-                 f"{'fwd+bwd ms':>11} {'fwd TFLOP/s':>12} {'bwd TFLOP/s':>12}")
+                 f"{'fwd+bwd ms':>11} {'fwd TFLOP/s':>12} {'bwd TFLOP/s':>12} kernels")
     for row, s in zip(r["layers"], r["summary"]):
         lines.append(f"  {row['model']:<14} {row['tp']:>3} {row['mbs']:>4} {'flash' if row['flash'] else 'unfused':>9} "
                      f"{row['fwd_s'] * 1e3:>9.3f} {row['bwd_s'] * 1e3:>9.3f} {row['fwd_bwd_s'] * 1e3:>11.3f} "
-                     f"{s['fwd_tflops']:>12.3g} {s['bwd_tflops']:>12.3g}")
+                     f"{s['fwd_tflops']:>12.3g} {s['bwd_tflops']:>12.3g} {row.get('kernels', 'eager')}")
     for g in r["gemm"]:
         lines.append(f"  gemm M {g['M']} N {g['N']} K {g['K']}: {g['s'] * 1e3:.3f} ms, {g['tflops']:.3g} TFLOP/s")
     for s in r["skipped"]:

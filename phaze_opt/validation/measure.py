@@ -49,6 +49,12 @@ from ..workload.models import ATTENTIONS, ModelConfig
 from ..workload.ops import NET, TC, TCVC, LayerGraph
 
 DEVICES = ("cuda", "cpu")
+# How the block's kernels are launched: `eager` runs one PyTorch kernel per operator (as the shipped
+# truth file, and the traced graphs' op list); `inductor` compiles the block with torch.compile
+# (TorchInductor: element-wise chains, norms and activations fused into generated Triton kernels; GEMMs
+# and SDPA stay library calls), the nearest stand-in for a fusing training stack (Transformer Engine /
+# Megatron-Core fused kernels) that installs with PyTorch alone.
+KERNELS = ("eager", "inductor")
 TOOL = "phaze-opt measure"
 WEIGHT_STD = 0.02  # GPT-2/Megatron's initialisation (Radford et al. 2019); the values do not change the work
 NO_CUDA = ("measure: --device cuda: no CUDA device is available (torch.cuda.is_available() is false); "
@@ -63,6 +69,7 @@ class Block:
     x: torch.Tensor  # [seq, mbs, hidden], requires grad, as the traced layer input
     grad: torch.Tensor  # the output gradient fed to backward
     flash: bool
+    kernels: str = "eager"
 
     def forward(self) -> torch.Tensor:
         with device_kernels(self.flash):
@@ -70,7 +77,16 @@ class Block:
 
     def forward_backward(self) -> None:
         with device_kernels(self.flash):
-            self.module(self.x).backward(self.grad)
+            backward(self.module(self.x), self.grad)
+
+
+def backward(out, grad: torch.Tensor) -> None:
+    """Backward of a block's output: a MoE block also returns its load-balancing loss, which training
+    adds to the model's loss (Switch Transformer, Fedus et al. 2022, eq. 4), so its gradient (one) flows too."""
+    if isinstance(out, tuple):
+        torch.autograd.backward([out[0], *out[1:]], [grad, *(torch.ones_like(t) for t in out[1:])])
+    else:
+        out.backward(grad)
 
 
 def check_device(device: str) -> torch.device:
@@ -163,9 +179,10 @@ def device_kernels(flash: bool):
 
 
 def materialise_block(model: ModelConfig, tp: int, mbs: int, device: torch.device, dtype: str = "bf16",
-                      seed: int = 0) -> Block:
+                      seed: int = 0, kernels: str = "eager") -> Block:
     """The model's transformer block at TP width `tp` (`layers.build_layer`, the traced module) with
-    random weights on `device`, and a random input and output gradient of one microbatch."""
+    random weights on `device`, and a random input and output gradient of one microbatch; compiled by
+    TorchInductor when `kernels` is `inductor` (the weights are the same module's)."""
     model = dataclasses.replace(model, dtype=dtype)
     torch.manual_seed(seed)
     module = layers.build_layer(model, "block", tp).to_empty(device=device)
@@ -181,7 +198,9 @@ def materialise_block(model: ModelConfig, tp: int, mbs: int, device: torch.devic
     torch_dtype = layers.TORCH_DTYPES[dtype]
     x = torch.randn(model.seq, mbs, model.hidden, device=device, dtype=torch_dtype, requires_grad=True)
     grad = torch.randn(model.seq, mbs, model.hidden, device=device, dtype=torch_dtype)
-    return Block(module=module, x=x, grad=grad, flash=model.attention == "flash")
+    if kernels == "inductor":
+        module = torch.compile(module)
+    return Block(module=module, x=x, grad=grad, flash=model.attention == "flash", kernels=kernels)
 
 
 def counted_flops(block: Block) -> tuple[float, float]:
@@ -191,7 +210,7 @@ def counted_flops(block: Block) -> tuple[float, float]:
         with device_kernels(block.flash):
             y = block.module(block.x)
     with FlopCounterMode(display=False) as bwd:
-        y.backward(block.grad)
+        backward(y, block.grad)
     block.module.zero_grad(set_to_none=True)
     block.x.grad = None
     return float(fwd.get_total_flops()), float(bwd.get_total_flops())
@@ -337,35 +356,39 @@ def device_name(device: torch.device) -> str:
 
 
 def measure(model: ModelConfig, tps=1, mbss=1, *, device: str = "cuda", attentions=(None,), repeats: int = 10,
-            warmup: int = 3, gemms: bool = False, cuda_graphs: bool = True, seed: int = 0) -> dict:
-    """Time one block of `model` at every (tp, mbs, attention) of the grid on `device`; the truth
-    file's JSON form (module docstring) plus a per-row `summary` for the terminal.
+            warmup: int = 3, gemms: bool = False, cuda_graphs: bool = True, seed: int = 0,
+            kernels=("eager",)) -> dict:
+    """Time one block of `model` at every (kernels, tp, mbs, attention) of the grid on `device`; the
+    truth file's JSON form (module docstring) plus a per-row `summary` for the terminal.
 
-    `tps`, `mbss` and `attentions` are one value or a list each; an attention of None is the model's
-    own kernel choice. Every argument is checked before anything runs: a bad one, or a missing
+    `tps`, `mbss`, `attentions` and `kernels` are one value or a list each; an attention of None is
+    the model's own kernel choice. Every argument is checked before anything runs: a bad one, or a missing
     device, is a one-line PhazeError. A configuration that does not fit in the device's memory, or
     whose backward time drowns in the clock's noise, is left out of `layers` and listed under
     `skipped` with the reason, so that one shard does not lose a grid; none measured is an error.
     """
     dev = check_device(device)
     grid = []
-    for attention in _listed(attentions):
-        m = with_attention(model, attention)
-        for tp in _listed(tps):
-            check_tp(m, tp)
-            for mbs in _listed(mbss):
-                grid.append((m, tp, _count(mbs, "--mbs")))
+    for launch in _listed(kernels):
+        if launch not in KERNELS:
+            raise PhazeError(f"measure: --kernels must be one of {', '.join(KERNELS)}, got {launch!r}")
+        for attention in _listed(attentions):
+            m = with_attention(model, attention)
+            for tp in _listed(tps):
+                check_tp(m, tp)
+                for mbs in _listed(mbss):
+                    grid.append((launch, m, tp, _count(mbs, "--mbs")))
     _count(repeats, "--repeats")
     _count(warmup, "--warmup", zero=True)
-    graphs = {(m.attention, tp, mbs): build_layer_graph(m, tp, mbs) for m, tp, mbs in grid}  # the modelled blocks
+    graphs = {(m.attention, tp, mbs): build_layer_graph(m, tp, mbs) for _, m, tp, mbs in grid}  # the modelled blocks
     dtype = device_dtype(model, dev)
     clock = timer(dev, cuda_graphs)
     rows, summary, skipped, methods, shapes = [], [], [], [], []
-    for m, tp, mbs in grid:
+    for launch, m, tp, mbs in grid:
         graph = graphs[(m.attention, tp, mbs)]
-        key = {"model": m.name, "tp": tp, "mbs": mbs, "flash": m.attention == "flash"}
+        key = {"model": m.name, "tp": tp, "mbs": mbs, "flash": m.attention == "flash", "kernels": launch}
         try:
-            block = materialise_block(m, tp, mbs, dev, dtype, seed)
+            block = materialise_block(m, tp, mbs, dev, dtype, seed, launch)
             times, method = time_block(block, clock, warmup, repeats)
         except torch.OutOfMemoryError:
             skipped.append({**key, "reason": f"out of memory on {device_name(dev)} (try a larger --tp or a smaller --mbs)"})

@@ -97,6 +97,8 @@ ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_paralle
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
+LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
+LAYER_KERNELS = ("eager", "inductor")
 GEMM_KEYS = ("M", "N", "K", "s", "tflops")
 
 
@@ -212,6 +214,7 @@ class LayerRow:
     fwd_s: float
     bwd_s: float
     source: Source
+    kernels: str = "eager"  # eager (one kernel per operator) or inductor (torch.compile's fused kernels)
 
     @property
     def fwd_bwd_s(self) -> float:
@@ -526,7 +529,7 @@ def _layer_rows(path: Path, file, paper: str, table: str) -> tuple[tuple[LayerRo
     rows = []
     for i, raw in enumerate(data["layers"]):
         at = f"layers[{i}]"
-        entry = _mapping(raw, at, path, LAYER_KEYS)
+        entry = _mapping(raw, at, path, LAYER_KEYS, LAYER_OPTIONAL)
         model = _model(entry["model"], f"{at}.model", path, models)
         tp, mbs = _int(entry, "tp", path, f"{at}.tp"), _int(entry, "mbs", path, f"{at}.mbs")
         if tp not in model.tp_widths:
@@ -537,8 +540,11 @@ def _layer_rows(path: Path, file, paper: str, table: str) -> tuple[tuple[LayerRo
         fwd, bwd, both = (_number(entry, k, path, f"{at}.{k}") for k in ("fwd_s", "bwd_s", "fwd_bwd_s"))
         if abs(fwd + bwd - both) > 1e-6 * both:
             raise config_error(path, f"{at}.bwd_s", f"fwd_s + bwd_s ({fwd + bwd}) must equal fwd_bwd_s ({both})")
-        label = f"{model.name} tp {tp} mbs {mbs} {'flash' if flash else 'unfused'}"
-        rows.append(LayerRow(model=model.name, tp=tp, microbatch=mbs, flash=flash, fwd_s=fwd, bwd_s=bwd,
+        kernels = entry.get("kernels", "eager")
+        if kernels not in LAYER_KERNELS:
+            raise config_error(path, f"{at}.kernels", f"must be one of {', '.join(LAYER_KERNELS)}, got {kernels!r}")
+        label = f"{model.name} tp {tp} mbs {mbs} {'flash' if flash else 'unfused'}" + (f" {kernels}" if kernels != "eager" else "")
+        rows.append(LayerRow(model=model.name, tp=tp, microbatch=mbs, flash=flash, fwd_s=fwd, bwd_s=bwd, kernels=kernels,
                              source=Source(paper=paper, table=table, row=label)))
     gemms = []
     for i, raw in enumerate(data.get("gemm", [])):
