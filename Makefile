@@ -62,5 +62,8 @@ postgres:
 		sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; \
 	else echo "PostgreSQL is needed by tests/test_study_postgres.py: install it (apt-get install postgresql)" >&2; exit 1; fi
 
+# The tests run in parallel, one process per core (pytest-xdist; `make test TEST_JOBS=0` runs them in
+# this process alone): CI's budget is 20 minutes and the suite is about 28 minutes of one core.
+TEST_JOBS ?= auto
 test: $(STAMP) postgres
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS)
