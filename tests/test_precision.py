@@ -4,6 +4,10 @@ weight copies in memory, an unsupported format infeasible, the area of extra for
 from __future__ import annotations
 
 import dataclasses
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +24,8 @@ from phaze_opt.solve.placement.types import state_split
 from phaze_opt.training import PRECISIONS, Training, recipe_points
 from phaze_opt.workload.ops import Op, OpGraph
 from phaze_opt.workload.precision import FORMATS, precision_ops
+
+REPO = Path(__file__).resolve().parents[1]
 
 SEQ, HID = 4096, 1024
 
@@ -99,7 +105,21 @@ def test_twice_the_rate_halves_a_compute_bound_gemm():
                                         bytes_written=2 * 8192**2, gemm=(1, 8192, 8192, 8192)),), ())
     bf16 = estimate(graph, [chip]).split[0, 0] - chip.efficiency.op_overhead_s
     fp8 = estimate(precision_ops(graph, "block", "fp8", 2), [chip]).split[0, 1] - chip.efficiency.op_overhead_s
-    assert fp8 == pytest.approx(bf16 / 2, rel=0.02)
+    # twice the MACs per cycle, at the share of it that the measured FP8 kernels keep
+    assert chip.efficiency.low_precision_fraction < 1
+    assert fp8 == pytest.approx(bf16 / (2 * chip.efficiency.low_precision_fraction), rel=0.02)
+    bare = replace(chip, efficiency=replace(chip.efficiency, low_precision_fraction=1.0))
+    bare_fp8 = estimate(precision_ops(graph, "block", "fp8", 2), [bare]).split[0, 1] - chip.efficiency.op_overhead_s
+    assert bare_fp8 == pytest.approx(bf16 / 2, rel=0.02)
+
+
+def test_h100_low_precision_fraction_is_the_measured_fp8_speed_up():
+    """The preset's value is the GEMM measurements' median FP8/BF16 speed-up over the nominal 2x."""
+    data = json.loads((REPO / "phaze_opt/presets/validation/truth/h100-fp8-gemms-2026.json").read_text())
+    speedups = sorted(g["bf16_s"] / g["fp8_s"] for g in data["gemm"])
+    assert len(speedups) == 12 and "H100" in data["device"]
+    assert load_arch("h100-sxm").efficiency.low_precision_fraction == pytest.approx(
+        statistics.median(speedups) / 2, abs=0.005)
 
 
 def test_which_gemms_run_low():

@@ -27,6 +27,14 @@ per operator):
   kernel sustains (instruction issue, synchronisation between pipeline stages, clock droop under
   load). Dense BF16 cuBLAS GEMMs reach about 75-80% of H100 SXM's 989 TFLOP/s (the 8192^3 GEMM of
   configs/validation/truth: 693 TFLOP/s; the blocks' 2048-token projections 720-769).
+- `low_precision_fraction` (0, 1], identity 1: the share of a low-precision format's nominal MAC rate
+  (`tc_datatypes`, e.g. FP8 at 2x BF16 on Hopper) that the stack's GEMM kernels keep relative to its
+  BF16 kernels: scaled FP8 GEMMs stage scales and convert their outputs, and the wider K per
+  instruction leaves more of a tile's pipeline exposed. Measured for H100 by this project
+  (presets/validation/truth/h100-fp8-gemms-2026.json: cuBLASLt FP8 E4M3 via `torch._scaled_mm` against
+  BF16 `torch.mm` on the twelve linear-layer shapes of Llama-3 8B/70B/405B blocks): FP8 ran 1.46-1.96x
+  the BF16 rate, median 1.83 of the nominal 2, so 0.92. Derived from GEMM timings, not fitted to
+  training runs. Multiplies the rate of every format but BF16.
 - `hbm_fraction` (0, 1], identity 1: achieved fraction of the datasheet HBM bandwidth by the stack's
   memory-bound kernels. Its ceiling is a STREAM-like copy: 750 of V100's 900 GB/s, 83% (Jia et al.,
   "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018, ch. 3); studies of Hopper
@@ -63,6 +71,7 @@ _RANGES = {
     "gemm_wave_balance": (0.0, True, Limit(1.0, "a fraction of the last wave")),
     "tc_fraction": (0.0, False, Limit(1.0, "a fraction of the peak")),
     "hbm_fraction": (0.0, False, Limit(1.0, "a fraction of the datasheet bandwidth")),
+    "low_precision_fraction": (0.0, False, Limit(1.0, "a fraction of the format's nominal rate")),
     # 1 ms per operator is 200x a kernel launch (~5 us).
     "op_overhead_s": (0.0, True, Limit(1e-3, "200x the ~5 us of a kernel launch")),
 }
@@ -77,6 +86,7 @@ class Efficiency:
     tc_fraction: float = 1.0
     hbm_fraction: float = 1.0
     op_overhead_s: float = 0.0
+    low_precision_fraction: float = 1.0
 
     def __post_init__(self):
         for name, value in asdict(self).items():

@@ -372,7 +372,8 @@ def gemm_formats(datatypes, designs, bytes_per_element: float):
                 r = a.mac_rate(t)
                 if r is None:
                     raise ValueError(f"design {a.name or i}: its tensor cores do not support {t}")
-                rates[i, j] = r
+                # BF16 is the reference the other efficiencies were measured in
+                rates[i, j] = r if t == "bf16" else r * a.efficiency.low_precision_fraction
     return op_bytes, rates
 
 
