@@ -68,15 +68,21 @@ class NumberFormat:
     name: str
     operand_bytes: float  # per element, scales included (OCP MX spec v1.0: one 8-bit scale per block)
     weight_copy_bytes: int  # low-precision weight copies per parameter (module docstring)
+    # Significand bits, the hidden bit included: what a multiplier's array grows with (its energy
+    # ~ bits^2; hardware/energy.py). E4M3 4 (the wider of FP8's two encodings; E5M2 has 3), E2M1 2.
+    significand_bits: int = 8
+
+
+BF16_SIGNIFICAND_BITS = 8  # 7 stored + the hidden bit (bfloat16)
 
 
 # FP8 E4M3/E5M2 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"); MXFP8: blocks of 32
 # with an E8M0 scale (OCP Microscaling Formats v1.0, 2023); NVFP4: E2M1 in blocks of 16 with an
 # E4M3 scale (NVIDIA Blackwell architecture technical brief, 2024).
 FORMATS = {
-    "fp8": NumberFormat("fp8", 1.0, 2),
-    "mxfp8": NumberFormat("mxfp8", 1.0 + 1.0 / 32, 2),
-    "nvfp4": NumberFormat("nvfp4", 0.5 + 1.0 / 16, 1),
+    "fp8": NumberFormat("fp8", 1.0, 2, significand_bits=4),
+    "mxfp8": NumberFormat("mxfp8", 1.0 + 1.0 / 32, 2, significand_bits=4),
+    "nvfp4": NumberFormat("nvfp4", 0.5 + 1.0 / 16, 1, significand_bits=2),
 }
 # Layer kinds whose GEMMs stay BF16 (module docstring: the embedding and Megatron-Core's output layer).
 BF16_LAYER_KINDS = ("embedding", "head")
@@ -84,6 +90,19 @@ CAST_OPS = ("cast", "amax")
 # Traced op kinds of linear layers: dense GEMMs and a MoE's grouped expert GEMMs (TE's GroupedLinear
 # runs FP8 as its Linear does); "bgemm" (attention products) is left out on purpose.
 LINEAR_GEMMS = ("gemm", "grouped_gemm")
+
+
+def operand_bytes(datatype: str, bytes_per_element: float) -> float:
+    """Bytes per element of a GEMM operand in `datatype` ("" or "bf16": the graph's own width)."""
+    return float(bytes_per_element) if datatype in ("", BF16) else FORMATS[datatype].operand_bytes
+
+
+def significand_ratio(datatype: str) -> float:
+    """(significand bits / BF16's)^2 of a GEMM operand format ("" or "bf16": 1): the share of a BF16
+    multiplier's array a multiplier of this format needs (hardware/energy.py)."""
+    if datatype in ("", BF16):
+        return 1.0
+    return (FORMATS[datatype].significand_bits / BF16_SIGNIFICAND_BITS) ** 2
 
 
 def weight_copy_bytes(precision: str) -> int:
