@@ -35,17 +35,28 @@ the cast traffic, kept simple on purpose. Weights are cast once per iteration, n
 microbatch (TE's `is_first_microbatch` caches the FP8 weights over a step's microbatches): that
 traffic is in the optimizer step (`weight_copy_bytes`).
 
-Memory. TE keeps an FP8 copy of each weight and its transpose beside the BF16 weight and the FP32
-master copy (Hopper's FP8 GEMMs take only the TN layout, so dgrad needs W^T in FP8; MXFP8 keeps a
-row-wise and a column-wise copy): `weight_copy_bytes` per parameter, added to the optimizer-state
-term of `solve.placement.types.state_split` (so the optimizer step streams it too: the cast writes
-it once per step). Limits: it is charged on every parameter (the embedding and output layer have
-none), and under ZeRO-1 it is sharded with the optimizer state, which understates it (each data-
-parallel rank holds its own copy). The scale bytes of the copies are left out (at most 1/16 B).
+Memory. TE keeps the weights in BF16 (the model's parameters) and quantizes them before the GEMMs
+into an FP8 workspace it caches (TE user guide, "Performance Considerations", "Memory usage":
+"2 MB (weight) + 1 MB (weight in FP8) + 1 MB (input in FP8 saved for backward)" for a 1024 x 1024
+BF16 layer); the FP32 master weights and Adam's moments are the optimizer's, as in BF16. Each
+weight is used row-wise (forward) and column-wise (data gradient); on Hopper an FP8 column-wise
+tensor must be physically transposed, so two copies (same page, "Handling transposes"); MXFP8 and
+NVFP4 scale along rows and along columns, two copies again. `weight_copy_bytes` per parameter:
+FP8 2, MXFP8 2, NVFP4 1 (the scale bytes, at most 1/8 B, left out). On Blackwell per-tensor FP8
+reads both usages from one copy ("Blackwell supports columnwise access natively"): there FP8 is
+over-counted by 1 B per parameter (the arch does not say its generation). The copies are per
+rank, not optimizer state: Megatron-Core's distributed optimizer (ZeRO-1) shards only the
+optimizer state, so every data-parallel rank holds its stage's copies whole (solve/placement/types.py
+`weight_copies`); under ZeRO-3 they are made from the gathered layer and live in its working set.
+They are charged on every parameter (the embedding and output layer have none; FP8 primary weights,
+`--fp8-param-gather`, which drop the BF16 weight, are not modelled).
 
-Saved activations: TE saves the FP8 cast of each linear layer's input for the weight gradient
-instead of the BF16 one, but it also keeps the BF16 tensors its norms and activations need, so
-the traced saved bytes (BF16) are kept as they are: an upper bound on the activation memory.
+Saved activations: TE saves the FP8 (column-wise) cast of each linear layer's input for the weight
+gradient instead of the BF16 input (same page: "By default, TE saves the columnwise quantized input
+for the backward pass"), which halves what the norm outputs and the MLP activation feed to their
+GEMMs, but adds an FP8 copy where the BF16 tensor is kept anyway (the attention output, which the
+fused attention backward also reads). For a Llama block the net is a saving, so the traced saved
+bytes (BF16) are kept as they are: an upper bound on the activation memory.
 
 Communication: BF16 throughout. Megatron-Core's tensor-parallel all-reduces and the data-
 parallel gradient reductions carry BF16/FP32; FP8 all-gathers happen only with
