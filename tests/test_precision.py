@@ -250,3 +250,17 @@ def test_moe_experts_run_low_and_never_slower(tmp_path, monkeypatch):
     for a, b in zip(bf16.costs, fp8.costs):
         assert (b.expert_fwd_s <= a.expert_fwd_s).all() and (b.expert_bwd_s <= a.expert_bwd_s).all()
         assert (b.expert_fwd_s < a.expert_fwd_s).any()
+
+
+def test_evaluate_prints_the_weight_copies_in_the_memory_line():
+    """The memory line's parts add up to its total: the copies are printed when a recipe has them."""
+    from phaze_opt.commands.evaluate import render
+
+    gib = 2.0**30
+    mem = {"stage": 0, "parameters": 2 * gib, "gradients": 2 * gib, "optimizer_state": 3 * gib,
+           "activations": 4 * gib, "recompute_working_set": 0.0, "total": 13 * gib, "headroom": 67 * gib}
+    r = {"model": "m", "arch": "a", "mbs": 1, "recompute": "none", "area_mm2": 1.0, "feasible": False,
+         "reason": "x", "timings": {"graph_s": 0, "estimate_s": 0, "ilp_s": 0, "dp_s": 0}}
+    assert "weight copies" not in render(dict(r, memory_per_device=mem))  # BF16: as before
+    line = render(dict(r, memory_per_device=dict(mem, low_precision_weights=2 * gib))).splitlines()[1]
+    assert "optimizer state 3.00, low-precision weight copies 2.00, activations 4.00" in line
