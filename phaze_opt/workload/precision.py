@@ -53,10 +53,12 @@ They are charged on every parameter (the embedding and output layer have none; F
 
 Saved activations: TE saves the FP8 (column-wise) cast of each linear layer's input for the weight
 gradient instead of the BF16 input (same page: "By default, TE saves the columnwise quantized input
-for the backward pass"), which halves what the norm outputs and the MLP activation feed to their
-GEMMs, but adds an FP8 copy where the BF16 tensor is kept anyway (the attention output, which the
-fused attention backward also reads). For a Llama block the net is a saving, so the traced saved
-bytes (BF16) are kept as they are: an upper bound on the activation memory.
+for the backward pass"; `save_original_input` is off by default). `precision_layer` applies it to
+the traced saved bytes (trace.py `_Mapper._linear_inputs`): a linear input only weight gradients
+read (the norm outputs, the MLP activation, a MoE's dispatched tokens) is kept at the format's
+bytes per element instead of BF16's; one other backward ops read too (the attention output, which
+the fused attention backward also reads) keeps its BF16 tensor and gains the format's copy. The
+sequence-parallel parts shrink the same way. The embedding and output layer stay BF16.
 
 Communication: BF16 throughout. Megatron-Core's tensor-parallel all-reduces and the data-
 parallel gradient reductions carry BF16/FP32; FP8 all-gathers happen only with
@@ -69,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ops import TC, TCVC, VC, LayerGraph, Op, OpGraph
+from .ops import TC, TCVC, VC, Layer, LayerGraph, Op, OpGraph
 
 BF16 = "bf16"
 
@@ -153,13 +155,32 @@ def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_
     return dataclasses.replace(op_graph, ops=tuple(ops), edges=tuple(sorted(edges)))
 
 
+def precision_layer(layer: Layer, precision: str, bytes_per_element: float) -> Layer:
+    """`layer` with the saved inputs of its linear GEMMs as TE keeps them in `precision` (module
+    docstring, "Saved activations"): those only weight gradients read at the format's width, an
+    extra copy in the format of those other backward ops read too."""
+    if precision == BF16 or layer.kind in BF16_LAYER_KINDS:
+        return layer
+    f = FORMATS[precision].operand_bytes / float(bytes_per_element)  # format bytes per BF16 byte
+
+    def low(total, only, shared):
+        return total - only * (1.0 - f) + shared * f
+
+    return dataclasses.replace(
+        layer,
+        activation_bytes=low(layer.activation_bytes, layer.linear_input_bytes, layer.linear_shared_bytes),
+        sequence_parallel_bytes=low(layer.sequence_parallel_bytes, layer.linear_input_sp_bytes,
+                                    layer.linear_shared_sp_bytes))
+
+
 def precision_graph(graph: LayerGraph, precision: str) -> LayerGraph:
     """The layer graph trained in `precision` (see the module docstring); BF16: `graph` itself."""
     if precision == BF16:
         return graph
     op_graphs = {kind: {name: precision_ops(og, kind, precision, graph.bytes_per_element) for name, og in passes.items()}
                  for kind, passes in graph.op_graphs.items()}
-    return dataclasses.replace(graph, op_graphs=op_graphs)
+    layers = tuple(precision_layer(layer, precision, graph.bytes_per_element) for layer in graph.layers)
+    return dataclasses.replace(graph, op_graphs=op_graphs, layers=layers)
 
 
 
