@@ -259,3 +259,34 @@ def test_bad_energy_yaml_through_the_cli(tmp_path, monkeypatch, capsys):
                      "--placement", "tp=1,pp=4,dp=64", "--json"])
     err = capsys.readouterr().err
     assert code == 2 and "energy.yaml: field 'mac_pj': must be a number" in err and err.count("\n") == 1
+
+
+# ---- energy per MAC by number format -------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, pj, operand", [("fp8", 0.275 + 0.9, 1.0), ("mxfp8", 0.275 + 0.9, 1.0 + 1 / 32),
+                                               ("nvfp4", 1.1 / 16 + 0.9, 0.5 + 1 / 16)])
+def test_low_precision_gemm_pays_its_own_mac_energy(fmt, pj, operand):
+    """A GEMM in a narrower format: the multiplier's 1.1 pJ x (significand bits / 8)^2 plus the same
+    FP32 accumulate (Horowitz 2014), and its operands through the GLB at the format's width; the
+    output stays BF16 and a BF16 GEMM is charged as before."""
+    d = chip(glb_bytes=2**20, num_tc=4, tc_x=8)
+    bf16 = gemm(1, 64, 32, 32)
+    low = replace(bf16, datatype=fmt)
+    a, b = op_energy(graph(bf16), [d]), op_energy(graph(low), [d])
+    macs = 64 * 32 * 32
+    assert C.format_mac_j("") == C.format_mac_j("bf16") == C.mac_j
+    assert C.format_mac_j(fmt) == pytest.approx(pj * 1e-12 * C.node_scale, rel=1e-12)
+    assert b.compute[0, 0] == pytest.approx(macs * pj * 1e-12 * C.node_scale, rel=1e-12)
+    assert a.compute[0, 0] == pytest.approx(macs * C.mac_j, rel=1e-12)
+    # GLB: A once per column tile (32 / 8 = 4) and B at the format's width, the output in BF16
+    assert b.glb_bytes[0, 0] == pytest.approx(operand * (64 * 32 * 4 + 32 * 32) + E * 64 * 32, rel=1e-12)
+    assert b.total[0, 0] < a.total[0, 0]
+
+
+def test_mac_multiply_share_checked(tmp_path):
+    path = tmp_path / "energy.yaml"
+    path.write_text(GOOD.replace("mac_multiply_pj: 1.1", "mac_multiply_pj: 2.5"))
+    with pytest.raises(PhazeError, match="mac_multiply_pj.*at most mac_pj"):
+        load_constants(path)
+    path.write_text("\n".join(line for line in GOOD.splitlines() if not line.startswith("mac_multiply_pj")))
+    assert load_constants(path).mac_multiply_pj == 1.1  # optional: the cited default

@@ -132,29 +132,47 @@ def test_which_gemms_run_low():
     assert head is not graph and [o.datatype for o in head.ops] == ["", ""]  # Megatron's output layer: BF16
 
 
-def _problem(training):
+def _problem(training, accelerators=1):
     from test_placement_oracle import make_costs, make_system
 
     from phaze_opt.solve.placement.types import PlacementProblem
 
     costs = make_costs(1, [1.0] * 4, [2.0] * 4, [1000, 5000, 5000, 3000], [10.0] * 4, [5.0] * 4)
-    return PlacementProblem(costs=(costs,), system=make_system(accelerators=1, global_batch=4), hbm_bytes=1e9,
-                            peak_flops=1e12, training=training)
+    return PlacementProblem(costs=(costs,), system=make_system(accelerators=accelerators, global_batch=4),
+                            hbm_bytes=1e9, peak_flops=1e12, training=training)
 
 
+# Bytes per parameter of the copies Transformer Engine keeps (workload/precision.py): FP8 a row-wise
+# copy and Hopper's transposed column-wise one; MXFP8 row- and column-wise blocks; NVFP4 half-byte
+# elements, each direction (scale bytes left out).
+COPY_BYTES = {"fp8": 2, "mxfp8": 2, "nvfp4": 1}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
 @pytest.mark.parametrize("fmt", [p for p in PRECISIONS if p != "bf16"])
-def test_weight_copies_in_memory(fmt):
-    from phaze_opt.solve.placement.evaluate import evaluate_placement
+def test_weight_copies_in_memory(fmt, zero):
+    """The copies are not optimizer state: under ZeRO 0 and 1 each of the d = 4 data-parallel ranks
+    holds all of its stage's copies (Megatron-Core's distributed optimizer shards only the optimizer
+    state); under ZeRO-3 they are made from the gathered weight and sit in the layer's working set."""
     from phaze_opt.solve.placement.dp import even_placement
+    from phaze_opt.solve.placement.evaluate import evaluate_placement
+    from phaze_opt.solve.placement.types import weight_copies
 
-    base = _problem(Training(mbs=1))
-    low = dataclasses.replace(base, training=Training(mbs=1, precision=fmt))
-    assert state_split(low)[2] - state_split(base)[2] == FORMATS[fmt].weight_copy_bytes
+    base = _problem(Training(mbs=1, zero=zero), accelerators=4)
+    low = dataclasses.replace(base, training=Training(mbs=1, zero=zero, precision=fmt))
+    assert state_split(low) == state_split(base)  # the optimizer's own bytes are unchanged
+    assert weight_copies(low) == FORMATS[fmt].weight_copy_bytes == COPY_BYTES[fmt] and weight_copies(base) == 0
     t = base.tp_widths[0]
-    a = evaluate_placement(base, even_placement(base, t, 1, 1))
-    b = evaluate_placement(low, even_placement(low, t, 1, 1))
+    a = evaluate_placement(base, even_placement(base, t, 1, 4))
+    b = evaluate_placement(low, even_placement(low, t, 1, 4))
     params = float(sum(base.costs_at(t, 1).params))
-    assert b.stages[0].memory_bytes - a.stages[0].memory_bytes == pytest.approx(params * FORMATS[fmt].weight_copy_bytes)
+    extra = b.stages[0].memory_bytes - a.stages[0].memory_bytes
+    if zero < 3:
+        assert extra == pytest.approx(params * COPY_BYTES[fmt])  # whole, not params x copies / 4
+        assert b.stages[0].memory_split["low_precision_weights"] == pytest.approx(params * COPY_BYTES[fmt])
+    else:  # the largest layer's copies, beside its gathered weight
+        assert extra == pytest.approx(5000 * COPY_BYTES[fmt])
+    assert "low_precision_weights" not in a.stages[0].memory_split  # BF16 reports as before
 
 
 def test_unsupported_format_is_infeasible_with_reason():
@@ -252,3 +270,17 @@ def test_moe_experts_run_low_and_never_slower(tmp_path, monkeypatch):
     for a, b in zip(bf16.costs, fp8.costs):
         assert (b.expert_fwd_s <= a.expert_fwd_s).all() and (b.expert_bwd_s <= a.expert_bwd_s).all()
         assert (b.expert_fwd_s < a.expert_fwd_s).any()
+
+
+def test_evaluate_prints_the_weight_copies_in_the_memory_line():
+    """The memory line's parts add up to its total: the copies are printed when a recipe has them."""
+    from phaze_opt.commands.evaluate import render
+
+    gib = 2.0**30
+    mem = {"stage": 0, "parameters": 2 * gib, "gradients": 2 * gib, "optimizer_state": 3 * gib,
+           "activations": 4 * gib, "recompute_working_set": 0.0, "total": 13 * gib, "headroom": 67 * gib}
+    r = {"model": "m", "arch": "a", "mbs": 1, "recompute": "none", "area_mm2": 1.0, "feasible": False,
+         "reason": "x", "timings": {"graph_s": 0, "estimate_s": 0, "ilp_s": 0, "dp_s": 0}}
+    assert "weight copies" not in render(dict(r, memory_per_device=mem))  # BF16: as before
+    line = render(dict(r, memory_per_device=dict(mem, low_precision_weights=2 * gib))).splitlines()[1]
+    assert "optimizer state 3.00, low-precision weight copies 2.00, activations 4.00" in line

@@ -110,3 +110,29 @@ def test_dgx_b200_preset():
     assert b200.nominal_intra_node.bandwidth == pytest.approx(900e9)
     assert b200.nominal_intra_node.bandwidth == pytest.approx(2 * h100.nominal_intra_node.bandwidth)
     assert b200.nominal_inter_node.bandwidth == pytest.approx(50e9) == h100.nominal_inter_node.bandwidth
+
+
+@pytest.mark.parametrize("name", FP8_SUITES)
+def test_every_row_runs_fused_attention(name):
+    """NeMo / Megatron-Bridge run attention in TE's fused kernels, which keep no s x s scores: every
+    row reaches the evaluator with flash attention, whether its model config or the row says so."""
+    suite = load_suite(name)
+    seen = []
+
+    def fake(model, arch, training, system):
+        config = load_model(model) if isinstance(model, str) else model
+        seen.append(training.attention or config.attention)
+        return _Result(True, 10.0)
+
+    run_suite(suite, evaluator=fake)
+    assert seen and set(seen) == {"flash"}
+    assert any(r.attention == "flash" for r in suite.rows) or name == "nemo-fp8-b200"
+
+
+def test_an_unknown_attention_is_one_line_naming_the_field(tmp_path):
+    data = yaml.safe_load(suite_path("nemo-fp8-h100").read_text())
+    data["rows"][3]["attention"] = "sdpa"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(PhazeError, match=r"bad\.yaml.*'rows\[3\]\.attention'.*unfused, flash, got 'sdpa'"):
+        load_suite(path)

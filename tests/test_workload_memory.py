@@ -363,3 +363,40 @@ def test_attention_choice_is_part_of_the_identity_and_validated():
         build_layer_graph(m, 1, 1, attention="ring")
     with pytest.raises(PhazeError, match="attention"):
         gpt(attention="paged")
+
+
+@pytest.mark.parametrize("t, b", [(1, 1), (2, 2)])
+def test_llama_block_linear_inputs_as_transformer_engine_saves_them(t, b):
+    """Which saved tensors are linear-GEMM inputs (workload/precision.py keeps them in FP8): the two
+    norm outputs (QKV and FC1 inputs) and the SwiGLU product (FC2 input) only their weight gradients
+    read; the flash output (the output projection's input) the attention backward reads too."""
+    m = llama("flash")
+    s, h, a, d, f = m.seq, m.hidden, m.heads, m.head_dim, m.ffn
+    tr = trace_layer_details(build_layer(m, "block", t), example_inputs(m, "block", b, s), name="block")
+    assert tr.linear_input_sp_bytes == 2 * (2 * s * b * h)  # the norm outputs, outside the TP region
+    assert tr.linear_input_bytes == 2 * (2 * s * b * h) + 2 * s * b * f // t
+    assert tr.linear_shared_bytes == 2 * s * b * a * d // t and tr.linear_shared_sp_bytes == 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
+def test_low_precision_keeps_linear_inputs_in_its_format(fmt):
+    """FP8 (1 B), MXFP8 (1 + 1/32 B) or NVFP4 (0.5 + 1/16 B) per element of each linear input only
+    its weight gradient reads, the BF16 tensor plus a copy in the format where other ops read it;
+    the sequence-parallel part shrinks alike; the embedding and output layer stay as in BF16."""
+    from phaze_opt.workload.precision import FORMATS, precision_graph
+
+    m = llama("flash")
+    graph = build_layer_graph(m, 2, 1)
+    low = precision_graph(graph, fmt)
+    q = FORMATS[fmt].operand_bytes / 2
+    for before, after in zip(graph.layers, low.layers):
+        if before.kind in ("embedding", "head"):
+            assert after == before
+            continue
+        assert before.linear_input_bytes > 0 and before.linear_shared_bytes > 0
+        assert after.activation_bytes == pytest.approx(
+            before.activation_bytes - before.linear_input_bytes * (1 - q) + before.linear_shared_bytes * q)
+        assert after.sequence_parallel_bytes == pytest.approx(
+            before.sequence_parallel_bytes - before.linear_input_sp_bytes * (1 - q) + before.linear_shared_sp_bytes * q)
+        assert after.activation_bytes_for("full", True) == before.activation_bytes_for("full", True)  # the checkpoint
+    assert precision_graph(graph, "bf16") is graph

@@ -3,10 +3,12 @@
 Per operator (one device, one microbatch), from the quantities `latency.estimate` already works with,
 each times a published per-event energy (constants and citations in `configs/energy.yaml`):
 
-- compute: tensor-core MACs (B x M x K x N per GEMM) x `mac`; vector lane operations (elements x
+- compute: tensor-core MACs (B x M x K x N per GEMM) x `mac` in the GEMM's operand format
+  (`format_mac_j`, below); vector lane operations (elements x
   cycles-per-element, the same table and FLOP floor as the latency model; a fused GEMM's epilogue
   too) x `vector_op`;
-- SRAM: the GLB bytes the latency model moves (GEMM: A once per column tile, B and the output once;
+- SRAM: the GLB bytes the latency model moves (GEMM: A once per column tile, B and the output once,
+  the operands at their format's width (workload/precision.py `operand_bytes`), the output in BF16;
   vector op: its inputs and outputs) x the GLB's energy per byte, which grows with the bank size;
 - HBM: the compulsory bytes plus the GEMM re-reads when the resident operand does not fit the GLB
   share, which depends on whether the schedule ran the op on one core (1/n of the GLB) or split
@@ -48,6 +50,7 @@ import numpy as np
 from .. import configs
 from ..errors import PhazeError, config_error, shown
 from ..workload.ops import OpGraph
+from ..workload.precision import operand_bytes, significand_ratio
 from .latency import BYTES_PER_ELEMENT, DesignArrays, classify_ops, collective_traffic
 
 PJ = 1e-12
@@ -70,6 +73,7 @@ class EnergyConstants:
     intra_node_pj_per_bit: float
     inter_node_pj_per_bit: float
     static_w_per_mm2: float
+    mac_multiply_pj: float = 1.1  # the multiplier's share of `mac_pj` (energy.yaml); optional in a file
 
     @property
     def node_scale(self) -> float:
@@ -79,7 +83,24 @@ class EnergyConstants:
 
     @property
     def mac_j(self) -> float:
+        """Joules per BF16 MAC (`mac_pj` at the node)."""
         return self.mac_pj * PJ * self.node_scale
+
+    def format_mac_j(self, datatype: str) -> float:
+        """Joules per MAC in a GEMM operand format ("" or "bf16": `mac_j`).
+
+        A PE's MAC is a multiply and an FP32 accumulate; only the multiplier shrinks with the
+        format: its array grows with the significand bits squared (Horowitz, ISSCC 2014: an 8-bit
+        integer multiply 0.2 pJ against 3.1 pJ for 32 bits, about (8/32)^2 of it; 16-bit FP 1.1 pJ),
+        so a format pays `mac_multiply_pj` x (its bits / BF16's 8)^2 plus the accumulate as before:
+        FP8/MXFP8 (E4M3, 4 bits) 0.275 + 0.9 = 1.175 pJ at 45 nm, 0.59x BF16's 2.0; NVFP4 (E2M1,
+        2 bits) 0.97 pJ, 0.48x. Uncertainty: NVIDIA doubles the dense rate in FP8 at the same power
+        (H100 SXM datasheet: BF16 989 and FP8 1979 TFLOPS, both at 700 W; B200: FP4 twice FP8), so
+        whole-chip energy per MAC can fall to 0.5x (FP8) and 0.25x (FP4) of BF16 where dot-product
+        trees accumulate low-precision products in fixed point and add once to FP32 per k products:
+        this per-PE figure is the upper end, about 1.2x the datasheet's for FP8 and 2x for NVFP4."""
+        ratio = significand_ratio(datatype)
+        return (self.mac_pj - self.mac_multiply_pj * (1.0 - ratio)) * PJ * self.node_scale
 
     @property
     def vector_op_j(self) -> float:
@@ -100,6 +121,7 @@ class EnergyConstants:
 
 
 INT_FIELDS = ("reference_node_nm", "node_nm")
+OPTIONAL_FIELDS = ("mac_multiply_pj",)  # a file without it keeps the dataclass's cited default
 FIELDS = tuple(f.name for f in fields(EnergyConstants))
 
 
@@ -118,9 +140,11 @@ def _load_constants(path: str, _mtime: int) -> EnergyConstants:
     data = configs.read_yaml(path)
     if not isinstance(data, dict):
         raise PhazeError(f"{path}: expected a mapping of energy constants at the top level")
-    configs.check_keys(data, path, FIELDS)
+    configs.check_keys(data, path, [f for f in FIELDS if f not in OPTIONAL_FIELDS], OPTIONAL_FIELDS)
     values = {}
     for f in FIELDS:
+        if f in OPTIONAL_FIELDS and f not in data:
+            continue
         v = data[f]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
             raise config_error(path, f, f"must be a number, got {shown(v)}")
@@ -135,7 +159,11 @@ def _load_constants(path: str, _mtime: int) -> EnergyConstants:
     for f in ("energy_scale_per_node", "sram_ref_bytes", "sram_bank_bytes"):
         if not values[f] > 0:
             raise config_error(path, f, f"must be > 0, got {shown(data[f])}")
-    return EnergyConstants(**values)
+    constants = EnergyConstants(**values)
+    if constants.mac_multiply_pj > constants.mac_pj:
+        raise config_error(path, "mac_multiply_pj", f"must be at most mac_pj ({shown(constants.mac_pj)}), "
+                                                    f"got {shown(constants.mac_multiply_pj)}")
+    return constants
 
 
 # ---- per operator ------------------------------------------------------------------------------------
@@ -204,11 +232,14 @@ def op_energy(
     for i in kinds.net_idx:
         link[:, i] = collective_traffic(ops[i])[0]
 
+    mac_j = np.zeros((1, n_o))
     if gemm_idx:
         B, M, K, N, nbytes, epi = (col[None, :] for col in np.array(gemm_rows, dtype=float).T)
         macs[:, gemm_idx] = B * M * K * N
         lane_ops[:, gemm_idx] = epi
-        a_b, w_b = M * K * e, K * N * e
+        mac_j[0, gemm_idx] = [c.format_mac_j(dt) for dt in kinds.gemm_datatypes]
+        operand = np.array([[operand_bytes(dt, e) for dt in kinds.gemm_datatypes]])
+        a_b, w_b = M * K * operand, K * N * operand
         col = np.ceil(N / d.tc_x)
         glb[:, gemm_idx] = B * (a_b * col + w_b + M * N * e)
         share = np.where(split_mask[:, gemm_idx], 1.0, 1.0 / d.num_tc)  # GLB share, as latency.estimate
@@ -222,7 +253,7 @@ def op_energy(
         hbm[:, vec_idx] = nbytes
 
     return OpEnergies(
-        compute=macs * c.mac_j + lane_ops * c.vector_op_j,
+        compute=macs * mac_j + lane_ops * c.vector_op_j,
         sram=glb * c.glb_j_per_byte(d.glb_bytes),
         hbm=hbm * c.hbm_j_per_byte,
         link=link * c.link_j_per_byte(intra_node),

@@ -40,6 +40,9 @@ A training row is one published run:
                                 configs/archs), in place of the suite's (runs on different machines)
     precision                   optional: the GEMM datatype of the run, one of ROW_PRECISIONS (default
                                 bf16); one outside MODELLED_PRECISIONS is skipped with that reason
+    attention                   optional: the run's attention kernel, unfused | flash (default: the
+                                model config's own), e.g. flash for a stack whose fused attention
+                                kernels keep no s x s scores for the backward
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -67,7 +70,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import PRECISIONS
+from ..training import ATTENTIONS, PRECISIONS
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -95,7 +98,7 @@ TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
-                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap")
+                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -192,6 +195,7 @@ class Row:
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
     precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS)
+    attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
 
     @property
     def dp(self) -> int:
@@ -463,11 +467,13 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
             raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     precision = _precision(row, file, at)
+    attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
                sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
                zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip, **flags,
+               attention=attention,
                **_row_numbers(row, at, metric, papers, file), **names)
 
 

@@ -313,6 +313,9 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool, cache:
             tp=tp, attention_core_bytes=float(tr.attention_core_bytes),
             sequence_parallel_bytes=float(tr.sequence_parallel_bytes),
             input_sequence_parallel_bytes=float(tr.input_sequence_parallel_bytes),
+            linear_input_bytes=float(tr.linear_input_bytes), linear_input_sp_bytes=float(tr.linear_input_sp_bytes),
+            linear_shared_bytes=float(tr.linear_shared_bytes),
+            linear_shared_sp_bytes=float(tr.linear_shared_sp_bytes),
         ))
     op_graphs = {kind: {"fwd": tr.fwd, "bwd": tr.bwd} for kind, tr in traces.items()}
     step_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)

@@ -138,6 +138,13 @@ class Layer:
     attention_core_bytes: float = 0.0  # the a*s^2 tensors between QK^T and PV (selective recompute drops them)
     sequence_parallel_bytes: float = 0.0  # of activation_bytes: outside Megatron's TP region (norms, dropouts, residual)
     input_sequence_parallel_bytes: float = 0.0  # of input_bytes: the floating inputs (hidden states)
+    # Of activation_bytes: the saved linear-GEMM inputs only weight gradients read, and those other
+    # backward ops read too, each with its sequence-parallel part (trace.LayerTrace); what a
+    # low-precision recipe changes (workload/precision.py `precision_layer`).
+    linear_input_bytes: float = 0.0
+    linear_input_sp_bytes: float = 0.0
+    linear_shared_bytes: float = 0.0
+    linear_shared_sp_bytes: float = 0.0
 
     def activation_bytes_for(self, recompute: str = "none", sequence_parallel: bool = False) -> int:
         """Bytes one microbatch keeps between this layer's forward and its backward.
@@ -248,6 +255,8 @@ LAYER_FIELDS = {
     "name": "str", "kind": "str", "params": "int", "param_bytes": "num", "activation_bytes": "num",
     "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num", "tp": "int",
     "attention_core_bytes": "num", "sequence_parallel_bytes": "num", "input_sequence_parallel_bytes": "num",
+    "linear_input_bytes": "num", "linear_input_sp_bytes": "num", "linear_shared_bytes": "num",
+    "linear_shared_sp_bytes": "num",
 }
 GRAPH_FIELDS = {  # LayerGraph's plain fields; layers, edges, op_graphs and extra are decoded by hand
     "model": "str", "tp": "int", "mbs": "int", "seq": "int", "bytes_per_element": "int", "total_params": "int",

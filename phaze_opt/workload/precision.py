@@ -35,17 +35,30 @@ the cast traffic, kept simple on purpose. Weights are cast once per iteration, n
 microbatch (TE's `is_first_microbatch` caches the FP8 weights over a step's microbatches): that
 traffic is in the optimizer step (`weight_copy_bytes`).
 
-Memory. TE keeps an FP8 copy of each weight and its transpose beside the BF16 weight and the FP32
-master copy (Hopper's FP8 GEMMs take only the TN layout, so dgrad needs W^T in FP8; MXFP8 keeps a
-row-wise and a column-wise copy): `weight_copy_bytes` per parameter, added to the optimizer-state
-term of `solve.placement.types.state_split` (so the optimizer step streams it too: the cast writes
-it once per step). Limits: it is charged on every parameter (the embedding and output layer have
-none), and under ZeRO-1 it is sharded with the optimizer state, which understates it (each data-
-parallel rank holds its own copy). The scale bytes of the copies are left out (at most 1/16 B).
+Memory. TE keeps the weights in BF16 (the model's parameters) and quantizes them before the GEMMs
+into an FP8 workspace it caches (TE user guide, "Performance Considerations", "Memory usage":
+"2 MB (weight) + 1 MB (weight in FP8) + 1 MB (input in FP8 saved for backward)" for a 1024 x 1024
+BF16 layer); the FP32 master weights and Adam's moments are the optimizer's, as in BF16. Each
+weight is used row-wise (forward) and column-wise (data gradient); on Hopper an FP8 column-wise
+tensor must be physically transposed, so two copies (same page, "Handling transposes"); MXFP8 and
+NVFP4 scale along rows and along columns, two copies again. `weight_copy_bytes` per parameter:
+FP8 2, MXFP8 2, NVFP4 1 (the scale bytes, at most 1/8 B, left out). On Blackwell per-tensor FP8
+reads both usages from one copy ("Blackwell supports columnwise access natively"): there FP8 is
+over-counted by 1 B per parameter (the arch does not say its generation). The copies are per
+rank, not optimizer state: Megatron-Core's distributed optimizer (ZeRO-1) shards only the
+optimizer state, so every data-parallel rank holds its stage's copies whole (solve/placement/types.py
+`weight_copies`); under ZeRO-3 they are made from the gathered layer and live in its working set.
+They are charged on every parameter (the embedding and output layer have none; FP8 primary weights,
+`--fp8-param-gather`, which drop the BF16 weight, are not modelled).
 
-Saved activations: TE saves the FP8 cast of each linear layer's input for the weight gradient
-instead of the BF16 one, but it also keeps the BF16 tensors its norms and activations need, so
-the traced saved bytes (BF16) are kept as they are: an upper bound on the activation memory.
+Saved activations: TE saves the FP8 (column-wise) cast of each linear layer's input for the weight
+gradient instead of the BF16 input (same page: "By default, TE saves the columnwise quantized input
+for the backward pass"; `save_original_input` is off by default). `precision_layer` applies it to
+the traced saved bytes (trace.py `_Mapper._linear_inputs`): a linear input only weight gradients
+read (the norm outputs, the MLP activation, a MoE's dispatched tokens) is kept at the format's
+bytes per element instead of BF16's; one other backward ops read too (the attention output, which
+the fused attention backward also reads) keeps its BF16 tensor and gains the format's copy. The
+sequence-parallel parts shrink the same way. The embedding and output layer stay BF16.
 
 Communication: BF16 throughout. Megatron-Core's tensor-parallel all-reduces and the data-
 parallel gradient reductions carry BF16/FP32; FP8 all-gathers happen only with
@@ -58,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ops import TC, TCVC, VC, LayerGraph, Op, OpGraph
+from .ops import TC, TCVC, VC, Layer, LayerGraph, Op, OpGraph
 
 BF16 = "bf16"
 
@@ -68,15 +81,21 @@ class NumberFormat:
     name: str
     operand_bytes: float  # per element, scales included (OCP MX spec v1.0: one 8-bit scale per block)
     weight_copy_bytes: int  # low-precision weight copies per parameter (module docstring)
+    # Significand bits, the hidden bit included: what a multiplier's array grows with (its energy
+    # ~ bits^2; hardware/energy.py). E4M3 4 (the wider of FP8's two encodings; E5M2 has 3), E2M1 2.
+    significand_bits: int = 8
+
+
+BF16_SIGNIFICAND_BITS = 8  # 7 stored + the hidden bit (bfloat16)
 
 
 # FP8 E4M3/E5M2 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"); MXFP8: blocks of 32
 # with an E8M0 scale (OCP Microscaling Formats v1.0, 2023); NVFP4: E2M1 in blocks of 16 with an
 # E4M3 scale (NVIDIA Blackwell architecture technical brief, 2024).
 FORMATS = {
-    "fp8": NumberFormat("fp8", 1.0, 2),
-    "mxfp8": NumberFormat("mxfp8", 1.0 + 1.0 / 32, 2),
-    "nvfp4": NumberFormat("nvfp4", 0.5 + 1.0 / 16, 1),
+    "fp8": NumberFormat("fp8", 1.0, 2, significand_bits=4),
+    "mxfp8": NumberFormat("mxfp8", 1.0 + 1.0 / 32, 2, significand_bits=4),
+    "nvfp4": NumberFormat("nvfp4", 0.5 + 1.0 / 16, 1, significand_bits=2),
 }
 # Layer kinds whose GEMMs stay BF16 (module docstring: the embedding and Megatron-Core's output layer).
 BF16_LAYER_KINDS = ("embedding", "head")
@@ -84,6 +103,19 @@ CAST_OPS = ("cast", "amax")
 # Traced op kinds of linear layers: dense GEMMs and a MoE's grouped expert GEMMs (TE's GroupedLinear
 # runs FP8 as its Linear does); "bgemm" (attention products) is left out on purpose.
 LINEAR_GEMMS = ("gemm", "grouped_gemm")
+
+
+def operand_bytes(datatype: str, bytes_per_element: float) -> float:
+    """Bytes per element of a GEMM operand in `datatype` ("" or "bf16": the graph's own width)."""
+    return float(bytes_per_element) if datatype in ("", BF16) else FORMATS[datatype].operand_bytes
+
+
+def significand_ratio(datatype: str) -> float:
+    """(significand bits / BF16's)^2 of a GEMM operand format ("" or "bf16": 1): the share of a BF16
+    multiplier's array a multiplier of this format needs (hardware/energy.py)."""
+    if datatype in ("", BF16):
+        return 1.0
+    return (FORMATS[datatype].significand_bits / BF16_SIGNIFICAND_BITS) ** 2
 
 
 def weight_copy_bytes(precision: str) -> int:
@@ -123,13 +155,32 @@ def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_
     return dataclasses.replace(op_graph, ops=tuple(ops), edges=tuple(sorted(edges)))
 
 
+def precision_layer(layer: Layer, precision: str, bytes_per_element: float) -> Layer:
+    """`layer` with the saved inputs of its linear GEMMs as TE keeps them in `precision` (module
+    docstring, "Saved activations"): those only weight gradients read at the format's width, an
+    extra copy in the format of those other backward ops read too."""
+    if precision == BF16 or layer.kind in BF16_LAYER_KINDS:
+        return layer
+    f = FORMATS[precision].operand_bytes / float(bytes_per_element)  # format bytes per BF16 byte
+
+    def low(total, only, shared):
+        return total - only * (1.0 - f) + shared * f
+
+    return dataclasses.replace(
+        layer,
+        activation_bytes=low(layer.activation_bytes, layer.linear_input_bytes, layer.linear_shared_bytes),
+        sequence_parallel_bytes=low(layer.sequence_parallel_bytes, layer.linear_input_sp_bytes,
+                                    layer.linear_shared_sp_bytes))
+
+
 def precision_graph(graph: LayerGraph, precision: str) -> LayerGraph:
     """The layer graph trained in `precision` (see the module docstring); BF16: `graph` itself."""
     if precision == BF16:
         return graph
     op_graphs = {kind: {name: precision_ops(og, kind, precision, graph.bytes_per_element) for name, og in passes.items()}
                  for kind, passes in graph.op_graphs.items()}
-    return dataclasses.replace(graph, op_graphs=op_graphs)
+    layers = tuple(precision_layer(layer, precision, graph.bytes_per_element) for layer in graph.layers)
+    return dataclasses.replace(graph, op_graphs=op_graphs, layers=layers)
 
 
 

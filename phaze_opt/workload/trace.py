@@ -199,6 +199,14 @@ class LayerTrace:
     # What eager autograd saves beyond `saved`: values a fused kernel rebuilds in backward
     # (`_Mapper._rebuilt_in_backward`), same form as `saved`; not in `activation_bytes`.
     rebuilt: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
+    # Of `activation_bytes`: the saved inputs of linear GEMMs (a weight operand) that only their weight
+    # gradients read in the backward, and those other backward ops read too (`_Mapper._linear_inputs`);
+    # each with its sequence-parallel part. A low-precision recipe keeps the first in its format
+    # instead and adds a copy of the second (workload/precision.py).
+    linear_input_bytes: int = 0
+    linear_input_sp_bytes: int = 0
+    linear_shared_bytes: int = 0
+    linear_shared_sp_bytes: int = 0
 
 
 def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
@@ -261,6 +269,7 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         attention_core_bytes=_region_bytes(mapped, ATTENTION_CORE),
         sequence_parallel_bytes=_region_bytes(mapped, SEQUENCE_PARALLEL),
         input_sequence_parallel_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
+        **mapped["linear"],
     )
 
 
@@ -576,6 +585,11 @@ class _Mapper:
         activation_bytes = sum(s[3] for s in saved)
         regions = self._regions()
         saved_regions = tuple(regions[name] for name, *_ in saved)
+        roles = self._linear_inputs()
+        linear = {f"linear_{role}{'_sp' if sp else ''}_bytes": sum(
+            e[3] for e, r in zip(saved, saved_regions)
+            if roles.get(e[0]) == role and (not sp or r == SEQUENCE_PARALLEL)) for role in ("input", "shared")
+            for sp in (False, True)}
 
         graphs = {}
         extra = {}
@@ -594,7 +608,34 @@ class _Mapper:
             "param_grad_ops": tuple(sorted({i for g in par_nodes if (i := op_of(g)) is not None})),
             "unmapped": tuple(dict.fromkeys(self.unmapped)),
             "saved_regions": saved_regions,
+            "linear": linear,
         }
+
+    def _linear_inputs(self) -> dict[str, str]:
+        """Forward values that are a linear GEMM's activation operand (the other operand a weight),
+        by traced name: "input" when in the backward only weight-gradient GEMMs (producing a
+        parameter gradient) read them, else "shared" (e.g. the attention output, which the
+        attention backward reads too). Transformer Engine saves the first in FP8 in place of the
+        BF16 tensor and keeps an FP8 copy beside the second (TE user guide, "Performance
+        Considerations", "Memory usage": it saves the column-wise quantized input of each linear
+        layer for its weight gradient)."""
+        bpos = self.pos[self.boundary]
+        linear_in = set()
+        for n in self.nodes[:bpos]:
+            if n.op == "call_function" and _op_name(n) in _GEMMS:
+                bases = [self._alias_base(a) for a in n.args[-2:] if isinstance(a, torch.fx.Node)]
+                if any(b in self.param_ph for b in bases):
+                    linear_in.update(b for b in bases if b not in self.param_ph)
+        wgrads = self._param_grad_bases()
+        shared = set()
+        for n in self.nodes[bpos + 1:]:
+            if n.op != "call_function" or _op_name(n) in _ALIASES or (
+                    n.target is operator.getitem and _op_name(n.args[0]) in _ALIASES):
+                continue
+            if _op_name(n) in _GEMMS and n in wgrads:
+                continue
+            shared.update(b for a in _arg_nodes(n) if (b := self._alias_base(a)) in linear_in)
+        return {b.name: "shared" if b in shared else "input" for b in linear_in}
 
     def _build_pass(self, pname, pnodes):
         in_pass = set(pnodes)

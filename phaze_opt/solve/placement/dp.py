@@ -75,7 +75,7 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
+from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split, weight_copies
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -411,7 +411,8 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
         # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
         # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
-        coef = {0: w_b + g_b + o_b, 1: w_b + g_b + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.training.zero]
+        k = weight_copies(problem)  # held whole by every rank under ZeRO 0 and 1 (types.weight_copies)
+        coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes

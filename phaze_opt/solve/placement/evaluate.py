@@ -98,6 +98,7 @@ from .types import (
     check_placement_shape,
     infeasible_result,
     state_split,
+    weight_copies,
 )
 
 
@@ -207,6 +208,7 @@ def evaluate_placement(
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
+    k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0 and 1
     stages = []
     for s, stage in enumerate(placement.stages):
         layers = sorted(int(v) for v in stage)
@@ -234,8 +236,8 @@ def evaluate_placement(
                 work = c * float(costs.selective_work_bytes[v])
             else:
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
-            if zero == 3:  # the layer's gathered parameters live through its forward and backward
-                work += float(costs.params[v]) * w_b
+            if zero == 3:  # the layer's gathered parameters (and their low-precision copies) live through its passes
+                work += float(costs.params[v]) * (w_b + k_b)
             recompute += rec
             rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
             backward += bwd_v + rec
@@ -273,11 +275,11 @@ def evaluate_placement(
             stashed = inflight * stash
         # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5).
         if zero == 0:
-            state = params * (w_b + g_b + o_b)
+            state = params * (w_b + g_b + o_b + k_b)
         elif zero == 1 and e > 1:  # each kind of parameter sharded over its own replicas
-            state = params * (w_b + g_b) + _ceil(dense * o_b / ranks) + _ceil(experts * o_b / expert_ranks)
+            state = params * (w_b + g_b + k_b) + _ceil(dense * o_b / ranks) + _ceil(experts * o_b / expert_ranks)
         elif zero == 1:
-            state = params * (w_b + g_b) + _ceil(params * o_b / ranks)
+            state = params * (w_b + g_b + k_b) + _ceil(params * o_b / ranks)
         else:
             state = _ceil(params * w_b / d) + _ceil(params * g_b / d) + _ceil(params * o_b / d)
         memory = state + stashed + working
@@ -329,6 +331,7 @@ def evaluate_placement(
                     "parameters": params * w_b if zero < 3 else _ceil(params * w_b / d),
                     "gradients": params * g_b if zero < 3 else _ceil(params * g_b / d),
                     "optimizer_state": params * o_b if zero == 0 else _ceil(params * o_b / d),
+                    **({"low_precision_weights": params * k_b} if k_b and zero < 3 else {}),
                     "activations": stashed,
                     "recompute_working_set": working,
                 },

@@ -61,7 +61,7 @@ from .kernel import (
     sweep_start,
 )
 from .evaluate import format_bytes
-from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split
+from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split, weight_copies
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -295,10 +295,11 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     tail_lb = (tail_const + tail_lin / S) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
     with np.errstate(invalid="ignore"):
         lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)
+    k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
-        state = P * (w_b + g_b + o_b)
+        state = P * (w_b + g_b + o_b + k_b)
     else:
-        state = P * (w_b + g_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
+        state = P * (w_b + g_b + k_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
     s_only = np.where((v > 1) & (S > 1), S, 0)
@@ -392,12 +393,13 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
             step = params0 * per
         tail = tail + step / problem.hbm_bandwidth
     tail = np.where(ok, tail, INF)
+    k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
-        state = params0 * (w_b + g_b + o_b)
+        state = params0 * (w_b + g_b + o_b + k_b)
     elif e > 1:
-        state = params0 * (w_b + g_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
+        state = params0 * (w_b + g_b + k_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
     else:
-        state = params0 * (w_b + g_b) + np.ceil(params0 * o_b / ranks)
+        state = params0 * (w_b + g_b + k_b) + np.ceil(params0 * o_b / ranks)
     kmax = stage_fit(state, acts, workmax, ok, problem.hbm_bytes, S_only, v, m)
     time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import PhazeError
 from .evaluate import evaluate_placement
-from .types import Placement, PlacementProblem, PlacementResult, state_split
+from .types import Placement, PlacementProblem, PlacementResult, state_split, weight_copies
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -155,18 +155,19 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
     if problem.training.zero == 3:
-        work = work + c.params * state_split(problem)[0]
+        work = work + c.params * (state_split(problem)[0] + weight_copies(problem))
     return kept, work, rec
 
 
 def state_bytes(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
     """Model state bytes per device of stages with `params` parameters at d replicas (ZeRO)."""
     w, g, o = state_split(problem)
+    k = weight_copies(problem)
     if problem.training.zero == 0:
-        return params * (w + g + o)
+        return params * (w + g + o + k)
     with np.errstate(invalid="ignore"):
         if problem.training.zero == 1:
-            return params * (w + g) + np.ceil(params * o / d)
+            return params * (w + g + k) + np.ceil(params * o / d)
         return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
 
 
@@ -182,7 +183,7 @@ def chain_width(problem: PlacementProblem, costs) -> int:
     width = 1
     for c in costs:
         dmax = max(1, problem.system.accelerators // c.tp) if problem.training.zero else 1
-        state = c.params * ((w + g + o) / dmax if problem.training.zero == 3 else (w + g + o / dmax))
+        state = c.params * ((w + g + o) / dmax if problem.training.zero == 3 else (w + g + weight_copies(problem) + o / dmax))
         footprint = (state + layer_terms(problem, c)[0] / problem.training.virtual_stages) * (1 - 1e-9)
         prefix = np.concatenate([[0.0], np.cumsum(footprint)])
         ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1

@@ -191,12 +191,26 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     the 16-bit (or fp32) weight, its gradient, and the rest (fp32 master weight and Adam's moments
     under mixed precision; ZeRO, Rajbhandari et al., SC'20, Sec. 3.1); a recipe's optimizer-state
     layout (`Training.optimizer_state`) replaces the rest with its own bytes. A low-precision
-    recipe's weight copies (workload/precision.py, `weight_copy_bytes`) join the rest."""
+    recipe's weight copies are not state the optimizer shards: `weight_copies`."""
     system = problem.system
     e = system.bytes_per_element
     layout = problem.training.optimizer_state_bytes
     rest = system.state_bytes_per_param - e - system.grad_bytes_per_param if layout is None else layout
-    return e, system.grad_bytes_per_param, rest + weight_copy_bytes(problem.training.precision)
+    return e, system.grad_bytes_per_param, rest
+
+
+def weight_copies(problem: "PlacementProblem") -> int:
+    """Bytes per parameter of a low-precision recipe's weight copies (workload/precision.py,
+    `weight_copy_bytes`; 0 in BF16). They sit beside the 16-bit weight and are sharded as it is:
+    Megatron-Core's distributed optimizer (ZeRO-1) distributes only the optimizer state, "[no]
+    distribute model parameters" (Megatron-Core developer guide, "Distributed Optimizer"), and
+    Transformer Engine quantizes each rank's whole local weight into its own FP8 workspace (TE
+    user guide, "Performance Considerations", "Memory usage": weights kept in high precision and
+    quantized before each GEMM), so under ZeRO 0 and 1 every data-parallel rank holds all of its
+    stage's copies. Under ZeRO-3 the weight is gathered per layer and the copies are
+    made from the gathered weight: they live in that layer's working set beside it."""
+    return weight_copy_bytes(problem.training.precision)
+
 
 
 # LayerCosts' expert- and context-parallel per-layer terms, zero by default (a dense model at a short sequence).
@@ -267,7 +281,7 @@ class PlacementProblem:
         object.__setattr__(self, "interleave_layers", il)
         for c in costs:
             largest = largest_memory_bytes(
-                float(np.sum(c.params)), sum(state_split(self)), c.n_layers,
+                float(np.sum(c.params)), sum(state_split(self)) + weight_copies(self), c.n_layers,
                 float(np.sum(c.activation_bytes) + np.sum(c.boundary_bytes) + np.sum(c.input_bytes)),
             )
             if largest >= EXACT_BYTES:
