@@ -201,7 +201,8 @@ def evaluate_placement(
     ranks = d * c  # holders of the same dense weights
     expert_ranks = int(problem.training.expert_replicas(t, c, d, e))  # holders of the same routed experts
     # the experts' gradients and state form their own group when its ranks are not the dense ones'
-    split = e > 1 or (expert_ranks != ranks and any(float(x) > 0 for x in costs.expert_params))
+    moe = any(float(x) > 0 for x in costs.expert_params)
+    split = e > 1 or (expert_ranks != ranks and moe)
     stride = problem.training.expert_stride(t, c)
 
     stage_of = {}
@@ -366,7 +367,8 @@ def evaluate_placement(
         reasons.append(
             f"needs {used} accelerators (tp {t}{wide} x pp {S} x dp {d}) but the system has {system.accelerators}"
         )
-    if not problem.training.expert_fits(t, c, d, e):
+    # (folded, a model without routed experts has no expert grid to fit)
+    if not problem.training.expert_fits(t, c, d, e) and (moe or problem.training.expert_tensor_parallel is None):
         reasons.append(problem.training.expert_fit_reason(t, c, d, e))
     if zero == 3 and (e > 1 or c > 1 or split):
         reasons.append("ZeRO-3 with expert, expert-tensor or context parallelism is not modelled")

@@ -248,7 +248,8 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         w, e = int(widths[i]), int(b.e[i])
         if N // w < 1:
             continue
-        step = problem.training.data_step(int(b.t[i]), int(b.c[i]), e)
+        # folded, a model without routed experts has no expert grid to fit (placement_eval)
+        step = problem.training.data_step(int(b.t[i]), int(b.c[i]), e) if np.any(b.costs[i].expert_params > 0) else e
         key = (N // w, step)
         if key not in cache:
             ds = _degrees(problem, N // w, step)
@@ -503,9 +504,11 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
         # only the TP widths whose experts (if any) share the dense replicas: the evaluator refuses the rest
         alike = tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs
                       if problem.training.expert_tp(lc.tp) == lc.tp or not np.any(lc.expert_params > 0))
-        plain = replace(problem, costs=alike, ep_widths=(1,), cp_widths=(1,), cp_costs=(),
-                        training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
-        found = optimal_dense_placement(plain, force_dag=force_dag) if alike else None
+        found = None
+        if alike:
+            plain = replace(problem, costs=alike, ep_widths=(1,), cp_widths=(1,), cp_costs=(),
+                            training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
+            found = optimal_dense_placement(plain, force_dag=force_dag)
         if found is not None and found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
     classes, items = _prepare(problem, force_dag)
