@@ -21,7 +21,7 @@ from phaze_opt.solve.placement.expert import optimal_placement
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
 from phaze_opt.training import Training
 
-from test_expert_parallel import brute, hand_system, moe_problem, one_layer
+from test_expert_parallel import assert_dp_is_brute, hand_system, moe_problem, one_layer
 
 
 def folded(problem: PlacementProblem, etp) -> PlacementProblem:
@@ -37,22 +37,14 @@ def test_folded_dp_matches_brute_force(seed, etp, zero, recompute, overlap, imba
     with EP widths wider than the data-parallel degree (only folding admits those)."""
     problem = folded(moe_problem(seed, ep=(1, 2, 4, 8), zero=zero, recompute=recompute, overlap_grad_reduce=overlap,
                                  load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather), etp)
-    want, where = brute(problem)
-    got = optimal_placement(problem)
-    assert got.feasible == math.isfinite(want), (want, where, got.reason)
-    if got.feasible:
-        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), (where, got.tp, got.dp, got.ep, got.cp)
+    assert_dp_is_brute(problem)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), etp=st.sampled_from([1, 2]))
 def test_folded_dp_matches_brute_force_interleaved(seed, etp):
     problem = folded(moe_problem(seed, n=4, ep=(1, 2, 4, 8), virtual_stages=2, global_batch=8), etp)
-    want, where = brute(problem)
-    got = optimal_placement(problem)
-    assert got.feasible == math.isfinite(want)
-    if got.feasible:
-        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), where
+    assert_dp_is_brute(problem)
 
 
 def test_folding_at_etp_equal_tp_without_cp_is_the_unfolded_layout():
