@@ -7,11 +7,13 @@ TP 2 EP 32 over DP 16) that only folding makes feasible."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -169,3 +171,37 @@ def test_experts_priced_at_their_own_width(monkeypatch, tmp_path):
     assert flops(graph.op_graphs["block"]["fwd"]) == pytest.approx(2 * flops(g2.op_graphs["block"]["fwd"]), rel=1e-9)
     with pytest.raises(PhazeError, match="expert_tensor_parallel 3: not a width mixtral-8x7b's layers shard at"):
         check_expert_tp(model, Training(expert_tensor_parallel=3))
+
+
+def test_evaluate_end_to_end_with_folding(monkeypatch, tmp_path, capsys):
+    """A tiny 4-expert model on 4 devices at TP 2 x DP 2: EP 4 only folded (ETP 1); the optimal
+    search with the recipe's ETP finds a placement the evaluator accepts, no slower than the fixed
+    one; the CLI flag reaches the recipe and a bad value is one line."""
+    from phaze_opt import cli
+    from phaze_opt.design.evaluate import evaluate
+    from phaze_opt.hardware.arch import load_arch
+    from phaze_opt.workload.models import parse_model
+
+    from test_moe_design import TINY, small_system
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    model, arch, system = parse_model(dict(TINY, seq=1024), "tiny.yaml"), load_arch("tpuv4"), small_system(4, 8)
+    layout = "tp=2,pp=1,dp=2,ep=4"
+    plain = evaluate(model, arch, Training(1, placement=layout), system, 10.0)
+    assert not plain.feasible and "expert parallelism 4 must divide the data-parallel degree 2" in plain.reason
+    fold = evaluate(model, arch, Training(1, placement=layout, expert_tensor_parallel=1), system, 10.0)
+    assert fold.feasible, fold.reason
+    assert (fold.placement["tp"], fold.placement["dp"], fold.placement["ep"]) == (2, 2, 4)
+    best = evaluate(model, arch, Training(1, expert_tensor_parallel=1), system, 10.0)
+    assert best.feasible and best.time_per_batch_s <= fold.time_per_batch_s * (1 + 1e-9)
+    path = tmp_path / "tiny-moe.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY, seq=1024)))
+    monkeypatch.setattr(cli, "COMMANDS", ("evaluate",))
+    code = cli.main(["evaluate", "--model", str(path), "--arch", "tpuv4", "--devices", "4", "--global-batch", "8",
+                     "--placement", layout, "--expert-tensor-parallel", "1", "--ilp-time-limit", "10", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["time_per_batch_s"] == pytest.approx(fold.time_per_batch_s)
+    code = cli.main(["evaluate", "--model", str(path), "--expert-tensor-parallel", "0"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "expert_tensor_parallel must be a positive integer" in err and err.count("\n") == 1
