@@ -201,7 +201,19 @@ def test_evaluate_end_to_end_with_folding(monkeypatch, tmp_path, capsys):
                      "--placement", layout, "--expert-tensor-parallel", "1", "--ilp-time-limit", "10", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert json.loads(out)["time_per_batch_s"] == pytest.approx(fold.time_per_batch_s)
+    got = json.loads(out)
+    assert got["time_per_batch_s"] == pytest.approx(fold.time_per_batch_s) and got["expert_tensor_parallel"] == 1
     code = cli.main(["evaluate", "--model", str(path), "--expert-tensor-parallel", "0"])
     _, err = capsys.readouterr()
     assert code == 2 and "expert_tensor_parallel must be a positive integer" in err and err.count("\n") == 1
+
+
+def test_the_sweep_bound_does_not_claim_folded_experts():
+    """The level-1 bound runs on layer lower bounds traced at the attention's TP width, which the
+    experts at another width may beat: for a folded MoE recipe it gives no bound (inf)."""
+    from phaze_opt.design.upper_bound import placement_throughput
+    from phaze_opt.workload.models import load_model
+
+    got = placement_throughput(load_model("mixtral-8x7b"), [], 0, system=None, training=Training(expert_tensor_parallel=1),
+                               hbm_bytes=1.0, peak_flops=1.0)
+    assert got == math.inf
