@@ -64,6 +64,17 @@ It holds
   overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
   are. Default off.
 
+- `expert_tensor_parallel`: the MoE layers' own tensor-parallel width ETP, with MoE parallel
+  folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings for
+  Efficient Large-Scale MoE Model Training with Megatron Core", arXiv 2504.14960; Megatron-Core
+  `--expert-tensor-parallel-size`, whose default is the TP size, and its MoE README, "MoE Parallel
+  Folding"): the attention layers keep the TP x CP x DP x PP grid, the MoE layers take ETP x EP x
+  EDP x PP over the same ranks (ETP x EP x EDP = TP x CP x DP, ranks ordered etp, ep, edp), so the
+  EP group may span TP and CP ranks, not only DP replicas. EP x ETP must divide TP x CP x DP; the
+  all-to-all runs over EP ranks ETP apart, the expert GEMMs shard by ETP, expert gradients reduce
+  over EDP (`expert_replicas`). None (default): the unfolded layout of today, ETP = TP and EP
+  a sub-group of the DP replicas (EP divides DP, ranks tp, cp, ep/dp, pp). Not sampled by a space.
+
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
 `SAMPLED_FIELDS`.
@@ -72,6 +83,7 @@ working), its check in `__post_init__`, and, when a search space may sample it, 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -240,6 +252,7 @@ class Training:
     precision: str = "bf16"
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    expert_tensor_parallel: int | None = None
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -263,6 +276,9 @@ class Training:
         if precision not in PRECISIONS:
             raise PhazeError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "precision", precision)
+        if self.expert_tensor_parallel is not None:
+            object.__setattr__(self, "expert_tensor_parallel",
+                               check_mbs(self.expert_tensor_parallel, "expert_tensor_parallel"))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -321,7 +337,9 @@ class Training:
                 # only when not the default, so every earlier recipe (and resumed point key) is unchanged
                 **({"precision": self.precision} if self.precision != "bf16" else {}),
                 **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
-                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {})}
+                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
+                **({"expert_tensor_parallel": self.expert_tensor_parallel}
+                   if self.expert_tensor_parallel is not None else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
@@ -360,6 +378,46 @@ class Training:
             ok = (layers % v == 0) & (layers >= pp * v)
         ok = (pp == 1) | (v == 1) | ok
         return bool(ok) if ok.ndim == 0 else ok
+
+    def expert_tp(self, t: int) -> int:
+        """The MoE layers' tensor-parallel width at attention TP width t: ETP, or t unfolded."""
+        return t if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    def expert_stride(self, t: int, c: int) -> int:
+        """Ranks between neighbouring members of an EP group (what the all-to-all's links depend
+        on): ETP when folded (ranks etp, ep, edp), t x c unfolded (ranks tp, cp, ep/dp)."""
+        return t * c if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    def expert_fits(self, t, c, d, e):
+        """Whether EP width e fits a t x c x d grid (ints or integer arrays): e divides d unfolded;
+        e x ETP divides t x c x d folded (Megatron-Core's parallel-state check for the expert grid)."""
+        if self.expert_tensor_parallel is None:
+            return d % e == 0
+        return (t * c * d) % (e * self.expert_tensor_parallel) == 0
+
+    def expert_fit_reason(self, t: int, c: int, d: int, e: int) -> str:
+        """The one-line reason `expert_fits` is false."""
+        if self.expert_tensor_parallel is None:
+            return f"expert parallelism {e} must divide the data-parallel degree {d}"
+        etp = self.expert_tensor_parallel
+        return (f"expert parallelism {e} x expert tensor parallelism {etp} ({e * etp}) must divide "
+                f"tp x cp x dp ({t} x {c} x {d} = {t * c * d})")
+
+    def expert_replicas(self, t, c, d, e):
+        """EDP: the ranks holding the same routed-expert shard, over which its gradients reduce and
+        ZeRO-1 shards its state (ints or integer arrays; e must fit, `expert_fits`): t c d / (e ETP)
+        folded, d c / e unfolded (at least 1)."""
+        if self.expert_tensor_parallel is None:
+            return np.maximum(1, d * c // e)
+        return np.maximum(1, t * c * d // (e * self.expert_tensor_parallel))
+
+    def data_step(self, t: int, c: int, e: int) -> int:
+        """The least d step keeping EP width e fitting a t x c x d grid: every allowed d is a
+        multiple of it (e unfolded; lcm(e ETP, t c) / (t c) folded)."""
+        if self.expert_tensor_parallel is None:
+            return e
+        need = e * self.expert_tensor_parallel
+        return need // math.gcd(need, t * c)
 
     def with_placement(self, placement: str) -> "Training":
         return replace(self, placement=placement)

@@ -71,6 +71,15 @@ def brute(problem):
     return best
 
 
+def assert_dp_is_brute(problem):
+    """The EP/CP DP's optimum is brute force's (both infeasible, or the same time)."""
+    want, where = brute(problem)
+    got = optimal_placement(problem)
+    assert got.feasible == math.isfinite(want), (want, where, got.reason)
+    if got.feasible:
+        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), (where, got.tp, got.dp, got.ep, got.cp)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
        zero=st.sampled_from([0, 1]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
@@ -91,11 +100,7 @@ def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_b
 @given(seed=st.integers(0, 10**6), v=st.sampled_from([1, 2]))
 def test_dp_matches_brute_force_interleaved(seed, v):
     problem = moe_problem(seed, n=4, virtual_stages=v, global_batch=8)
-    want, where = brute(problem)
-    got = optimal_placement(problem)
-    assert got.feasible == math.isfinite(want)
-    if got.feasible:
-        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), where
+    assert_dp_is_brute(problem)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,11 +111,7 @@ def test_dp_matches_brute_force_interleaved_uneven(seed, layers, embedding, loss
     the expert/context DP's vectorised check admits exactly the pipelines the evaluator does."""
     problem = moe_problem(seed, n=4, virtual_stages=2, global_batch=8, interleave_layers=layers,
                           account_for_embedding=embedding, account_for_loss=loss, optimizer_state=layout)
-    want, where = brute(problem)
-    got = optimal_placement(problem)
-    assert got.feasible == math.isfinite(want)
-    if got.feasible:
-        assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), where
+    assert_dp_is_brute(problem)
 
 
 def test_without_ep_or_cp_the_dense_dp_answers():

@@ -238,6 +238,8 @@ def _top(change):
     (_row_change({"source": {"paper": "narayanan-sc21", "table": "1"}}), "rows[1].source.row", "missing required field"),
     (_row_change({"sequence_parallel": "yes"}), "rows[1].sequence_parallel", "must be true or false"),
     (_row_change({"virtual_stages": 4}), "rows[1].virtual_stages", "must divide the model's 30 layers"),
+    (_row_change({"expert_tensor_parallel": 1}), "rows[1].expert_tensor_parallel", "has no experts; leave it out"),
+    (_row_change({"expert_tensor_parallel": 0}), "rows[1].expert_tensor_parallel", "must be a positive integer"),
     (_top({"arch": "a100-90gb"}), "arch", "unknown arch 'a100-90gb'; choose one of"),
     (_top({"system": "dgx-z100"}), "system", "unknown system 'dgx-z100'"),
     (_top({"metric": "speed"}), "metric", "must be one of per_gpu_tflops, iteration_time_s, layer_seconds"),

@@ -53,7 +53,8 @@ def add_arguments(p):
         "--placement",
         default="optimal",
         help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D[,ep=E,cp=C] (layers split "
-             "evenly; ep: expert parallelism, dividing dp; cp: context parallelism)",
+             "evenly; ep: expert parallelism, dividing dp, or with --expert-tensor-parallel ep x ETP dividing "
+             "tp x cp x dp; cp: context parallelism)",
     )
     p.add_argument("--seq", type=int, default=None, metavar="S",
                    help="override the model's sequence length (tokens per sequence)")
@@ -61,6 +62,10 @@ def add_arguments(p):
                    help="MoE expert buffers hold F x the mean tokens per expert (default 1.0)")
     p.add_argument("--load-imbalance", type=float, default=1.0, metavar="I",
                    help="MoE: tokens at the busiest expert-parallel rank over the mean, >= 1 (default 1.0, balanced)")
+    p.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="ETP",
+                   help="MoE parallel folding (Megatron-Core --expert-tensor-parallel-size): the MoE layers' own TP "
+                        "width; EP then spans TP x CP x DP ranks (ep x ETP divides tp x cp x dp); default: unfolded, "
+                        "expert TP = tp and ep dividing dp")
     add_ilp_time_limit(p)
 
 
@@ -87,7 +92,8 @@ def run(args) -> dict:
                       overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
-                      optimizer_state=args.optimizer_state, precision=args.precision)
+                      optimizer_state=args.optimizer_state, precision=args.precision,
+                      expert_tensor_parallel=args.expert_tensor_parallel)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -136,6 +142,8 @@ def render(r: dict) -> str:
         extras.append("overlapped param gather")
     if r.get("tp_comm_overlap"):
         extras.append("TP comm overlapped")
+    if r.get("expert_tensor_parallel"):
+        extras.append(f"experts folded at expert TP {r['expert_tensor_parallel']}")
     if r.get("attention"):
         extras.append(f"{r['attention']} attention")
     if r.get("seq"):

@@ -54,7 +54,7 @@ from ..training import Layout, Training
 from ..workload.graphs import SP_COLLECTIVE, build_layer_graph, sequence_parallel_graph
 from ..workload.precision import precision_graph
 from ..workload.models import ModelConfig, load_model
-from .parallel import attention_core_s, ep_widths as model_ep_widths, parallel_setup
+from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
 
 PASSES = ("fwd", "bwd")
 PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it (rounding only)
@@ -349,6 +349,7 @@ def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Tr
     if ep not in model_ep_widths(model) and not (model.moe and model.experts % ep == 0):
         raise PhazeError(f"placement ep={ep}: must divide the {model.experts} experts of {model.name}"
                          if model.moe else f"placement ep={ep}: {model.name} has no experts; use ep=1")
+    check_expert_tp(model, training)
     if cp > 1 and model.seq % (2 * cp):
         raise PhazeError(f"placement cp={cp}: the sequence of {model.seq} tokens must split into 2 x cp equal chunks")
     return replace(even_placement(problem, tp, pp, dp), ep=ep, cp=cp)

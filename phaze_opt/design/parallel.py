@@ -18,6 +18,16 @@ per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s 
   all cores, added in sequence: `expert_s`), the attention core's forward and backward time (one
   K/V block's worth, `attention_core_s`, the same sum selective recompute prices), and the K and V
   block a ring step passes on (2 x s/c x batch x KV heads / t x head size x bytes).
+- Expert tensor parallelism (`Training.expert_tensor_parallel`, MoE parallel folding): the routed
+  experts' parameters per device are E x one expert's / ETP. A device's share of a stage's expert
+  FLOPs is the same at any ETP and EP (balanced: the tokens x k x one expert's FLOPs / (t c));
+  what ETP changes is each GEMM's shape, experts ETP-way sharded instead of t-way. So the experts'
+  time is the grouped GEMMs of the layer traced at TP width ETP times ETP / t (that trace computes
+  t / ETP times a device's share), and the layer's forward and backward change by its difference
+  from the TP-width experts' time (proven lower bounds by the same difference, so they stay
+  bounds). As at ETP = t, the ETP group's
+  gather of the received tokens (and its reduce-scatter) is left to the traced block's SP
+  collectives at width t.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..errors import PhazeError
 from ..hardware.latency import estimate
 from ..solve.placement.types import LayerCosts
 from ..workload.graphs import build_layer_graph, routed_expert_params
@@ -86,12 +97,16 @@ def parallel_sizes(costs: LayerCosts, model: ModelConfig, training, cp: int = 1)
     tokens = training.mbs * model.seq
     if training.sequence_parallel:  # each TP rank's SP share (module docstring)
         tokens = -(-tokens // t)
-    expert_params = routed_expert_params(model) * model.experts // t if model.moe else 0
+    routed = routed_expert_params(model) * model.experts if model.moe else 0
+    expert_params = routed // training.expert_tp(t)
+    traced = routed // t  # what the layer's parameters, traced at width t, hold of the experts
     dispatch = float(np.ceil(model.capacity_factor * tokens * model.top_k) * model.hidden * e_bytes) if model.moe else 0.0
     kv = float(tokens * model.kv_elements_per_token(t) * e_bytes)
+    moe = np.array([routed_kind(model, k) for k in kinds], dtype=bool)
     return replace(
         costs,
-        expert_params=[expert_params if routed_kind(model, k) else 0.0 for k in kinds],
+        params=np.where(moe, costs.params - traced + expert_params, costs.params),
+        expert_params=np.where(moe, float(expert_params), 0.0),
         dispatch_bytes=[dispatch if routed_kind(model, k) else 0.0 for k in kinds],
         kv_bytes=[kv if attention_kind(k) else 0.0 for k in kinds],
         cp=cp,
@@ -102,12 +117,8 @@ def _layer_kinds(model: ModelConfig) -> list[str]:
     return [kind for _, kind in layer_sequence(model)]
 
 
-def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, system, cp: int = 1) -> LayerCosts:
-    """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms, the
-    experts' GEMMs in the recipe's `precision` as the layer times have them."""
-    t = costs.tp
-    graph = precision_graph(build_layer_graph(model, t, training.mbs, attention=training.attention), training.precision)
-    link = system.tp_link(t)
+def _pass_times(graph, arch, link) -> dict:
+    """{kind: {"core": (fwd, bwd), "expert": (fwd, bwd)}} of a layer graph's passes (split latencies)."""
     per_kind = {}
     for kind in graph.kinds:
         lat = {p: estimate(graph.op_graphs[kind][p], [arch], interconnect=link).split[0] for p in ("fwd", "bwd")}
@@ -117,14 +128,54 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
             "expert": (expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
                        expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
         }
+    return per_kind
+
+
+def check_expert_tp(model: ModelConfig, training) -> None:
+    """The recipe's ETP must be a width the model's experts can be traced at (one of its TP widths)."""
+    etp = training.expert_tensor_parallel
+    if etp is not None and model.moe and etp not in model.tp_widths:
+        raise PhazeError(f"expert_tensor_parallel {etp}: not a width {model.name}'s layers shard at; "
+                         f"allowed: {', '.join(map(str, model.tp_widths))}")
+
+
+def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, system, cp: int = 1) -> LayerCosts:
+    """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms, the
+    experts' GEMMs in the recipe's `precision` as the layer times have them, and at the recipe's
+    expert TP width (the module docstring; `expert_shift` is what that changed in each layer's
+    forward and backward)."""
+    t = costs.tp
+    build = lambda width: precision_graph(build_layer_graph(model, width, training.mbs, attention=training.attention),
+                                          training.precision)
+    graph = build(t)
+    per_kind = _pass_times(graph, arch, system.tp_link(t))
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
+    expert = {k: per_kind[k]["expert"] for k in per_kind}
+    etp = training.expert_tp(t)
+    if etp != t and model.moe:
+        check_expert_tp(model, training)
+        at_etp = _pass_times(build(etp), arch, system.tp_link(etp))
+        expert = {k: tuple(x * etp / t for x in at_etp[k]["expert"]) for k in per_kind}
+    shift_f = np.array([expert[k][0] - per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows])
+    shift_b = np.array([expert[k][1] - per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows])
     return replace(
         parallel_sizes(costs, model, training, cp),
-        expert_fwd_s=[per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows],
-        expert_bwd_s=[per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows],
+        fwd_s=np.maximum(0.0, costs.fwd_s + shift_f) if etp != t else costs.fwd_s,
+        bwd_s=np.maximum(0.0, costs.bwd_s + shift_b) if etp != t else costs.bwd_s,
+        expert_fwd_s=[expert[k][0] if moe else 0.0 for k, moe, _ in rows],
+        expert_bwd_s=[expert[k][1] if moe else 0.0 for k, moe, _ in rows],
         core_fwd_s=[per_kind[k]["core"][0] if attn else 0.0 for k, _, attn in rows],
         core_bwd_s=[per_kind[k]["core"][1] if attn else 0.0 for k, _, attn in rows],
     )
+
+
+def _bound_of(full: LayerCosts, traced: LayerCosts, bound: LayerCosts | None) -> LayerCosts:
+    """`full` with the proven lower-bound layer times of `bound` (traced beside `traced`), moved by
+    the same expert-TP change as `full`'s times (a lower bound plus a difference stays one)."""
+    if bound is None:
+        return full
+    return replace(full, fwd_s=np.maximum(0.0, bound.fwd_s + (full.fwd_s - traced.fwd_s)),
+                   bwd_s=np.maximum(0.0, bound.bwd_s + (full.bwd_s - traced.bwd_s)))
 
 
 def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, layer_costs_fn, fixed=None) -> dict:
@@ -144,7 +195,7 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
     for lc, bound in per_tp.values():
         full = with_parallel_terms(lc, model, arch, training, system)
         costs.append(full)
-        bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
+        bounds.append(_bound_of(full, lc, bound))
     cp_costs, cp_bounds, unproven = [], [], []
     for c in cps:
         if c == 1:
@@ -155,7 +206,7 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
                 lc, bound, open_passes = layer_costs_fn(short, t)
                 full = with_parallel_terms(lc, short, arch, training, system, c)
                 cp_costs.append(full)
-                cp_bounds.append(replace(full, fwd_s=bound.fwd_s, bwd_s=bound.bwd_s) if bound is not None else full)
+                cp_bounds.append(_bound_of(full, lc, bound))
                 unproven += [f"tp{t} cp{c} {u}" for u in open_passes]
     return {"costs": tuple(costs), "cp_costs": tuple(cp_costs), "ep_widths": eps, "cp_widths": cps,
             "bounds": {"costs": tuple(bounds), "cp_costs": tuple(cp_bounds)}, "unproven": unproven}

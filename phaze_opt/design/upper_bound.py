@@ -41,6 +41,10 @@ placement search with the sizes exact (expert parameters, all-to-all and K/V byt
 terms at their lower bounds: the experts' imbalance and the attention cores at zero (CP's per-step
 time (c - 1) max(core, K/V hop) is non-decreasing in the core, so zero bounds it).
 
+MoE parallel folding (`Training.expert_tensor_parallel`) prices the experts' GEMMs at another width
+than the layers these bounds are traced at, so neither level covers it; no space samples it (it is
+not in `training.OPTIONAL_FIELDS`), and `placement_throughput` gives no bound (inf) for such a recipe.
+
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
 point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall
 with longer layer times, so its throughput bounds the point's; it also proves points with no memory-feasible placement (a
@@ -244,6 +248,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     it would not be, since compute hidden under gathers lengthens the window but not the pass.)
     0.0 when no placement fits memory (then no schedule can make one fit).
     """
+    if training.expert_tensor_parallel is not None and model.moe:
+        return float("inf")  # folded experts run at another width than these layer bounds: no bound
     mbs, attention = training.mbs, training.attention
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]

@@ -38,7 +38,7 @@ def _config(r: RowResult, suite_system: str | None = None) -> str:
         (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "") + \
         (f" zero{c['zero']}" if c.get("zero") else "") + \
         (f" on {c['system']}" if c.get("system") and c["system"] != suite_system else "")
-    parallel = "".join(f" {k}{c[k]}" for k in ("cp", "ep") if k in c) + (f" seq {c['seq']}" if "seq" in c else "")
+    parallel = "".join(f" {k}{c[k]}" for k in ("cp", "ep", "etp") if k in c) + (f" seq {c['seq']}" if "seq" in c else "")
     return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']}{parallel} gpus {c['gpus']} batch {c['batch']} "
             f"mbs {c['mbs']} {extras}")
 

@@ -140,7 +140,8 @@ def row_config(row: Row, suite: Suite) -> dict:
                                  ("overlap_param_gather", row.overlap_param_gather),
                                  ("tp_comm_overlap", row.tp_comm_overlap)) if v not in (1, None, 0, False)},
             **({"precision": row.precision} if row.precision != "bf16" else {}),
-            **({"attention": row.attention} if row.attention else {})}
+            **({"attention": row.attention} if row.attention else {}),
+            **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -157,7 +158,8 @@ def row_training(row: Row) -> Training:
     return Training(row.microbatch, row.recompute, layout.spec(),
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
-                    tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention)
+                    tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
+                    expert_tensor_parallel=row.expert_tensor_parallel)
 
 
 def row_model(row: Row):

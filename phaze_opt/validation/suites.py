@@ -21,7 +21,8 @@ A training row is one published run:
     model                       a name in configs/models
     heads, hidden, layers       optional: the paper's numbers, checked against the model config
     tp, pp, gpus                tensor and pipeline widths and the device count; dp = gpus / (tp pp cp)
-    cp, ep                      optional: context and expert parallel widths (default 1; ep divides dp)
+    cp, ep                      optional: context and expert parallel widths (default 1; ep divides dp,
+                                or with expert_tensor_parallel ep x it divides tp x cp x dp)
     seq                         optional: tokens per sequence (default the model's)
     batch, microbatch           global batch and microbatch in sequences; batch = microbatch x dp x m
     virtual_stages              model chunks per device of the interleaved 1F1B schedule (default 1)
@@ -33,6 +34,9 @@ A training row is one published run:
                                 (Megatron `--overlap-param-gather`; default false)
     tp_comm_overlap             optional: SP's TP collectives pipelined with the GEMMs
                                 (Megatron `--tp-comm-overlap`; default false)
+    expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
+                                (Megatron-Core `--expert-tensor-parallel-size`, whose default is tp;
+                                then ep x it must divide tp x cp x dp); absent: unfolded, ep divides dp
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
@@ -98,7 +102,8 @@ TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
-                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention")
+                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
+                "expert_tensor_parallel")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -196,6 +201,7 @@ class Row:
     arch: str | None = None  # None: the suite's
     precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS)
     attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
+    expert_tensor_parallel: int | None = None  # ETP with MoE parallel folding; None: unfolded
 
     @property
     def dp(self) -> int:
@@ -465,6 +471,12 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         flags[name] = row.get(name, False)
         if not isinstance(flags[name], bool):
             raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
+    etp = _int(row, "expert_tensor_parallel", file, f"{at}.expert_tensor_parallel") \
+        if "expert_tensor_parallel" in row else None
+    if etp is not None and (not model.moe or etp not in model.tp_widths):
+        raise config_error(file, f"{at}.expert_tensor_parallel",
+                           f"must be one of {model.name}'s TP widths ({', '.join(map(str, model.tp_widths))}), got {etp}"
+                           if model.moe else f"{model.name} has no experts; leave it out")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     precision = _precision(row, file, at)
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
@@ -474,6 +486,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
                zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip, **flags,
                attention=attention,
+               expert_tensor_parallel=etp,
                **_row_numbers(row, at, metric, papers, file), **names)
 
 

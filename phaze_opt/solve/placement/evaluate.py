@@ -86,6 +86,14 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
   kind over its own group; the optimizer step likewise. ZeRO-3 with e or c > 1 is not modelled
   (infeasible, with that reason).
+- MoE parallel folding (`Training.expert_tensor_parallel` set; Liu et al. 2025, arXiv 2504.14960,
+  Megatron-Core `--expert-tensor-parallel-size`): the MoE layers run on their own grid ETP x e x EDP
+  over the t x c x d ranks of a stage (ranks etp, ep, edp), so e x ETP must divide t c d (not e
+  divide d); the all-to-all's e ranks are ETP apart (`Training.expert_stride`), the routed experts'
+  parameters per device are E x one expert's / (ETP e) (`LayerCosts.expert_params` carries the
+  / ETP) and their gradients reduce over EDP = t c d / (e ETP) replicas
+  (`Training.expert_replicas`), on the data-parallel ring's link, as their own group whenever EDP
+  differs from d c (also at e = 1 with ETP != t). With ETP = t and c = 1 this is the layout above.
 """
 
 from __future__ import annotations
@@ -146,17 +154,17 @@ def _ceil(x: float) -> float:
     return float(-(-x // 1))
 
 
-def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp):
+def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp, stride: int):
     """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
-    module docstring): (forward s, backward s, extra activation bytes kept, extra working-set
-    bytes, routed-expert parameters per device)."""
+    module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
+    activation bytes kept, extra working-set bytes, routed-expert parameters per device)."""
     fwd = float(costs.fwd_s[v])
     bwd = float(costs.bwd_s[v])
     expert = float(costs.expert_params[v])
     if expert > 0 or costs.expert_fwd_s[v] > 0:
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
-        a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, costs.tp * c)
+        a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
         expert = _ceil(expert / e)
@@ -192,7 +200,11 @@ def evaluate_placement(
     imb = problem.training.load_imbalance
     ring_cp = system.cp_link(t, c)
     ranks = d * c  # holders of the same dense weights
-    expert_ranks = max(1, d * c // e)  # holders of the same routed experts
+    expert_ranks = int(problem.training.expert_replicas(t, c, d, e))  # holders of the same routed experts
+    # the experts' gradients and state form their own group when its ranks are not the dense ones'
+    moe = any(float(x) > 0 for x in costs.expert_params)
+    split = e > 1 or (expert_ranks != ranks and moe)
+    stride = problem.training.expert_stride(t, c)
 
     stage_of = {}
     for s, stage in enumerate(placement.stages):
@@ -224,7 +236,7 @@ def evaluate_placement(
         forward = 0.0
         experts = 0.0
         for v in layers:
-            fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp)
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp, stride)
             compute += fwd_v + bwd_v
             params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
             experts += expert_v
@@ -276,7 +288,7 @@ def evaluate_placement(
         # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5).
         if zero == 0:
             state = params * (w_b + g_b + o_b + k_b)
-        elif zero == 1 and e > 1:  # each kind of parameter sharded over its own replicas
+        elif zero == 1 and split:  # each kind of parameter sharded over its own replicas
             state = params * (w_b + g_b + k_b) + _ceil(dense * o_b / ranks) + _ceil(experts * o_b / expert_ranks)
         elif zero == 1:
             state = params * (w_b + g_b + k_b) + _ceil(params * o_b / ranks)
@@ -284,11 +296,11 @@ def evaluate_placement(
             state = _ceil(params * w_b / d) + _ceil(params * g_b / d) + _ceil(params * o_b / d)
         memory = state + stashed + working
         # The per-batch tail: gradient reduction (exposed part) and the optimizer step.
-        groups = [(dense, ranks), (experts, expert_ranks)] if e > 1 else [(params, ranks)]
+        groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
         reduce = gather = 0.0
         hide_gather = zero == 1 and problem.training.overlap_param_gather
         for n_params, n_ranks in groups:
-            if e > 1 and n_params == 0:
+            if split and n_params == 0:
                 continue
             if zero == 0:
                 reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
@@ -303,7 +315,7 @@ def evaluate_placement(
         if hide_gather:  # under the next iteration's forward of this stage
             reduce += 0.0 if problem.reduction_hidden else max(0.0, gather - forward)
         step_bytes = params * (w_b + g_b + 2 * o_b)
-        if zero and e > 1:
+        if zero and split:
             step_bytes = (dense / ranks + experts / expert_ranks) * (w_b + g_b + 2 * o_b)
         elif zero:
             step_bytes = step_bytes / ranks
@@ -358,10 +370,11 @@ def evaluate_placement(
         reasons.append(
             f"needs {used} accelerators (tp {t}{wide} x pp {S} x dp {d}) but the system has {system.accelerators}"
         )
-    if d % e:
-        reasons.append(f"expert parallelism {e} must divide the data-parallel degree {d}")
-    if zero == 3 and (e > 1 or c > 1):
-        reasons.append("ZeRO-3 with expert or context parallelism is not modelled")
+    # (folded, a model without routed experts has no expert grid to fit)
+    if not problem.training.expert_fits(t, c, d, e) and (moe or problem.training.expert_tensor_parallel is None):
+        reasons.append(problem.training.expert_fit_reason(t, c, d, e))
+    if zero == 3 and (e > 1 or c > 1 or split):
+        reasons.append("ZeRO-3 with expert, expert-tensor or context parallelism is not modelled")
     why = problem.interleaves(S, d)
     if why:
         reasons.append(why)

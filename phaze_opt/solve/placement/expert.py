@@ -2,7 +2,8 @@
 
 The cost model is `placement.evaluate`'s (its docstring, "Expert parallelism e and context parallelism
 c"); this module finds the placement minimising it over every TP width t, CP width c, EP width e,
-stage count S, data-parallel degree d (a multiple of e, t c S d <= accelerators) and split into
+stage count S, data-parallel degree d (one EP fits: a multiple of e, or with MoE parallel folding
+one with e x ETP dividing t c d, `Training.data_step`; t c S d <= accelerators) and split into
 stages, and re-checks the answer with that independent evaluator, as `dp.optimal_dense_placement`
 does for TP/PP/DP alone. Problems without EP, CP or a load imbalance go to that DP unchanged.
 
@@ -11,7 +12,8 @@ How. For a fixed (c, e) every layer's time and memory terms are fixed numbers
 transfers, the routed experts' parameters over e, the c - 1 further attention cores), so the stage
 costs are those of `placement`'s stacks over these per-layer arrays; what (c, e) adds is
 per-stage: the gradient reduction of the dense parameters over d c ranks and of the routed experts
-over d c / e, and ZeRO-1's sharding of each over its own group. As in `dp._search_general`,
+over their EDP replicas (d c / e, or t c d / (e ETP) folded: `Training.expert_replicas`), and
+ZeRO-1's sharding of each over its own group. As in `dp._search_general`,
 each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
 (kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
 number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
@@ -28,9 +30,9 @@ cannot beat the best found; inside a group an S drops out once its bottleneck x 
 that tail floor cannot (`tests/test_expert_parallel_bounds.py` checks every bound against brute
 force).
 
-Which d. Without ZeRO only the smallest multiple of e giving each distinct microbatch count m can
+Which d. Without ZeRO only the smallest allowed d (a multiple of `Training.data_step`) giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
-link no faster). With ZeRO-1 memory falls as d grows, so every multiple of e is tried; so it is on
+link no faster). With ZeRO-1 memory falls as d grows, so every allowed d is tried; so it is on
 a torus, where a larger ring can span more torus lines and run faster (`kernel.RingLinks`).
 """
 
@@ -108,7 +110,8 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         bwd = lc.bwd_s.copy()
         expert = lc.expert_params.copy()
         if any_moe:
-            a2a = np.array([system.alltoall_s(imb * b, e, lc.tp * c) for b in sizes])[where]
+            stride = problem.training.expert_stride(lc.tp, c)
+            a2a = np.array([system.alltoall_s(imb * b, e, stride) for b in sizes])[where]
             fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
@@ -154,10 +157,11 @@ def _ring_half(nbytes, n: int, link):
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-def _degrees(problem: PlacementProblem, top: int, e: int) -> np.ndarray:
-    """The data-parallel degrees worth trying (the module docstring: "Which d"): without ZeRO the
-    first multiple of e of each microbatch count (m falls as d grows, so each count is a run)."""
-    multiples = np.arange(e, top + 1, e, dtype=np.int64)
+def _degrees(problem: PlacementProblem, top: int, step: int) -> np.ndarray:
+    """The data-parallel degrees worth trying (the module docstring: "Which d"), the multiples of
+    `step` (`Training.data_step`: those EP fits): without ZeRO the first of each microbatch count
+    (m falls as d grows, so each count is a run)."""
+    multiples = np.arange(step, top + 1, step, dtype=np.int64)
     if problem.training.zero or problem.system.torus is not None or multiples.size == 0:
         return multiples
     m = -(-problem.system.global_batch // (problem.training.mbs * multiples))  # PlacementProblem.microbatches
@@ -244,9 +248,11 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         w, e = int(widths[i]), int(b.e[i])
         if N // w < 1:
             continue
-        key = (N // w, e)
+        # folded, a model without routed experts has no expert grid to fit (placement_eval)
+        step = problem.training.data_step(int(b.t[i]), int(b.c[i]), e) if np.any(b.costs[i].expert_params > 0) else e
+        key = (N // w, step)
         if key not in cache:
-            ds = _degrees(problem, N // w, e)
+            ds = _degrees(problem, N // w, step)
             counts = np.minimum(L, N // (w * ds))
             cache[key] = (ds[counts >= 1], counts[counts >= 1])
         ds, counts = cache[key]
@@ -273,10 +279,11 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     kept_b = np.array([float(np.sum(layer_terms(problem, lc)[0])) for lc in b.costs])
     e = b.e[blk]
     ranks = d * b.c[blk]
-    eranks = np.maximum(1, ranks // e)
+    eranks = problem.training.expert_replicas(b.t[blk], b.c[blk], d, e)
     P, Pe = P_b[blk], Pe_b[blk]
     Pd = P - Pe
-    split = e > 1
+    moe = np.array([bool(np.any(lc.expert_params > 0)) for lc in b.costs])[blk]
+    split = (e > 1) | ((eranks != ranks) & moe)  # the experts reduce as their own group (placement_eval)
     lat, bw = rings.latency(), rings.bandwidth()
     hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather  # the gather may hide wholly
     ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + (0 if hide_gather else w_b)  # all-reduce, or RS + AG
@@ -356,14 +363,16 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         return
     stats["groups"] = stats.get("groups", 0) + 1
     m = problem.microbatches(d)
-    ranks, expert_ranks = d * c, max(1, d * c // e)
+    ranks, expert_ranks = d * c, int(problem.training.expert_replicas(int(b.t[blk]), c, d, e))
+    # as the evaluator: the experts reduce as their own group
+    split = e > 1 or (expert_ranks != ranks and bool(np.any(costs[blk].expert_params > 0)))
     sl = slice(blk, blk + 1)
     ok = np.isfinite(st.grad[sl])
     params0 = np.where(ok, st.params[sl], 0.0)
     expert0 = experts[sl]
     dense0 = params0 - expert0
     acts, workmax, bwdwin = st.acts[sl], st.workmax[sl], st.bwdwin[sl]
-    parts = [(dense0, ranks), (expert0, expert_ranks)] if e > 1 else [(params0, ranks)]
+    parts = [(dense0, ranks), (expert0, expert_ranks)] if split else [(params0, ranks)]
     reduce = np.zeros(params0.shape)
     gather = np.zeros(params0.shape)
     hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
@@ -373,10 +382,10 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         elif hide_gather:
             r = _ring_half(n_params * g_b, n_ranks, ring)
             a = _ring_half(n_params * w_b, n_ranks, ring)
-            gather = gather + (np.where(n_params > 0, a, 0.0) if e > 1 else a)
+            gather = gather + (np.where(n_params > 0, a, 0.0) if split else a)
         else:
             r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
-        reduce = reduce + (np.where(n_params > 0, r, 0.0) if e > 1 else r)
+        reduce = reduce + (np.where(n_params > 0, r, 0.0) if split else r)
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
     if hide_gather:  # under the next iteration's forward of the stage (placement_eval)
@@ -385,7 +394,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     tail = reduce
     if problem.hbm_bandwidth > 0:
         per = w_b + g_b + 2 * o_b
-        if problem.training.zero and e > 1:
+        if problem.training.zero and split:
             step = (dense0 / ranks + expert0 / expert_ranks) * per
         elif problem.training.zero:
             step = params0 * per / ranks
@@ -396,7 +405,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b + k_b)
-    elif e > 1:
+    elif split:
         state = params0 * (w_b + g_b + k_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
     else:
         state = params0 * (w_b + g_b + k_b) + np.ceil(params0 * o_b / ranks)
@@ -494,11 +503,15 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     best = Best()
     best.ep, best.cp = 1, 1
     if problem.training.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
-        plain = replace(problem, costs=tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs),
-                        ep_widths=(1,), cp_widths=(1,), cp_costs=(),
-                        training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
-        found = optimal_dense_placement(plain, force_dag=force_dag)
-        if found.feasible:
+        # only the TP widths whose experts (if any) share the dense replicas: the evaluator refuses the rest
+        alike = tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs
+                      if problem.training.expert_tp(lc.tp) == lc.tp or not np.any(lc.expert_params > 0))
+        found = None
+        if alike:
+            plain = replace(problem, costs=alike, ep_widths=(1,), cp_widths=(1,), cp_costs=(),
+                            training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
+            found = optimal_dense_placement(plain, force_dag=force_dag)
+        if found is not None and found.feasible:
             best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
     classes, items = _prepare(problem, force_dag)
     _search_all(problem, classes, items, best, stats)
