@@ -9,7 +9,10 @@ the first call of `search.objective.evaluate_point`, where the trial's point mee
 Reading a setting (a `StudyConfig` property such as `strategy`, `mode`, `baseline_system`, and
 what it calls) is not an entry: a reader sees its value where it is read.
 The command line (`cli`, then `commands/study`, which builds the config) comes before the first
-entry measured here: add two stops. No tests here.
+entry measured here: add two stops. One worker runs in the parent process on the session's open
+study; each process of `--workers N > 1` opens the study itself (`setup.load_study`), its own walk
+from its spec. `tests/test_architecture.py` holds the walk to at most two entries a module; no tests
+here.
 """
 
 from __future__ import annotations
@@ -73,9 +76,13 @@ def walk() -> list[tuple[str, str]]:
     return entries
 
 
+def stops_of(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The walk's stops: consecutive entries into one module are one stop (its first entry)."""
+    return [e for i, e in enumerate(entries) if i == 0 or e[0] != entries[i - 1][0]]
+
+
 def main() -> None:
-    entries = walk()
-    stops = [e for i, e in enumerate(entries) if i == 0 or e[0] != entries[i - 1][0]]
+    stops = stops_of(walk())
     per_module = Counter(m for m, _ in stops)
     print(f"{len(stops) + 2} stops (cli and commands/study included), {len(per_module) + 2} modules, "
           f"most entries into one module: {max(per_module.values())} ({per_module.most_common(1)[0][0]})")

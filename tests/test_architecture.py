@@ -12,6 +12,7 @@ module uses another module's private (underscore) name: what two modules share i
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 import networkx as nx
@@ -341,3 +342,14 @@ def test_the_private_name_check_sees_both_forms(tmp_path):
         "phaze_opt.solve.expert:1 imports _kernel from phaze_opt.solve.dp",
         "phaze_opt.solve.expert:5 uses phaze_opt.solve.dp._kernel",
     ]
+
+
+def test_the_study_config_walk_enters_each_module_at_most_twice():
+    # A reader following a study's settings from `run_study` to the first evaluation should not be
+    # sent back into one module a third time (docs/architecture.md shows the walk).
+    from config_walk import stops_of, walk
+
+    stops = stops_of(walk())
+    entries = Counter(module for module, _ in stops)
+    assert stops[-1] == ("phaze_opt.search.objective", "evaluate_point")
+    assert max(entries.values()) <= 2, entries

@@ -8,6 +8,7 @@ from optuna.trial import TrialState
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.search.encoding import SpaceCodec
+from phaze_opt.search import sampled
 from phaze_opt.search.objective import FatalStudyError
 from phaze_opt.search.report import pareto_front
 from phaze_opt.search.runner import run_study
@@ -87,6 +88,22 @@ def test_same_seed_same_study(tmp_path):
     cfg = config(tmp_path / "other", trials=12, seed=4)
     run_study(cfg, backend())
     assert [t.params for t in load(cfg).get_trials()] != runs[0]
+
+
+def test_one_worker_on_the_sessions_sampler_proposes_what_a_worker_opening_the_study_would(tmp_path, monkeypatch):
+    # One worker runs in the parent on the session's open study and sampler; a worker process opens
+    # the study itself with a sampler of its own (the first at seed + 0). Past TPE's random start
+    # (ten trials), and on resume, the two must still propose the same designs.
+    runs = []
+    for own_study in (False, True):
+        if own_study:
+            run_worker = sampled.run_worker
+            monkeypatch.setattr(sampled, "run_worker", lambda *args, study=None, **kw: run_worker(*args, **kw))
+        for trials in (14, 22):
+            cfg = config(tmp_path / str(own_study), trials=trials, seed=3)
+            run_study(cfg, backend())
+        runs.append([(t.params, t.values) for t in load(cfg).get_trials()])
+    assert len(runs[0]) == 22 and runs[0] == runs[1]
 
 
 def test_resume_continues_and_repeats_nothing(tmp_path):

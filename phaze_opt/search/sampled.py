@@ -54,16 +54,20 @@ class TrialInterrupted(Exception):
 # -- the trial loop (in this process or a worker) ---------------------------------------------------
 
 def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable | None = None,
-               tracker=None) -> dict:
+               tracker=None, study: optuna.Study | None = None) -> dict:
     """Run `quota` trials of the study in this process; returns the counts of each outcome.
 
-    In the parent process trials are logged with its `tracker`; a worker process spools each
-    trial's artifact for the parent instead (see `SpoolLogger`).
+    In the parent process trials are logged with its `tracker` and run on the session's own open
+    `study`: its sampler is the one worker 0 would build (same sampler, seed + 0, nothing drawn
+    from it yet), and the storage stays the one the session holds. A worker process opens the study
+    itself with its own sampler (seed + index) and spools each trial's artifact for the parent
+    instead (see `SpoolLogger`).
     """
     quiet_optuna()
     reconcile.adopt(spec.owner)
     ctx = spec.context()
-    study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
+    if study is None:
+        study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
     codec = SpaceCodec(spec.backend.space.params)
     tracker = tracker or NullTracker()
     artifacts: dict[int, dict] = {}
@@ -215,7 +219,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
                 if improved:
                     session.tracker.log_best(frozen.values[0], frozen.number)
 
-            worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker))
+            worker_stats.append(run_worker(spec, remaining, 0, on_trial, tracker=session.tracker, study=session.study))
             if worker_stats[-1].get("interrupted"):
                 raise KeyboardInterrupt
         elif remaining:
