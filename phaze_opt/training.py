@@ -63,6 +63,13 @@ It holds
   the pass exposed (`design.evaluate.layer_costs`). Without SP the all-reduces stay exposed (the
   overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
   are. Default off.
+- `stack`: the software stack's kernel fusion, which sets how many kernels a layer launches and
+  the bytes they move (`workload/stack.py`, each fusion with its source): `eager` (one kernel per
+  PyTorch operator, as the `layers-h100` truth ran), `megatron-lm` (default: chains of pointwise
+  operators fused, Megatron-LM's fused bias+GeLU, bias+dropout+add and scale+mask+softmax;
+  Narayanan et al., SC'21, Sec. 4.2) or `megatron-te` (Megatron-Core with Transformer Engine:
+  also LayerNorm/RMSNorm and RoPE as one kernel each, FP8 casts inside the kernel that produces
+  the operand). Not sampled by a space, like `tp_comm_overlap`.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -94,6 +101,8 @@ ATTENTIONS = ("unfused", "flash")
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 PLACEMENTS = ("optimal", "expert")
+# Software stacks by kernel fusion (workload/stack.py); the first is the default, today's graph.
+STACKS = ("megatron-lm", "eager", "megatron-te")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
 MAX_VIRTUAL_STAGES = 64
@@ -240,6 +249,7 @@ class Training:
     precision: str = "bf16"
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    stack: str = "megatron-lm"
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -263,6 +273,10 @@ class Training:
         if precision not in PRECISIONS:
             raise PhazeError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "precision", precision)
+        stack = str(self.stack).strip().lower()
+        if stack not in STACKS:
+            raise PhazeError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
+        object.__setattr__(self, "stack", stack)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -321,15 +335,18 @@ class Training:
                 # only when not the default, so every earlier recipe (and resumed point key) is unchanged
                 **({"precision": self.precision} if self.precision != "bf16" else {}),
                 **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
-                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {})}
+                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
+                **({"stack": self.stack} if self.stack != STACKS[0] else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
-        parallelism, the attention kernel, the GEMM format, TP communication overlap): what keys
-        `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO, recompute...) act later."""
+        parallelism, the attention kernel, the GEMM format, TP communication overlap, the stack's
+        kernel fusion): what keys `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO,
+        recompute...) act later."""
         return (self.mbs, bool(self.sequence_parallel), self.attention) + \
             ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
-            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ())
+            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ()) + \
+            ((("stack", self.stack),) if self.stack != STACKS[0] else ())
 
     @property
     def optimizer_state_bytes(self) -> int | None:

@@ -28,10 +28,10 @@ import numpy as np
 
 from ..hardware.latency import estimate
 from ..solve.placement.types import LayerCosts
-from ..workload.graphs import build_layer_graph, routed_expert_params
+from ..workload.graphs import routed_expert_params
 from ..workload.layers import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
-from ..workload.precision import precision_graph
+from ..workload.stack import recipe_graph
 
 CP_MIN_SEQ = 8192
 CP_MAX = 32
@@ -106,7 +106,7 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     """`costs` (at its TP width, traced for `model`'s sequence) with the EP/CP per-layer terms, the
     experts' GEMMs in the recipe's `precision` as the layer times have them."""
     t = costs.tp
-    graph = precision_graph(build_layer_graph(model, t, training.mbs, attention=training.attention), training.precision)
+    graph = recipe_graph(model, t, training)
     link = system.tp_link(t)
     per_kind = {}
     for kind in graph.kinds:
