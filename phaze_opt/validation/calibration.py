@@ -100,7 +100,13 @@ def schedule_steps(row) -> int:
 def _best_overhead(chosen, times: np.ndarray, published: np.ndarray, over: np.ndarray,
                    per_microbatch: np.ndarray) -> tuple[float, float, float]:
     """(MAPE, overhead, per-microbatch overhead) on the grids `over` x `per_microbatch` with the least
-    MAPE over the fit rows (the smallest values on a tie)."""
+    MAPE over the fit rows (the smallest values on a tie). Rows the model finds infeasible have no
+    time for an overhead to move; they are left out (all infeasible: MAPE inf, no overhead)."""
+    feasible = np.isfinite(times)
+    if not feasible.any():
+        return float("inf"), float(over[0]), float(per_microbatch[0])
+    chosen = [c for c, ok in zip(chosen, feasible) if ok]
+    times, published = times[feasible], published[feasible]
     steps = np.array([schedule_steps(s.rows[i]) for s, i in chosen], dtype=float)
     t = times[None, None, :] + over[None, :, None] + per_microbatch[:, None, None] * steps[None, None, :]
     # each row's metric as a function of its iteration time: a x t (seconds) or a / t (FLOP/s)
