@@ -140,13 +140,21 @@ class SystemEfficiency:
     iteration_overhead_s: seconds added once per training iteration for work the per-layer model
         does not see: the optimizer's kernel launches and gradient-norm / loss-scale checks,
         the data loader, the pipeline flush's synchronisation and the timers' device syncs.
+    microbatch_overhead_s: seconds each pipeline stage spends per microbatch and model chunk
+        beyond its layers' kernels: the schedule's Python step (Megatron's `forward_step` /
+        `backward_step` with their autograd and hook bookkeeping), the point-to-point send/receive
+        set-up between stages and the host-device synchronisations around them. What the
+        per-operator cost (`hardware.efficiency.Efficiency.op_overhead_s`) does not hold: it is
+        paid once per schedule step, (m v + S - 1) times a batch
+        (`solve.placement.evaluate`), so it weighs most where microbatches are many and small.
 
-    Identity: (1, 1, 0), the model as it was before the parameters existed.
+    Identity: (1, 1, 0, 0), the model as it was before the parameters existed.
     """
 
     intra_node_bandwidth: float = 1.0
     inter_node_bandwidth: float = 1.0
     iteration_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
 
     @property
     def is_identity(self) -> bool:
@@ -155,11 +163,13 @@ class SystemEfficiency:
     def to_dict(self) -> dict:
         return {"intra_node_bandwidth": self.intra_node_bandwidth,
                 "inter_node_bandwidth": self.inter_node_bandwidth,
-                "iteration_overhead_s": self.iteration_overhead_s}
+                "iteration_overhead_s": self.iteration_overhead_s,
+                # only when set, so every earlier report and tracked run is unchanged
+                **({"microbatch_overhead_s": self.microbatch_overhead_s} if self.microbatch_overhead_s else {})}
 
 
 IDENTITY_EFFICIENCY = SystemEfficiency()
-EFFICIENCY_FIELDS = ("intra_node_bandwidth", "inter_node_bandwidth", "iteration_overhead")
+EFFICIENCY_FIELDS = ("intra_node_bandwidth", "inter_node_bandwidth", "iteration_overhead", "microbatch_overhead")
 
 
 @dataclass(frozen=True)
@@ -439,7 +449,12 @@ def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
                               allow_zero=True)
     if overhead > 3600:
         raise config_error(file, "efficiency.iteration_overhead", f"must be at most 1 h per iteration, got {overhead} s")
-    return SystemEfficiency(iteration_overhead_s=overhead, **fractions)
+    per_microbatch = parse_quantity(raw.get("microbatch_overhead", 0.0), _TIME_UNITS, file,
+                                    "efficiency.microbatch_overhead", allow_zero=True)
+    if per_microbatch > 1:  # 1 s per schedule step is 1000x a slow one (~1 ms)
+        raise config_error(file, "efficiency.microbatch_overhead",
+                           f"must be at most 1 s per microbatch and stage, got {per_microbatch} s")
+    return SystemEfficiency(iteration_overhead_s=overhead, microbatch_overhead_s=per_microbatch, **fractions)
 
 
 REQUIRED = ("devices_per_node", "intra_node", "inter_node")

@@ -63,6 +63,13 @@ It holds
   the pass exposed (`design.evaluate.layer_costs`). Without SP the all-reduces stay exposed (the
   overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
   are. Default off.
+- `stack`: the software stack's kernel fusion, which sets how many kernels a layer launches and
+  the bytes they move (`workload/stack.py`, each fusion with its source): `eager` (one kernel per
+  PyTorch operator, as the `layers-h100` truth ran), `megatron-lm` (default: chains of pointwise
+  operators fused, Megatron-LM's fused bias+GeLU, bias+dropout+add and scale+mask+softmax;
+  Narayanan et al., SC'21, Sec. 4.2) or `megatron-te` (Megatron-Core with Transformer Engine:
+  also LayerNorm/RMSNorm and RoPE as one kernel each, FP8 casts inside the kernel that produces
+  the operand). Not sampled by a space, like `tp_comm_overlap`.
 
 - `expert_tensor_parallel`: the MoE layers' own tensor-parallel width ETP, with MoE parallel
   folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings for
@@ -106,6 +113,8 @@ ATTENTIONS = ("unfused", "flash")
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 PLACEMENTS = ("optimal", "expert")
+# Software stacks by kernel fusion (workload/stack.py); the first is the default, today's graph.
+STACKS = ("megatron-lm", "eager", "megatron-te")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
 MAX_VIRTUAL_STAGES = 64
@@ -253,6 +262,7 @@ class Training:
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     expert_tensor_parallel: int | None = None
+    stack: str = "megatron-lm"
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -279,6 +289,10 @@ class Training:
         if self.expert_tensor_parallel is not None:
             object.__setattr__(self, "expert_tensor_parallel",
                                check_mbs(self.expert_tensor_parallel, "expert_tensor_parallel"))
+        stack = str(self.stack).strip().lower()
+        if stack not in STACKS:
+            raise PhazeError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
+        object.__setattr__(self, "stack", stack)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -339,15 +353,18 @@ class Training:
                 **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
                 **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
                 **({"expert_tensor_parallel": self.expert_tensor_parallel}
-                   if self.expert_tensor_parallel is not None else {})}
+                   if self.expert_tensor_parallel is not None else {}),
+                **({"stack": self.stack} if self.stack != STACKS[0] else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
-        parallelism, the attention kernel, the GEMM format, TP communication overlap): what keys
-        `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO, recompute...) act later."""
+        parallelism, the attention kernel, the GEMM format, TP communication overlap, the stack's
+        kernel fusion): what keys `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO,
+        recompute...) act later."""
         return (self.mbs, bool(self.sequence_parallel), self.attention) + \
             ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
-            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ())
+            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ()) + \
+            ((("stack", self.stack),) if self.stack != STACKS[0] else ())
 
     @property
     def optimizer_state_bytes(self) -> int | None:

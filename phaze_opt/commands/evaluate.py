@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import OPTIMIZER_STATES, PRECISIONS
+from ..training import OPTIMIZER_STATES, PRECISIONS, STACKS
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -45,6 +45,10 @@ def add_arguments(p):
                    help="number format of the transformer blocks' linear-layer GEMMs (Transformer Engine): bf16, "
                         "fp8 (per-tensor delayed scaling), mxfp8 or nvfp4 (block scaled); the arch's tensor cores "
                         "must support it (tc_datatypes), else the design is infeasible (default bf16)")
+    p.add_argument("--stack", choices=STACKS, default=STACKS[0],
+                   help="the software stack's kernel fusion: megatron-lm (pointwise chains fused), eager (one kernel "
+                        "per PyTorch operator) or megatron-te (Transformer Engine: norms, RoPE and FP8 casts fused "
+                        "too) (default megatron-lm)")
     p.add_argument("--system", default="default", help="system config name or path (default: default)")
     p.add_argument("--devices", type=int, default=None, metavar="N", help="override the system's accelerator count")
     p.add_argument("--global-batch", type=int, default=None, metavar="B",
@@ -93,7 +97,7 @@ def run(args) -> dict:
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
                       optimizer_state=args.optimizer_state, precision=args.precision,
-                      expert_tensor_parallel=args.expert_tensor_parallel)
+                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -144,6 +148,8 @@ def render(r: dict) -> str:
         extras.append("TP comm overlapped")
     if r.get("expert_tensor_parallel"):
         extras.append(f"experts folded at expert TP {r['expert_tensor_parallel']}")
+    if r.get("stack"):
+        extras.append(f"{r['stack']} kernels")
     if r.get("attention"):
         extras.append(f"{r['attention']} attention")
     if r.get("seq"):

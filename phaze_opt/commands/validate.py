@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fit-tc", action="store_true",
                    help="with --fit: fit the arch's tensor-core fraction (efficiency.tc_fraction) too; minutes: every "
                         "value re-schedules the layers")
+    p.add_argument("--fit-microbatch", action="store_true",
+                   help="with --fit: fit the system's fixed cost per microbatch and pipeline stage "
+                        "(efficiency.microbatch_overhead, 0-10 ms grid) jointly with the per-iteration overhead")
 
 
 def command_line(args) -> str:
@@ -40,12 +43,14 @@ def command_line(args) -> str:
         parts.append(f"--suite {s}")
     if getattr(args, "system", None):
         parts.append(f"--system {args.system}")
-    if args.fit or args.fit_links or args.fit_tc:
+    if args.fit or args.fit_links or args.fit_tc or args.fit_microbatch:
         parts.append("--fit")
     if args.fit_links:
         parts.append("--fit-links")
     if args.fit_tc:
         parts.append("--fit-tc")
+    if args.fit_microbatch:
+        parts.append("--fit-microbatch")
     return " ".join(parts)
 
 
@@ -53,7 +58,8 @@ def run(args) -> dict:
     from ..validation.workflow import validate
 
     result = validate(args.suite, out=args.out, tracking_uri=args.tracking_uri,
-                      fit=args.fit or args.fit_links or args.fit_tc, fit_links=args.fit_links, fit_tc=args.fit_tc,
+                      fit=args.fit or args.fit_links or args.fit_tc or args.fit_microbatch, fit_links=args.fit_links,
+                      fit_tc=args.fit_tc, fit_microbatch=args.fit_microbatch,
                       command=command_line(args), system=getattr(args, "system", None))
     if getattr(args, "json", False):  # the SuiteResults are for the text renderer; the JSON has `suites`
         result.pop("_suites")

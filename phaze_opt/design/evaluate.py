@@ -51,8 +51,8 @@ from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import Layout, Training
-from ..workload.graphs import SP_COLLECTIVE, build_layer_graph, sequence_parallel_graph
-from ..workload.precision import precision_graph
+from ..workload.graphs import SP_COLLECTIVE
+from ..workload.stack import recipe_graph
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
 
@@ -144,10 +144,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     t0 = time.perf_counter()
-    graph = build_layer_graph(model, tp, mbs, attention=attention)
-    if sequence_parallel:  # its collectives: reduce-scatter + all-gather (the same cost as the all-reduce)
-        graph = sequence_parallel_graph(graph)
-    graph = precision_graph(graph, precision)
+    # SP's collectives: reduce-scatter + all-gather (the same cost as the all-reduce)
+    graph = recipe_graph(model, tp, training, sequence_parallel=sequence_parallel)
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}
@@ -214,7 +212,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
 
 
 def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts,
-                      attention: str | None = None, precision: str = "bf16"):
+                      attention: str | None = None, precision: str = "bf16", stack: str = "megatron-lm"):
     """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
     with every op in the mode its schedule chose; memoised by the costs' content key and the constants."""
     constants = load_energy_constants()
@@ -225,7 +223,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
     tp = tp_costs.costs.tp
     # the ops the schedules chose modes for (the casts included); a low-precision GEMM is charged
     # the BF16 MAC energy (the energy model has one MAC energy), its operand bytes at the format's
-    graph = precision_graph(build_layer_graph(model, tp, mbs, attention=attention), precision)
+    graph = recipe_graph(model, tp, Training(mbs=mbs, attention=attention, precision=precision, stack=stack))
     intra = system.tp_within_node(tp)
     passes = {}
     for kind in graph.kinds:
@@ -239,7 +237,8 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
 
 
 def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, result, area: float) -> float:
-    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention, training.precision)
+    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention, training.precision,
+                                 training.stack)
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system).total_j
@@ -292,7 +291,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
     per_tp = {t: layer_costs(model, arch, training, system, t, ilp_time_limit_s) for t in widths}
-    graph = build_layer_graph(model, widths[0], training.mbs, attention=training.attention)
+    graph = recipe_graph(model, widths[0], training)
     kinds = [l.kind for l in graph.layers]
     repeated = max(kinds.count(k) for k in set(kinds))  # the decoder layers Megatron interleaves
     problem = PlacementProblem(

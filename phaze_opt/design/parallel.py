@@ -39,10 +39,10 @@ import numpy as np
 from ..errors import PhazeError
 from ..hardware.latency import estimate
 from ..solve.placement.types import LayerCosts
-from ..workload.graphs import build_layer_graph, routed_expert_params
+from ..workload.graphs import routed_expert_params
 from ..workload.layers import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
-from ..workload.precision import precision_graph
+from ..workload.stack import recipe_graph
 
 CP_MIN_SEQ = 8192
 CP_MAX = 32
@@ -145,8 +145,7 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     expert TP width (the module docstring; `expert_shift` is what that changed in each layer's
     forward and backward)."""
     t = costs.tp
-    build = lambda width: precision_graph(build_layer_graph(model, width, training.mbs, attention=training.attention),
-                                          training.precision)
+    build = lambda width: recipe_graph(model, width, training)
     graph = build(t)
     per_kind = _pass_times(graph, arch, system.tp_link(t))
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]

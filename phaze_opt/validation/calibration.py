@@ -19,6 +19,13 @@ enter the objective; the held-out rows are never read here, so changing a held-o
 number cannot move a fitted value (tested). The objective is the mean absolute relative error over
 the fit rows of every suite that runs on the preset.
 
+`fit_microbatch=True` (`--fit-microbatch`) fits the fixed cost per microbatch and pipeline stage
+(`SystemEfficiency.microbatch_overhead_s`) jointly with the per-iteration overhead. A validation row
+runs its published layout, so the cost moves its iteration time analytically too: every stage's
+time per microbatch grows by v c, the batch by c (m v + S - 1) (`solve.placement.evaluate`), with
+m microbatches per pipeline, S stages and v model chunks per stage; grid `MICROBATCH_OVERHEADS`
+(0 to 10 ms in 0.1 ms steps). The preset's own value is kept otherwise.
+
 Search. For each pair of fractions every fit row is evaluated once with no overhead, giving its
 iteration time T; an overhead o then moves each row analytically (T + o), so the best overhead is
 found on a fine 1-D grid (`OVERHEADS`, 0 to 2 s in 5 ms steps). The evaluations are the project's
@@ -43,6 +50,9 @@ from .suites import TRAINING_METRICS, Suite
 FRACTIONS = tuple(round(0.5 + 0.05 * i, 2) for i in range(11))  # 0.50 .. 1.00
 TC_COARSE = tuple(round(0.7 + 0.05 * i, 2) for i in range(7))  # 0.70 .. 1.00
 OVERHEADS = tuple(round(0.005 * i, 3) for i in range(401))  # 0 .. 2 s
+# 0 .. 10 ms per microbatch and stage: a schedule step's launches and p2p set-up take well under 1 ms
+# on an idle host; 10x that bounds a slow one.
+MICROBATCH_OVERHEADS = tuple(round(1e-4 * i, 4) for i in range(101))
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int
 
 
 def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:
-    """Each fit row's predicted iteration time with no overhead (inf where infeasible)."""
+    """Each fit row's predicted iteration time with no overhead of either kind (inf where infeasible)."""
     out = []
     for s, i in chosen:
         r = evaluate_row(s, s.rows[i], i, eff, evaluator, arch_efficiency=arch_eff)
@@ -82,18 +92,36 @@ def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:
     return np.array(out)
 
 
-def _best_overhead(chosen, times: np.ndarray, published: np.ndarray, over: np.ndarray) -> tuple[float, float]:
-    """(MAPE, overhead) at the overhead of `over` with the least MAPE over the fit rows (the smallest on a tie)."""
-    pred = np.array([[predicted_value(s, s.rows[i], t + o) / METRIC_SI[s.metric] for (s, i), t in zip(chosen, times)]
-                     for o in over])
-    err = np.mean(np.abs(pred / published - 1.0), axis=1)
-    k = int(np.argmin(err))
-    return float(err[k]), float(over[k])
+def schedule_steps(row) -> int:
+    """Times a batch pays the fixed cost per microbatch and stage: m v + S - 1 (module docstring)."""
+    return row.microbatches * row.virtual_stages + row.pp - 1
+
+
+def _best_overhead(chosen, times: np.ndarray, published: np.ndarray, over: np.ndarray,
+                   per_microbatch: np.ndarray) -> tuple[float, float, float]:
+    """(MAPE, overhead, per-microbatch overhead) on the grids `over` x `per_microbatch` with the least
+    MAPE over the fit rows (the smallest values on a tie). Rows the model finds infeasible have no
+    time for an overhead to move; they are left out (all infeasible: MAPE inf, no overhead)."""
+    feasible = np.isfinite(times)
+    if not feasible.any():
+        return float("inf"), float(over[0]), float(per_microbatch[0])
+    chosen = [c for c, ok in zip(chosen, feasible) if ok]
+    times, published = times[feasible], published[feasible]
+    steps = np.array([schedule_steps(s.rows[i]) for s, i in chosen], dtype=float)
+    t = times[None, None, :] + over[None, :, None] + per_microbatch[:, None, None] * steps[None, None, :]
+    # each row's metric as a function of its iteration time: a x t (seconds) or a / t (FLOP/s)
+    inverse = np.array([s.metric == "per_gpu_tflops" for s, _ in chosen])
+    scale = np.array([predicted_value(s, s.rows[i], 1.0) / METRIC_SI[s.metric] for s, i in chosen])
+    with np.errstate(divide="ignore"):
+        pred = np.where(inverse, scale / t, scale * t)
+    err = np.mean(np.abs(pred / published - 1.0), axis=2)
+    c, k = np.unravel_index(int(np.argmin(err)), err.shape)
+    return float(err[c, k]), float(over[k]), float(per_microbatch[c])
 
 
 def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = evaluate, fit_links: bool = False,
                intra_fractions: Sequence[float] | None = None, inter_fractions: Sequence[float] | None = None,
-               overheads: Sequence[float] = OVERHEADS, fit_tc: bool = False) -> Fit:
+               overheads: Sequence[float] = OVERHEADS, fit_tc: bool = False, fit_microbatch: bool = False) -> Fit:
     """The efficiency block of `system_name` that minimises the MAPE over the fit rows (see the module
     docstring). Fractions not given: the preset's own (`fit_links`: the grid `FRACTIONS`). `fit_tc`
     also fits the tensor-core fraction of the suites' arch (`hardware.efficiency.Efficiency.tc_fraction`,
@@ -114,19 +142,22 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
         inter_fractions = FRACTIONS if fit_links else (preset.inter_node_bandwidth,)
     published = np.array([s.rows[i].value for s, i in chosen], dtype=float)
     over = np.asarray(overheads, dtype=float)
+    per_mb = np.asarray(MICROBATCH_OVERHEADS if fit_microbatch else (preset.microbatch_overhead_s,), dtype=float)
     tried: dict[float, tuple] = {}
 
     def at_tc(tc: float) -> tuple:
-        """(MAPE, -intra, -inter, overhead) at the best link fractions and overhead for this tc fraction."""
+        """(MAPE, intra, inter, overhead, per-microbatch overhead) at the best link fractions and
+        overheads for this tc fraction."""
         if tc not in tried:
             arch_eff = replace(base_arch, tc_fraction=tc) if fit_tc else None
             best = None
             for intra in sorted(intra_fractions, reverse=True):  # larger first: ties keep the larger
                 for inter in sorted(inter_fractions, reverse=True):
                     eff = SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter)
-                    err, overhead = _best_overhead(chosen, _times(chosen, eff, arch_eff, evaluator), published, over)
+                    err, overhead, mb = _best_overhead(chosen, _times(chosen, eff, arch_eff, evaluator), published,
+                                                       over, per_mb)
                     if best is None or err < best[0] - 1e-12:
-                        best = (err, intra, inter, overhead)
+                        best = (err, intra, inter, overhead, mb)
             tried[tc] = best
         return tried[tc]
 
@@ -136,15 +167,17 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
         tc = min(fine, key=lambda t: (at_tc(t)[0], -t))
     else:
         tc = base_arch.tc_fraction
-    objective, intra, inter, overhead = at_tc(tc)
+    objective, intra, inter, overhead, mb = at_tc(tc)
     fitted = tuple(k for k, grid in (("intra_node_bandwidth", intra_fractions),
                                      ("inter_node_bandwidth", inter_fractions)) if len(grid) > 1)
     return Fit(system=system_name,
                efficiency=SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter,
-                                           iteration_overhead_s=overhead),
+                                           iteration_overhead_s=overhead, microbatch_overhead_s=mb),
                objective=objective, rows=len(chosen), fitted=fitted + ("iteration_overhead_s",)
-               + (("tc_fraction",) if fit_tc else ()), suites=tuple(sorted({s.name for s, _ in chosen})),
+               + (("microbatch_overhead_s",) if fit_microbatch else ()) + (("tc_fraction",) if fit_tc else ()), suites=tuple(sorted({s.name for s, _ in chosen})),
                arch=archs[0], arch_efficiency=replace(base_arch, tc_fraction=tc) if fit_tc else None,
                grid={"intra_node_bandwidth": sorted(intra_fractions), "inter_node_bandwidth": sorted(inter_fractions),
                      "overhead_s": [min(overheads), max(overheads), len(overheads)],
+                     **({"microbatch_overhead_s": [float(per_mb[0]), float(per_mb[-1]), len(per_mb)]}
+                        if fit_microbatch else {}),
                      **({"tc_fraction": sorted(tried)} if fit_tc else {})})

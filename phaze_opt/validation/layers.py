@@ -37,6 +37,7 @@ from ..hardware.latency import BYTES_PER_ELEMENT, estimate
 from ..solve.schedule.solver import schedule_graph
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, TC, Op, OpGraph
+from ..workload.stack import TRACE_FUSION
 from .suites import Gemm, LayerRow, Suite
 
 BLOCK = "block"  # the layer kind of a transformer block in the traced graphs (workload/graphs.py)
@@ -102,6 +103,13 @@ def _check(suite: Suite) -> None:
         raise ValueError(f"suite {suite.name}: metric {suite.metric}, not layer_seconds")
 
 
+# A row timed with compiled kernels (`measure --kernels inductor`) is predicted with the kernels of
+# the fusing stack: TorchInductor fuses pointwise chains with the reductions they feed (norms,
+# softmax) and RoPE's element-wise work into generated kernels (PyTorch 2 paper, Ansel et al.,
+# ASPLOS 2024, Sec. 4), which is what `megatron-te`'s row fusion merges (workload/stack.py).
+KERNEL_FUSION = {"inductor": TRACE_FUSION["megatron-te"]}
+
+
 def block_pass_latencies(op_graph: OpGraph, arch: Accelerator) -> tuple[np.ndarray, np.ndarray]:
     """(single, split) latencies of a block pass on `arch` with its collectives at zero time (the
     measurement ran the TP shard alone: compute only)."""
@@ -144,7 +152,8 @@ def compare_layers(suite: Suite, arch: Accelerator | str | None = None,
     acc = suite_accelerator(suite, arch)
     results = []
     for row in suite.rows:
-        fwd, bwd, proven, gap = predict_layer(row.model, row.tp, row.microbatch, row.flash, acc, time_limit_s, fuse)
+        row_fuse = KERNEL_FUSION.get(row.kernels, fuse)
+        fwd, bwd, proven, gap = predict_layer(row.model, row.tp, row.microbatch, row.flash, acc, time_limit_s, row_fuse)
         results.append(LayerResult(row=row, fwd_s=fwd, bwd_s=bwd, proven=proven, gap=gap))
     return results
 

@@ -39,7 +39,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import Layout, Training
+from ..training import STACKS, Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -141,7 +141,8 @@ def row_config(row: Row, suite: Suite) -> dict:
                                  ("tp_comm_overlap", row.tp_comm_overlap)) if v not in (1, None, 0, False)},
             **({"precision": row.precision} if row.precision != "bf16" else {}),
             **({"attention": row.attention} if row.attention else {}),
-            **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {})}
+            **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
+            **({"stack": row.stack} if row.stack != STACKS[0] else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -159,7 +160,7 @@ def row_training(row: Row) -> Training:
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
-                    expert_tensor_parallel=row.expert_tensor_parallel)
+                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack)
 
 
 def row_model(row: Row):

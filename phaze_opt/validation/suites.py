@@ -11,6 +11,9 @@ A suite is one YAML file. Its top-level fields:
                       iteration_time_s  seconds per training iteration (optimizer step)
                       layer_seconds     forward and backward seconds of one layer's TP shard (compute only)
     flops_formula   for the training metrics: which FLOP count the paper used (see FLOPS_FORMULAS)
+    stack           optional, training metrics: the software stack's kernel fusion the runs used
+                    (`Training.stack`: eager, megatron-lm, megatron-te; default megatron-lm), which
+                    a row's own `stack` overrides
     papers          {key: citation}; every row's source names one of the keys
     rows            training metrics: the published runs (see below)
     data, source    layer_seconds: a JSON file of measurements (relative to the suite file), and the
@@ -42,6 +45,7 @@ A training row is one published run:
                                 adds it); such a row is skipped with that reason until it exists
     system, arch                optional: this row's cluster and chip (names in configs/systems and
                                 configs/archs), in place of the suite's (runs on different machines)
+    stack                       optional: this row's software stack, in place of the suite's
     precision                   optional: the GEMM datatype of the run, one of ROW_PRECISIONS (default
                                 bf16); one outside MODELLED_PRECISIONS is skipped with that reason
     attention                   optional: the run's attention kernel, unfused | flash (default: the
@@ -74,7 +78,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, PRECISIONS
+from ..training import ATTENTIONS, PRECISIONS, STACKS
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -98,12 +102,12 @@ ROW_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 MODELLED_PRECISIONS = PRECISIONS  # every format the Training recipe prices
 
 TOP_REQUIRED = ("suite", "description", "arch", "metric")
-TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source")
+TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source", "stack")
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel")
+                "expert_tensor_parallel", "stack")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -202,6 +206,7 @@ class Row:
     precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS)
     attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
     expert_tensor_parallel: int | None = None  # ETP with MoE parallel folding; None: unfolded
+    stack: str = STACKS[0]  # the run's software stack (Training.stack): its own, else its suite's
 
     @property
     def dp(self) -> int:
@@ -298,7 +303,7 @@ def suite_from_mapping(data: Mapping[str, Any], file) -> Suite:
     arch = _config_name(data, "arch", "archs", file)
     training = metric in TRAINING_METRICS
     needed = ("system", "flops_formula", "papers", "rows") if training else ("papers", "data", "source")
-    banned = ("data", "source") if training else ("rows", "flops_formula")
+    banned = ("data", "source") if training else ("rows", "flops_formula", "stack")
     for key in needed:
         if key not in data:
             raise config_error(file, key, f"missing required field (metric {metric})")
@@ -309,7 +314,8 @@ def suite_from_mapping(data: Mapping[str, Any], file) -> Suite:
     formula = configs.one_of(data, "flops_formula", file, FLOPS_FORMULAS) if training else None
     papers = _papers(data, file)
     if training:
-        rows = _training_rows(data["rows"], metric, papers, file)
+        stack = configs.one_of(data, "stack", file, STACKS) if "stack" in data else STACKS[0]
+        rows = _training_rows(data["rows"], metric, papers, file, stack)
         return Suite(name=name, description=description, path=str(file), arch=arch, system=system, metric=metric,
                      flops_formula=formula, papers=papers, rows=rows)
     source = _mapping(data["source"], "source", file, ("paper", "table"))
@@ -399,11 +405,13 @@ def _model(name: Any, label: str, file, cache: dict[str, ModelConfig]) -> ModelC
     return cache[name]
 
 
-def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file) -> tuple[Row, ...]:
+def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file, stack: str = STACKS[0]) -> tuple[Row, ...]:
     if not isinstance(raw, list) or not raw:
         raise config_error(file, "rows", f"must be a non-empty list of runs, got {raw!r}")
     models: dict[str, ModelConfig] = {}
-    return tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
+    rows = tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
+    return tuple(r if isinstance(raw[i], dict) and "stack" in raw[i] else replace(r, stack=stack)
+                 for i, r in enumerate(rows))
 
 
 def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, names: dict) -> Row | None:
@@ -480,6 +488,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     precision = _precision(row, file, at)
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
+    if "stack" in row:
+        flags["stack"] = _choice(row, "stack", STACKS, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,

@@ -63,7 +63,7 @@ def _code_version() -> str:
 _CODE_VERSION = _code_version()
 
 
-def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> str:
+def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True) -> str:
     payload = json.dumps(
         {"model": model.identity(), "tp": tp, "mbs": mbs, "seq": seq, "fuse": fuse, "code": _CODE_VERSION},
         sort_keys=True,
@@ -72,13 +72,15 @@ def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True
 
 
 def build_layer_graph(
-    model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool = True,
+    model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool | str = True,
     cache: bool = True, attention: str | None = None, capacity_factor: float | None = None,
 ) -> LayerGraph:
     """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
 
     `model` may be a ModelConfig or a model name/path. `attention` ("unfused" or "flash") overrides
     the model's own `attention` choice; it is part of the model's identity, hence of the cache key.
+    `fuse`: True fuses chains of pointwise ops, False keeps one op per traced operator (eager),
+    `trace.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
     `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
     one-line PhazeError.
     """
@@ -238,7 +240,7 @@ def _write(path: Path, key: str, graph: LayerGraph) -> None:
             pass
 
 
-def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool = True) -> dict:
+def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True) -> dict:
     """Build and trace one module per layer kind: {kind: LayerTrace}."""
     from .layers import build_layer, example_inputs, layer_kinds
     from .trace import trace_layer_details
@@ -294,7 +296,7 @@ def active_params(model: ModelConfig) -> int:
     return model_params(model) - model.moe_layers * (model.experts - model.top_k) * routed_expert_params(model)
 
 
-def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool, cache: bool) -> LayerGraph:
+def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, cache: bool) -> LayerGraph:
     start = time.perf_counter()
     traces = trace_kinds(model, tp, mbs, seq, fuse)
     from .layers import layer_sequence

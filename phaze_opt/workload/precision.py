@@ -30,8 +30,9 @@ tensor's absolute maximum, or each block's for MX formats, in the same pass; del
 then reads the amax history, a few scalars per tensor, not priced): it reads 2 bytes and writes the
 format's bytes per element. TE fuses three of the four forward casts of a block into the LayerNorm
 or the activation before them (`LayerNormLinear`, `LayerNormMLP`) and casts each gradient once for
-both backward GEMMs (`cast_transpose`); one cast per GEMM operand is therefore an upper bound on
-the cast traffic, kept simple on purpose. Weights are cast once per iteration, not per
+both backward GEMMs (`cast_transpose`); one cast per GEMM operand, what the `megatron-lm` and
+`eager` stacks get, is therefore an upper bound on the cast traffic. The `megatron-te` stack
+(`Training.stack`, workload/stack.py) prices those fusions: `fused_casts`. Weights are cast once per iteration, not per
 microbatch (TE's `is_first_microbatch` caches the FP8 weights over a step's microbatches): that
 traffic is in the optimizer step (`weight_copy_bytes`).
 
@@ -71,7 +72,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ops import TC, TCVC, VC, Layer, LayerGraph, Op, OpGraph
+from .ops import NONE, TC, TCVC, VC, Layer, LayerGraph, Op, OpGraph
 
 BF16 = "bf16"
 
@@ -128,8 +129,12 @@ def runs_low(op: Op, layer_kind: str) -> bool:
     return op.kind in LINEAR_GEMMS and op.unit in (TC, TCVC) and len(op.gemm) == 4 and layer_kind not in BF16_LAYER_KINDS
 
 
-def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_element: float) -> OpGraph:
-    """`op_graph` with its linear-layer GEMMs in `precision` and a cast op before each."""
+def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_element: float,
+                  fused_casts: bool = False) -> OpGraph:
+    """`op_graph` with its linear-layer GEMMs in `precision` and a cast op before each; with
+    `fused_casts` (a stack whose kernels cast where they produce, workload/stack.py) the cast is
+    folded into the vector op producing the operand, and GEMMs whose operand comes from the same
+    ops share one cast (written once per layout it is read in)."""
     if precision == BF16:
         return op_graph
     fmt = FORMATS[precision]
@@ -137,14 +142,36 @@ def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_
     ops: list[Op] = []
     index: dict[int, int] = {}  # old op -> new op
     casts: dict[int, int] = {}  # old GEMM -> its cast
+    shared: dict = {}  # fused_casts: what the operand comes from -> (new op that casts it, layouts written)
+    preds: dict[int, list[int]] = {}
+    for u, v in op_graph.edges:
+        preds.setdefault(v, []).append(u)
     for i, op in enumerate(op_graph.ops):
         if runs_low(op, layer_kind):
             b, m, k, n = (float(x) for x in op.gemm)
             cast_elements = int(b * m * k)
-            casts[i] = len(ops)
-            ops.append(Op(name=f"{op.name}.cast_{precision}", kind="elementwise", unit=VC,
-                          bytes_read=cast_elements * e, bytes_written=cast_elements * fmt.operand_bytes,
-                          elements=cast_elements, vector_ops=CAST_OPS, shape=(int(b), int(m), int(k))))
+            written = cast_elements * fmt.operand_bytes
+            layout = (int(b), int(m), int(k))
+            source = _operand_source(op_graph, preds.get(i, ()), cast_elements) if fused_casts else None
+            if fused_casts and source in shared:
+                at, layouts = shared[source]
+                if layout not in layouts:  # another layout of the same operand (cast_transpose)
+                    layouts.add(layout)
+                    ops[at] = dataclasses.replace(ops[at], bytes_written=ops[at].bytes_written + written)
+                if source[0] == "ops":  # a cast op of its own: this GEMM waits for it too
+                    casts[i] = at
+            elif fused_casts and source[0] == "op":
+                at = index[source[1]]
+                ops[at] = dataclasses.replace(ops[at], bytes_written=ops[at].bytes_written + written,
+                                              vector_ops=tuple(ops[at].vector_ops) + CAST_OPS)
+                shared[source] = (at, {layout})
+            else:
+                casts[i] = len(ops)
+                if fused_casts:
+                    shared[source] = (len(ops), {layout})
+                ops.append(Op(name=f"{op.name}.cast_{precision}", kind="elementwise", unit=VC,
+                              bytes_read=cast_elements * e, bytes_written=written,
+                              elements=cast_elements, vector_ops=CAST_OPS, shape=layout))
             saved = b * (m * k + k * n) * (e - fmt.operand_bytes)
             op = dataclasses.replace(op, datatype=precision, bytes_read=max(0.0, op.bytes_read - saved))
         index[i] = len(ops)
@@ -173,11 +200,34 @@ def precision_layer(layer: Layer, precision: str, bytes_per_element: float) -> L
                                     layer.linear_shared_sp_bytes))
 
 
-def precision_graph(graph: LayerGraph, precision: str) -> LayerGraph:
-    """The layer graph trained in `precision` (see the module docstring); BF16: `graph` itself."""
+def _operand_source(op_graph: OpGraph, preds, elements: int) -> tuple:
+    """Where a GEMM's cast operand comes from, looking through views and layout no-ops: ("op", i)
+    for the vector op producing it (the producing vector op with the most elements, at least the
+    operand's), else ("ops", ...) the ops producing the GEMM's inputs, which GEMMs reading the same
+    operand share."""
+    producers, stack, seen = set(), list(preds), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if op_graph.ops[u].unit == NONE:
+            stack.extend(p for p, v in op_graph.edges if v == u)
+        else:
+            producers.add(u)
+    vector = [u for u in producers if op_graph.ops[u].unit == VC and op_graph.ops[u].elements >= elements]
+    if vector:
+        return ("op", max(vector, key=lambda u: (op_graph.ops[u].elements, u)))
+    return ("ops",) + tuple(sorted(producers))
+
+
+def precision_graph(graph: LayerGraph, precision: str, fused_casts: bool = False) -> LayerGraph:
+    """The layer graph trained in `precision` (see the module docstring; `fused_casts`:
+    `precision_ops`); BF16: `graph` itself."""
     if precision == BF16:
         return graph
-    op_graphs = {kind: {name: precision_ops(og, kind, precision, graph.bytes_per_element) for name, og in passes.items()}
+    op_graphs = {kind: {name: precision_ops(og, kind, precision, graph.bytes_per_element, fused_casts)
+                        for name, og in passes.items()}
                  for kind, passes in graph.op_graphs.items()}
     layers = tuple(precision_layer(layer, precision, graph.bytes_per_element) for layer in graph.layers)
     return dataclasses.replace(graph, op_graphs=op_graphs, layers=layers)

@@ -133,6 +133,13 @@ _VECTOR = {
     "native_dropout": ("dropout", "dropout"), "native_dropout_backward": ("dropout", "dropout_bwd"),
 }
 _POINTWISE = frozenset(_VECTOR)
+# `fuse=ROW_FUSION` (a stack with Transformer Engine's kernels, workload/stack.py): a chain may also
+# take in a row reduction (a norm's mean of squares, a bias gradient's sum), a LayerNorm and the
+# concatenation of RoPE's rotated halves, whatever their element counts (a per-row statistic is
+# broadcast back over its row inside one kernel): TE's fused LayerNorm/RMSNorm and RoPE kernels, and
+# its activation-backward + bias-gradient kernels.
+ROW_FUSION = "row"
+_ROW_FUSABLE = _POINTWISE | {"mean", "sum", "cat", "slice_backward", "native_layer_norm", "native_layer_norm_backward"}
 _OTHER_VECTOR = {
     "native_layer_norm": ("norm", "layernorm"), "native_layer_norm_backward": ("norm", "layernorm_bwd"),
     "_softmax": ("softmax", "softmax"), "_safe_softmax": ("softmax", "softmax"),
@@ -209,13 +216,13 @@ class LayerTrace:
     linear_shared_sp_bytes: int = 0
 
 
-def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> tuple[OpGraph, OpGraph]:
+def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool | str = True) -> tuple[OpGraph, OpGraph]:
     """Trace a user's own `nn.Module` layer: (forward OpGraph, backward OpGraph) for one device."""
     result = trace_layer_details(module, example_inputs, name=name, fuse=fuse)
     return result.fwd, result.bwd
 
 
-def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool = True) -> LayerTrace:
+def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool | str = True) -> LayerTrace:
     """Trace `module(*example_inputs)` and its backward on meta tensors; see the module docstring.
 
     The module is not changed: its parameters are replaced by meta tensors of the same shape and
@@ -679,6 +686,8 @@ class _Mapper:
                 return True
             if not self.fuse:
                 return False
+            if self.fuse == ROW_FUSION:
+                return da.unit == VC and db.unit == VC and _op_name(a) in _ROW_FUSABLE and _op_name(b) in _ROW_FUSABLE
             return (da.unit == VC and db.unit == VC and _op_name(a) in _POINTWISE and _op_name(b) in _POINTWISE
                     and da.elements == db.elements)
 

@@ -187,7 +187,8 @@ def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> B
     st = stage_stack(problem, costs, force_dag)
     pairs = _pairs(problem, costs)
     links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h]) for h in (0, 1) if np.any(pairs.hop == h)}
+    fixed = system.efficiency.microbatch_overhead_s
+    times = {h: st.stage_time(links[h], 1, fixed) for h in (0, 1) if np.any(pairs.hop == h)}
     x = np.full(len(costs), INF)  # per width: candidate stages must have gradient bytes < x
     active = np.ones(pairs.S.shape[0], dtype=bool)
     floor_allreduce = pairs.allreduce(pairs.g_floor)
@@ -442,7 +443,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     w_b, g_b, o_b = state_split(problem)
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h], v)[1] for h in (0, 1)}
+    times = {h: st.stage_time(links[h], v, system.efficiency.microbatch_overhead_s)[1] for h in (0, 1)}
     L = st.n_layers
     T = len(costs)
     blocks = np.arange(T)

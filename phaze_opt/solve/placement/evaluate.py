@@ -41,6 +41,10 @@ disagreement in the tests. The model it implements (the definition the DP must o
   Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
   split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
   loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
+- A stage's time per microbatch also holds v x the system's fixed cost per microbatch and model
+  chunk (`SystemEfficiency.microbatch_overhead_s`: each chunk's forward and backward step of the
+  schedule launches its kernels and sets up its point-to-point transfers), so the batch pays it
+  (m v + S - 1) times.
 - Time per batch = bottleneck stage time x (m + (S - 1) / v) (the bubble of the interleaved
   schedule is (p - 1) / v stage times; Narayanan et al., SC'21, Sec. 2.2) + the slowest stage's
   per-batch tail: its data-parallel gradient reduction plus its optimizer step. The reduction is a
@@ -329,7 +333,7 @@ def evaluate_placement(
                 devices=t * c,
                 ranks=[t * c * s, t * c * s + t * c - 1],
                 inflight_microbatches=inflight,
-                time_s=compute + recompute + comm + zero3_s,
+                time_s=compute + recompute + comm + zero3_s + v_virt * system.efficiency.microbatch_overhead_s,
                 compute_s=compute,
                 recompute_s=recompute,
                 comm_s=comm + zero3_s,

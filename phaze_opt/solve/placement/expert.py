@@ -209,7 +209,8 @@ def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.nda
     st = chain_stack(problem, costs, int(np.max(own))) if own is not None else stage_stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
-    times = {h: st.stage_time(links[h], problem.training.virtual_stages)[1] for h in (0, 1)}
+    times = {h: st.stage_time(links[h], problem.training.virtual_stages, problem.system.efficiency.microbatch_overhead_s)[1]
+             for h in (0, 1)}
     return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
                    np.array([lc.tp for lc in costs]), st, experts, times, own)
 

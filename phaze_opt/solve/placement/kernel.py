@@ -73,10 +73,11 @@ class StageStack:
     def rows(self) -> int:
         return int(self.sizes.shape[0])
 
-    def stage_time(self, link, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def stage_time(self, link, v: int = 1, fixed_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Stage time per microbatch on this pipeline link: (last stage, other stages); v virtual
-        stages send v times the messages."""
-        comm = (0.0 + np.where(self.has_in, v * (link.latency + self.bytes_in / link.bandwidth), 0.0)) + np.where(
+        stages send v times the messages and pay v times the fixed cost per microbatch `fixed_s`
+        (`SystemEfficiency.microbatch_overhead_s`, as `evaluate_placement` charges it)."""
+        comm = v * fixed_s + (0.0 + np.where(self.has_in, v * (link.latency + self.bytes_in / link.bandwidth), 0.0)) + np.where(
             self.has_out, v * (link.latency + self.bytes_out / link.bandwidth), 0.0
         )
         valid = np.isfinite(self.grad)

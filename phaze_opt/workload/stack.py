@@ -1,0 +1,62 @@
+"""The software stack's kernel fusion: how many kernels a layer launches and the bytes they move.
+
+    recipe_graph(model, tp, training) -> LayerGraph   (the layer graph as `training` runs it)
+
+The same block costs different element-wise work under different stacks, and the per-kernel
+efficiencies of a calibrated arch (`hardware/efficiency.py`: the achieved HBM fraction, the fixed
+cost per kernel) are properties of the kernels, not of how many there are. So the stack is a recipe
+field (`Training.stack`) that picks the kernels, and the efficiencies stay one set per arch:
+
+- `eager`: one kernel per PyTorch operator (`trace.py` with `fuse=False`): what the `layers-h100`
+  truth ran (eager PyTorch 2.11 autograd, `presets/validation/truth/measure_blocks.py`), on which
+  h100-sxm's HBM fraction and per-kernel cost were fitted.
+- `megatron-lm` (the default, every earlier number unchanged): chains of pointwise operators fused
+  into one kernel (`fuse=True`), each reading what enters the chain and writing what leaves it. This
+  is what Megatron-LM of 2021-22 ran: "we fused some elementwise operations: bias + GeLU, bias +
+  dropout + add, and scale + mask + softmax" (Narayanan et al., SC'21, Sec. 4.2, "Computation
+  optimizations"; the same code base ran Korthikanti et al. 2022). Norms are separate kernels
+  (reduction, then the scaling chain), RoPE's rotated halves a concatenation of their own, and
+  each FP8 GEMM operand has a cast kernel of its own (`precision.py`).
+- `megatron-te`: Megatron-Core with Transformer Engine (TE), what NeMo and Megatron-Bridge ran in
+  2024-26. Besides the pointwise chains (Megatron-Core `fusions`: fused_bias_dropout,
+  fused_bias_gelu, fused_bias_swiglu; docs.nvidia.com/megatron-core/developer-guide, "fusions
+  package"): each LayerNorm / RMSNorm is one kernel (its statistics and scaling in one pass: TE
+  `LayerNorm`, `RMSNorm`, `LayerNormLinear`), RoPE is one kernel (Megatron-Core
+  `--apply-rope-fusion`, TE's fused rotary embedding; Megatron-Bridge enables it where
+  `can_enable_apply_rope_fusion`), and an activation's backward is one kernel with its bias
+  gradient (TE's dbias + dact kernels), all by `trace.ROW_FUSION`. In FP8 the cast of a GEMM
+  operand is done by the kernel that produces it: TE's `LayerNormLinear` and `LayerNormMLP` write
+  the norm's (and the activation's) output directly in FP8 ("Fused TE Modules", TE user guide,
+  Getting Started), and a gradient is cast once for both of its GEMMs, in both layouts
+  (`cast_transpose`; Hopper's FP8 GEMMs take only the TN layout); `precision.precision_graph` with
+  `fused_casts`. An operand no vector kernel produces (an attention output, a GEMM's gradient) keeps
+  a cast kernel, shared by the GEMMs that read it.
+
+Every fusion only merges kernels (a merged kernel reads what enters it and writes what leaves it),
+so a stack never moves more bytes than `eager` (tested for every preset model).
+"""
+
+from __future__ import annotations
+
+from ..training import Training
+from .graphs import build_layer_graph, sequence_parallel_graph
+from .models import ModelConfig
+from .ops import LayerGraph
+from .precision import precision_graph
+from .trace import ROW_FUSION
+
+# The trace's fusion level of each stack (`graphs.build_layer_graph`'s `fuse`).
+TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION}
+# Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
+FUSED_CASTS = ("megatron-te",)
+
+
+def recipe_graph(model: ModelConfig | str, tp: int, training: Training, sequence_parallel: bool = False) -> LayerGraph:
+    """The layer graph at TP width `tp` as `training` runs it: its microbatch, attention kernel,
+    stack's fusion and GEMM number format (`precision.py`); with `sequence_parallel` (the recipe's,
+    where the caller prices its collectives) the SP collectives in place of the all-reduces."""
+    graph = build_layer_graph(model, tp, training.mbs, attention=training.attention,
+                              fuse=TRACE_FUSION[training.stack])
+    if sequence_parallel:
+        graph = sequence_parallel_graph(graph)
+    return precision_graph(graph, training.precision, fused_casts=training.stack in FUSED_CASTS)

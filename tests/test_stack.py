@@ -1,0 +1,113 @@
+"""The software stack's kernel fusion (`Training.stack`, workload/stack.py): it keys the layer costs,
+a fused stack never moves more bytes than eager PyTorch, TE's FP8 casts live in the kernels that
+produce the operands, and validation suites carry the stack of the software that ran them."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from phaze_opt import configs
+from phaze_opt.design.evaluate import layer_costs
+from phaze_opt.errors import PhazeError
+from phaze_opt.hardware.arch import load_arch
+from phaze_opt.system import load_system
+from phaze_opt.training import STACKS, Training
+from phaze_opt.validation.runner import row_training
+from phaze_opt.validation.suites import load_suite
+from phaze_opt.workload.models import load_model
+from phaze_opt.workload.ops import NONE, VC
+from phaze_opt.workload.stack import recipe_graph
+
+# One model of each block structure is traced on every run; the rest of the presets with `slow`.
+QUICK = ("llama3-8b", "megatron-gpt-1.7b", "qwen3-30b-a3b")
+
+
+def test_default_stack_keeps_every_earlier_key():
+    """The default adds nothing to the recipe or the layer-cost key (stored studies and memo keys
+    stay what they were); any other stack changes both."""
+    base = Training(mbs=2, sequence_parallel=True)
+    assert base.stack == STACKS[0] == "megatron-lm"
+    assert base.layer_key() == (2, True, None) and "stack" not in base.recipe()
+    for stack in ("eager", "megatron-te"):
+        other = Training(mbs=2, sequence_parallel=True, stack=stack)
+        assert other.layer_key() != base.layer_key() and other.recipe()["stack"] == stack
+
+
+def test_bad_stack_is_one_line():
+    with pytest.raises(PhazeError, match="stack must be one of megatron-lm, eager, megatron-te, got 'te'"):
+        Training(stack="te")
+
+
+def _traffic(graph, kind, pass_name):
+    ops = [op for op in graph.op_graphs[kind][pass_name].ops if op.unit != NONE]
+    return sum(op.bytes_read + op.bytes_written for op in ops), len(ops)
+
+
+@pytest.mark.parametrize("model", [m if m in QUICK else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in configs.available("models")])
+def test_fused_stacks_never_move_more_bytes_than_eager(model):
+    """Fusion only merges kernels: per layer kind and pass, megatron-te <= megatron-lm <= eager in
+    bytes moved and kernels launched, in BF16 and in FP8 (where TE's casts are fused too)."""
+    for precision in ("bf16", "fp8"):
+        graphs = {s: recipe_graph(model, 1, Training(stack=s, precision=precision)) for s in STACKS}
+        for kind in graphs["eager"].kinds:
+            for pass_name in ("fwd", "bwd"):
+                eager, lm, te = (_traffic(graphs[s], kind, pass_name) for s in ("eager", "megatron-lm", "megatron-te"))
+                assert te[0] <= lm[0] * (1 + 1e-12) and lm[0] <= eager[0] * (1 + 1e-12), (kind, pass_name, precision)
+                assert te[1] <= lm[1] <= eager[1], (kind, pass_name, precision)
+
+
+def test_te_fuses_norm_and_rope_into_one_kernel_each():
+    """Llama's forward under TE: RMSNorm is one kernel (pow, mean, rsqrt, scale), RoPE of Q and of K
+    one kernel each; the default stack keeps the norm's reduction apart."""
+    te = recipe_graph("llama3-8b", 1, Training(stack="megatron-te", attention="flash")).op_graphs["block"]["fwd"]
+    lm = recipe_graph("llama3-8b", 1, Training(attention="flash")).op_graphs["block"]["fwd"]
+    norms = [op for op in te.ops if op.unit == VC and {"pow", "mean", "rsqrt"} <= set(op.vector_ops)]
+    ropes = [op for op in te.ops if op.unit == VC and {"neg", "copy", "mul"} <= set(op.vector_ops)]
+    assert len(norms) == 2 and len(ropes) == 2
+    assert not any(op.unit == VC and {"pow", "mean"} <= set(op.vector_ops) for op in lm.ops)
+
+
+def test_te_casts_fp8_in_the_producing_kernel():
+    """Under TE three of a Llama block's four forward casts go into the norms and the SwiGLU
+    product (TE's LayerNormLinear / LayerNormMLP); the attention output keeps a cast of its own.
+    The default stack has a cast kernel per FP8 GEMM."""
+    def casts(stack):
+        graph = recipe_graph("llama3-8b", 1, Training(stack=stack, precision="fp8", attention="flash"))
+        ops = graph.op_graphs["block"]["fwd"].ops
+        alone = [op for op in ops if op.vector_ops == ("cast", "amax")]
+        fused = [op for op in ops if "cast" in op.vector_ops and len(op.vector_ops) > 2]
+        return len(alone), len(fused)
+
+    assert casts("megatron-lm") == (4, 0)
+    assert casts("megatron-te") == (1, 3)
+
+
+def test_stack_changes_layer_costs():
+    """Two stacks give two memo entries and two sets of layer times; eager is the slowest."""
+    arch, system = load_arch("h100-sxm"), load_system("dgx-h100")
+    model = load_model("megatron-gpt-1.7b")
+    times = {}
+    for stack in STACKS:
+        costs = layer_costs(model, arch, Training(mbs=1, stack=stack), system, 1, ilp_time_limit_s=10.0)
+        times[stack] = sum(costs.costs.fwd_s) + sum(costs.costs.bwd_s)
+        assert ("stack", stack) in costs.key or stack == STACKS[0]
+    assert times["eager"] > times["megatron-lm"] > times["megatron-te"]
+
+
+def test_suites_name_the_stack_of_their_software(tmp_path):
+    """The A100 papers ran Megatron-LM (the default); the NeMo / Megatron-Core suites TE, except
+    Meta's Llama 3 rows, which say their own; a suite's stack reaches the row's recipe."""
+    assert {r.stack for r in load_suite("narayanan-sc21").rows} == {"megatron-lm"}
+    assert {r.stack for r in load_suite("nemo-fp8-h100").rows} == {"megatron-te"}
+    core = load_suite("megatron-core-h100")
+    assert {r.stack for r in core.rows if r.model == "llama3-405b"} == {"megatron-lm"}
+    assert {r.stack for r in core.rows if r.model != "llama3-405b"} == {"megatron-te"}
+    assert row_training(core.rows[0]).stack == "megatron-te"
+    data = yaml.safe_load(open(core.path))
+    data["stack"] = "fused"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PhazeError, match="stack.*megatron-lm, eager, megatron-te"):
+        load_suite(path)
