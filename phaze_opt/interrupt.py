@@ -102,6 +102,25 @@ def _unraisable(hook):
     return quiet
 
 
+def _quiet_record(record) -> bool:
+    """A logging filter: drop a record that carries a KeyboardInterrupt of a stop under way. A library
+    that catches the interrupt only to log it with its traceback (SQLAlchemy's pool, closing a
+    connection) re-raises it, or `_start_resender` sends the signal again; the traceback would be
+    the only trace, on a stop that is otherwise one line."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, KeyboardInterrupt) and _STATE["stop"] is not None)
+
+
+def _quiet_logs() -> None:
+    """`_quiet_record` on the handler that prints records when nobody configured logging (this CLI
+    does not) and on the root logger's handlers."""
+    import logging
+
+    for handler in [logging.lastResort, *logging.getLogger().handlers]:
+        if handler is not None and _quiet_record not in handler.filters:
+            handler.addFilter(_quiet_record)
+
+
 def install(raise_outside: bool = True):
     """Route SIGINT, SIGTERM and SIGHUP to the stop flag in this process (main thread only; elsewhere
     a no-op). `raise_outside`: raise KeyboardInterrupt outside any region (a parent process) or only
@@ -109,6 +128,7 @@ def install(raise_outside: bool = True):
     handlers and default."""
     if not getattr(sys.unraisablehook, "phaze_quiet", False):
         sys.unraisablehook = _unraisable(sys.unraisablehook)
+    _quiet_logs()
     previous_outside = _STATE["outside"]
     _STATE["outside"] = RAISE if raise_outside else DEFER
     previous = {}

@@ -237,6 +237,33 @@ def test_ctrl_c_stops_a_single_worker_study_inside_highs_at_once(tmp_path):
     assert [p.info.status for p in parents] == ["KILLED"] and children == []
 
 
+def test_the_interrupt_a_library_logs_during_a_stop_is_not_printed():
+    """SQLAlchemy's pool logs a KeyboardInterrupt that lands while it closes a connection, with its
+    traceback, then re-raises it (seen in the signal storm: a SIGHUP during a 2-worker start-up).
+    During a stop that record is dropped; an interrupt without a stop and any other error still print."""
+    code = """
+import logging
+from phaze_opt import interrupt
+interrupt.install()
+log = logging.getLogger("sqlalchemy.pool.impl.QueuePool")
+def logged(exc):
+    try:
+        raise exc
+    except BaseException:
+        log.error("Exception closing connection %r", 1, exc_info=True)
+logged(KeyboardInterrupt("by the user"))
+interrupt.request_stop("SIGHUP")
+logged(KeyboardInterrupt("signal SIGHUP"))
+logged(ValueError("disk I/O error"))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("Exception closing connection") == 2, out.stderr
+    assert "KeyboardInterrupt: by the user" in out.stderr and "SIGHUP" not in out.stderr
+    assert "ValueError: disk I/O error" in out.stderr
+
+
 def _stopped_after(delay_s: float, solve):
     """Run `solve()` as an evaluation (interruptible) with a stop requested after `delay_s` from a
     thread, as a worker's parent watch does: no signal reaches the solver, only the flag."""
