@@ -61,6 +61,11 @@ def dumps(result) -> str:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     interrupt.install()  # SIGTERM and SIGHUP stop a command as Ctrl-C does: exit 130, one line
+    with interrupt.command():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     before = os.environ.get(configs.ENV)
     try:
         parser = build_parser()

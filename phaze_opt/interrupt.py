@@ -169,6 +169,26 @@ def reset() -> None:
     STOP[0] = 0
 
 
+@contextmanager
+def command():
+    """Around one command of this process (the CLI's `main`): it starts with no stop request, and
+    one requested anywhere inside it stands until it ends (`fresh_start` keeps it)."""
+    reset()
+    _STATE["command"] = True
+    try:
+        yield
+    finally:
+        _STATE["command"] = False
+
+
+def fresh_start() -> None:
+    """Forget the stop of an earlier run in this process (an API caller running a study again), but
+    never one requested during the current command: a signal that landed in the start-up before a
+    study's session opened (the signal storm lost 3 of 90 that way: each study ran to its end)."""
+    if not _STATE.get("command"):
+        reset()
+
+
 def _main() -> bool:
     return threading.current_thread() is threading.main_thread()
 

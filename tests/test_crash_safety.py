@@ -264,6 +264,33 @@ logged(ValueError("disk I/O error"))
     assert "ValueError: disk I/O error" in out.stderr
 
 
+def test_a_stop_requested_before_the_session_opens_stops_the_study(tmp_path, monkeypatch, capsys):
+    """A signal recorded in the start-up before the study's session opens (a deferred region, or one
+    a library swallowed) used to be forgotten when the session began: the study ran to its end and
+    exited 0 (the signal storm, 3 of 90 stops with one worker)."""
+    from phaze_opt import cli, interrupt, search
+    from phaze_opt.search import sampled
+    from test_study_fakes import backend as fake_backend
+
+    real_search, real_held = search.run_study, sampled.held_trials
+
+    def held_then_signal(*args, **kwargs):
+        out = real_held(*args, **kwargs)
+        interrupt.request_stop("SIGHUP")  # what the handler records in a deferred region
+        return out
+
+    monkeypatch.setattr(search, "run_study", lambda cfg, b=None: real_search(cfg, fake_backend()))
+    monkeypatch.setattr(sampled, "held_trials", held_then_signal)
+    try:
+        rc = cli.main(["study", "--model", "m-small", "--space", "fake", "--no-progress", "--json", "--trials", "6",
+                       "--study-name", "early", "--output-dir", str(tmp_path / "studies"), "--tracking-uri", "off"])
+    finally:
+        interrupt.reset()
+    assert rc == 130 and capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    trials = optuna.load_study(study_name="early", storage=f"sqlite:///{tmp_path / 'studies' / 'early.db'}").get_trials()
+    assert not finished_trials(trials)
+
+
 def _stopped_after(delay_s: float, solve):
     """Run `solve()` as an evaluation (interruptible) with a stop requested after `delay_s` from a
     thread, as a worker's parent watch does: no signal reaches the solver, only the flag."""
