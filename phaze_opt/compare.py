@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from .cli import exit_with, main
 
 
 def run(argv=None) -> int:
@@ -10,4 +10,4 @@ def run(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_with(run())

@@ -12,8 +12,14 @@ request (`stop_requested`), and what happens next depends on where the main thre
 - elsewhere it follows the process's default (`install(raise_outside=...)`): the parent raises
   (set-up code is short and restartable), a worker process only records the request.
 
-Solvers call `checkpoint()` between their steps (a schedule's blocks), so an evaluation stopped by
-a signal that the interpreter could not deliver inside compiled code stops at the next step.
+Compiled solvers cannot be cut by an exception: the interpreter runs a signal's handler only
+between bytecodes, so inside HiGHS it waits for the call to return (up to its time limit), and a
+KeyboardInterrupt raised in a callback from compiled code turns into a SystemError or is lost. So
+a solver call runs inside `polled()`: there a signal only records the request (and sets the byte
+`STOP`, which compiled code can read), the solver polls it from its own loop (HiGHS's interrupt
+callbacks, the numba search's deadline check) and returns early, and the KeyboardInterrupt is
+raised when the call has returned, if the caller may be cut. What such a call returns is never
+used: the exception replaces it.
 
 Only the main thread handles signals (Python's rule), so the regions are the main thread's.
 Standard library only: the CLI installs this before importing anything heavy.
@@ -31,6 +37,7 @@ SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 RAISE, DEFER = "raise", "defer"
 
 _STATE: dict = {"stop": None, "regions": [], "outside": RAISE, "settled": False, "resender": None}
+STOP = bytearray(1)  # 1 once a stop is requested: read by compiled solvers (`polled`)
 
 
 def _signals() -> list:
@@ -95,6 +102,25 @@ def _unraisable(hook):
     return quiet
 
 
+def _quiet_record(record) -> bool:
+    """A logging filter: drop a record that carries a KeyboardInterrupt of a stop under way. A library
+    that catches the interrupt only to log it with its traceback (SQLAlchemy's pool, closing a
+    connection) re-raises it, or `_start_resender` sends the signal again; the traceback would be
+    the only trace, on a stop that is otherwise one line."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, KeyboardInterrupt) and _STATE["stop"] is not None)
+
+
+def _quiet_logs() -> None:
+    """`_quiet_record` on the handler that prints records when nobody configured logging (this CLI
+    does not) and on the root logger's handlers."""
+    import logging
+
+    for handler in [logging.lastResort, *logging.getLogger().handlers]:
+        if handler is not None and _quiet_record not in handler.filters:
+            handler.addFilter(_quiet_record)
+
+
 def install(raise_outside: bool = True):
     """Route SIGINT, SIGTERM and SIGHUP to the stop flag in this process (main thread only; elsewhere
     a no-op). `raise_outside`: raise KeyboardInterrupt outside any region (a parent process) or only
@@ -102,6 +128,7 @@ def install(raise_outside: bool = True):
     handlers and default."""
     if not getattr(sys.unraisablehook, "phaze_quiet", False):
         sys.unraisablehook = _unraisable(sys.unraisablehook)
+    _quiet_logs()
     previous_outside = _STATE["outside"]
     _STATE["outside"] = RAISE if raise_outside else DEFER
     previous = {}
@@ -127,6 +154,7 @@ def install(raise_outside: bool = True):
 def request_stop(reason: str = "stop") -> None:
     if _STATE["stop"] is None:
         _STATE["stop"] = reason
+    STOP[0] = 1
 
 
 def stop_requested() -> str | None:
@@ -138,6 +166,27 @@ def reset() -> None:
     """Forget a stop request (a new invocation in the same process, e.g. a test)."""
     _STATE["stop"] = None
     _STATE["settled"] = False
+    STOP[0] = 0
+
+
+@contextmanager
+def command():
+    """Around one command of this process (the CLI's `main`): it starts with no stop request, and
+    one requested anywhere inside it stands until it ends (`fresh_start` keeps it)."""
+    reset()
+    _STATE["command"] = True
+    try:
+        yield
+    finally:
+        _STATE["command"] = False
+
+
+def fresh_start() -> None:
+    """Forget the stop of an earlier run in this process (an API caller running a study again), but
+    never one requested during the current command: a signal that landed in the start-up before a
+    study's session opened (the signal storm lost 3 of 90 that way: each study ran to its end)."""
+    if not _STATE.get("command"):
+        reset()
 
 
 def _main() -> bool:
@@ -181,6 +230,33 @@ def checkpoint() -> None:
     regions = _STATE["regions"]
     if (regions[-1] if regions else _STATE["outside"]) == RAISE:
         raise KeyboardInterrupt(f"signal {_STATE['stop']}")
+
+
+class Poll:
+    """What a solver inside `polled()` checks: `poll()` is True once it should stop; `flag` is the
+    byte compiled code reads instead (1: stop). A caller that may not be cut gets a byte that
+    never changes, so its solver always runs to the end."""
+
+    def __init__(self, cut: bool):
+        self.cut = cut
+        self.flag = STOP if cut else bytearray(1)
+
+    def __call__(self) -> bool:
+        return self.flag[0] != 0
+
+
+@contextmanager
+def polled():
+    """Around a call into compiled code that polls for a stop itself (see the module docstring):
+    yields its `Poll`; raises KeyboardInterrupt after the call when a stop was requested and the
+    caller may be cut, so an early return is never taken for a result."""
+    poll = Poll(_main() and _raising())
+    if poll.cut:
+        checkpoint()
+    with _region(DEFER):
+        yield poll
+    if poll.cut:
+        checkpoint()
 
 
 def checkpoint_deferred() -> None:

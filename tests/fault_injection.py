@@ -222,7 +222,10 @@ def storm(rounds: int = 50, workers: int = 2, trials: int = 400, seed: int = 0, 
         killed = _parent_runs_not_killed(work)
         if killed:
             problems.append(f"{where}: parent runs {killed}")
-    final = _run_to_end(work, trials, workers)
+        with open(work / "rounds.jsonl", "a") as f:  # each round as it ends: a long storm cut short keeps them
+            f.write(json.dumps({"round": i, "signal": name, "group": group, "exit": proc.returncode,
+                                "stop_s": stop_s}) + "\n")
+    final = _run_to_end(work, trials, workers, timeout=1800)  # all that is left, on a loaded machine
     checked = check(work, trials, workers, final, final)
     problems.extend(checked.pop("problems"))
     counts.update(checked)

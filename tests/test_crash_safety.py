@@ -195,6 +195,140 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     assert not list((tmp_path / "tmp").glob("phaze-spool-*"))
 
 
+def test_ctrl_c_stops_a_single_worker_study_inside_highs_at_once(tmp_path):
+    """--workers 1 evaluates in the parent, so the signal lands while HiGHS runs a MIP with a 300 s
+    limit (`fault_study.hard_block`): the study still exits 130 within `STOP_LIMIT_S` of Ctrl-C, no
+    traceback, its parent run KILLED, the trial marked interrupted and its point queued again, and
+    the solve never returned a result."""
+    from fault_injection import STOP_LIMIT_S
+    from mlflow import MlflowClient
+
+    cmd, env = _cli(tmp_path, trials=4, workers=1)
+    log = tmp_path / "mip.log"
+    env.update(FAULT_MIP_S="300", FAULT_MIP_LOG=str(log))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None and not (log.exists() and "mip-start" in log.read_text()):
+        time.sleep(0.05)
+    time.sleep(4.0)  # past the relaxation (0.5 s and its last LP) into the MIP itself
+    assert proc.poll() is None
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the study did not stop within 120 s of Ctrl-C (it waited for HiGHS)")
+    stop_s = time.monotonic() - sent
+    assert proc.returncode == 130, err[-2000:]
+    assert stop_s <= STOP_LIMIT_S, f"stopped {stop_s:.1f} s after Ctrl-C"
+    assert "Traceback" not in err, err[-2000:]
+    assert "mip-end" not in log.read_text()  # cut inside HiGHS: no schedule came back
+    trials = optuna.load_study(study_name="fault", storage=f"sqlite:///{tmp_path / 'studies' / 'fault.db'}").get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    cut = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert len(cut) == 1 and not finished_trials(trials)
+    queued = [t for t in trials if t.state == TrialState.WAITING and t.user_attrs.get("retry_of") is not None]
+    assert [t.user_attrs["retry_of"] for t in queued] == [cut[0].number]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    children, parents = trial_runs(client, client.get_experiment_by_name("fault").experiment_id)
+    assert [p.info.status for p in parents] == ["KILLED"] and children == []
+
+
+def test_the_interrupt_a_library_logs_during_a_stop_is_not_printed():
+    """SQLAlchemy's pool logs a KeyboardInterrupt that lands while it closes a connection, with its
+    traceback, then re-raises it (seen in the signal storm: a SIGHUP during a 2-worker start-up).
+    During a stop that record is dropped; an interrupt without a stop and any other error still print."""
+    code = """
+import logging
+from phaze_opt import interrupt
+interrupt.install()
+log = logging.getLogger("sqlalchemy.pool.impl.QueuePool")
+def logged(exc):
+    try:
+        raise exc
+    except BaseException:
+        log.error("Exception closing connection %r", 1, exc_info=True)
+logged(KeyboardInterrupt("by the user"))
+interrupt.request_stop("SIGHUP")
+logged(KeyboardInterrupt("signal SIGHUP"))
+logged(ValueError("disk I/O error"))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("Exception closing connection") == 2, out.stderr
+    assert "KeyboardInterrupt: by the user" in out.stderr and "SIGHUP" not in out.stderr
+    assert "ValueError: disk I/O error" in out.stderr
+
+
+def test_a_stop_requested_before_the_session_opens_stops_the_study(tmp_path, monkeypatch, capsys):
+    """A signal recorded in the start-up before the study's session opens (a deferred region, or one
+    a library swallowed) used to be forgotten when the session began: the study ran to its end and
+    exited 0 (the signal storm, 3 of 90 stops with one worker)."""
+    from phaze_opt import cli, interrupt, search
+    from phaze_opt.search import sampled
+    from test_study_fakes import backend as fake_backend
+
+    real_search, real_held = search.run_study, sampled.held_trials
+
+    def held_then_signal(*args, **kwargs):
+        out = real_held(*args, **kwargs)
+        interrupt.request_stop("SIGHUP")  # what the handler records in a deferred region
+        return out
+
+    monkeypatch.setattr(search, "run_study", lambda cfg, b=None: real_search(cfg, fake_backend()))
+    monkeypatch.setattr(sampled, "held_trials", held_then_signal)
+    try:
+        rc = cli.main(["study", "--model", "m-small", "--space", "fake", "--no-progress", "--json", "--trials", "6",
+                       "--study-name", "early", "--output-dir", str(tmp_path / "studies"), "--tracking-uri", "off"])
+    finally:
+        interrupt.reset()
+    assert rc == 130 and capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    trials = optuna.load_study(study_name="early", storage=f"sqlite:///{tmp_path / 'studies' / 'early.db'}").get_trials()
+    assert not finished_trials(trials)
+
+
+def _stopped_after(delay_s: float, solve):
+    """Run `solve()` as an evaluation (interruptible) with a stop requested after `delay_s` from a
+    thread, as a worker's parent watch does: no signal reaches the solver, only the flag."""
+    import threading
+
+    from phaze_opt import interrupt
+
+    timer = threading.Timer(delay_s, interrupt.request_stop, args=("test",))
+    timer.start()
+    try:
+        with interrupt.interruptible():
+            return solve()
+    finally:
+        timer.cancel()
+        interrupt.reset()
+
+
+def test_a_stop_request_cuts_the_highs_mip():
+    """Without the poll HiGHS runs its MIP to the 60 s limit and returns a time_limit result."""
+    from fault_study import solve_hard_block
+
+    with pytest.raises(KeyboardInterrupt):
+        _stopped_after(3.0, lambda: solve_hard_block(60.0))
+
+
+def test_a_stop_request_cuts_the_schedule_solver_and_caches_nothing(tmp_path, monkeypatch):
+    from fault_study import hard_block
+    from phaze_opt.solve.schedule import cache
+    from phaze_opt.solve.schedule.solver import solve_schedule
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    problem = hard_block()
+    with pytest.raises(KeyboardInterrupt):
+        _stopped_after(2.0, lambda: solve_schedule(problem, time_limit_s=60.0))
+    assert cache.get(cache.problem_key(problem), "highs", 60.0, problem=problem) is None
+    assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file()]
+
+
 def _wait_group_gone(pgid: int, limit_s: float = 30.0) -> float:
     """Seconds until no process of the group `pgid` is left (killed and a test failure after `limit_s`)."""
     start = time.monotonic()

@@ -183,7 +183,7 @@ class Session:
         TPUv4 baselines) at once and waits for the end of each group of writes; the parent run, if
         opened, is then closed as KILLED."""
         self.clock_start = time.time()
-        interrupt.reset()  # a stop request of an earlier invocation in this process is over
+        interrupt.fresh_start()  # a stop request of an earlier invocation in this process is over
         self.restore_signals = signals.handle_termination()  # SIGINT, SIGTERM, SIGHUP: the stop flag
         self.tracker = NullTracker()
         try:

@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
+from ... import interrupt
 from .heuristic import duration, schedule_from_hint
 from .bounds import idle_width
 from .instance import BlockView, Instance, longest_heads, longest_tails, max_antichain, set_bits
@@ -120,7 +121,10 @@ class IlpResult:
 
 
 class _WarmHiGHS(pulp.HiGHS):
-    """PuLP's in-process HiGHS, handing the incumbent to the solver before it runs."""
+    """PuLP's in-process HiGHS, handing the incumbent to the solver before it runs, and stopping it
+    when a stop is requested (Ctrl-C, SIGTERM, SIGHUP): the interpreter cannot run a signal's
+    handler while HiGHS runs, so HiGHS asks at each of its interrupt callbacks (simplex iteration,
+    IPM iteration, MIP node loop), and the run then ends with KeyboardInterrupt, never a result."""
 
     def __init__(self, start_values: dict | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -137,7 +141,16 @@ class _WarmHiGHS(pulp.HiGHS):
             sol.col_value = values
             sol.value_valid = True
             lp.solverModel.setSolution(sol)
-        lp.solverModel.run()
+        highs = lp.solverModel
+        with interrupt.polled() as stop:
+            if stop.cut:
+                def poll(event):
+                    if stop():
+                        event.interrupt()
+
+                for callback in (highs.cbSimplexInterrupt, highs.cbIpmInterrupt, highs.cbMipInterrupt):
+                    callback.subscribe(poll)
+            highs.run()
 
 
 def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict):
@@ -152,6 +165,8 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float, warm: dict
         prob.solve(s)
         h = prob.solverModel
         status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInterrupt:  # cut short: neither a bound nor a schedule
+            raise KeyboardInterrupt("HiGHS interrupted")
         info = h.getInfo()
         has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
         optimal = status == highspy.HighsModelStatus.kOptimal

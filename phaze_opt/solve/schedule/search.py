@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit, objmode, types
 from numba.typed import Dict
 
+from ... import interrupt
 from .instance import BlockView, Instance, block_view, prepare
 from .types import ScheduleProblem
 
@@ -130,8 +131,10 @@ def search_block(inst: Instance, view: BlockView, incumbent, deadline: float, mo
     F = np.array([blk.single, blk.split, blk.tail, blk.tail_after, blk.work_tc, blk.work_vc], dtype=np.float64)
     I = np.array([blk.can_split, blk.uses_tc, blk.uses_vc, blk.net, blk.compute, blk.no_single], dtype=np.int64)
     pred_mask = np.array(blk.pred_mask, dtype=np.int64)
-    ms, best_t, best_m, found, stopped, nodes, states = _search(
-        F, I, pred_mask, blk.T, blk.V, float(incumbent[0]), float(deadline), int(MEMO_MAX_STATES), float(target))
+    with interrupt.polled() as stop:  # a stop request ends the search at its next deadline check
+        ms, best_t, best_m, found, stopped, nodes, states = _search(
+            F, I, pred_mask, blk.T, blk.V, float(incumbent[0]), float(deadline), int(MEMO_MAX_STATES), float(target),
+            np.frombuffer(stop.flag, dtype=np.uint8))
     stats = {"nodes": int(nodes), "states": int(states), "search_s": time.perf_counter() - t_begin,
              "complete": not stopped, "improved": bool(found)}
     if not found:
@@ -189,9 +192,10 @@ def _fits_single(a, tcu, vcu, sp, uses_tc, uses_vc, T, V):
 
 
 @njit(cache=True)
-def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max, target):
+def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max, target, stop):
     """The whole depth-first search, iterative: frame `depth` is one decision point, and its subset
-    enumeration resumes at level `fr_j[depth]` when the child below it returns."""
+    enumeration resumes at level `fr_j[depth]` when the child below it returns. It also ends when
+    `stop[0]` turns 1 (a stop request, `interrupt.polled`; the signal's handler runs inside `_now`)."""
     single, split, tail, tail_after = F[_F_SINGLE], F[_F_SPLIT], F[_F_TAIL], F[_F_TAIL_AFTER]
     work_tc, work_vc = F[_F_WORK_TC], F[_F_WORK_VC]
     can_split, uses_tc, uses_vc, net, compute = I[_I_CAN_SPLIT], I[_I_USES_TC], I[_I_USES_VC], I[_I_NET], I[_I_COMPUTE]
@@ -250,7 +254,7 @@ def _search(F, I, pred_mask, T, V, incumbent, deadline, memo_max, target):
         if entering:
             entering = False
             nodes += 1
-            if nodes % _CHECK_EVERY == 1 and _now() > deadline:
+            if nodes % _CHECK_EVERY == 1 and (_now() > deadline or stop[0] != 0):
                 stopped = True
             if stopped:
                 break
