@@ -236,7 +236,7 @@ def test_out_of_memory_skips_the_configuration(configs, monkeypatch):
     monkeypatch.setattr(M, "materialise_block", fail_at_tp2)
     r = _measure("tiny-gpt", tp=[1, 2])
     assert [row["tp"] for row in r["layers"]] == [1]
-    assert r["skipped"] == [{"model": "tiny-gpt", "tp": 2, "mbs": 1, "flash": False,
+    assert r["skipped"] == [{"model": "tiny-gpt", "tp": 2, "mbs": 1, "flash": False, "kernels": "eager",
                              "reason": f"out of memory on {M.device_name(CPU)} (try a larger --tp or a smaller --mbs)"}]
     with pytest.raises(PhazeError, match="nothing measured: tiny-gpt tp 2 mbs 1: out of memory"):
         _measure("tiny-gpt", tp=2)
