@@ -73,7 +73,7 @@ def _wait_for(predicate, timeout: float, proc) -> bool:
     return False
 
 
-def _run_to_end(work: Path, trials: int, workers: int, timeout: float = 300) -> dict:
+def _run_to_end(work: Path, trials: int, workers: int, timeout: float = 1800) -> dict:
     out = subprocess.run(_command(work, trials, workers), env=_env(work), capture_output=True, text=True,
                          timeout=timeout)
     if out.returncode != 0:
