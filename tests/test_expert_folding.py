@@ -42,6 +42,22 @@ def test_folded_dp_matches_brute_force(seed, etp, zero, recompute, overlap, imba
     assert_dp_is_brute(problem)
 
 
+def test_folded_experts_shard_their_state_over_more_ranks_than_the_dense_layers():
+    """ETP 1 under TP 2, ZeRO-1: the experts' optimizer state shards over t c d / (e ETP) = 6 ranks
+    while the dense layers' shards over d = 3, so the one-stage placement on 6 GPUs fits, and it is
+    the optimum. The DP once pruned it: its longest fitting stage assumed the dense layers' most
+    replicas (N / t) for the experts too (found by the oracle above, seed 195)."""
+    problem = folded(moe_problem(195, ep=(1, 2, 4, 8), zero=1, recompute="none", hbm_bandwidth=50.0), 1)
+    best = optimal_placement(problem)
+    assert (best.tp, best.dp, best.ep, best.cp, len(best.stages)) == (2, 3, 1, 1, 1)
+    assert_dp_is_brute(problem)
+    # with no EP or CP width to search the folded experts still need the expert DP (the dense DP
+    # would reduce them over the dense replicas and disagree with the evaluator)
+    only_tp2 = replace(problem, costs=tuple(c for c in problem.costs if c.tp == 2), ep_widths=(1,), cp_widths=(1,))
+    assert only_tp2.parallel_dims
+    assert_dp_is_brute(only_tp2)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), etp=st.sampled_from([1, 2]))
 def test_folded_dp_matches_brute_force_interleaved(seed, etp):

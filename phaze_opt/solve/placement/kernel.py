@@ -182,9 +182,18 @@ def chain_width(problem: PlacementProblem, costs) -> int:
     w, g, o = state_split(problem)
     L = costs[0].n_layers
     width = 1
+    N = problem.system.accelerators
     for c in costs:
-        dmax = max(1, problem.system.accelerators // c.tp) if problem.training.zero else 1
-        state = c.params * ((w + g + o) / dmax if problem.training.zero == 3 else (w + g + weight_copies(problem) + o / dmax))
+        # the most replicas a shard can have: N / t for the dense parameters; folded experts
+        # (Training.expert_replicas: t c d / (e ETP)) reach N / ETP, more than N / t when ETP < t
+        dmax = max(1, N // c.tp) if problem.training.zero else 1
+        emax = max(dmax, N // problem.training.expert_tp(c.tp)) if problem.training.zero else 1
+        experts = np.asarray(c.expert_params, dtype=float) if c.expert_params is not None else 0.0
+        dense = c.params - experts
+        if problem.training.zero == 3:
+            state = (w + g + o) * (dense / dmax + experts / emax)
+        else:
+            state = c.params * (w + g + weight_copies(problem)) + o * (dense / dmax + experts / emax)
         footprint = (state + layer_terms(problem, c)[0] / problem.training.virtual_stages) * (1 - 1e-9)
         prefix = np.concatenate([[0.0], np.cumsum(footprint)])
         ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1

@@ -304,10 +304,13 @@ class PlacementProblem:
 
     @property
     def parallel_dims(self) -> bool:
-        """Whether expert or context parallelism (or a load imbalance) is in play: the placement is
-        then searched by `solve/placement/expert.py`."""
+        """Whether expert or context parallelism (or a load imbalance, or experts folded onto their
+        own grid) is in play: the placement is then searched by `solve/placement/expert.py` (the
+        dense DP reduces every parameter over the dense replicas)."""
         return self.ep_widths != (1,) or self.cp_widths != (1,) or (
-            self.training.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs))
+            self.training.load_imbalance != 1.0 and any(np.any(c.expert_fwd_s + c.expert_bwd_s > 0) for c in self.costs)
+        ) or any(self.training.expert_tp(c.tp) != c.tp and c.expert_params is not None and np.any(c.expert_params > 0)
+                 for c in self.costs)
 
     def costs_at(self, tp: int, cp: int = 1) -> LayerCosts:
         """The LayerCosts at TP width tp traced at seq / cp tokens (cp = 1: `costs_for`)."""
