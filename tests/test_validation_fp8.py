@@ -81,13 +81,18 @@ def test_each_row_is_priced_in_its_own_precision_never_as_bf16(name):
     assert all(r.predicted == 10.0 for r in result.rows if not r.skipped)
 
 
-def test_an_unknown_precision_is_one_line_naming_the_field(tmp_path):
+def _with_row_field(tmp_path, field, value):
+    """The nemo-fp8-h100 suite with row 3's `field` set to `value`, written as bad.yaml."""
     data = yaml.safe_load(suite_path("nemo-fp8-h100").read_text())
-    data["rows"][3]["precision"] = "fp6"
+    data["rows"][3][field] = value
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_an_unknown_precision_is_one_line_naming_the_field(tmp_path):
     with pytest.raises(PhazeError, match=r"bad\.yaml.*'rows\[3\]\.precision'.*bf16, fp8, mxfp8, nvfp4, got 'fp6'"):
-        load_suite(path)
+        load_suite(_with_row_field(tmp_path, "precision", "fp6"))
 
 
 def test_b200_preset_matches_the_datasheet():
@@ -130,9 +135,5 @@ def test_every_row_runs_fused_attention(name):
 
 
 def test_an_unknown_attention_is_one_line_naming_the_field(tmp_path):
-    data = yaml.safe_load(suite_path("nemo-fp8-h100").read_text())
-    data["rows"][3]["attention"] = "sdpa"
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
     with pytest.raises(PhazeError, match=r"bad\.yaml.*'rows\[3\]\.attention'.*unfused, flash, got 'sdpa'"):
-        load_suite(path)
+        load_suite(_with_row_field(tmp_path, "attention", "sdpa"))

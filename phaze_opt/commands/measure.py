@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..configs import positive_arg
 from ..system import MBS_LIMIT
+from ..validation.suites import LAYER_KERNELS
 
 HELP = "time the traced transformer block's TP shard on a real GPU (or the CPU): per-layer truth as JSON"
 DESCRIPTION = (
@@ -28,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", choices=("unfused", "flash"), nargs="+", default=None,
                    help="attention kernel(s): unfused (the traced graphs' default) and/or flash (PyTorch SDPA); "
                         "default: the model config's")
-    p.add_argument("--kernels", choices=("eager", "inductor"), nargs="+", default=["eager"],
+    p.add_argument("--kernels", choices=LAYER_KERNELS, nargs="+", default=[LAYER_KERNELS[0]],
                    help="how the block's kernels run: eager (one PyTorch kernel per operator, default) and/or "
                         "inductor (torch.compile fuses the element-wise work, a stand-in for a fusing stack)")
     p.add_argument("--repeats", type=int, default=10, metavar="N", help="timed runs per pass; the median is kept (default 10)")

@@ -145,15 +145,14 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     expert TP width (the module docstring; `expert_shift` is what that changed in each layer's
     forward and backward)."""
     t = costs.tp
-    build = lambda width: recipe_graph(model, width, training)
-    graph = build(t)
+    graph = recipe_graph(model, t, training)
     per_kind = _pass_times(graph, arch, system.tp_link(t))
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     expert = {k: per_kind[k]["expert"] for k in per_kind}
     etp = training.expert_tp(t)
     if etp != t and model.moe:
         check_expert_tp(model, training)
-        at_etp = _pass_times(build(etp), arch, system.tp_link(etp))
+        at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp))
         expert = {k: tuple(x * etp / t for x in at_etp[k]["expert"]) for k in per_kind}
     shift_f = np.array([expert[k][0] - per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows])
     shift_b = np.array([expert[k][1] - per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows])

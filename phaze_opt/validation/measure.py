@@ -47,14 +47,16 @@ from ..workload import layers
 from ..workload.graphs import build_layer_graph
 from ..workload.models import ATTENTIONS, ModelConfig
 from ..workload.ops import NET, TC, TCVC, LayerGraph
+from .suites import LAYER_KERNELS
 
 DEVICES = ("cuda", "cpu")
-# How the block's kernels are launched: `eager` runs one PyTorch kernel per operator (as the shipped
-# truth file, and the traced graphs' op list); `inductor` compiles the block with torch.compile
-# (TorchInductor: element-wise chains, norms and activations fused into generated Triton kernels; GEMMs
-# and SDPA stay library calls), the nearest stand-in for a fusing training stack (Transformer Engine /
-# Megatron-Core fused kernels) that installs with PyTorch alone.
-KERNELS = ("eager", "inductor")
+# How the block's kernels are launched (the truth file's `kernels`, suites.LAYER_KERNELS): `eager` runs
+# one PyTorch kernel per operator (as the shipped truth file, and the traced graphs' op list);
+# `inductor` compiles the block with torch.compile (TorchInductor: element-wise chains, norms and
+# activations fused into generated Triton kernels; GEMMs and SDPA stay library calls), the nearest
+# stand-in for a fusing training stack (Transformer Engine / Megatron-Core fused kernels) that
+# installs with PyTorch alone.
+KERNELS = LAYER_KERNELS
 TOOL = "phaze-opt measure"
 WEIGHT_STD = 0.02  # GPT-2/Megatron's initialisation (Radford et al. 2019); the values do not change the work
 NO_CUDA = ("measure: --device cuda: no CUDA device is available (torch.cuda.is_available() is false); "
