@@ -87,6 +87,23 @@ def test_the_row_recipe_reaches_the_evaluator(tmp_path):
     assert t.fixed == Layout(tp=2, pp=1, dp=16, ep=4, cp=2) and row[1].seq == 8192
 
 
+def test_a_pipeline_split_counting_the_embedding_and_loss_interleaves_any_layer_count(tmp_path):
+    """Llama 3 405B's 126 layers at PP 16 x VP 8: refused unless the split counts the embedding and
+    the loss as layers (128 = 16 x 8, Megatron-Core `--account-for-*-in-pipeline-split`), and then
+    the row's recipe carries both flags to the evaluator."""
+    llama = {"model": "llama3-405b", "tp": 8, "pp": 16, "gpus": 8192, "batch": 2048, "microbatch": 1,
+             "virtual_stages": 8, "recompute": "none", "sequence_parallel": True, "per_gpu_tflops": 430,
+             "source": {"paper": "p", "table": "t", "row": "405b"}}
+    with pytest.raises(PhazeError, match=r"'rows\[0\].virtual_stages': pp x virtual_stages \(16 x 8\) needs"):
+        load_suite(_suite(tmp_path, llama))
+    with pytest.raises(PhazeError, match=r"must divide the 127 layers counted in the split"):
+        load_suite(_suite(tmp_path, {**llama, "account_for_embedding": True}, name="one.yaml"))
+    (row,) = load_suite(_suite(tmp_path, {**llama, "account_for_embedding": True, "account_for_loss": True},
+                               name="both.yaml")).rows
+    t = row_training(row)
+    assert (t.virtual_stages, t.account_for_embedding, t.account_for_loss) == (8, True, True)
+
+
 def test_a_recipe_the_project_cannot_express_is_an_infeasible_row(tmp_path):
     suite = load_suite(_suite(tmp_path, MIXTRAL))
 

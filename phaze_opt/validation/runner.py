@@ -138,7 +138,9 @@ def row_config(row: Row, suite: Suite) -> dict:
             **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
                                  ("overlap_grad_reduce", row.overlap_grad_reduce),
                                  ("overlap_param_gather", row.overlap_param_gather),
-                                 ("tp_comm_overlap", row.tp_comm_overlap)) if v not in (1, None, 0, False)},
+                                 ("tp_comm_overlap", row.tp_comm_overlap),
+                                 ("account_for_embedding", row.account_for_embedding),
+                                 ("account_for_loss", row.account_for_loss)) if v not in (1, None, 0, False)},
             **({"precision": row.precision} if row.precision != "bf16" else {}),
             **({"attention": row.attention} if row.attention else {}),
             **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
@@ -160,7 +162,8 @@ def row_training(row: Row) -> Training:
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
-                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack)
+                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
+                    account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss)
 
 
 def row_model(row: Row):

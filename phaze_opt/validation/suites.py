@@ -29,6 +29,11 @@ A training row is one published run:
     seq                         optional: tokens per sequence (default the model's)
     batch, microbatch           global batch and microbatch in sequences; batch = microbatch x dp x m
     virtual_stages              model chunks per device of the interleaved 1F1B schedule (default 1)
+    account_for_embedding, account_for_loss
+                                optional: the pipeline split counts the embedding (the loss) as one
+                                more layer (Megatron-Core `--account-for-embedding-in-pipeline-split`,
+                                `--account-for-loss-in-pipeline-split`; default false), which lets a
+                                layer count that pp x virtual_stages does not divide interleave
     recompute                   none | selective | full (activation recomputation)
     sequence_parallel           true | false (default false; needs tp > 1)
     zero, overlap_grad_reduce   optional recipe fields (training.Training): 1 = Megatron's distributed
@@ -78,7 +83,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, PRECISIONS, STACKS
+from ..training import ATTENTIONS, PRECISIONS, STACKS, Training
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -107,7 +112,7 @@ ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute",
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel", "stack")
+                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -207,6 +212,8 @@ class Row:
     attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
     expert_tensor_parallel: int | None = None  # ETP with MoE parallel folding; None: unfolded
     stack: str = STACKS[0]  # the run's software stack (Training.stack): its own, else its suite's
+    account_for_embedding: bool = False  # the pipeline split counts the embedding as a layer
+    account_for_loss: bool = False  # ... and the loss
 
     @property
     def dp(self) -> int:
@@ -462,9 +469,22 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         raise config_error(file, f"{at}.batch",
                            f"must be a multiple of microbatch x dp ({mbs} x {dp} = {mbs * dp}), got {batch}")
     chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
-    if chunks > 1 and model.layers % (pp * chunks):
-        raise config_error(file, f"{at}.virtual_stages",
-                           f"pp x virtual_stages ({pp} x {chunks}) must divide the model's {model.layers} layers")
+    flags = {}
+    for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss"):
+        flags[name] = row.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
+    split = Training(virtual_stages=chunks, account_for_embedding=flags["account_for_embedding"],
+                     account_for_loss=flags["account_for_loss"])
+    if chunks > 1 and pp == 1:  # Megatron refuses it too: the interleaved schedule needs a pipeline
+        raise config_error(file, f"{at}.virtual_stages", "needs pp > 1 (no pipeline to interleave at pp 1)")
+    if chunks > 1 and not split.interleave_split_ok(model.layers, pp):
+        counted = model.layers + flags["account_for_embedding"] + flags["account_for_loss"]
+        need = (f"must divide the {counted} layers counted in the split (embedding/loss included)"
+                if counted != model.layers else
+                f"needs the model's {model.layers} layers divisible by virtual_stages and at least pp x "
+                f"virtual_stages (or account_for_embedding / account_for_loss)")
+        raise config_error(file, f"{at}.virtual_stages", f"pp x virtual_stages ({pp} x {chunks}) {need}")
     if chunks > 1 and (batch // (mbs * dp)) % pp:
         raise config_error(file, f"{at}.virtual_stages", f"the interleaved schedule needs microbatches per "
                            f"pipeline ({batch // (mbs * dp)}) to be a multiple of pp ({pp})")
@@ -474,11 +494,6 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     overlap = row.get("overlap_grad_reduce", False)
     if not isinstance(overlap, bool):
         raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
-    flags = {}
-    for name in ("overlap_param_gather", "tp_comm_overlap"):
-        flags[name] = row.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
     etp = _int(row, "expert_tensor_parallel", file, f"{at}.expert_tensor_parallel") \
         if "expert_tensor_parallel" in row else None
     if etp is not None and (not model.moe or etp not in model.tp_widths):
