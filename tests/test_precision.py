@@ -20,6 +20,7 @@ from phaze_opt.hardware.accelerator import Accelerator
 from phaze_opt.hardware.arch import accelerator_from_mapping, load_arch
 from phaze_opt.hardware.area import area_mm2, breakdown
 from phaze_opt.hardware.latency import estimate
+from phaze_opt.system import load_system
 from phaze_opt.solve.placement.types import state_split
 from phaze_opt.training import PRECISIONS, Training, recipe_points
 from phaze_opt.workload.ops import Op, OpGraph
@@ -284,3 +285,50 @@ def test_evaluate_prints_the_weight_copies_in_the_memory_line():
     assert "weight copies" not in render(dict(r, memory_per_device=mem))  # BF16: as before
     line = render(dict(r, memory_per_device=dict(mem, low_precision_weights=2 * gib))).splitlines()[1]
     assert "optimizer state 3.00, low-precision weight copies 2.00, activations 4.00" in line
+
+
+def test_a_chip_reading_fp8_column_wise_keeps_one_weight_copy(monkeypatch, tmp_path):
+    """Blackwell's tensor cores read a per-tensor FP8 operand in either major order, so Transformer
+    Engine keeps one FP8 copy of a weight, not Hopper's row-wise + transposed pair; MXFP8 and NVFP4
+    keep both directions (their scales run one way) on any chip. Checked from the arch file to the
+    evaluated memory: the same design with and without the capability differs by 1 B per parameter
+    held, in the weight copies only."""
+    from phaze_opt.solve.placement.dp import even_placement
+    from phaze_opt.solve.placement.evaluate import evaluate_placement
+    from phaze_opt.solve.placement.types import weight_copies
+    from phaze_opt.workload.models import parse_model
+    from phaze_opt.workload.precision import weight_copy_bytes
+
+    assert load_arch("b200").tc_fp8_any_layout and not load_arch("h100-sxm").tc_fp8_any_layout
+    assert "tc_fp8_any_layout" not in load_arch("h100-sxm").fields()  # earlier mappings unchanged
+    assert [weight_copy_bytes(f, False) for f in ("bf16", "fp8", "mxfp8", "nvfp4")] == [0, 1, 2, 1]
+    assert [weight_copy_bytes(f) for f in ("bf16", "fp8", "mxfp8", "nvfp4")] == [0, 2, 2, 1]
+    for fmt in ("fp8", "mxfp8"):
+        hopper = _problem(Training(mbs=1, zero=1, precision=fmt), accelerators=4)
+        blackwell = dataclasses.replace(hopper, fp8_transposed_copy=False)
+        t = hopper.tp_widths[0]
+        a = evaluate_placement(hopper, even_placement(hopper, t, 1, 4)).stages[0]
+        b = evaluate_placement(blackwell, even_placement(blackwell, t, 1, 4)).stages[0]
+        params = float(sum(hopper.costs_at(t, 1).params))
+        saved = params * (COPY_BYTES[fmt] - weight_copies(blackwell))
+        assert a.memory_bytes - b.memory_bytes == pytest.approx(saved)
+        assert saved == (params if fmt == "fp8" else 0.0)
+    good = dict(num_tc=4, tc_x=8, tc_y=8, num_vc=4, vc_width=8, glb_mib=8, hbm_gib=80, clock_ghz=1)
+    assert accelerator_from_mapping({**good, "tc_fp8_any_layout": True}, "x.yaml").tc_fp8_any_layout
+    with pytest.raises(PhazeError) as exc:
+        accelerator_from_mapping({**good, "tc_fp8_any_layout": "yes"}, "x.yaml")
+    assert "x.yaml" in str(exc.value) and "tc_fp8_any_layout" in str(exc.value) and "\n" not in str(exc.value)
+    # The evaluator takes the capability from the arch: a tiny dense model on a small B200-like chip.
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    model = parse_model(dict(name="tiny", family="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256,
+                             seq=256, vocab=512, activation="swiglu", norm="rmsnorm", position="rotary",
+                             tied_embeddings=False, bias=False, dropout=0.0, attention="flash"), "tiny.yaml")
+    chip = dataclasses.replace(load_arch("b200"), num_tc=2, num_vc=2)
+    system = dataclasses.replace(load_system("dgx-b200"), accelerators=2, global_batch=4)
+    recipe = Training(1, placement="tp=1,pp=1,dp=2", precision="fp8", zero=1)
+    one, two = (evaluate(model, c, recipe, system, 10.0) for c in (chip, dataclasses.replace(chip, tc_fp8_any_layout=False)))
+    assert one.feasible and two.feasible
+    (s1,), (s2,) = one.placement["stages"], two.placement["stages"]
+    k1, k2 = s1["memory_split"]["low_precision_weights"], s2["memory_split"]["low_precision_weights"]
+    assert k2 == pytest.approx(2 * k1) and k1 > 0 and s2["memory_bytes"] - s1["memory_bytes"] == pytest.approx(k1)
+    assert one.time_per_batch_s == pytest.approx(two.time_per_batch_s)  # memory only

@@ -304,6 +304,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         hbm_bandwidth=float(arch.hbm_bw * arch.efficiency.hbm_fraction),  # a streaming kernel (efficiency.py)
         interleave_layers=repeated,
         training=training,
+        fp8_transposed_copy=not arch.tc_fp8_any_layout,
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.

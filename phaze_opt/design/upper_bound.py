@@ -268,6 +268,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
         interleave_layers=max(kinds.count(k) for k in set(kinds)),
         reduction_hidden=training.overlap_grad_reduce or training.overlap_param_gather,
+        fp8_transposed_copy=False,  # the fewest FP8 weight copies any chip keeps: a bound for every chip
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0
@@ -333,6 +334,7 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
         seq_len=model.seq, model_flops_per_sequence=graphs0[0].train_flops_per_sequence,
         interleave_layers=max(kinds.count(k) for k in set(kinds)),
         reduction_hidden=relaxed.overlap_grad_reduce or relaxed.overlap_param_gather,
+        fp8_transposed_copy=False,  # as in placement_throughput
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

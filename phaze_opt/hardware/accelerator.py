@@ -40,6 +40,12 @@ class Accelerator:
     efficiency: Efficiency = field(default=IDENTITY)
     # (format, MACs per PE per cycle) of each number format the tensor cores support, BF16 first
     tc_datatypes: tuple = BF16_ONLY
+    # Whether the tensor cores read a per-tensor FP8 operand in either major order. Hopper's FP8 MMA
+    # takes both operands K-major only, so a weight used column-wise (the data gradient) needs a
+    # transposed FP8 copy; Blackwell's reads both orders ("Blackwell supports columnwise access
+    # natively", Transformer Engine user guide, FP8 primer, "Handling transposes"). Memory only:
+    # one FP8 weight copy instead of two (workload/precision.py `weight_copy_bytes`).
+    tc_fp8_any_layout: bool = False
 
     def __post_init__(self):
         if not isinstance(self.efficiency, Efficiency):  # e.g. the mapping `fields()` wrote
@@ -96,6 +102,8 @@ class Accelerator:
             del out["tc_datatypes"]
         else:
             out["tc_datatypes"] = dict(self.tc_datatypes)
+        if not self.tc_fp8_any_layout:  # the default: every earlier mapping (and key built from it) unchanged
+            del out["tc_fp8_any_layout"]
         return out
 
 

@@ -14,6 +14,9 @@ SI on load. Fields:
                                      formats the tensor cores multiply (bf16: 1, the template's
                                      unit, must be listed; fp8, mxfp8, nvfp4 as the chip has them);
                                      absent = BF16 only
+    tc_fp8_any_layout                optional true | false (default false): the tensor cores read a
+                                     per-tensor FP8 operand in either major order (Blackwell), so an
+                                     FP8 recipe keeps one weight copy, not a transposed second one
     efficiency                       optional mapping: how well the software stack uses the template
                                      (hardware/efficiency.py: gemm_tile_reuse, gemm_wave_balance,
                                      tc_fraction, hbm_fraction, op_overhead_s); absent = identity,
@@ -58,7 +61,8 @@ LIMITS = {
 }
 
 REQUIRED = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
-OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps", "efficiency", "tc_datatypes")
+OPTIONAL = ("name", "description", "sources", "glb_bw_gbps", "hbm_bw_gbps", "efficiency", "tc_datatypes",
+            "tc_fp8_any_layout")
 # A format's MAC rate relative to BF16: published chips reach 4x (NVFP4 on Blackwell); 64x is a typo.
 MAX_MAC_RATE = Limit(64, "16x the 4x BF16 rate of the fastest published format (NVFP4)")
 
@@ -94,6 +98,9 @@ def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accele
         glb_bw = configs.positive_number(data, "glb_bw_gbps", file, limit=LIMITS["glb_bw_gbps"]) * 1e9
     else:
         glb_bw = glb_bandwidth(ints["num_tc"], ints["tc_x"], ints["tc_y"], ints["num_vc"], ints["vc_width"], clock_hz)
+    any_layout = data.get("tc_fp8_any_layout", False)
+    if not isinstance(any_layout, bool):
+        raise config_error(file, "tc_fp8_any_layout", f"must be true or false, got {shown(any_layout)}")
     name = data.get("name", default_name)
     if not isinstance(name, str):
         raise config_error(file, "name", f"must be a string, got {shown(name)}")
@@ -102,6 +109,7 @@ def accelerator_from_mapping(data: dict, file, default_name: str = "") -> Accele
         hbm_bw=float(hbm_bw), clock_hz=float(clock_hz), name=name,
         efficiency=efficiency_from_mapping(data.get("efficiency"), file), **ints,
         **({"tc_datatypes": tc_datatypes_from_mapping(data["tc_datatypes"], file)} if "tc_datatypes" in data else {}),
+        tc_fp8_any_layout=any_layout,
     )
 
 

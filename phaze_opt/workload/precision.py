@@ -44,8 +44,9 @@ weight is used row-wise (forward) and column-wise (data gradient); on Hopper an 
 tensor must be physically transposed, so two copies (same page, "Handling transposes"); MXFP8 and
 NVFP4 scale along rows and along columns, two copies again. `weight_copy_bytes` per parameter:
 FP8 2, MXFP8 2, NVFP4 1 (the scale bytes, at most 1/8 B, left out). On Blackwell per-tensor FP8
-reads both usages from one copy ("Blackwell supports columnwise access natively"): there FP8 is
-over-counted by 1 B per parameter (the arch does not say its generation). The copies are per
+reads both usages from one copy ("Blackwell supports columnwise access natively"): a chip whose
+tensor cores read either major order (`Accelerator.tc_fp8_any_layout`, archs/b200.yaml) keeps
+1 B of FP8 copies per parameter. The copies are per
 rank, not optimizer state: Megatron-Core's distributed optimizer (ZeRO-1) shards only the
 optimizer state, so every data-parallel rank holds its stage's copies whole (solve/placement/types.py
 `weight_copies`); under ZeRO-3 they are made from the gathered layer and live in its working set.
@@ -119,9 +120,15 @@ def significand_ratio(datatype: str) -> float:
     return (FORMATS[datatype].significand_bits / BF16_SIGNIFICAND_BITS) ** 2
 
 
-def weight_copy_bytes(precision: str) -> int:
-    """Bytes per parameter of the low-precision weight copies a recipe keeps (0 for BF16)."""
-    return 0 if precision == BF16 else FORMATS[precision].weight_copy_bytes
+def weight_copy_bytes(precision: str, transposed_copy: bool = True) -> int:
+    """Bytes per parameter of the low-precision weight copies a recipe keeps (0 for BF16).
+    `transposed_copy` False: the chip reads a per-tensor FP8 operand column-wise as it is
+    (`Accelerator.tc_fp8_any_layout`), so FP8 keeps one copy; MXFP8 and NVFP4 keep two on any chip,
+    their scales running along rows in one and along columns in the other."""
+    if precision == BF16:
+        return 0
+    copies = FORMATS[precision].weight_copy_bytes
+    return copies // 2 if precision == "fp8" and not transposed_copy else copies
 
 
 def runs_low(op: Op, layer_kind: str) -> bool:

@@ -208,8 +208,9 @@ def weight_copies(problem: "PlacementProblem") -> int:
     user guide, "Performance Considerations", "Memory usage": weights kept in high precision and
     quantized before each GEMM), so under ZeRO 0 and 1 every data-parallel rank holds all of its
     stage's copies. Under ZeRO-3 the weight is gathered per layer and the copies are
-    made from the gathered weight: they live in that layer's working set beside it."""
-    return weight_copy_bytes(problem.training.precision)
+    made from the gathered weight: they live in that layer's working set beside it. A chip that
+    reads FP8 column-wise as it is keeps no transposed copy (`fp8_transposed_copy`)."""
+    return weight_copy_bytes(problem.training.precision, problem.fp8_transposed_copy)
 
 
 
@@ -253,6 +254,9 @@ class PlacementProblem:
     ep_widths: tuple = (1,)
     cp_widths: tuple = (1,)
     cp_costs: tuple = ()
+    # Whether an FP8 recipe keeps a transposed FP8 weight copy beside the row-wise one: the chip's
+    # tensor cores read FP8 K-major only (Hopper; not `Accelerator.tc_fp8_any_layout`). `weight_copies`.
+    fp8_transposed_copy: bool = True
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
