@@ -49,6 +49,14 @@ It holds
   scale). What runs in the format, the casts and the FP8 weight copies: `workload/precision.py`;
   a chip whose tensor cores lack the format makes the design infeasible (`Accelerator.mac_rate`).
 
+- `fp8_param_gather`: the model's parameters are held in the recipe's low-precision format
+  instead of BF16 (Megatron-Core `--fp8-param-gather`, Transformer Engine's `fp8_model_init`;
+  Megatron-Bridge sets it in its FP8 and MXFP8 mixed-precision recipes,
+  training/mixed_precision.py): no 16-bit weight, the FP8 (MXFP8) weight is itself the row-wise
+  copy (the column-wise one stays where the chip needs it), and the distributed optimizer's
+  all-gather and a ZeRO-3 gather move 1-byte weights; the FP32 master stays in the optimizer
+  state (`solve/placement/types.py` `state_split`, `weight_copies`). Needs precision fp8 or
+  mxfp8. Default off.
 - `overlap_param_gather`: under ZeRO-1 (the distributed optimizer) the all-gather of the updated
   weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which
   needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
@@ -112,6 +120,8 @@ OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
+# Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
+LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 PLACEMENTS = ("optimal", "expert")
 # Software stacks by kernel fusion (workload/stack.py); the first is the default, today's graph.
 STACKS = ("megatron-lm", "eager", "megatron-te")
@@ -263,6 +273,7 @@ class Training:
     tp_comm_overlap: bool = False
     expert_tensor_parallel: int | None = None
     stack: str = "megatron-lm"
+    fp8_param_gather: bool = False
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -274,7 +285,8 @@ class Training:
             raise PhazeError(str(exc)) from None
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
-        for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap"):
+        for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap",
+                     "fp8_param_gather"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
         if self.optimizer_state is not None:
             layout = str(self.optimizer_state).strip().lower()
@@ -286,6 +298,9 @@ class Training:
         if precision not in PRECISIONS:
             raise PhazeError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "precision", precision)
+        if self.fp8_param_gather and precision not in LOW_PRECISION_PARAMS:
+            raise PhazeError(f"fp8_param_gather needs precision {' or '.join(LOW_PRECISION_PARAMS)} "
+                             f"(1-byte parameters), got precision {precision}")
         if self.expert_tensor_parallel is not None:
             object.__setattr__(self, "expert_tensor_parallel",
                                check_mbs(self.expert_tensor_parallel, "expert_tensor_parallel"))
@@ -352,6 +367,7 @@ class Training:
                 **({"precision": self.precision} if self.precision != "bf16" else {}),
                 **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
                 **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
+                **({"fp8_param_gather": True} if self.fp8_param_gather else {}),
                 **({"expert_tensor_parallel": self.expert_tensor_parallel}
                    if self.expert_tensor_parallel is not None else {}),
                 **({"stack": self.stack} if self.stack != STACKS[0] else {})}

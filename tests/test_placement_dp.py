@@ -338,7 +338,8 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         account_for_embedding=uneven and draw(st.booleans()),
         account_for_loss=uneven and draw(st.booleans()),
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
-        precision=draw(st.sampled_from(["bf16", "fp8", "nvfp4"])),  # low-precision weight copies in the state
+        precision=(precision := draw(st.sampled_from(["bf16", "fp8", "nvfp4"]))),  # low-precision weight copies in the state
+        fp8_param_gather=precision == "fp8" and draw(st.booleans()),  # 1-byte parameters, one copy fewer
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
@@ -347,6 +348,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         training=training,
         hbm_bandwidth=draw(st.sampled_from([0.0, 50.0, 500.0])),
         interleave_layers=layers,
+        fp8_transposed_copy=draw(st.booleans()),
     )
 
 

@@ -332,3 +332,32 @@ def test_a_chip_reading_fp8_column_wise_keeps_one_weight_copy(monkeypatch, tmp_p
     k1, k2 = s1["memory_split"]["low_precision_weights"], s2["memory_split"]["low_precision_weights"]
     assert k2 == pytest.approx(2 * k1) and k1 > 0 and s2["memory_bytes"] - s1["memory_bytes"] == pytest.approx(k1)
     assert one.time_per_batch_s == pytest.approx(two.time_per_batch_s)  # memory only
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_parameters_held_in_fp8_drop_the_bf16_weight_and_halve_the_gather(transposed):
+    """`fp8_param_gather` (Megatron-Core --fp8-param-gather, as Megatron-Bridge's FP8 recipes set it):
+    the FP8 weight is the parameter, so each rank drops the 2-byte BF16 weight and keeps 1 byte
+    (the row-wise copy it already had becomes the parameter): 2 B per parameter fewer on Hopper and
+    Blackwell alike; gradients and the optimizer's sharded state are unchanged; the distributed
+    optimizer's all-gather moves 1-byte weights, so the exposed per-batch tail shrinks."""
+    from phaze_opt.solve.placement.dp import even_placement
+    from phaze_opt.solve.placement.evaluate import evaluate_placement
+    from phaze_opt.solve.placement.types import weight_copies
+
+    plain = dataclasses.replace(_problem(Training(mbs=1, zero=1, precision="fp8"), accelerators=4),
+                                fp8_transposed_copy=transposed)
+    held = dataclasses.replace(plain, training=Training(mbs=1, zero=1, precision="fp8", fp8_param_gather=True))
+    assert state_split(held)[1:] == state_split(plain)[1:] and state_split(held)[0] == 1
+    assert weight_copies(held) == weight_copies(plain) - 1
+    t = plain.tp_widths[0]
+    a = evaluate_placement(plain, even_placement(plain, t, 1, 4))
+    b = evaluate_placement(held, even_placement(held, t, 1, 4))
+    params = float(sum(plain.costs_at(t, 1).params))
+    assert a.stages[0].memory_bytes - b.stages[0].memory_bytes == pytest.approx(2 * params)
+    assert b.time_per_batch_s < a.time_per_batch_s  # the 1-byte all-gather
+    for bad in ("bf16", "nvfp4"):
+        with pytest.raises(PhazeError, match="fp8_param_gather needs precision fp8 or mxfp8"):
+            Training(precision=bad, fp8_param_gather=True)
+    assert Training(precision="fp8", fp8_param_gather=True).recipe()["fp8_param_gather"] is True
+    assert "fp8_param_gather" not in Training(precision="fp8").recipe()  # earlier recipes unchanged

@@ -122,6 +122,8 @@ def test_a_recipe_the_project_cannot_express_is_an_infeasible_row(tmp_path):
     ({"overlap_grad_reduce": "yes"}, "rows[0].overlap_grad_reduce", "must be true or false"),
     ({"flops_formula": "6N"}, "rows[0].flops_formula", "must be one of"),
     ({"seq": 0}, "rows[0].seq", "must be a positive integer"),
+    ({"fp8_param_gather": True}, "rows[0].fp8_param_gather", "needs precision fp8 or mxfp8, got bf16"),
+    ({"fp8_param_gather": 1}, "rows[0].fp8_param_gather", "must be true or false"),
     ({"model": "gpt-9"}, "rows[0].model", "unknown model 'gpt-9'"),  # no pending_model: a typo stays an error
 ])
 def test_modern_row_fields_are_checked_in_one_line(tmp_path, change, field, words):

@@ -45,6 +45,9 @@ def add_arguments(p):
                    help="number format of the transformer blocks' linear-layer GEMMs (Transformer Engine): bf16, "
                         "fp8 (per-tensor delayed scaling), mxfp8 or nvfp4 (block scaled); the arch's tensor cores "
                         "must support it (tc_datatypes), else the design is infeasible (default bf16)")
+    p.add_argument("--fp8-param-gather", action="store_true",
+                   help="with --precision fp8 or mxfp8: parameters held in that format, no BF16 weight "
+                        "(Megatron-Core --fp8-param-gather); the weight all-gather moves 1-byte weights")
     p.add_argument("--stack", choices=STACKS, default=STACKS[0],
                    help="the software stack's kernel fusion: megatron-lm (pointwise chains fused), eager (one kernel "
                         "per PyTorch operator) or megatron-te (Transformer Engine: norms, RoPE and FP8 casts fused "
@@ -97,7 +100,8 @@ def run(args) -> dict:
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
                       optimizer_state=args.optimizer_state, precision=args.precision,
-                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack)
+                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
+                      fp8_param_gather=args.fp8_param_gather)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -146,6 +150,8 @@ def render(r: dict) -> str:
         extras.append("overlapped param gather")
     if r.get("tp_comm_overlap"):
         extras.append("TP comm overlapped")
+    if r.get("fp8_param_gather"):
+        extras.append("low-precision parameters")
     if r.get("expert_tensor_parallel"):
         extras.append(f"experts folded at expert TP {r['expert_tensor_parallel']}")
     if r.get("stack"):

@@ -140,7 +140,8 @@ def row_config(row: Row, suite: Suite) -> dict:
                                  ("overlap_param_gather", row.overlap_param_gather),
                                  ("tp_comm_overlap", row.tp_comm_overlap),
                                  ("account_for_embedding", row.account_for_embedding),
-                                 ("account_for_loss", row.account_for_loss)) if v not in (1, None, 0, False)},
+                                 ("account_for_loss", row.account_for_loss),
+                                 ("fp8_param_gather", row.fp8_param_gather)) if v not in (1, None, 0, False)},
             **({"precision": row.precision} if row.precision != "bf16" else {}),
             **({"attention": row.attention} if row.attention else {}),
             **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
@@ -163,7 +164,8 @@ def row_training(row: Row) -> Training:
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
                     expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
-                    account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss)
+                    account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
+                    fp8_param_gather=row.fp8_param_gather)
 
 
 def row_model(row: Row):

@@ -42,6 +42,8 @@ A training row is one published run:
                                 (Megatron `--overlap-param-gather`; default false)
     tp_comm_overlap             optional: SP's TP collectives pipelined with the GEMMs
                                 (Megatron `--tp-comm-overlap`; default false)
+    fp8_param_gather            optional: parameters held in the fp8 / mxfp8 GEMM format, no BF16
+                                weight (Megatron-Core `--fp8-param-gather`; default false)
     expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
                                 (Megatron-Core `--expert-tensor-parallel-size`, whose default is tp;
                                 then ep x it must divide tp x cp x dp); absent: unfolded, ep divides dp
@@ -83,7 +85,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, PRECISIONS, STACKS, Training
+from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, PRECISIONS, STACKS, Training
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -112,7 +114,7 @@ ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute",
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss")
+                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -214,6 +216,7 @@ class Row:
     stack: str = STACKS[0]  # the run's software stack (Training.stack): its own, else its suite's
     account_for_embedding: bool = False  # the pipeline split counts the embedding as a layer
     account_for_loss: bool = False  # ... and the loss
+    fp8_param_gather: bool = False  # parameters held in the GEMM format (Training.fp8_param_gather)
 
     @property
     def dp(self) -> int:
@@ -470,7 +473,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                            f"must be a multiple of microbatch x dp ({mbs} x {dp} = {mbs * dp}), got {batch}")
     chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
     flags = {}
-    for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss"):
+    for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss",
+                 "fp8_param_gather"):
         flags[name] = row.get(name, False)
         if not isinstance(flags[name], bool):
             raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
@@ -502,6 +506,9 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                            if model.moe else f"{model.name} has no experts; leave it out")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
     precision = _precision(row, file, at)
+    if flags["fp8_param_gather"] and precision not in LOW_PRECISION_PARAMS:
+        raise config_error(file, f"{at}.fp8_param_gather",
+                           f"needs precision {' or '.join(LOW_PRECISION_PARAMS)}, got {precision}")
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
     if "stack" in row:
         flags["stack"] = _choice(row, "stack", STACKS, file, at)

@@ -196,7 +196,9 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     e = system.bytes_per_element
     layout = problem.training.optimizer_state_bytes
     rest = system.state_bytes_per_param - e - system.grad_bytes_per_param if layout is None else layout
-    return e, system.grad_bytes_per_param, rest
+    # Parameters held in FP8 / MXFP8 (`Training.fp8_param_gather`): 1 byte each (MXFP8's scale,
+    # 1/32 B, left out as for the copies); gradients and the optimizer's master stay as they are.
+    return (1 if problem.training.fp8_param_gather else e), system.grad_bytes_per_param, rest
 
 
 def weight_copies(problem: "PlacementProblem") -> int:
@@ -210,7 +212,10 @@ def weight_copies(problem: "PlacementProblem") -> int:
     stage's copies. Under ZeRO-3 the weight is gathered per layer and the copies are
     made from the gathered weight: they live in that layer's working set beside it. A chip that
     reads FP8 column-wise as it is keeps no transposed copy (`fp8_transposed_copy`)."""
-    return weight_copy_bytes(problem.training.precision, problem.fp8_transposed_copy)
+    copies = weight_copy_bytes(problem.training.precision, problem.fp8_transposed_copy)
+    # With the parameters held in the format (`Training.fp8_param_gather`) the row-wise copy is the
+    # parameter itself (`state_split`'s weight bytes).
+    return copies - 1 if problem.training.fp8_param_gather else copies
 
 
 
