@@ -80,12 +80,15 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from . import configs
 from .configs import Limit, check_keys, one_of, positive_int
 from .errors import config_error, shown
 from .torus import Torus, alltoall_seconds, parse_torus, ring_equivalent, two_level_ring_equivalent
+
+if TYPE_CHECKING:
+    from .training import Training
 
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of weights and gradients
 OPTIMIZERS = ("adam", "sgd")
@@ -338,16 +341,32 @@ class System:
             return dpn // stride
         return 1
 
-    def alltoall_s(self, nbytes: float, e: int, stride: int) -> float:
-        """An all-to-all of `nbytes` per device over e ranks (MoE dispatch or combine).
+    def alltoall_s(self, nbytes: float, e: int, stride: int, training: "Training | None" = None,
+                   copies: int = 1) -> float:
+        """An all-to-all of `nbytes` per device over e ranks (MoE dispatch or combine), by the
+        recipe's dispatcher (`training.moe_dispatcher`; None: the plain all-to-all); `nbytes` holds
+        `copies` copies of each token (the router's top-k), what DeepEP sends once per node.
 
-        Pairwise exchange (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
-        Operations in MPICH", IJHPCA 2005, Sec. 4.6: p - 1 steps of n/p bytes each): each device
-        sends nbytes / e to each of its e - 1 peers, (e - 1)/e of its bytes crossing. On the two-level
-        network the g - 1 peers in its node are reached on the intra-node link and the e - g others on
-        the inter-node link; every device has its own port on each (the module docstring), so the two
-        parts run at once and the slower sets the time:
+        All-to-all, pairwise exchange (Thakur, Rabenseifner and Gropp, "Optimization of Collective
+        Communication Operations in MPICH", IJHPCA 2005, Sec. 4.6: p - 1 steps of n/p bytes each):
+        each device sends nbytes / e to each of its e - 1 peers, (e - 1)/e of its bytes crossing. On
+        the two-level network the g - 1 peers in its node are reached on the intra-node link and the
+        e - g others on the inter-node link; every device has its own port on each (the module
+        docstring), so the two parts run at once and the slower sets the time:
         max((g - 1)(a_intra + n/e / B_intra), (e - g)(a_inter + n/e / B_inter)).
+
+        DeepEP (DeepSeek-V3 tech report, arXiv 2412.19437, Sec. 3.2.2: tokens "first transmitted
+        via IB to the GPUs with the same in-node index on their target nodes" and "forwarded via
+        NVLink" to the GPUs hosting their experts; DeepEP's normal kernels, github.com/deepseek-ai/
+        DeepEP README): a token crosses to each of the group's N = e/g nodes that holds one of its
+        k experts once, whatever number of them sit there. Under uniform (balanced) routing a
+        given other node holds one of them with probability 1 - (1 - 1/N)^k, so a device sends
+        n/k x (N - 1)(1 - (1 - 1/N)^k) bytes over the inter-node link in N - 1 messages, against
+        n (N - 1)/N for the all-to-all (k = 8, N = 4: 0.45 x). On NVLink it sends its copies for
+        the g - 1 other ranks of its node, the local tokens' and those that arrived from other
+        nodes (forwarded), n (g - 1)/g in all, beside the inter-node part (DeepEP pipelines the
+        two). Inside one node (N = 1) nothing crosses: the all-to-all's time. On a torus, the
+        all-to-all's.
         """
         if e <= 1:
             return 0.0
@@ -355,6 +374,13 @@ class System:
         if lines is not None:
             return alltoall_seconds(lines, nbytes, self.intra_node.bandwidth, self.intra_node.latency)
         g = self.alltoall_members_per_node(e, stride)
+        if training is not None and training.moe_dispatcher == "deepep" and g < e:
+            nodes = e // g
+            k = max(1, int(copies))
+            hit = 1.0 - (1.0 - 1.0 / nodes) ** k  # one given other node holds one of the k experts
+            near = (g - 1) * self.intra_node.latency + nbytes * (g - 1) / g / self.intra_node.bandwidth
+            far = (nodes - 1) * (self.inter_node.latency + nbytes / k * hit / self.inter_node.bandwidth)
+            return max(near, far)
         part = nbytes / e
         near = (g - 1) * (self.intra_node.latency + part / self.intra_node.bandwidth)
         far = (e - g) * (self.inter_node.latency + part / self.inter_node.bandwidth)

@@ -90,6 +90,25 @@ It holds
   over EDP (`expert_replicas`). None (default): the unfolded layout of today, ETP = TP and EP
   a sub-group of the DP replicas (EP divides DP, ranks tp, cp, ep/dp, pp). Not sampled by a space.
 
+- `moe_a2a_overlap`: Megatron-Core v0.14's batch-level EP all-to-all overlap
+  (`--overlap-moe-expert-parallel-comm --delay-wgrad-compute`; Megatron-LM
+  megatron/core/transformer/moe/README.md, "EP A2A Overlap: overlaps All-to-All with computation
+  by merging FWD-BWD passes of adjacent microbatches"; the same idea as DeepSeek-V3's DualPipe,
+  arXiv 2412.19437 Sec. 3.2.1): in the steady 1F1B phase the forward of one microbatch runs
+  merged with the backward of another, each one's dispatch/combine under the other's compute, so
+  an MoE layer's paired forward + backward takes max(compute, all-to-alls), not their sum; the
+  warm-up forwards and cool-down backwards run unpaired, exposed (`placement.evaluate`).
+  Megatron-Core refuses it with full recompute and, when PP > 1, without interleaving
+  (`TransformerConfig.__post_init__`: "virtual_pipeline_model_parallel_size must be specified when
+  pipeline_model_parallel_size > 1"; "disable full recomputation"): the first is refused here,
+  the second makes such a placement infeasible. No effect at EP = 1. Default off.
+- `moe_dispatcher`: how the EP all-to-all moves tokens: `alltoall` (default, Megatron-Core's
+  `--moe-token-dispatcher-type alltoall`: every token copy to its expert's rank) or `deepep`
+  (`--moe-token-dispatcher-type flex --moe-enable-deepep`, DeepSeek's DeepEP: a token crosses
+  the inter-node network once per destination node and is forwarded to its experts there over
+  NVLink; DeepSeek-V3 tech report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`;
+  inside one node the two are the same.
+
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
 `SAMPLED_FIELDS`.
@@ -125,6 +144,8 @@ LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 PLACEMENTS = ("optimal", "expert")
 # Software stacks by kernel fusion (workload/stack.py); the first is the default, today's graph.
 STACKS = ("megatron-lm", "eager", "megatron-te")
+# EP token dispatchers (`System.alltoall_s`); the first is the default, today's all-to-all.
+MOE_DISPATCHERS = ("alltoall", "deepep")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
 MAX_VIRTUAL_STAGES = 64
@@ -274,6 +295,8 @@ class Training:
     expert_tensor_parallel: int | None = None
     stack: str = "megatron-lm"
     fp8_param_gather: bool = False
+    moe_a2a_overlap: bool = False
+    moe_dispatcher: str = "alltoall"
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -308,6 +331,11 @@ class Training:
         if stack not in STACKS:
             raise PhazeError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         object.__setattr__(self, "stack", stack)
+        object.__setattr__(self, "moe_a2a_overlap", bool_flag(self.moe_a2a_overlap, "moe_a2a_overlap"))
+        dispatcher = str(self.moe_dispatcher).strip().lower()
+        if dispatcher not in MOE_DISPATCHERS:
+            raise PhazeError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
+        object.__setattr__(self, "moe_dispatcher", dispatcher)
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -334,6 +362,9 @@ class Training:
                 need = "a number in (0, 64]" if low == 0.0 else "a number in [1, 64]"
                 raise PhazeError(f"{name} must be {need}, got {getattr(self, name)!r}")
             object.__setattr__(self, name, float(value))
+        if self.moe_a2a_overlap and self.recompute == "full":  # Megatron-Core's TransformerConfig refuses it
+            raise PhazeError("moe_a2a_overlap cannot run with full recompute (Megatron-Core: disable full "
+                             "recomputation when enabling overlap_moe_expert_parallel_comm)")
         placement = str(self.placement)
         object.__setattr__(self, "placement", placement)
         if placement == "expert":
@@ -370,7 +401,9 @@ class Training:
                 **({"fp8_param_gather": True} if self.fp8_param_gather else {}),
                 **({"expert_tensor_parallel": self.expert_tensor_parallel}
                    if self.expert_tensor_parallel is not None else {}),
-                **({"stack": self.stack} if self.stack != STACKS[0] else {})}
+                **({"stack": self.stack} if self.stack != STACKS[0] else {}),
+                **({"moe_a2a_overlap": True} if self.moe_a2a_overlap else {}),
+                **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence

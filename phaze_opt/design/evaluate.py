@@ -305,6 +305,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         interleave_layers=repeated,
         training=training,
         fp8_transposed_copy=not arch.tc_fp8_any_layout,
+        top_k=model.top_k if model.moe else 1,
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.

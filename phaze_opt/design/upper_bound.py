@@ -269,6 +269,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         interleave_layers=max(kinds.count(k) for k in set(kinds)),
         reduction_hidden=training.overlap_grad_reduce or training.overlap_param_gather,
         fp8_transposed_copy=False,  # the fewest FP8 weight copies any chip keeps: a bound for every chip
+        top_k=model.top_k if model.moe else 1,
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

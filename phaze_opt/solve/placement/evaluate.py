@@ -77,6 +77,14 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   on the two-level network (`System.alltoall_s`, pairwise exchange), none at e = 1; the busiest
   rank's experts compute i x their balanced time (`expert_fwd_s`, `expert_bwd_s`); the routed
   experts' parameters are divided by e.
+- EP all-to-all overlap (`Training.moe_a2a_overlap`, Megatron-Core `--overlap-moe-expert-parallel-comm`):
+  in the steady 1F1B phase each MoE layer's forward of one microbatch runs merged with its backward
+  of another, so the pair takes max(compute, 4 all-to-alls) instead of their sum; the stage time per
+  microbatch holds that (the hidden min(compute, comm) taken off, half from each pass), and the
+  stage's per-batch tail adds u x its hidden time for the unpaired warm-up forwards and cool-down
+  backwards (`PlacementProblem.unpaired_microbatches`: u = 1 at pp = 1). Megatron-Core needs
+  interleaving when pp > 1: with e > 1, pp > 1 and v = 1 the placement is infeasible. The
+  dispatcher (`Training.moe_dispatcher`, DeepEP: once per node) sets the all-to-all's time.
 - CP (ring attention: Liu et al., "Ring Attention with Blockwise Transformers", 2023, Sec. 3;
   Megatron-Core context parallelism): each device attends its s/c queries to all c K/V blocks, the
   traced block plus c - 1 more (`core_fwd_s`, `core_bwd_s` each); each of those c - 1 steps passes
@@ -161,14 +169,17 @@ def _ceil(x: float) -> float:
 def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp, stride: int):
     """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
     module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
-    activation bytes kept, extra working-set bytes, routed-expert parameters per device)."""
+    activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
+    all-to-all time the EP overlap hides per paired forward and backward)."""
     fwd = float(costs.fwd_s[v])
     bwd = float(costs.bwd_s[v])
     expert = float(costs.expert_params[v])
+    a2a = 0.0
     if expert > 0 or costs.expert_fwd_s[v] > 0:
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
-        a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride)
+        a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride, problem.training,
+                                        problem.top_k)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
         expert = _ceil(expert / e)
@@ -184,7 +195,14 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
             bwd += steps * max(0.0, ring_cp.latency + 2.0 * kv / ring_cp.bandwidth - core_b)
         core_bytes = float(costs.activation_bytes[v]) - float(costs.selective_bytes[v])
         extra_kept = extra_work = steps * core_bytes
-    return fwd, bwd, extra_kept, extra_work, expert
+    hidden = 0.0
+    if problem.training.moe_a2a_overlap and a2a > 0:
+        # a paired forward + backward takes max(compute, all-to-alls): the smaller of the two hides
+        comm = 4.0 * a2a
+        hidden = min(fwd + bwd - comm, comm)
+        fwd -= 0.5 * hidden
+        bwd -= 0.5 * hidden
+    return fwd, bwd, extra_kept, extra_work, expert, hidden
 
 
 def evaluate_placement(
@@ -225,6 +243,7 @@ def evaluate_placement(
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0 and 1
+    unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
     for s, stage in enumerate(placement.stages):
         layers = sorted(int(v) for v in stage)
@@ -239,8 +258,11 @@ def evaluate_placement(
         rec_of, fwd_of, bwd_of = {}, {}, {}
         forward = 0.0
         experts = 0.0
+        hidden = 0.0
         for v in layers:
-            fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp, stride)
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v, hidden_v = _parallel_layer(
+                problem, costs, v, e, c, imb, ring_cp, stride)
+            hidden += hidden_v
             compute += fwd_v + bwd_v
             params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
             experts += expert_v
@@ -343,6 +365,7 @@ def evaluate_placement(
                 allreduce_s=reduce,
                 flops=flops,
                 optimizer_step_s=step,
+                unpaired_a2a_s=unpaired * hidden,
                 memory_split={
                     "parameters": params * w_b if zero < 3 else _ceil(params * w_b / d),
                     "gradients": params * g_b if zero < 3 else _ceil(params * g_b / d),
@@ -356,7 +379,7 @@ def evaluate_placement(
 
     bottleneck = max(st.time_s for st in stages)
     pipeline = bottleneck * (m + (S - 1) / v_virt)
-    tail = max(st.allreduce_s + st.optimizer_step_s for st in stages)
+    tail = max(st.allreduce_s + st.optimizer_step_s + st.unpaired_a2a_s for st in stages)
     allreduce = max(st.allreduce_s for st in stages)
     total = pipeline + tail
     peak_memory = max(st.memory_bytes for st in stages)
@@ -379,6 +402,9 @@ def evaluate_placement(
         reasons.append(problem.training.expert_fit_reason(t, c, d, e))
     if zero == 3 and (e > 1 or c > 1 or split):
         reasons.append("ZeRO-3 with expert, expert-tensor or context parallelism is not modelled")
+    if problem.training.moe_a2a_overlap and e > 1 and S > 1 and v_virt == 1:
+        reasons.append("the EP all-to-all overlap needs interleaving (virtual_stages > 1) when pp > 1 "
+                       "(Megatron-Core's TransformerConfig)")
     why = problem.interleaves(S, d)
     if why:
         reasons.append(why)

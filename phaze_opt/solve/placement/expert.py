@@ -109,20 +109,28 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         fwd = lc.fwd_s.copy()
         bwd = lc.bwd_s.copy()
         expert = lc.expert_params.copy()
+        hidden = zeros
         if any_moe:
             stride = problem.training.expert_stride(lc.tp, c)
-            a2a = np.array([system.alltoall_s(imb * b, e, stride) for b in sizes])[where]
+            a2a = np.array([system.alltoall_s(imb * b, e, stride, problem.training, problem.top_k)
+                            for b in sizes])[where]
             fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b
+        if any_moe and problem.training.moe_a2a_overlap:  # placement.evaluate: max(compute, comm) per pair
+            comm = 4.0 * a2a
+            hidden = np.where(moe & (a2a > 0), np.minimum(fwd + bwd - comm, comm), 0.0)
+            fwd = fwd - 0.5 * hidden
+            bwd = bwd - 0.5 * hidden
         # Every array is finite, non-negative and whole where it must be (built from validated ones
         # by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
         out = object.__new__(LayerCosts)
         out.__dict__.update(lc.__dict__)
-        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert)
+        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert,
+                            a2a_hidden_s=hidden)
         outs.append(out)
     return outs
 
@@ -180,6 +188,7 @@ class _Blocks:
     t: np.ndarray  # [T] TP width
     st: object
     experts: np.ndarray  # [T, R, W]
+    hidden: np.ndarray  # [T, R, W] all-to-all time the EP overlap hides per microbatch (`a2a_hidden_s`)
     times: dict  # pipeline link (0 inter, 1 intra) -> [T, R, W] stage time per microbatch
     own: np.ndarray | None = None  # [T] chain: each block's own `chain_width` (None: a DAG)
 
@@ -208,11 +217,12 @@ def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.nda
     # `chain_width` fits that block at any d (its docstring), so a narrower class loses no placement.
     st = chain_stack(problem, costs, int(np.max(own))) if own is not None else stage_stack(problem, costs, force_dag)
     experts = _stage_sums(st, np.stack([lc.expert_params for lc in costs]))
+    hidden = _stage_sums(st, np.stack([lc.a2a_hidden_s for lc in costs]))
     links = {0: problem.system.inter_node, 1: problem.system.intra_node}
     times = {h: st.stage_time(links[h], problem.training.virtual_stages, problem.system.efficiency.microbatch_overhead_s)[1]
              for h in (0, 1)}
     return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
-                   np.array([lc.tp for lc in costs]), st, experts, times, own)
+                   np.array([lc.tp for lc in costs]), st, experts, hidden, times, own)
 
 
 def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
@@ -269,6 +279,9 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     w = widths[blk]
     if v > 1:  # Megatron's interleaving constraint (PlacementProblem.interleaves), vectorised
         ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
+        blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
+    elif problem.training.moe_a2a_overlap:  # the EP overlap needs interleaving when pp > 1 (placement_eval)
+        ok = (S == 1) | (b.e[blk] == 1)
         blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
     h = (dpn % (S * w) == 0).astype(np.int64)
     rings = ring_links(system, w, S, d)
@@ -417,8 +430,18 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         best.tp, best.dp, best.stages, best.ep, best.cp = costs[blk].tp, d, stages, e, c
 
     # S -> (pipeline multiplier, the least largest-stage tail any S-stage split has: `_items`)
-    epsilon_sweeps(st, stats, tail, kmax, time_g, {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)},
-                   best, record)
+    active = {S: (mult, floor) for S, mult, floor in zip(Ss, mults, floors)}
+    if not (problem.training.moe_a2a_overlap and np.any(b.hidden[sl] > 0)):
+        epsilon_sweeps(st, stats, tail, kmax, time_g, active, best, record)
+        return
+    # The EP overlap's unpaired microbatches add u(S) x the stage's hidden all-to-all to its tail
+    # (placement_eval): one epsilon-constraint per distinct u, each over its own S.
+    by_u: dict = {}
+    for S in active:
+        by_u.setdefault(problem.unpaired_microbatches(S, d), {})[S] = active[S]
+    hid = np.where(ok, b.hidden[sl], 0.0)
+    for u, part in by_u.items():
+        epsilon_sweeps(st, stats, np.where(ok, tail + u * hid, INF), kmax, time_g, part, best, record)
 
 
 def _free_bottleneck(st, times: np.ndarray, k_to: int) -> np.ndarray:

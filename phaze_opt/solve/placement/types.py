@@ -70,7 +70,10 @@ class LayerCosts:
     bytes), `expert_fwd_s` / `expert_bwd_s` (the experts' grouped GEMMs, scaled by the load
     imbalance), `core_fwd_s` / `core_bwd_s` (one attention block's core, what each further ring
     step of CP computes) and `kv_bytes` (the K and V block a CP ring step passes on); `cp`: the
-    context-parallel width these costs were traced at (the layer works on seq / cp tokens).
+    context-parallel width these costs were traced at (the layer works on seq / cp tokens);
+    `a2a_hidden_s`, set only in the EP DP's effective costs (`expert.effective_costs`): the
+    all-to-all time the EP overlap hides per paired forward and backward, already taken off
+    `fwd_s` and `bwd_s` (half each), which the unpaired microbatches pay back.
     """
 
     tp: int
@@ -96,6 +99,7 @@ class LayerCosts:
     core_bwd_s: np.ndarray | None = None
     kv_bytes: np.ndarray | None = None
     cp: int = 1
+    a2a_hidden_s: np.ndarray | None = None
 
     def __post_init__(self):
         if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
@@ -221,7 +225,7 @@ def weight_copies(problem: "PlacementProblem") -> int:
 
 # LayerCosts' expert- and context-parallel per-layer terms, zero by default (a dense model at a short sequence).
 PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bwd_s", "core_fwd_s", "core_bwd_s",
-                   "kv_bytes")
+                   "kv_bytes", "a2a_hidden_s")
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,6 +266,9 @@ class PlacementProblem:
     # Whether an FP8 recipe keeps a transposed FP8 weight copy beside the row-wise one: the chip's
     # tensor cores read FP8 K-major only (Hopper; not `Accelerator.tc_fp8_any_layout`). `weight_copies`.
     fp8_transposed_copy: bool = True
+    # Experts per token (the router's top-k): the copies of each token a `dispatch_bytes` payload
+    # holds, which DeepEP sends once per node (`System.alltoall_s`).
+    top_k: int = 1
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -284,6 +291,9 @@ class PlacementProblem:
             raise ValueError(f"PlacementProblem.training must be a Training recipe, got {self.training!r}")
         self._check_parallel(first)
         object.__setattr__(self, "reduction_hidden", bool(self.reduction_hidden))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1:
+            raise ValueError(f"PlacementProblem.top_k must be a positive integer, got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
         if not (self.hbm_bandwidth >= 0 and math.isfinite(self.hbm_bandwidth)):
             raise ValueError(f"PlacementProblem.hbm_bandwidth must be finite and non-negative, got {self.hbm_bandwidth!r}")
         il = int(self.interleave_layers) or first.n_layers
@@ -372,6 +382,28 @@ class PlacementProblem:
             return f"interleaving needs the {m} microbatches to be a multiple of pp {pp}"
         return ""
 
+    def unpaired_microbatches(self, pp: int, dp: int) -> float:
+        """Under the EP all-to-all overlap (`Training.moe_a2a_overlap`), the stage times' worth of
+        all-to-all that the pipeline's unpaired microbatches leave exposed: u with
+        time = bottleneck x (m + (p - 1)/v) + u x the overlap's hidden time per microbatch.
+
+        Megatron-Core pairs the forward of one microbatch (model chunk) with the backward of
+        another only in the steady 1F1B phase; its warm-up forwards and cool-down backwards run
+        alone, and the overlap adds one warm-up microbatch (`get_pp_rank_microbatches` in
+        megatron/core/pipeline_parallel/schedules.py: `num_warmup_microbatches + 1` when
+        `overlap_moe_expert_parallel_comm`; with PP = 1 the first forward and last backward).
+        On the first pipeline rank, W = 2 (p - 1) + (v - 1) p + 1 chunks warm up (at most all m v),
+        so it runs W unpaired chunk forwards and backwards, m v - W pairs, and waits (p - 1)
+        chunk times as without the overlap: with T (P) a stage's unpaired (paired) time per
+        microbatch, time = (m v - W) P / v + (W + p - 1) T / v = (m + (p - 1)/v) P + u (T - P),
+        u = (min(W, m v) + p - 1) / v; u = 1 at p = 1 (v plays no part there)."""
+        m = self.microbatches(dp)
+        if pp == 1:
+            return 1.0
+        v = self.training.virtual_stages
+        warmup = min(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+        return (warmup + pp - 1) / v
+
     def microbatches(self, dp: int) -> int:
         """Microbatches per pipeline per step: ceil(global batch / (microbatch * replicas))."""
         return -(-self.system.global_batch // (self.training.mbs * dp))
@@ -423,6 +455,8 @@ class StageResult:
     allreduce_s: float  # the exposed data-parallel gradient reduction per batch
     flops: float  # per device per microbatch
     optimizer_step_s: float = 0.0  # the optimizer step's HBM traffic per batch
+    # EP all-to-all overlap: what the unpaired warm-up and cool-down microbatches expose per batch
+    unpaired_a2a_s: float = 0.0
     # memory per device: parameters, gradients, optimizer_state, activations, recompute_working_set
     memory_split: dict = field(default_factory=dict)
 

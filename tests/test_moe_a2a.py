@@ -1,0 +1,154 @@
+"""The EP all-to-all recipe fields: the overlap of dispatch/combine with the paired microbatch's
+compute (`Training.moe_a2a_overlap`) and DeepEP's once-per-node dispatch (`moe_dispatcher`), by
+hand, by their bounds, and in the EP/CP placement DP against brute force."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phaze_opt.errors import PhazeError
+from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.expert import optimal_placement
+from phaze_opt.solve.placement.types import Placement, PlacementProblem
+from phaze_opt.training import Training
+
+from test_expert_parallel import assert_dp_is_brute, hand_system, moe_problem, one_layer
+
+
+def overlap_problem(seed, **kw):
+    recipe = {k: kw.pop(k) for k in ("moe_a2a_overlap", "moe_dispatcher") if k in kw}
+    problem = moe_problem(seed, **kw)
+    return replace(problem, training=replace(problem.training, **recipe))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), v=st.sampled_from([1, 2]), recompute=st.sampled_from(["none", "selective"]),
+       zero=st.sampled_from([0, 1]), dispatcher=st.sampled_from(["alltoall", "deepep"]),
+       top_k=st.sampled_from([1, 2, 8]), overlap_grad=st.booleans())
+def test_dp_matches_brute_force_with_a2a_overlap_and_deepep(seed, v, recompute, zero, dispatcher, top_k, overlap_grad):
+    problem = overlap_problem(seed, n=4, virtual_stages=v, global_batch=8, recompute=recompute, zero=zero,
+                              overlap_grad_reduce=overlap_grad, top_k=top_k, moe_a2a_overlap=True,
+                              moe_dispatcher=dispatcher, devices_per_node=int(np.random.default_rng(seed).choice([1, 2])))
+    assert_dp_is_brute(problem)
+
+
+def _layer_terms(problem, placement):
+    """Per layer of a one-stage placement: (compute without the all-to-alls, the four all-to-alls)."""
+    plain = replace(problem, training=replace(problem.training, moe_a2a_overlap=False))
+    out = []
+    for v in range(problem.n_layers):
+        one = evaluate_placement(plain, Placement(placement.tp, placement.dp, tuple((u,) for u in range(problem.n_layers)),
+                                                  placement.ep, placement.cp))
+        total = one.stages[v].compute_s
+        lc = problem.costs_at(placement.tp, placement.cp)
+        moe = lc.expert_params[v] > 0 or lc.expert_fwd_s[v] > 0
+        a2a = 0.0 if not moe else problem.system.alltoall_s(problem.training.load_imbalance * float(lc.dispatch_bytes[v]), placement.ep,
+                                        problem.training.expert_stride(placement.tp, placement.cp), problem.training,
+                                        problem.top_k)
+        out.append((total - 4 * a2a, 4 * a2a))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_overlap_is_never_slower_and_never_beats_max_compute_comm(seed):
+    """Overlap only hides: never slower than without it, and each paired layer never below
+    max(compute, comm) (the bound a perfect overlap reaches); the unpaired microbatch pays the rest."""
+    problem = overlap_problem(seed, n=3, ep=(1, 2, 4), cp=(1,), hbm=1e12, accelerators=16, devices_per_node=2,
+                              global_batch=12, moe_a2a_overlap=True)
+    plain = replace(problem, training=replace(problem.training, moe_a2a_overlap=False))
+    for e in (2, 4):
+        p = Placement(1, 4, ((0, 1, 2),), ep=e)
+        on, off = evaluate_placement(problem, p), evaluate_placement(plain, p)
+        assert on.feasible and off.feasible
+        assert on.time_per_batch_s <= off.time_per_batch_s * (1 + 1e-12)
+        terms = _layer_terms(problem, p)
+        paired = sum(max(x, c) for x, c in terms)
+        assert on.stages[0].compute_s == pytest.approx(paired)
+        m = on.microbatches
+        floor = m * paired + off.allreduce_s + off.optimizer_step_s
+        assert on.time_per_batch_s >= floor * (1 - 1e-12)
+        # PP = 1: exactly one microbatch (the first forward, the last backward) runs unpaired
+        hidden = sum(min(x, c) for x, c in terms)
+        assert on.time_per_batch_s == pytest.approx(off.time_per_batch_s - (m - 1) * hidden)
+        # the check above is not vacuous where the model has MoE layers
+        assert any(min(x, c) > 0 for x, c in terms) or not np.any(problem.costs[0].expert_params > 0)
+
+
+def test_overlap_changes_nothing_at_ep_one_and_deepep_nothing_inside_a_node():
+    problem = moe_problem(4, n=3, ep=(1, 2, 4), cp=(1,), hbm=1e12, accelerators=16, devices_per_node=4, global_batch=8)
+    base = problem.training
+    for e, dispatcher in ((1, "deepep"), (1, "alltoall"), (4, "deepep")):  # e = 4 at stride 1 sits in one node
+        p = Placement(1, 4, ((0,), (1, 2)), ep=e)
+        plain = evaluate_placement(problem, p)
+        other = evaluate_placement(replace(problem, top_k=8, training=replace(base, moe_dispatcher=dispatcher,
+                                                                           moe_a2a_overlap=e == 1)), p)
+        assert other.time_per_batch_s == plain.time_per_batch_s
+        assert [s.compute_s for s in other.stages] == [s.compute_s for s in plain.stages]
+
+
+def test_deepep_sends_each_token_once_per_node_by_hand():
+    s = hand_system(dpn=4)  # intra 100 B/s, 0.01 s; inter 10 B/s, 0.1 s
+    deep = Training(moe_dispatcher="deepep")
+    # 8 ranks at stride 1: 2 nodes of 4. k = 2: the other node holds one of a token's 2 experts with p = 3/4
+    far = 1 * (0.1 + 800.0 / 2 * 0.75 / 10)
+    near = 3 * 0.01 + 800.0 * 3 / 4 / 100
+    assert s.alltoall_s(800.0, 8, 1, deep, 2) == pytest.approx(max(near, far))
+    # inside one node, the all-to-all's number exactly, whatever k
+    assert s.alltoall_s(800.0, 4, 1, deep, 8) == s.alltoall_s(800.0, 4, 1)
+    # one rank per node: e nodes; k = 1 sends what the all-to-all sends (each token to one place)
+    assert s.alltoall_s(800.0, 4, 4, deep, 1) == pytest.approx(s.alltoall_s(800.0, 4, 4))
+    # with a fast NVLink, DeepEP never crosses more than the all-to-all (1 - (1 - 1/N)^k <= k/N)
+    fast = hand_system(dpn=4)
+    fast = replace(fast, intra_node=replace(fast.intra_node, bandwidth=1e12, latency=0.0))
+    for e, k in ((8, 1), (8, 8), (16, 4), (32, 8)):
+        assert fast.alltoall_s(800.0, e, 1, deep, k) <= fast.alltoall_s(800.0, e, 1) * (1 + 1e-12)
+    assert fast.alltoall_s(800.0, 32, 1, deep, 8) < 0.7 * fast.alltoall_s(800.0, 32, 1)
+
+
+def test_unpaired_microbatches_follow_megatron_warmup():
+    lc = one_layer()
+    prob = PlacementProblem(training=Training(moe_a2a_overlap=True, virtual_stages=2), costs=(lc,),
+                            system=hand_system(batch=8), hbm_bytes=1e12, peak_flops=1.0, seq_len=8)
+    assert prob.unpaired_microbatches(1, 1) == 1.0
+    # p = 2, v = 2, m = 8: W = 2 (p - 1) + (v - 1) p + 1 = 5 chunks, u = (5 + p - 1) / v = 3
+    assert prob.unpaired_microbatches(2, 1) == 3.0
+    # m = 2 (dp 4): every chunk warms up (W capped at m v = 4), u = (4 + 1) / 2
+    assert prob.unpaired_microbatches(2, 4) == 2.5
+
+
+def test_overlap_needs_interleaving_when_pipelined():
+    problem = overlap_problem(2, n=3, ep=(1, 2), cp=(1,), hbm=1e12, accelerators=16, devices_per_node=4,
+                              global_batch=8, moe_a2a_overlap=True)
+    r = evaluate_placement(problem, Placement(1, 2, ((0,), (1, 2)), ep=2))
+    assert not r.feasible and "interleaving" in r.reason
+    assert evaluate_placement(problem, Placement(1, 2, ((0,), (1, 2)), ep=1)).feasible  # no EP: no overlap
+    assert evaluate_placement(problem, Placement(1, 2, ((0, 1, 2),), ep=2)).feasible
+
+
+def test_recipe_fields_check_and_report():
+    assert Training().recipe() == Training(moe_dispatcher="alltoall", moe_a2a_overlap=False).recipe()
+    r = Training(moe_dispatcher="DeepEP", moe_a2a_overlap="on").recipe()
+    assert r["moe_dispatcher"] == "deepep" and r["moe_a2a_overlap"] is True
+    with pytest.raises(PhazeError, match="moe_dispatcher must be one of alltoall, deepep"):
+        Training(moe_dispatcher="nccl")
+    with pytest.raises(PhazeError, match="moe_a2a_overlap must be on/off"):
+        Training(moe_a2a_overlap="maybe")
+    with pytest.raises(PhazeError, match="full recompute"):
+        Training(moe_a2a_overlap=True, recompute="full")
+    assert not math.isnan(hash(Training(moe_a2a_overlap=True)))
+
+
+@pytest.mark.parametrize("seed", [18, 72, 73, 89])
+def test_dp_never_picks_a_pipelined_ep_overlap_without_interleaving(seed):
+    """Problems (small HBM) where the best placement without Megatron-Core's rule would pipeline an
+    overlapped EP group at v = 1: the DP must skip them as the evaluator refuses them."""
+    problem = overlap_problem(seed, n=4, global_batch=8, hbm=300.0, moe_a2a_overlap=True)
+    got = optimal_placement(problem)
+    assert not (got.feasible and got.ep > 1 and got.pp > 1)
+    assert_dp_is_brute(problem)
