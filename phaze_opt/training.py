@@ -95,9 +95,11 @@ It holds
   megatron/core/transformer/moe/README.md, "EP A2A Overlap: overlaps All-to-All with computation
   by merging FWD-BWD passes of adjacent microbatches"; the same idea as DeepSeek-V3's DualPipe,
   arXiv 2412.19437 Sec. 3.2.1): in the steady 1F1B phase the forward of one microbatch runs
-  merged with the backward of another, each one's dispatch/combine under the other's compute, so
-  an MoE layer's paired forward + backward takes max(compute, all-to-alls), not their sum; the
-  warm-up forwards and cool-down backwards run unpaired, exposed (`placement.evaluate`).
+  merged with the backward of another, each of the four all-to-alls under one compute phase of the
+  other microbatch (Megatron-Core's `schedule_layer_1f1b`), so an MoE layer's paired forward +
+  backward takes the sum over phases of max(phase compute, all-to-all): at least max(compute,
+  all-to-alls), at most their sum; the warm-up forwards and cool-down backwards run unpaired,
+  exposed (`placement.evaluate`).
   Megatron-Core refuses it with full recompute and, when PP > 1, without interleaving
   (`TransformerConfig.__post_init__`: "virtual_pipeline_model_parallel_size must be specified when
   pipeline_model_parallel_size > 1"; "disable full recomputation"): the first is refused here,

@@ -39,7 +39,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import STACKS, Layout, Training
+from ..training import MOE_DISPATCHERS, STACKS, Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -145,7 +145,9 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"precision": row.precision} if row.precision != "bf16" else {}),
             **({"attention": row.attention} if row.attention else {}),
             **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
-            **({"stack": row.stack} if row.stack != STACKS[0] else {})}
+            **({"stack": row.stack} if row.stack != STACKS[0] else {}),
+            **({"moe_a2a_overlap": True} if row.moe_a2a_overlap else {}),
+            **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -165,7 +167,8 @@ def row_training(row: Row) -> Training:
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
                     expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
                     account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
-                    fp8_param_gather=row.fp8_param_gather)
+                    fp8_param_gather=row.fp8_param_gather,
+                    moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher)
 
 
 def row_model(row: Row):

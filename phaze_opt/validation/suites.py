@@ -47,6 +47,9 @@ A training row is one published run:
     expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
                                 (Megatron-Core `--expert-tensor-parallel-size`, whose default is tp;
                                 then ep x it must divide tp x cp x dp); absent: unfolded, ep divides dp
+    moe_a2a_overlap             optional: the EP all-to-all overlap (Megatron-Core
+                                `--overlap-moe-expert-parallel-comm`; default false; needs ep > 1)
+    moe_dispatcher              optional: the EP token dispatcher, alltoall | deepep (default alltoall)
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
@@ -85,7 +88,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, PRECISIONS, STACKS, Training
+from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, Training
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -114,7 +117,8 @@ ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute",
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather")
+                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
+                "moe_a2a_overlap", "moe_dispatcher")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -217,6 +221,8 @@ class Row:
     account_for_embedding: bool = False  # the pipeline split counts the embedding as a layer
     account_for_loss: bool = False  # ... and the loss
     fp8_param_gather: bool = False  # parameters held in the GEMM format (Training.fp8_param_gather)
+    moe_a2a_overlap: bool = False  # the EP all-to-all overlap (Training.moe_a2a_overlap)
+    moe_dispatcher: str = MOE_DISPATCHERS[0]  # the EP token dispatcher (Training.moe_dispatcher)
 
     @property
     def dp(self) -> int:
@@ -512,6 +518,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
     if "stack" in row:
         flags["stack"] = _choice(row, "stack", STACKS, file, at)
+    flags.update(_moe_flags(row, ep, recompute, file, at))
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
@@ -520,6 +527,23 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                attention=attention,
                expert_tensor_parallel=etp,
                **_row_numbers(row, at, metric, papers, file), **names)
+
+
+def _moe_flags(row: Mapping[str, Any], ep: int, recompute: str, file, at: str) -> dict:
+    """The row's EP all-to-all fields (the overlap, the dispatcher), where it sets them."""
+    out = {}
+    if "moe_a2a_overlap" in row:
+        out["moe_a2a_overlap"] = row["moe_a2a_overlap"]
+        if not isinstance(out["moe_a2a_overlap"], bool):
+            raise config_error(file, f"{at}.moe_a2a_overlap", f"must be true or false, got {row['moe_a2a_overlap']!r}")
+        if out["moe_a2a_overlap"] and ep < 2:  # Megatron-Core asserts expert_model_parallel_size > 1
+            raise config_error(file, f"{at}.moe_a2a_overlap", "needs ep > 1 (no all-to-all to overlap)")
+        if out["moe_a2a_overlap"] and recompute == "full":  # Training refuses it, as Megatron-Core does
+            raise config_error(file, f"{at}.moe_a2a_overlap", "cannot run with recompute full (Megatron-Core "
+                                                               "refuses full recomputation with the overlap)")
+    if "moe_dispatcher" in row:
+        out["moe_dispatcher"] = _choice(row, "moe_dispatcher", MOE_DISPATCHERS, file, at)
+    return out
 
 
 def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:

@@ -77,10 +77,19 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   on the two-level network (`System.alltoall_s`, pairwise exchange), none at e = 1; the busiest
   rank's experts compute i x their balanced time (`expert_fwd_s`, `expert_bwd_s`); the routed
   experts' parameters are divided by e.
-- EP all-to-all overlap (`Training.moe_a2a_overlap`, Megatron-Core `--overlap-moe-expert-parallel-comm`):
-  in the steady 1F1B phase each MoE layer's forward of one microbatch runs merged with its backward
-  of another, so the pair takes max(compute, 4 all-to-alls) instead of their sum; the stage time per
-  microbatch holds that (the hidden min(compute, comm) taken off, half from each pass), and the
+- EP all-to-all overlap (`Training.moe_a2a_overlap`, Megatron-Core `--overlap-moe-expert-parallel-comm`
+  with `--delay-wgrad-compute`): in the steady 1F1B phase each MoE layer's forward of one microbatch
+  runs merged with its backward of another (Megatron-LM megatron/core/models/common/
+  model_chunk_schedule_plan.py, `schedule_layer_1f1b`), each all-to-all a on the communication
+  stream under one compute phase of the other microbatch: the backward's combine under the forward's
+  attention (with the previous attention's weight gradient), the forward's dispatch under the
+  experts' data gradient, the backward's dispatch under the forward's experts (with their weight
+  gradient), the forward's combine under the attention's data gradient. With the experts' GEMMs
+  x_e (i x `expert_fwd_s`, `expert_bwd_s`), the rest of each pass x_a, and each backward half data,
+  half weight gradient (their GEMMs' FLOPs are equal), the pair takes
+  max(x_a,f + x_a,b/2, a) + max(x_e,b/2, a) + max(x_e,f + x_e,b/2, a) + max(x_a,b/2, a), at least
+  max(compute, 4 a) and at most their sum; the stage time per microbatch holds that (the hidden
+  part taken off, half from each pass), and the
   stage's per-batch tail adds u x its hidden time for the unpaired warm-up forwards and cool-down
   backwards (`PlacementProblem.unpaired_microbatches`: u = 1 at pp = 1). Megatron-Core needs
   interleaving when pp > 1: with e > 1, pp > 1 and v = 1 the placement is infeasible. The
@@ -197,9 +206,15 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
         extra_kept = extra_work = steps * core_bytes
     hidden = 0.0
     if problem.training.moe_a2a_overlap and a2a > 0:
-        # a paired forward + backward takes max(compute, all-to-alls): the smaller of the two hides
-        comm = 4.0 * a2a
-        hidden = min(fwd + bwd - comm, comm)
+        # Megatron-Core's paired layer (schedule_layer_1f1b): each of the four all-to-alls runs under
+        # one compute phase of the other microbatch; a phase takes max(its compute, the all-to-all)
+        mlp_f = imb * float(costs.expert_fwd_s[v])
+        mlp_b = imb * float(costs.expert_bwd_s[v])
+        attn_f = max(0.0, fwd - 2.0 * a2a - mlp_f)
+        attn_b = max(0.0, bwd - 2.0 * a2a - mlp_b)
+        paired = (max(attn_f + 0.5 * attn_b, a2a) + max(0.5 * mlp_b, a2a)
+                  + max(mlp_f + 0.5 * mlp_b, a2a) + max(0.5 * attn_b, a2a))
+        hidden = max(0.0, fwd + bwd - paired)
         fwd -= 0.5 * hidden
         bwd -= 0.5 * hidden
     return fwd, bwd, extra_kept, extra_work, expert, hidden

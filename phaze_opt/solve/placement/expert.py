@@ -120,9 +120,14 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b
-        if any_moe and problem.training.moe_a2a_overlap:  # placement.evaluate: max(compute, comm) per pair
-            comm = 4.0 * a2a
-            hidden = np.where(moe & (a2a > 0), np.minimum(fwd + bwd - comm, comm), 0.0)
+        if any_moe and problem.training.moe_a2a_overlap:  # placement.evaluate: four phases of a paired layer
+            mlp_f = imb * lc.expert_fwd_s
+            mlp_b = imb * lc.expert_bwd_s
+            attn_f = np.maximum(0.0, fwd - 2.0 * a2a - mlp_f)
+            attn_b = np.maximum(0.0, bwd - 2.0 * a2a - mlp_b)
+            paired = (np.maximum(attn_f + 0.5 * attn_b, a2a) + np.maximum(0.5 * mlp_b, a2a)
+                      + np.maximum(mlp_f + 0.5 * mlp_b, a2a) + np.maximum(0.5 * attn_b, a2a))
+            hidden = np.where(moe & (a2a > 0), np.maximum(0.0, fwd + bwd - paired), 0.0)
             fwd = fwd - 0.5 * hidden
             bwd = bwd - 0.5 * hidden
         # Every array is finite, non-negative and whole where it must be (built from validated ones
