@@ -103,13 +103,14 @@ It holds
   Megatron-Core refuses it with full recompute and, when PP > 1, without interleaving
   (`TransformerConfig.__post_init__`: "virtual_pipeline_model_parallel_size must be specified when
   pipeline_model_parallel_size > 1"; "disable full recomputation"): the first is refused here,
-  the second makes such a placement infeasible. No effect at EP = 1. Default off.
+  the second makes such a placement infeasible. No effect at EP = 1. Not sampled by a space.
+  Default off.
 - `moe_dispatcher`: how the EP all-to-all moves tokens: `alltoall` (default, Megatron-Core's
   `--moe-token-dispatcher-type alltoall`: every token copy to its expert's rank) or `deepep`
   (`--moe-token-dispatcher-type flex --moe-enable-deepep`, DeepSeek's DeepEP: a token crosses
   the inter-node network once per destination node and is forwarded to its experts there over
   NVLink; DeepSeek-V3 tech report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`;
-  inside one node the two are the same.
+  inside one node the two are the same. Not sampled by a space.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in

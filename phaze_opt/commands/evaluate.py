@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import OPTIMIZER_STATES, PRECISIONS, STACKS
+from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, STACKS
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -73,6 +73,14 @@ def add_arguments(p):
                    help="MoE parallel folding (Megatron-Core --expert-tensor-parallel-size): the MoE layers' own TP "
                         "width; EP then spans TP x CP x DP ranks (ep x ETP divides tp x cp x dp); default: unfolded, "
                         "expert TP = tp and ep dividing dp")
+    p.add_argument("--moe-dispatcher", choices=MOE_DISPATCHERS, default=MOE_DISPATCHERS[0],
+                   help="MoE token dispatcher: alltoall (every token copy to its expert's rank) or deepep "
+                        "(Megatron-Core flex + DeepEP: each token once per destination node over the inter-node "
+                        "network, then NVLink) (default alltoall)")
+    p.add_argument("--moe-a2a-overlap", action="store_true",
+                   help="Megatron-Core --overlap-moe-expert-parallel-comm: the EP all-to-alls of one microbatch "
+                        "under the compute of another in the steady 1F1B phase (needs virtual stages when pp > 1; "
+                        "not with full recompute)")
     add_ilp_time_limit(p)
 
 
@@ -101,7 +109,8 @@ def run(args) -> dict:
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
                       optimizer_state=args.optimizer_state, precision=args.precision,
                       expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
-                      fp8_param_gather=args.fp8_param_gather)
+                      fp8_param_gather=args.fp8_param_gather,
+                      moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -154,6 +163,10 @@ def render(r: dict) -> str:
         extras.append("low-precision parameters")
     if r.get("expert_tensor_parallel"):
         extras.append(f"experts folded at expert TP {r['expert_tensor_parallel']}")
+    if r.get("moe_dispatcher"):
+        extras.append(f"{r['moe_dispatcher']} dispatcher")
+    if r.get("moe_a2a_overlap"):
+        extras.append("EP all-to-all overlapped")
     if r.get("stack"):
         extras.append(f"{r['stack']} kernels")
     if r.get("attention"):
