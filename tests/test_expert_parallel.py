@@ -82,7 +82,7 @@ def assert_dp_is_brute(problem):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
-       zero=st.sampled_from([0, 1]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
+       zero=st.sampled_from([0, 1, 2]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans())
 def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather):
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,

@@ -331,7 +331,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         base.training,
         recompute=draw(st.sampled_from(["none", "selective", "full"])),
         virtual_stages=v,
-        zero=draw(st.sampled_from([0, 1, 3])),
+        zero=draw(st.sampled_from([0, 1, 2, 3])),
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted

@@ -286,14 +286,17 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     moe = np.array([bool(np.any(lc.expert_params > 0)) for lc in b.costs])[blk]
     split = (e > 1) | ((eranks != ranks) & moe)  # the experts reduce as their own group (placement_eval)
     lat, bw = rings.latency(), rings.bandwidth()
-    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather  # the gather may hide wholly
-    ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + (0 if hide_gather else w_b)  # all-reduce, or RS + AG
+    zero = problem.training.zero
+    hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
+    # the tail's ring bytes and latency steps: all-reduce, RS + AG, or (ZeRO-2) the gather after the step
+    ring_bytes = {0: 2 * g_b, 1: g_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
+    ring_steps = {0: 2, 1: 1 if hide_gather else 2, 2: 0 if hide_gather else 1}.get(zero, 0)
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
-    if not problem.training.overlap_grad_reduce:
+    if not problem.training.overlap_grad_reduce or zero == 2:  # an overlapped reduction may hide wholly
         tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
                     * ring_bytes / bw)
-        tail_const = np.where(split, 0.0, (1 if hide_gather else 2) * (ranks - 1) * lat)
+        tail_const = np.where(split, 0.0, ring_steps * (ranks - 1) * lat)
     if problem.hbm_bandwidth > 0:
         per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
         if problem.training.zero:
@@ -307,7 +310,8 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     if problem.training.zero == 0:
         state = P * (w_b + g_b + o_b + k_b)
     else:
-        state = P * (w_b + g_b + k_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
+        whole, shard = (w_b + k_b, g_b + o_b) if zero == 2 else (w_b + g_b + k_b, o_b)
+        state = P * whole + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * shard
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
     s_only = np.where((v > 1) & (S > 1), S, 0)
@@ -376,22 +380,32 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     parts = [(dense0, ranks), (expert0, expert_ranks)] if split else [(params0, ranks)]
     reduce = np.zeros(params0.shape)
     gather = np.zeros(params0.shape)
-    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
+    scatter = np.zeros(params0.shape)  # ZeRO-2: every microbatch's reduce-scatter
+    zero = problem.training.zero
+    hide_gather = zero in (1, 2) and problem.training.overlap_param_gather
     for n_params, n_ranks in parts:
-        if problem.training.zero == 0:
+        def kept(x, n_params=n_params):  # a stage without parameters of a kind does not reduce that kind
+            return np.where(n_params > 0, x, 0.0) if split else x
+        if zero == 0:
             r = _ring_allreduce(n_params * g_b, n_ranks, ring)
+        elif zero == 2:
+            r = np.zeros(params0.shape)
+            scatter = scatter + kept(_ring_half(n_params * g_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         elif hide_gather:
             r = _ring_half(n_params * g_b, n_ranks, ring)
-            a = _ring_half(n_params * w_b, n_ranks, ring)
-            gather = gather + (np.where(n_params > 0, a, 0.0) if split else a)
+            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         else:
             r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
-        reduce = reduce + (np.where(n_params > 0, r, 0.0) if split else r)
+        reduce = reduce + kept(r)
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
+        scatter = np.maximum(0.0, scatter - np.where(ok, bwdwin, 0.0))  # beside its microbatch's backward
     if hide_gather:  # under the next iteration's forward of the stage (placement_eval)
         reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                            else np.maximum(0.0, gather - np.where(ok, st.fwdwin[sl], 0.0)))
+    elif zero == 2:  # after the optimizer step, with nothing beside it
+        reduce = reduce + gather
     tail = reduce
     if problem.hbm_bandwidth > 0:
         per = w_b + g_b + 2 * o_b
@@ -406,12 +420,17 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b + k_b)
+    elif zero == 2 and split:
+        state = (params0 * (w_b + k_b) + np.ceil(dense0 * g_b / ranks) + np.ceil(dense0 * o_b / ranks)
+                 + np.ceil(expert0 * g_b / expert_ranks) + np.ceil(expert0 * o_b / expert_ranks))
+    elif zero == 2:
+        state = params0 * (w_b + k_b) + np.ceil(params0 * g_b / ranks) + np.ceil(params0 * o_b / ranks)
     elif split:
         state = params0 * (w_b + g_b + k_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
     else:
         state = params0 * (w_b + g_b + k_b) + np.ceil(params0 * o_b / ranks)
     kmax = stage_fit(state, acts, workmax, ok, problem.hbm_bytes, S_only, v, m)
-    time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
+    time_g = np.where(ok & (kmax >= 1), b.times[h][sl] + scatter, INF)
 
     def record(stages):
         best.tp, best.dp, best.stages, best.ep, best.cp = costs[blk].tp, d, stages, e, c
