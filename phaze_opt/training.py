@@ -432,7 +432,7 @@ class Training:
 
     def expert_replicas(self, t, c, d, e):
         """EDP: the ranks holding the same routed-expert shard, over which its gradients reduce and
-        ZeRO-1 shards its state (ints or integer arrays; e must fit, `expert_fits`): t c d / (e ETP)
+        ZeRO-1 and 2 shard its state (ZeRO-2 its gradients too) (ints or integer arrays; e must fit, `expert_fits`): t c d / (e ETP)
         folded, d c / e unfolded (at least 1)."""
         if self.expert_tensor_parallel is None:
             return np.maximum(1, d * c // e)

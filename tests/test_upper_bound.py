@@ -96,6 +96,7 @@ RECIPES = [
                                                     overlap_grad_reduce=True, sequence_parallel=True),
     dict(recompute="none", zero=1, overlap_param_gather=True),
     dict(recompute="full", zero=1, overlap_grad_reduce=True, overlap_param_gather=True, virtual_stages=2),
+    dict(recompute="full", zero=2), dict(recompute="none", zero=2, overlap_grad_reduce=True, overlap_param_gather=True),
 ]
 
 
