@@ -278,3 +278,14 @@ def replace_training(problem, **changes):
     from dataclasses import replace
 
     return replace(problem, training=replace(problem.training, **changes))
+
+
+@pytest.mark.parametrize("seed, hbm", [(4, 182.0), (5, 180.0), (9, 189.0)])
+def test_zero2_dp_finds_the_placements_only_expert_sharding_fits(seed, hbm):
+    """HBM one byte below the least any EP 1 placement needs under ZeRO-2 (183, 181, 190 B: found
+    by brute force over these seeds): only placements whose routed experts' gradients and state
+    shard over their own replicas fit, and the DP must price that sharding as the evaluator does
+    to find the best of them (fails if the DP held the experts' gradients whole)."""
+    problem = moe_problem(seed, zero=2, hbm=hbm, accelerators=16, global_batch=16)
+    assert_dp_is_brute(problem)
+    assert optimal_placement(problem).ep > 1
