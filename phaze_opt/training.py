@@ -63,8 +63,9 @@ It holds
   needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
   use it, so what it cannot hide is the part longer than the stage's forward of the first
   microbatch; ZeRO-2's once-per-iteration gather of the weights hides the same way (FSDP with
-  `SHARD_GRAD_OP` gathers them layer by layer in the first forward, prefetched); with ZeRO-0 there is no such gather and with ZeRO-3
-  the gathers are per layer already, so it changes nothing there. Default off.
+  `SHARD_GRAD_OP` gathers them layer by layer in the first forward, prefetched); with ZeRO-0
+  there is no such gather and with ZeRO-3 the gathers are per layer already, so it changes
+  nothing there. Default off.
 - `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
   run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
   each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
@@ -432,8 +433,8 @@ class Training:
 
     def expert_replicas(self, t, c, d, e):
         """EDP: the ranks holding the same routed-expert shard, over which its gradients reduce and
-        ZeRO-1 and 2 shard its state (ZeRO-2 its gradients too) (ints or integer arrays; e must fit, `expert_fits`): t c d / (e ETP)
-        folded, d c / e unfolded (at least 1)."""
+        ZeRO-1 and 2 shard its state, ZeRO-2 its gradients too (ints or integer arrays; e must fit,
+        `expert_fits`): t c d / (e ETP) folded, d c / e unfolded (at least 1)."""
         if self.expert_tensor_parallel is None:
             return np.maximum(1, d * c // e)
         return np.maximum(1, t * c * d // (e * self.expert_tensor_parallel))

@@ -13,10 +13,11 @@ transfers, the routed experts' parameters over e, the c - 1 further attention co
 costs are those of `placement`'s stacks over these per-layer arrays; what (c, e) adds is
 per-stage: the gradient reduction of the dense parameters over d c ranks and of the routed experts
 over their EDP replicas (d c / e, or t c d / (e ETP) folded: `Training.expert_replicas`), and
-ZeRO-1's sharding of each over its own group. As in `dp._search_general`,
-each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
-(kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
-number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
+ZeRO-1's and 2's sharding of each over its own group (ZeRO-2 also reduce-scatters per
+microbatch, in the stage time). As in `dp._search_general`, each (t, d, pipeline link, ring
+link) is a group in which memory at position k is monotone in k (kmax), and the per-batch tail
+of a stage (exposed reduction + optimizer step) is a per-stage number whose maximum adds to the
+pipeline time: an epsilon-constraint on it is exact.
 
 Every (c, e, t) is a block of a stage stack (the layer graph is the same for all), so the
 memory-free sweeps that bound the groups run once per stack and pipeline link for all its blocks
@@ -32,7 +33,7 @@ force).
 
 Which d. Without ZeRO only the smallest allowed d (a multiple of `Training.data_step`) giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
-link no faster). With ZeRO-1 memory falls as d grows, so every allowed d is tried; so it is on
+link no faster). With ZeRO-1 or 2 memory falls as d grows, so every allowed d is tried; so it is on
 a torus, where a larger ring can span more torus lines and run faster (`kernel.RingLinks`).
 """
 
@@ -232,7 +233,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     and the largest is at least their mean, lin(all) / S (the constant not divided).
 
     Memory: the fullest stage holds at least the mean stage's state (linear lower bounds of the
-    ZeRO-1 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
+    ZeRO-1 and 2 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
     last stage; interleaved: min((v - 1) S + 1, m v) chunks of 1/v), so when that exceeds HBM no
     split of the item fits (as `dp._general_groups`)."""
     system = problem.system

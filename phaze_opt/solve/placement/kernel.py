@@ -195,7 +195,8 @@ def chain_width(problem: PlacementProblem, costs) -> int:
         if problem.training.zero == 3:
             state = (w + g + o) * (dense / dmax + experts / emax)
         else:
-            whole, shard = (w + weight_copies(problem), g + o) if problem.training.zero == 2 else (w + g + weight_copies(problem), o)
+            k = weight_copies(problem)
+            whole, shard = (w + k, g + o) if problem.training.zero == 2 else (w + g + k, o)  # ZeRO-2 shards g too
             state = c.params * whole + shard * (dense / dmax + experts / emax)
         footprint = (state + layer_terms(problem, c)[0] / problem.training.virtual_stages) * (1 - 1e-9)
         prefix = np.concatenate([[0.0], np.cumsum(footprint)])

@@ -206,9 +206,10 @@ def weight_copies(problem: "PlacementProblem") -> int:
     distribute model parameters" (Megatron-Core developer guide, "Distributed Optimizer"), and
     Transformer Engine quantizes each rank's whole local weight into its own FP8 workspace (TE
     user guide, "Performance Considerations", "Memory usage": weights kept in high precision and
-    quantized before each GEMM), so under ZeRO 0 and 1 every data-parallel rank holds all of its
-    stage's copies; ZeRO-2 holds the weight whole too, so likewise. Under ZeRO-3 the weight is gathered per layer and the copies are
-    made from the gathered weight: they live in that layer's working set beside it."""
+    quantized before each GEMM), so under ZeRO 0 and 1 (and 2, which holds the weight whole too)
+    every data-parallel rank holds all of its stage's copies. Under ZeRO-3 the weight is gathered
+    per layer and the copies are made from the gathered weight: they live in that layer's working
+    set beside it."""
     return weight_copy_bytes(problem.training.precision)
 
 
