@@ -18,7 +18,16 @@ It holds
   norm and dropout regions sharded over the TP group;
 - `virtual_stages`: v model chunks per pipeline device, interleaved 1F1B (Narayanan et al., SC'21);
 - `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
-  optimizer) or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20);
+  optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer
+  state and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec.
+  5.2; PyTorch FSDP `SHARD_GRAD_OP`, FSDP2 `reshard_after_forward=False`; Llama 3 405B: "Our use
+  of FSDP for Llama 3 shards optimizer states and gradients, but for model shards we do not
+  reshard after forward computation", Llama Team, arXiv 2407.21783, Sec. 3.3.2). A sharded
+  gradient cannot wait for the last microbatch, so each microbatch's backward reduce-scatters the
+  stage's gradients (DeepSpeed ZeRO-2 reduces after every backward: "each rank retains only the
+  accumulated gradients of its partition", deepspeedai/DeepSpeed issue 2252; FSDP reduce-scatters
+  after each backward unless `no_sync`, which keeps whole gradients); the updated weights are
+  all-gathered once per iteration after the optimizer step (`solve.placement.evaluate`);
 - `overlap_grad_reduce`: the data-parallel gradient reduction runs beside the backward pass
   (Megatron `--overlap-grad-reduce`, PyTorch DDP buckets);
 - `attention`: the attention kernel, `unfused | flash` (Dao et al. 2022, 2023); None keeps the
@@ -61,8 +70,10 @@ It holds
   weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which
   needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
   use it, so what it cannot hide is the part longer than the stage's forward of the first
-  microbatch; with ZeRO-0 there is no such gather and with ZeRO-3 the gathers are per layer
-  already, so it changes nothing there. Default off.
+  microbatch; ZeRO-2's once-per-iteration gather of the weights hides the same way (FSDP with
+  `SHARD_GRAD_OP` gathers them layer by layer in the first forward, prefetched); with ZeRO-0
+  there is no such gather and with ZeRO-3 the gathers are per layer already, so it changes
+  nothing there. Default off.
 - `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
   run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
   each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
@@ -136,7 +147,7 @@ OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 # Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
 OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
@@ -474,8 +485,8 @@ class Training:
 
     def expert_replicas(self, t, c, d, e):
         """EDP: the ranks holding the same routed-expert shard, over which its gradients reduce and
-        ZeRO-1 shards its state (ints or integer arrays; e must fit, `expert_fits`): t c d / (e ETP)
-        folded, d c / e unfolded (at least 1)."""
+        ZeRO-1 and 2 shard its state, ZeRO-2 its gradients too (ints or integer arrays; e must fit,
+        `expert_fits`): t c d / (e ETP) folded, d c / e unfolded (at least 1)."""
         if self.expert_tensor_parallel is None:
             return np.maximum(1, d * c // e)
         return np.maximum(1, t * c * d // (e * self.expert_tensor_parallel))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from phaze_opt.solve.placement.expert import effective_costs, optimal_placement
 from phaze_opt.solve.placement.dp import optimal_dense_placement
-from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s
+from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s, ring_half_s
 from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
 from phaze_opt.training import RECIPE_FIELDS, Training
@@ -82,7 +82,7 @@ def assert_dp_is_brute(problem):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
-       zero=st.sampled_from([0, 1]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
+       zero=st.sampled_from([0, 1, 2]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans())
 def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather):
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
@@ -246,3 +246,46 @@ def test_effective_costs_at_every_ep_width_are_the_single_ones():
                     for name in ("fwd_s", "bwd_s", "params", "expert_params", "activation_bytes", "full_work_bytes",
                                  "selective_work_bytes", "selective_s"):
                         assert np.array_equal(getattr(got, name), getattr(want, name)), (seed, lc.tp, c, e, name)
+
+
+def test_zero2_with_ep_and_cp_shards_each_kind_over_its_own_replicas():
+    """ZeRO-2 where ZeRO-3 is refused: EP 2 x CP 2 x DP 4. The dense gradients and optimizer state
+    shard over the d c = 8 ranks holding the dense weights, the routed experts' over their own
+    d c / e = 4 (as ZeRO-1 shards its state); the weights stay whole. Each microbatch
+    reduce-scatters both kinds, each on its own ring (no overlap here: all of it in the stage time)."""
+    prob = moe_problem(3, zero=2, hbm=1e9, accelerators=16, global_batch=16)
+    pl = Placement(1, 4, ((0, 1, 2),), ep=2, cp=2)
+    r = evaluate_placement(prob, pl)
+    assert r.feasible, r.reason
+    refused = evaluate_placement(replace_training(prob, zero=3), pl)
+    assert not refused.feasible and "ZeRO-3" in refused.reason
+    params, experts = r.stages[0].params, float(sum(np.ceil(prob.costs_at(1, 2).expert_params / 2)))
+    dense = params - experts
+    assert experts > 0 and dense > 0
+    split = r.stages[0].memory_split
+    assert split["parameters"] == params * 2
+    assert split["gradients"] == math.ceil(dense * 2 / 8) + math.ceil(experts * 2 / 4)
+    assert split["optimizer_state"] == math.ceil(dense * 12 / 8) + math.ceil(experts * 12 / 4)
+    one = evaluate_placement(replace_training(prob, zero=1), pl)
+    ring = prob.system.dp_ring_link(2, 1, 4)
+    scatter = (ring_half_s(dense * 2, 8, ring.bandwidth, ring.latency)
+               + ring_half_s(experts * 2, 4, ring.bandwidth, ring.latency))
+    assert r.stages[0].time_s == pytest.approx(one.stages[0].time_s + scatter, rel=1e-12)
+    assert optimal_placement(prob).feasible
+
+
+def replace_training(problem, **changes):
+    from dataclasses import replace
+
+    return replace(problem, training=replace(problem.training, **changes))
+
+
+@pytest.mark.parametrize("seed, hbm", [(4, 182.0), (5, 180.0), (9, 189.0)])
+def test_zero2_dp_finds_the_placements_only_expert_sharding_fits(seed, hbm):
+    """HBM one byte below the least any EP 1 placement needs under ZeRO-2 (183, 181, 190 B: found
+    by brute force over these seeds): only placements whose routed experts' gradients and state
+    shard over their own replicas fit, and the DP must price that sharding as the evaluator does
+    to find the best of them (fails if the DP held the experts' gradients whole)."""
+    problem = moe_problem(seed, zero=2, hbm=hbm, accelerators=16, global_batch=16)
+    assert_dp_is_brute(problem)
+    assert optimal_placement(problem).ep > 1

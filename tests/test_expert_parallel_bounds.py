@@ -21,7 +21,7 @@ from phaze_opt.training import Training
 from test_expert_parallel import moe_problem
 from test_placement_oracle import chain_splits
 
-RECIPES = list(itertools.product(["none", "selective", "full"], [0, 1], [False, True], [0.0, 50.0]))
+RECIPES = list(itertools.product(["none", "selective", "full"], [0, 1, 2], [False, True], [0.0, 50.0]))
 
 
 def recipe(seed):
@@ -80,7 +80,7 @@ def test_item_bounds_hold_interleaved_tight_memory(seed):
     """Interleaved 1F1B (v = 2) where HBM binds: the in-flight chunks of the memory bound."""
     rng = np.random.default_rng(seed + 999)
     problem = moe_problem(seed, n=4, virtual_stages=2, global_batch=int(rng.choice([4, 8, 16])),
-                          recompute=str(rng.choice(["none", "selective", "full"])), zero=int(rng.choice([0, 1])),
+                          recompute=str(rng.choice(["none", "selective", "full"])), zero=int(rng.choice([0, 1, 2])),
                           hbm=float(rng.uniform(60, 400)), accelerators=int(rng.integers(8, 33)))
     check_items(problem, force_dag=seed % 4 == 0)
 

@@ -169,7 +169,7 @@ def _with(**changes):
     ({"params__mbs": [1, 1]}, r"params.mbs'.*repeats"),
     ({"params__mbs": [0]}, r"params.mbs'.*positive"),
     ({"params__recompute": ["yes"]}, r"params.recompute'.*true or false"),
-    ({"params__zero": [2]}, r"params.zero'.*zero must be one of 0, 1, 3"),
+    ({"params__zero": [4]}, r"params.zero'.*zero must be one of 0, 1, 2, 3"),
     ({"params__virtual_stages": [65]}, r"params.virtual_stages'.*at most 64"),
     ({"params__attention": ["paged"]}, r"params.attention'.*unfused, flash"),
     ({"params__sequence_parallel": ["on"]}, r"params.sequence_parallel'.*plain values"),

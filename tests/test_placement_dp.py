@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.kernel import min_memory_needed
-from phaze_opt.solve.placement.evaluate import evaluate_placement
+from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_half_s
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
 from phaze_opt.training import Training
 from test_placement_oracle import (
@@ -331,7 +331,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         base.training,
         recompute=draw(st.sampled_from(["none", "selective", "full"])),
         virtual_stages=v,
-        zero=draw(st.sampled_from([0, 1, 3])),
+        zero=draw(st.sampled_from([0, 1, 2, 3])),
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted
@@ -488,3 +488,43 @@ def test_zero_shards_state_and_interleaving_shrinks_the_bubble():
     inter = PlacementProblem(training=Training(mbs=1, virtual_stages=2), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
     a, b = evaluate_placement(plain, Placement(1, 1, ((0, 1), (2, 3)))), evaluate_placement(inter, Placement(1, 1, ((0, 1), (2, 3))))
     assert b.bubble_fraction < a.bubble_fraction and b.feasible
+
+
+def test_zero2_memory_lies_between_zero1_and_zero3_and_it_reduces_every_microbatch():
+    """ZeRO-2 shards the gradients as well as the optimizer state and keeps the weights whole
+    (Rajbhandari et al., SC'20, Sec. 5.2). Four equal layers, 20 parameters a stage, d = 4 with 16 B
+    of mixed-precision state (2 + 2 + 12): ZeRO-1 holds 20 x 4 + 240 / 4 = 140 B, ZeRO-2
+    20 x 2 + 40 / 4 + 60 = 110 B, ZeRO-3 320 / 4 = 80 B plus the 20 B of its gathered layer. With
+    m = 2 microbatches and no overlap ZeRO-2 reduce-scatters the stage's gradients after every
+    microbatch (m + S - 1 = 3 times per batch) where ZeRO-1 does once, and both all-gather the
+    weights once: the iteration is longer by exactly (m + S - 2) reduce-scatters. Fails if the
+    gradients are not divided by d, or if the reduce-scatter runs once per batch."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=8, global_batch=8)
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+
+    def run(zero, **recipe):
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, **recipe), costs=(costs,), system=system,
+                                   hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl)
+
+    r1, r2, r3 = run(1), run(2), run(3)
+    assert r2.microbatches == 2 and r2.feasible
+    assert [r.peak_memory_bytes for r in (r1, r2, r3)] == [140, 110, 100]
+    split = r2.stages[0].memory_split
+    assert (split["parameters"], split["gradients"], split["optimizer_state"]) == (40, 10, 60)
+    ring = system.dp_ring_link(1, 2, 4)
+    scatter = ring_half_s(20 * 2, 4, ring.bandwidth, ring.latency)
+    assert r2.time_per_batch_s > r1.time_per_batch_s
+    assert r2.time_per_batch_s == pytest.approx(r1.time_per_batch_s + (2 + 2 - 2) * scatter, rel=1e-12)
+    assert r2.stages[0].allreduce_s == pytest.approx(scatter)  # the tail keeps only the weights' gather
+    # overlapped: each reduce-scatter (1.8 s) hides under its microbatch's 4 s backward; the gather
+    # after the optimizer step has nothing beside it, unless it runs under the next forward
+    assert run(2, overlap_grad_reduce=True).stages[0].time_s == r1.stages[0].time_s
+    assert run(2, overlap_grad_reduce=True).allreduce_s == pytest.approx(scatter)
+    assert run(2, overlap_grad_reduce=True, overlap_param_gather=True).allreduce_s == 0.0
+    problem2 = PlacementProblem(training=Training(mbs=1, zero=2), costs=(costs,), system=system, hbm_bytes=110,
+                                peak_flops=1.0)
+    problem1 = PlacementProblem(training=Training(mbs=1, zero=1), costs=(costs,), system=system, hbm_bytes=110,
+                                peak_flops=1.0)
+    assert optimal_dense_placement(problem2).feasible and not evaluate_placement(problem1, pl).feasible

@@ -149,10 +149,10 @@ def _problem(training, accelerators=1):
 COPY_BYTES = {"fp8": 2, "mxfp8": 2, "nvfp4": 1}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("fmt", [p for p in PRECISIONS if p != "bf16"])
 def test_weight_copies_in_memory(fmt, zero):
-    """The copies are not optimizer state: under ZeRO 0 and 1 each of the d = 4 data-parallel ranks
+    """The copies are not optimizer state: under ZeRO 0, 1 and 2 each of the d = 4 data-parallel ranks
     holds all of its stage's copies (Megatron-Core's distributed optimizer shards only the optimizer
     state); under ZeRO-3 they are made from the gathered weight and sit in the layer's working set."""
     from phaze_opt.solve.placement.dp import even_placement

@@ -276,7 +276,7 @@ def test_tpuv4_rows_try_every_recipe_and_re_evaluate_the_winner_whole(expert_fit
     rec = RecordingEvaluator(expert_fits)
     row1, row2, baselines = tpuv4_rows(["m-small"], rec, REFERENCE, "tpuv4-pod", EVERY_RECIPE)
     grid = {Training.from_point(p) for p in recipe_points(EVERY_RECIPE)}
-    assert len(grid) == 1152  # every recipe field x precision x overlapped parameter gather
+    assert len(grid) == 1536  # every recipe field (ZeRO 0-3) x precision x overlapped parameter gather
     for placement in ("expert", "optimal"):
         assert {t.with_placement("optimal") for t, _ in rec.seen if t.placement == placement} == grid
     assert {s for _, s in rec.seen} == {"tpuv4-pod"}

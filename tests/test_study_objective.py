@@ -130,7 +130,7 @@ def test_baseline_tries_every_recipe_field_and_choice_and_keeps_the_whole_winner
     b = compute_baselines(["m-small"], rec, REFERENCE, "tpuv4-pod", EVERY_RECIPE)["m-small"]
     placement = "expert" if expert_fits else "optimal"
     grid = [Training.from_point(p, placement) for p in recipe_points(EVERY_RECIPE)]
-    assert len(set(grid)) == 2 * 3 * 2 * 2 * 3 * 2 * 2 * 2 * 2 == len(grid)  # ... x precision x param gather
+    assert len(set(grid)) == 2 * 3 * 2 * 2 * 4 * 2 * 2 * 2 * 2 == len(grid)  # ... ZeRO 0-3 ... x precision x param gather
     # every recipe of the space was evaluated, whole, at the baseline's placement
     assert {t for t, _ in rec.seen if t.placement == placement} == set(grid)
     best = max(grid, key=RecordingEvaluator.score)

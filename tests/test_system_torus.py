@@ -224,7 +224,7 @@ def test_placement_dp_with_torus_rings_equals_brute_force(problem, dims, wraparo
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**6), TORI, st.sampled_from([0, 1]), st.booleans())
+@given(st.integers(0, 10**6), TORI, st.sampled_from([0, 1, 2]), st.booleans())
 def test_expert_dp_with_torus_rings_equals_brute_force(seed, dims, zero, overlap):
     problem = moe_problem(seed, zero=zero, overlap_grad_reduce=overlap)
     torus = Torus(dims)
@@ -249,7 +249,7 @@ def test_a_wider_ring_on_a_torus_can_be_faster_than_a_narrower_one():
                if s.dp_ring_link(1, 1, d2) != s.dp_link(1, 1, d2))
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_the_dps_take_the_wider_faster_ring(zero):
     """On a closed line of 4, a ring of 4 replicas all-reduces faster than one of 3 (which does
     not map onto the line and rides the rank order); with a global batch of 3 both run one

@@ -96,6 +96,7 @@ RECIPES = [
                                                     overlap_grad_reduce=True, sequence_parallel=True),
     dict(recompute="none", zero=1, overlap_param_gather=True),
     dict(recompute="full", zero=1, overlap_grad_reduce=True, overlap_param_gather=True, virtual_stages=2),
+    dict(recompute="full", zero=2), dict(recompute="none", zero=2, overlap_grad_reduce=True, overlap_param_gather=True),
 ]
 
 
@@ -220,12 +221,12 @@ RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4
     "hbm_gib: [32, 80]", "hbm_gib: [1, 80]").replace("{32: 1200, 80: 2048}", "{1: 400, 80: 2048}").replace(
     "recompute: [false, true]",
     "recompute: [none, selective, full]\n  sequence_parallel: [false, true]\n  virtual_stages: [1, 2]\n"
-    "  zero: [0, 1, 3]\n  overlap_grad_reduce: [false, true]\n  attention: [unfused, flash]")
+    "  zero: [0, 1, 2, 3]\n  overlap_grad_reduce: [false, true]\n  attention: [unfused, flash]")
 
 
 @pytest.mark.slow
 def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path):
-    """The pruned sweep over every recipe field with all its choices (144 recipes; 1 GiB
+    """The pruned sweep over every recipe field with all its choices (192 recipes; 1 GiB
     of HBM makes memory bind, so recompute, ZeRO and interleaving decide) finds the optimum of the
     full sweep, and every point's true throughput is at most the bound it was settled by, the
     dominance rules' included."""

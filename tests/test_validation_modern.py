@@ -118,7 +118,7 @@ def test_a_recipe_the_project_cannot_express_is_an_infeasible_row(tmp_path):
     ({"cp": 3, "gpus": 96}, "rows[0].cp", "2 x cp (6) must divide the sequence (4096 tokens)"),
     ({"cp": 2, "gpus": 60}, "rows[0].tp", "tp x pp x cp (1 x 4 x 2 = 8) must divide gpus (60)"),
     ({"ep": 16}, "rows[0].ep", "must divide mixtral-8x7b's routed experts (8), got 16"),
-    ({"zero": 2}, "rows[0].zero", "must be 0, 1 or 3"),
+    ({"zero": 4}, "rows[0].zero", "must be one of 0, 1, 2, 3"),
     ({"overlap_grad_reduce": "yes"}, "rows[0].overlap_grad_reduce", "must be true or false"),
     ({"flops_formula": "6N"}, "rows[0].flops_formula", "must be one of"),
     ({"seq": 0}, "rows[0].seq", "must be a positive integer"),

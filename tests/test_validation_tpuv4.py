@@ -83,7 +83,7 @@ def test_a_row_runs_on_its_own_system_chip_and_zero_stage(tmp_path):
 @pytest.mark.parametrize("row, field, words", [
     ({"system": "nope"}, "rows[0].system", "unknown system"),
     ({"arch": "nope"}, "rows[0].arch", "unknown arch"),
-    ({"zero": 2}, "rows[0].zero", "must be 0, 1 or 3"),
+    ({"zero": 4}, "rows[0].zero", "must be one of 0, 1, 2, 3"),
     ({"pending_model": True, "model": "palm-9000b"}, "rows[0].pending_model", "must say why"),
     ({"model": "not-a-model"}, "rows[0].model", "unknown model"),  # a typo is an error, not a skip
     ({"pending_model": "its branch", "tp": 3}, "rows[0].tp", "TP widths"),  # checked once the model exists

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, STACKS
+from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -31,12 +31,13 @@ def add_arguments(p):
                    help="optimizer-state layout beyond weight and gradient: fp32-adam (12 B/param), bf16-moments "
                         "(fp32 master + BF16 moments, 8 B) or bf16-adamw (BF16 moments, no master, 4 B); "
                         "default: the system's own accounting")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
-                   help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer) or 3 (FSDP)")
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+                   help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer), 2 (gradients "
+                        "sharded too, weights whole: FSDP without resharding after forward) or 3 (FSDP)")
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="overlap the data-parallel gradient reduction with the backward pass")
     p.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --zero 1: the weights' all-gather under the next iteration's forward")
+                   help="with --zero 1 or 2: the weights' all-gather under the next iteration's forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="with --sequence-parallel: TP reduce-scatters/all-gathers pipelined with the GEMMs")
     p.add_argument("--attention", choices=("unfused", "flash"), default=None,

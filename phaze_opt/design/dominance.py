@@ -8,7 +8,7 @@ A infeasible whenever B is). Each rule below is a fact of the cost model as writ
 random placement problems), up to floating-point rounding of equal sums:
 
 - `overlap`: overlapped gradient reduction on beats off. The only time terms it touches are the
-  data-parallel reductions (the per-batch tail, ZeRO-3's per-microbatch reduce-scatter), each
+  data-parallel reductions (the per-batch tail, ZeRO-2's and 3's per-microbatch reduce-scatter), each
   max(0, reduction - backward) <= reduction (`solve.placement.evaluate`); memory does not depend on it.
 - `sequence_parallel`: on beats off. The layer times do not depend on it (its TP collectives, a
   reduce-scatter plus an all-gather, cost exactly the ring all-reduce they replace:
@@ -26,7 +26,7 @@ random placement problems), up to floating-point rounding of equal sums:
   attention core (flash attention, Dao et al. 2022): it then drops nothing, recomputes nothing
   (`LayerCosts.selective_s` is 0 where `attention_core_bytes` is 0) and keeps the same bytes.
 
-ZeRO-3 against ZeRO-1, the recompute modes against each other and the virtual stage counts trade
+ZeRO-2 and 3 against ZeRO-1 (and each other), the recompute modes against each other and the virtual stage counts trade
 memory for time, so no rule relates them; they stay separate points.
 """
 

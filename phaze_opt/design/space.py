@@ -24,7 +24,7 @@ Every accelerator field (num_tc, tc_x, tc_y, num_vc, vc_width, glb_mib, hbm_gib,
 sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item list fixes them).
 `recompute` choices are true/false (full/none, as before) or none, selective, full. The further
 recipe fields (the rest of `Training`) may be sampled too; a space without one trains with its default:
-`sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 3],
+`sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 2, 3],
 `overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own),
 `optimizer_state` [fp32-adam, bf16-moments, bf16-adamw] (absent: the system's own accounting),
 `precision` [bf16, fp8, mxfp8, nvfp4] (the GEMM format; workload/precision.py).

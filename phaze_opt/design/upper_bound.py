@@ -242,9 +242,11 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     part (reduction minus backward), which shrinks as the backward grows; with
     `overlap_grad_reduce` the bound therefore counts that part as 0 (`reduction_hidden`), which only
     lowers the time; likewise the weights' all-gather with `overlap_param_gather` (its exposed part,
-    all-gather minus the stage's forward, shrinks as the forward grows). (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
+    all-gather minus the stage's forward, shrinks as the forward grows; ZeRO-1's and 2's alike).
+    (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
     runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
-    holds max(B, scatter), non-decreasing in every layer time; against the backward compute alone
+    holds max(B, scatter), non-decreasing in every layer time; ZeRO-2's likewise beside the stage's
+    backward compute, which has no gathers; against the backward compute alone
     it would not be, since compute hidden under gathers lengthens the window but not the pass.)
     0.0 when no placement fits memory (then no schedule can make one fit).
     """

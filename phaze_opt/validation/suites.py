@@ -37,7 +37,8 @@ A training row is one published run:
     recompute                   none | selective | full (activation recomputation)
     sequence_parallel           true | false (default false; needs tp > 1)
     zero, overlap_grad_reduce   optional recipe fields (training.Training): 1 = Megatron's distributed
-                                optimizer; the gradient reduction beside the backward
+                                optimizer, 2 = gradients sharded too (FSDP without resharding after
+                                forward), 3 = FSDP; the gradient reduction beside the backward
     overlap_param_gather        optional: ZeRO-1's weight all-gather under the next forward
                                 (Megatron `--overlap-param-gather`; default false)
     tp_comm_overlap             optional: SP's TP collectives pipelined with the GEMMs
@@ -88,7 +89,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, Training
+from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES, Training
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -565,8 +566,8 @@ def _precision(row: Mapping[str, Any], file, at: str) -> str:
 
 def _zero(row: Mapping[str, Any], file, at: str) -> int:
     zero = row.get("zero", 0)
-    if zero not in (0, 1, 3) or isinstance(zero, bool):
-        raise config_error(file, f"{at}.zero", f"must be 0, 1 or 3, got {zero!r}")
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise config_error(file, f"{at}.zero", f"must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
     return zero
 
 

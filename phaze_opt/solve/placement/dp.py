@@ -400,6 +400,14 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
+        elif problem.training.zero == 2:
+            # every stage reduce-scatters its gradients each microbatch (affine in its parameters, so
+            # the S stages' scatters add up to S of the mean stage's); the weights' all-gather
+            # follows the optimizer step, hidden only by an overlapped param gather
+            if not problem.training.overlap_grad_reduce:
+                c_lb = np.maximum(c_lb, (work_total + S * half(big * g_b)) / S)
+            if not problem.training.overlap_param_gather:
+                tail_lb = half(big * w_b)
         elif not problem.training.overlap_grad_reduce:
             # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
             gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
@@ -412,8 +420,9 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
         # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
         # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
-        k = weight_copies(problem)  # held whole by every rank under ZeRO 0 and 1 (types.weight_copies)
-        coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 3: (w_b + g_b + o_b) / d}[problem.training.zero]
+        k = weight_copies(problem)  # held whole by every rank under ZeRO 0, 1 and 2 (types.weight_copies)
+        coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 2: w_b + k + (g_b + o_b) / d,
+                3: (w_b + g_b + o_b) / d}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
@@ -472,7 +481,12 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         params0 = np.where(valid[sl], params, 0.0)
         time_g = times[h][sl]
         tail = np.zeros(params.shape)
-        hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
+        hide_gather = problem.training.zero in (1, 2) and problem.training.overlap_param_gather
+        if problem.training.zero == 2:  # each microbatch's reduce-scatter (placement.evaluate)
+            scatter = _half(params0 * g_b, d, ring)
+            if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
+                scatter = np.maximum(0.0, scatter - bwdwin)
+            time_g = time_g + scatter
         if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
@@ -484,6 +498,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
                     reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+            elif problem.training.zero == 2:  # reduce-scattered per microbatch already
+                reduce = np.zeros(params0.shape)
             elif hide_gather:
                 reduce = _half(params0 * g_b, d, ring)
             else:
@@ -495,6 +511,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 gather = _half(params0 * w_b, d, ring)
                 reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                                    else np.maximum(0.0, gather - np.where(valid[sl], st.fwdwin[sl], 0.0)))
+            elif problem.training.zero == 2:  # after the optimizer step, with nothing beside it
+                reduce = reduce + _half(params0 * w_b, d, ring)
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             step_bytes = params0 * (w_b + g_b + 2 * o_b)
@@ -519,6 +537,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 # an overlapped param gather may hide entirely: only the reduce-scatter then
                 red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
+            elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
+                red = float(_half(p * w_b, d, ring))
             step = p * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)

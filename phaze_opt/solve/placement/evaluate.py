@@ -25,8 +25,14 @@ disagreement in the tests. The model it implements (the definition the DP must o
   fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
   than the stage's backward pass (its compute and exposed gathers) is exposed, so the stage time
   holds max(backward pass, reduce-scatter), non-decreasing in every layer time.
+  With ZeRO-2 the stage reduce-scatters its gradients after every microbatch's backward (a
+  sharded gradient cannot be held whole until the last one: DeepSpeed ZeRO-2 reduces after every
+  backward, deepspeedai/DeepSpeed issue 2252; ZeRO, Sec. 5.2), each kind over its own replicas
+  as ZeRO-1 shards them; with overlap_grad_reduce only the part longer than that microbatch's
+  backward (compute and recompute) is exposed, max(backward, reduce-scatter) as under ZeRO-3.
 - Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
-  parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part and with
+  parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part, with ZeRO-2
+  the optimizer part and the gradients (over their own replicas, as ZeRO-1's state) and with
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
   `activation_bytes` (none), `selective_bytes` (selective) or `checkpoint_bytes` (full). Under
@@ -51,18 +57,20 @@ disagreement in the tests. The model it implements (the definition the DP must o
   ring all-reduce of its gradients over the d replicas, 2 (d - 1) / d x bytes / bandwidth +
   2 (d - 1) x latency (Patarasuk and Yuan, JPDC 2009; Thakur et al., IJHPCA 2005), zero when
   d = 1; under ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the 16-bit weights
-  (the same bytes when they have the same width); under ZeRO-3 none (it ran per microbatch). With
+  (the same bytes when they have the same width); under ZeRO-2 only the all-gather of the updated
+  weights after the optimizer step (the reduce-scatters ran per microbatch; nothing runs beside
+  the gather, so overlap_grad_reduce leaves it whole); under ZeRO-3 none (it ran per microbatch). With
   overlap_grad_reduce the reduction of a stage's gradients runs beside the backward of the last
   microbatch (Megatron's `--overlap-grad-reduce` launches each bucket's reduction as soon as its
   gradients are final, i.e. during the last microbatch's backward; Li et al., VLDB 2020, PyTorch
   DDP): only max(0, reduction - that stage's backward time per microbatch) is exposed (0 in the
   lower-bound mode `PlacementProblem.reduction_hidden`, see design/upper_bound.py). With
-  overlap_param_gather (ZeRO-1) the weights' all-gather runs under the next iteration's forward
+  overlap_param_gather (ZeRO-1 and 2) the weights' all-gather runs under the next iteration's forward
   (Megatron-Core `--overlap-param-gather`): only max(0, all-gather - the stage's forward time per
   microbatch) of it is exposed (0 in the lower-bound mode), the reduce-scatter as above on its own. The
   optimizer step reads the gradients and the optimizer state and writes the state and the
   weights once per batch on HBM: params x (weight + gradient + 2 x optimizer) bytes / HBM
-  bandwidth (divided over the replicas under ZeRO-1 and 3), zero when no HBM bandwidth is given.
+  bandwidth (divided over the replicas under ZeRO-1, 2 and 3), zero when no HBM bandwidth is given.
 - Throughput = global batch / time per batch; MFU = model FLOP per sequence x global batch /
   (devices used x peak FLOP/s x time per batch); bubble fraction = (S - 1) / (m + S - 1).
 
@@ -105,7 +113,8 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   working set x c, full working set); selective recompute reruns c attention cores.
 - Gradients: the dense ones are reduced over the d x c ranks that hold the same weights, the routed
   experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
-  kind over its own group; the optimizer step likewise. ZeRO-3 with e or c > 1 is not modelled
+  kind's optimizer state over its own group, ZeRO-2 its gradients and state; the optimizer step
+  likewise. ZeRO-3 with e or c > 1 is not modelled
   (infeasible, with that reason).
 - MoE parallel folding (`Training.expert_tensor_parallel` set; Liu et al. 2025, arXiv 2504.14960,
   Megatron-Core `--expert-tensor-parallel-size`): the MoE layers run on their own grid ETP x e x EDP
@@ -257,7 +266,7 @@ def evaluate_placement(
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
-    k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0 and 1
+    k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
     for s, stage in enumerate(placement.stages):
@@ -308,7 +317,14 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
         grad_bytes = params * g_b
         dense = params - experts
-        zero3_s = 0.0
+        groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
+        shard_s = 0.0  # ZeRO-2 and 3: the data-parallel collectives of every microbatch, exposed part
+        if zero == 2:  # each microbatch's gradients reduce-scattered after its backward
+            for n_params, n_ranks in groups:
+                if not (split and n_params == 0):
+                    shard_s += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+            if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
+                shard_s = max(0.0, shard_s - backward)
         if zero == 3:
             gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
             fwds = [fwd_of[v] for v in layers]
@@ -317,7 +333,7 @@ def evaluate_placement(
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
                 scatter = max(0.0, scatter - (backward + exposed_bwd))
-            zero3_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
+            shard_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
         if v_virt > 1 and S > 1:
             chunks = min(2 * (k - 1) + (v_virt - 1) * S + 1, m * v_virt)
@@ -326,27 +342,29 @@ def evaluate_placement(
         else:
             inflight = min(k, m)
             stashed = inflight * stash
-        # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5).
-        if zero == 0:
-            state = params * (w_b + g_b + o_b + k_b)
-        elif zero == 1 and split:  # each kind of parameter sharded over its own replicas
-            state = params * (w_b + g_b + k_b) + _ceil(dense * o_b / ranks) + _ceil(experts * o_b / expert_ranks)
-        elif zero == 1:
-            state = params * (w_b + g_b + k_b) + _ceil(params * o_b / ranks)
+        # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5): weights, gradients,
+        # optimizer state, low-precision weight copies; ZeRO-1 and 2 shard each kind of parameter
+        # over its own replicas.
+        if zero == 3:
+            kinds = (_ceil(params * w_b / d), _ceil(params * g_b / d), _ceil(params * o_b / d), 0.0)
         else:
-            state = _ceil(params * w_b / d) + _ceil(params * g_b / d) + _ceil(params * o_b / d)
+            def sharded(nbytes):
+                return sum(_ceil(n * nbytes / r) for n, r in groups)
+            kinds = (params * w_b, sharded(g_b) if zero == 2 else params * g_b,
+                     sharded(o_b) if zero else params * o_b, params * k_b)
+        state = sum(kinds)
         memory = state + stashed + working
         # The per-batch tail: gradient reduction (exposed part) and the optimizer step.
-        groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
         reduce = gather = 0.0
-        hide_gather = zero == 1 and problem.training.overlap_param_gather
+        hide_gather = zero in (1, 2) and problem.training.overlap_param_gather
         for n_params, n_ranks in groups:
             if split and n_params == 0:
                 continue
             if zero == 0:
                 reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
-            elif hide_gather:
-                reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+            elif hide_gather or zero == 2:
+                if zero == 1:
+                    reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
                 gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
                 reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
@@ -355,6 +373,8 @@ def evaluate_placement(
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         if hide_gather:  # under the next iteration's forward of this stage
             reduce += 0.0 if problem.reduction_hidden else max(0.0, gather - forward)
+        elif zero == 2:  # after the optimizer step, with nothing beside it
+            reduce += gather
         step_bytes = params * (w_b + g_b + 2 * o_b)
         if zero and split:
             step_bytes = (dense / ranks + experts / expert_ranks) * (w_b + g_b + 2 * o_b)
@@ -370,10 +390,10 @@ def evaluate_placement(
                 devices=t * c,
                 ranks=[t * c * s, t * c * s + t * c - 1],
                 inflight_microbatches=inflight,
-                time_s=compute + recompute + comm + zero3_s + v_virt * system.efficiency.microbatch_overhead_s,
+                time_s=compute + recompute + comm + shard_s + v_virt * system.efficiency.microbatch_overhead_s,
                 compute_s=compute,
                 recompute_s=recompute,
-                comm_s=comm + zero3_s,
+                comm_s=comm + shard_s,
                 params=params,
                 memory_bytes=memory,
                 headroom_bytes=hbm - memory,
@@ -382,10 +402,10 @@ def evaluate_placement(
                 optimizer_step_s=step,
                 unpaired_a2a_s=unpaired * hidden,
                 memory_split={
-                    "parameters": params * w_b if zero < 3 else _ceil(params * w_b / d),
-                    "gradients": params * g_b if zero < 3 else _ceil(params * g_b / d),
-                    "optimizer_state": params * o_b if zero == 0 else _ceil(params * o_b / d),
-                    **({"low_precision_weights": params * k_b} if k_b and zero < 3 else {}),
+                    "parameters": kinds[0],
+                    "gradients": kinds[1],
+                    "optimizer_state": kinds[2],
+                    **({"low_precision_weights": kinds[3]} if kinds[3] else {}),
                     "activations": stashed,
                     "recompute_working_set": working,
                 },

@@ -13,10 +13,11 @@ transfers, the routed experts' parameters over e, the c - 1 further attention co
 costs are those of `placement`'s stacks over these per-layer arrays; what (c, e) adds is
 per-stage: the gradient reduction of the dense parameters over d c ranks and of the routed experts
 over their EDP replicas (d c / e, or t c d / (e ETP) folded: `Training.expert_replicas`), and
-ZeRO-1's sharding of each over its own group. As in `dp._search_general`,
-each (t, d, pipeline link, ring link) is a group in which memory at position k is monotone in k
-(kmax), and the per-batch tail of a stage (exposed reduction + optimizer step) is a per-stage
-number whose maximum adds to the pipeline time: an epsilon-constraint on it is exact.
+ZeRO-1's and 2's sharding of each over its own group (ZeRO-2 also reduce-scatters per
+microbatch, in the stage time). As in `dp._search_general`, each (t, d, pipeline link, ring
+link) is a group in which memory at position k is monotone in k (kmax), and the per-batch tail
+of a stage (exposed reduction + optimizer step) is a per-stage number whose maximum adds to the
+pipeline time: an epsilon-constraint on it is exact.
 
 Every (c, e, t) is a block of a stage stack (the layer graph is the same for all), so the
 memory-free sweeps that bound the groups run once per stack and pipeline link for all its blocks
@@ -32,7 +33,7 @@ force).
 
 Which d. Without ZeRO only the smallest allowed d (a multiple of `Training.data_step`) giving each distinct microbatch count m can
 be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
-link no faster). With ZeRO-1 memory falls as d grows, so every allowed d is tried; so it is on
+link no faster). With ZeRO-1 or 2 memory falls as d grows, so every allowed d is tried; so it is on
 a torus, where a larger ring can span more torus lines and run faster (`kernel.RingLinks`).
 """
 
@@ -247,7 +248,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     and the largest is at least their mean, lin(all) / S (the constant not divided).
 
     Memory: the fullest stage holds at least the mean stage's state (linear lower bounds of the
-    ZeRO-1 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
+    ZeRO-1 and 2 ceilings) plus the activations of the least-loaded position (1F1B: one microbatch at the
     last stage; interleaved: min((v - 1) S + 1, m v) chunks of 1/v), so when that exceeds HBM no
     split of the item fits (as `dp._general_groups`)."""
     system = problem.system
@@ -304,14 +305,17 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     moe = np.array([bool(np.any(lc.expert_params > 0)) for lc in b.costs])[blk]
     split = (e > 1) | ((eranks != ranks) & moe)  # the experts reduce as their own group (placement_eval)
     lat, bw = rings.latency(), rings.bandwidth()
-    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather  # the gather may hide wholly
-    ring_bytes = 2 * g_b if problem.training.zero == 0 else g_b + (0 if hide_gather else w_b)  # all-reduce, or RS + AG
+    zero = problem.training.zero
+    hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
+    # the tail's ring bytes and latency steps: all-reduce, RS + AG, or (ZeRO-2) the gather after the step
+    ring_bytes = {0: 2 * g_b, 1: g_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
+    ring_steps = {0: 2, 1: 1 if hide_gather else 2, 2: 0 if hide_gather else 1}.get(zero, 0)
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
-    if not problem.training.overlap_grad_reduce:
+    if not problem.training.overlap_grad_reduce or zero == 2:  # an overlapped reduction may hide wholly
         tail_lin = (np.where(split, (ranks - 1) / ranks * Pd + (eranks - 1) / eranks * Pe, (ranks - 1) / ranks * P)
                     * ring_bytes / bw)
-        tail_const = np.where(split, 0.0, (1 if hide_gather else 2) * (ranks - 1) * lat)
+        tail_const = np.where(split, 0.0, ring_steps * (ranks - 1) * lat)
     if problem.hbm_bandwidth > 0:
         per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
         if problem.training.zero:
@@ -325,7 +329,8 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     if problem.training.zero == 0:
         state = P * (w_b + g_b + o_b + k_b)
     else:
-        state = P * (w_b + g_b + k_b) + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * o_b
+        whole, shard = (w_b + k_b, g_b + o_b) if zero == 2 else (w_b + g_b + k_b, o_b)
+        state = P * whole + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * shard
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
     s_only = np.where((v > 1) & (S > 1), S, 0)
@@ -394,22 +399,32 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     parts = [(dense0, ranks), (expert0, expert_ranks)] if split else [(params0, ranks)]
     reduce = np.zeros(params0.shape)
     gather = np.zeros(params0.shape)
-    hide_gather = problem.training.zero == 1 and problem.training.overlap_param_gather
+    scatter = np.zeros(params0.shape)  # ZeRO-2: every microbatch's reduce-scatter
+    zero = problem.training.zero
+    hide_gather = zero in (1, 2) and problem.training.overlap_param_gather
     for n_params, n_ranks in parts:
-        if problem.training.zero == 0:
+        def kept(x, n_params=n_params):  # a stage without parameters of a kind does not reduce that kind
+            return np.where(n_params > 0, x, 0.0) if split else x
+        if zero == 0:
             r = _ring_allreduce(n_params * g_b, n_ranks, ring)
+        elif zero == 2:
+            r = np.zeros(params0.shape)
+            scatter = scatter + kept(_ring_half(n_params * g_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         elif hide_gather:
             r = _ring_half(n_params * g_b, n_ranks, ring)
-            a = _ring_half(n_params * w_b, n_ranks, ring)
-            gather = gather + (np.where(n_params > 0, a, 0.0) if split else a)
+            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         else:
             r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
-        reduce = reduce + (np.where(n_params > 0, r, 0.0) if split else r)
+        reduce = reduce + kept(r)
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
+        scatter = np.maximum(0.0, scatter - np.where(ok, bwdwin, 0.0))  # beside its microbatch's backward
     if hide_gather:  # under the next iteration's forward of the stage (placement_eval)
         reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                            else np.maximum(0.0, gather - np.where(ok, st.fwdwin[sl], 0.0)))
+    elif zero == 2:  # after the optimizer step, with nothing beside it
+        reduce = reduce + gather
     tail = reduce
     if problem.hbm_bandwidth > 0:
         per = w_b + g_b + 2 * o_b
@@ -424,12 +439,17 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b + k_b)
+    elif zero == 2 and split:
+        state = (params0 * (w_b + k_b) + np.ceil(dense0 * g_b / ranks) + np.ceil(dense0 * o_b / ranks)
+                 + np.ceil(expert0 * g_b / expert_ranks) + np.ceil(expert0 * o_b / expert_ranks))
+    elif zero == 2:
+        state = params0 * (w_b + k_b) + np.ceil(params0 * g_b / ranks) + np.ceil(params0 * o_b / ranks)
     elif split:
         state = params0 * (w_b + g_b + k_b) + np.ceil(dense0 * o_b / ranks) + np.ceil(expert0 * o_b / expert_ranks)
     else:
         state = params0 * (w_b + g_b + k_b) + np.ceil(params0 * o_b / ranks)
     kmax = stage_fit(state, acts, workmax, ok, problem.hbm_bytes, S_only, v, m)
-    time_g = np.where(ok & (kmax >= 1), b.times[h][sl], INF)
+    time_g = np.where(ok & (kmax >= 1), b.times[h][sl] + scatter, INF)
 
     def record(stages):
         best.tp, best.dp, best.stages, best.ep, best.cp = costs[blk].tp, d, stages, e, c

@@ -169,6 +169,8 @@ def state_bytes(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         if problem.training.zero == 1:
             return params * (w + g + k) + np.ceil(params * o / d)
+        if problem.training.zero == 2:
+            return params * (w + k) + np.ceil(params * g / d) + np.ceil(params * o / d)
         return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
 
 
@@ -193,7 +195,9 @@ def chain_width(problem: PlacementProblem, costs) -> int:
         if problem.training.zero == 3:
             state = (w + g + o) * (dense / dmax + experts / emax)
         else:
-            state = c.params * (w + g + weight_copies(problem)) + o * (dense / dmax + experts / emax)
+            k = weight_copies(problem)
+            whole, shard = (w + k, g + o) if problem.training.zero == 2 else (w + g + k, o)  # ZeRO-2 shards g too
+            state = c.params * whole + shard * (dense / dmax + experts / emax)
         footprint = (state + layer_terms(problem, c)[0] / problem.training.virtual_stages) * (1 - 1e-9)
         prefix = np.concatenate([[0.0], np.cumsum(footprint)])
         ends = np.searchsorted(prefix, prefix[:-1] + problem.hbm_bytes, side="right") - 1

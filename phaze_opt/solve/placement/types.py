@@ -212,10 +212,11 @@ def weight_copies(problem: "PlacementProblem") -> int:
     distribute model parameters" (Megatron-Core developer guide, "Distributed Optimizer"), and
     Transformer Engine quantizes each rank's whole local weight into its own FP8 workspace (TE
     user guide, "Performance Considerations", "Memory usage": weights kept in high precision and
-    quantized before each GEMM), so under ZeRO 0 and 1 every data-parallel rank holds all of its
-    stage's copies. Under ZeRO-3 the weight is gathered per layer and the copies are
-    made from the gathered weight: they live in that layer's working set beside it. A chip that
-    reads FP8 column-wise as it is keeps no transposed copy (`fp8_transposed_copy`)."""
+    quantized before each GEMM), so under ZeRO 0 and 1 (and 2, which holds the weight whole too)
+    every data-parallel rank holds all of its stage's copies. Under ZeRO-3 the weight is gathered
+    per layer and the copies are made from the gathered weight: they live in that layer's working
+    set beside it. A chip that reads FP8 column-wise as it is keeps no transposed copy
+    (`fp8_transposed_copy`)."""
     copies = weight_copy_bytes(problem.training.precision, problem.fp8_transposed_copy)
     # With the parameters held in the format (`Training.fp8_param_gather`) the row-wise copy is the
     # parameter itself (`state_split`'s weight bytes).
