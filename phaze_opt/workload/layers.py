@@ -409,6 +409,31 @@ def _activate(y, activation: str):
     return F.relu(y)
 
 
+# Module-level recompute (Training.recompute_modules): the tracer tags every forward value with
+# the `recompute_module` names of the modules whose forward produced it (trace.py, "Module-level
+# recompute"). The names are Megatron-Core's (TransformerConfig.recompute_modules), except
+# LAYERNORM_LINEAR: a norm whose output only a column-parallel linear reads, which Megatron-Core's
+# Transformer Engine layer spec fuses into that linear (TELayerNormColumnParallelLinear: the
+# input_layernorm / pre_mlp_layernorm slot is then IdentityOp, gpt_layer_specs.py), where
+# `layernorm` recompute does not act (transformer_layer.py: only a norm that is not IdentityOp).
+LAYERNORM = "layernorm"
+LAYERNORM_LINEAR = "layernorm_linear"
+
+
+class Activation(nn.Module):
+    """The experts' activation function as a module of its own, so that the tracer can tell its
+    output apart (`moe_act` recompute: Megatron-Core's GroupedMLP activation)."""
+
+    recompute_module = "moe_act"
+
+    def __init__(self, activation: str):
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, y):
+        return _activate(y, self.activation)
+
+
 class MLP(nn.Module):
     def __init__(self, model: ModelConfig, t: int, dtype, ffn: int | None = None):
         super().__init__()
@@ -462,6 +487,9 @@ class MoE(nn.Module):
         self.parallel = {"w1": "column", "w2": "row"}  # read by the tracer (trace.py)
         shared = model.shared_experts * model.expert_ffn
         self.shared = MLP(model, t, dtype, ffn=shared) if shared else None
+        if self.shared is not None:
+            self.shared.recompute_module = "shared_experts"
+        self.act = Activation(model.activation)
 
     def forward(self, x):
         s, b, h = x.shape
@@ -484,7 +512,7 @@ class MoE(nn.Module):
         if kept < E * C:
             rows = F.pad(rows, (0, 0, 0, E * C - kept))
         y = torch.bmm(rows.view(E, C, h), self.w1)
-        y = torch.bmm(_activate(y, self.activation), self.w2).reshape(E * C, h)[:kept]
+        y = torch.bmm(self.act(y), self.w2).reshape(E * C, h)[:kept]
         y = y * gate.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
         out = torch.zeros(T, h, dtype=x.dtype, device=x.device).index_add(0, token, y)  # combine
         out = reduce_from_tp(out, self.t)
@@ -512,6 +540,11 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(model, t, dtype)
         if model.parallel_block:
             self.attention.proj.reduce = self.mlp.fc2.reduce = False
+        self.mlp.recompute_module = "mlp"
+        if not model.post_norm:  # pre-norm: each norm's output feeds its sublayer only
+            self.norm1.recompute_module = LAYERNORM if model.mla or model.parallel_block else LAYERNORM_LINEAR
+            if self.norm2 is not None:
+                self.norm2.recompute_module = LAYERNORM_LINEAR
 
     def _attend(self, h):
         """Attention on the normalised input; MLA places Megatron's `f` on its latents itself."""
@@ -545,6 +578,8 @@ class MoEBlock(TransformerBlock):
     def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
         super().__init__(model, t, dtype, window)
         self.mlp = MoE(model, t, dtype)
+        self.mlp.recompute_module = "moe"
+        self.norm2.recompute_module = LAYERNORM  # read by the router and the experts: not fused
 
     def forward(self, x):
         t = self.t
