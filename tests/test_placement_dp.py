@@ -325,11 +325,17 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
             selective_work_bytes=[int(a) - s for a, s in zip(acts, selective)],
             full_work_bytes=[int(a) + draw(st.integers(0, 10)) for a in acts],
             selective_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
+            # module-level recompute (Training.recompute_modules): at most what selective keeps
+            module_bytes=[draw(st.integers(0, s)) for s in selective],
+            module_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
         ))
     v = draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
+    recompute = draw(st.sampled_from(["none", "selective", "full"]))
     training = dataclasses.replace(
         base.training,
-        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        recompute=recompute,
+        recompute_modules=draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
+        if recompute == "selective" else None,
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 3])),
         overlap_grad_reduce=draw(st.booleans()),

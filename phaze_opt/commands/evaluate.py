@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import OPTIMIZER_STATES, PRECISIONS, STACKS
+from ..training import OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -19,6 +19,9 @@ def add_arguments(p):
     p.add_argument("--recompute", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
                    help="activation recompute: none, selective (the attention core) or full (each layer's "
                         "forward from its checkpointed input); a bare --recompute is full")
+    p.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help=f"with --recompute selective: the modules recomputed (Megatron-Core --recompute-modules), "
+                        f"any of {', '.join(RECOMPUTE_MODULES)} (default: core_attn, the attention core)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
@@ -97,7 +100,8 @@ def run(args) -> dict:
                       capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
                       account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
                       optimizer_state=args.optimizer_state, precision=args.precision,
-                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack)
+                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
+                      recompute_modules=args.recompute_modules)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg

@@ -142,7 +142,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"precision": row.precision} if row.precision != "bf16" else {}),
             **({"attention": row.attention} if row.attention else {}),
             **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
-            **({"stack": row.stack} if row.stack != STACKS[0] else {})}
+            **({"stack": row.stack} if row.stack != STACKS[0] else {}),
+            **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -160,7 +161,8 @@ def row_training(row: Row) -> Training:
                     row.sequence_parallel, row.virtual_stages, zero=row.zero,
                     overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
                     tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
-                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack)
+                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
+                    recompute_modules=row.recompute_modules)
 
 
 def row_model(row: Row):

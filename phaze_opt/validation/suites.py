@@ -40,6 +40,8 @@ A training row is one published run:
     expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
                                 (Megatron-Core `--expert-tensor-parallel-size`, whose default is tp;
                                 then ep x it must divide tp x cp x dp); absent: unfolded, ep divides dp
+    recompute_modules           optional, with recompute selective: the modules Megatron-Core recomputes
+                                (`--recompute-modules`, Training.recompute_modules; default core_attn)
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
@@ -79,6 +81,7 @@ from typing import Any, Callable, Mapping
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..training import ATTENTIONS, PRECISIONS, STACKS
+from ..training import check_recompute_modules
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -107,7 +110,8 @@ ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute",
 ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel", "stack")
+                "expert_tensor_parallel", "stack",
+                "recompute_modules")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -207,6 +211,7 @@ class Row:
     attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
     expert_tensor_parallel: int | None = None  # ETP with MoE parallel folding; None: unfolded
     stack: str = STACKS[0]  # the run's software stack (Training.stack): its own, else its suite's
+    recompute_modules: tuple[str, ...] | None = None  # module-level selective recompute; None: core_attn
 
     @property
     def dp(self) -> int:
@@ -490,6 +495,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
     if "stack" in row:
         flags["stack"] = _choice(row, "stack", STACKS, file, at)
+    if "recompute_modules" in row:
+        flags["recompute_modules"] = _recompute_modules(row, recompute, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
@@ -498,6 +505,18 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                attention=attention,
                expert_tensor_parallel=etp,
                **_row_numbers(row, at, metric, papers, file), **names)
+
+
+def _recompute_modules(row: Mapping[str, Any], recompute: str, file, at: str) -> tuple[str, ...]:
+    """A row's `recompute_modules`: a list of module names, checked as the recipe checks them."""
+    value = row["recompute_modules"]
+    if not isinstance(value, list):
+        raise config_error(file, f"{at}.recompute_modules", f"must be a list of module names, got {value!r}")
+    try:
+        return check_recompute_modules(value, recompute)
+    except PhazeError as exc:
+        raise config_error(file, f"{at}.recompute_modules", str(exc).removeprefix("recompute_modules").lstrip(": ")) \
+            from None
 
 
 def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:
