@@ -34,6 +34,7 @@ def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
         selective_bytes=acts - core, selective_work_bytes=core, selective_s=0.2 * fwd,
         # module-level recompute (Training.recompute_modules): priced only under selective
         module_bytes=np.floor((acts - core) * rng.uniform(0.0, 0.6, n)), module_s=0.15 * fwd,
+        module_moe=np.where(moe & (rng.random(n) < 0.7), 1.0, 0.0),
         expert_params=np.where(moe, np.floor(params * expert_share / 8) * 8, 0.0),
         dispatch_bytes=np.where(moe, rng.integers(10, 200, n) * seq_scale, 0.0),
         expert_fwd_s=np.where(moe, 0.4 * fwd, 0.0), expert_bwd_s=np.where(moe, 0.8 * fwd, 0.0),
@@ -223,7 +224,10 @@ def test_zero3_with_ep_is_refused_with_a_reason():
 
 
 def test_effective_costs_are_the_evaluators_layer_terms():
-    prob = moe_problem(11, load_imbalance=1.25, hbm=1e9)
+    from phaze_opt.solve.placement.kernel import layer_terms
+
+    # module-level recompute of the whole MoE layer: its rerun holds the all-to-alls and imbalance too
+    prob = moe_problem(11, load_imbalance=1.25, hbm=1e9, recompute="selective", recompute_modules=("layernorm", "moe"))
     for lc in prob.costs:
         for c in prob.cp_widths:
             at = prob.costs_at(lc.tp, c)
@@ -235,6 +239,7 @@ def test_effective_costs_are_the_evaluators_layer_terms():
                     st = r.stages[v]
                     assert st.compute_s == pytest.approx(eff.fwd_s[v] + eff.bwd_s[v])
                     assert st.params == eff.params[v]
+                    assert st.recompute_s == pytest.approx(layer_terms(prob, eff)[2][v], rel=1e-12, abs=0)
 
 
 def test_effective_costs_at_every_ep_width_are_the_single_ones():
@@ -250,5 +255,5 @@ def test_effective_costs_at_every_ep_width_are_the_single_ones():
                 for e, got in zip(prob.ep_widths, effective_costs_at(prob, at, c, prob.ep_widths)):
                     want = effective_costs(prob, at, e, c)
                     for name in ("fwd_s", "bwd_s", "params", "expert_params", "activation_bytes", "full_work_bytes",
-                                 "selective_work_bytes", "selective_s"):
+                                 "selective_work_bytes", "selective_s", "module_s"):
                         assert np.array_equal(getattr(got, name), getattr(want, name)), (seed, lc.tp, c, e, name)

@@ -205,6 +205,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         sequence_parallel=sequence_parallel,
         module_tags=module_tags,
         module_s=[min(module_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) for l in layers],
+        # `moe` reruns the MoE layer whole: its all-to-alls too (placement.evaluate)
+        module_moe=[float("moe" in module_tags and l.module_bytes({"moe"}) > 0) for l in layers],
     )
     bound_costs = None
     if unproven:

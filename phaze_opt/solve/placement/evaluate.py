@@ -31,7 +31,9 @@ disagreement in the tests. The model it implements (the definition the DP must o
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
   `activation_bytes` (none), `selective_bytes` (selective; `activation_bytes` when the attention
-  core is not recomputed; less `module_bytes` of the other modules) or `checkpoint_bytes` (full). Under
+  core is not recomputed; less `module_bytes` of the other modules) or `checkpoint_bytes` (full).
+  A `moe` recompute reruns the MoE layer's forward whole, its two all-to-alls and the busiest
+  rank's extra expert time included (`LayerCosts.module_moe`). Under
   1F1B (PipeDream-Flush; Narayanan et al., SOSP'19) the stage k-th from the end holds q = min(k, m)
   microbatches. Interleaved (v > 1, pp > 1), Megatron's schedule holds on the device k-th from the
   end min(2 (k - 1) + (v - 1) p + 1, m v) model chunks of one microbatch in flight (its warm-up
@@ -163,18 +165,21 @@ def _ceil(x: float) -> float:
 def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp, stride: int):
     """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
     module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
-    activation bytes kept, extra working-set bytes, routed-expert parameters per device)."""
+    activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
+    all-to-alls and imbalance a `moe` recompute reruns)."""
     fwd = float(costs.fwd_s[v])
     bwd = float(costs.bwd_s[v])
     expert = float(costs.expert_params[v])
+    extra_kept = extra_work = moe_again = 0.0
     if expert > 0 or costs.expert_fwd_s[v] > 0:
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
         a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
+        # a rerun MoE layer (`moe` recompute) runs these forward terms again
+        moe_again = float(costs.module_moe[v]) * ((imb - 1.0) * float(costs.expert_fwd_s[v]) + 2.0 * a2a)
         expert = _ceil(expert / e)
-    extra_kept = extra_work = 0.0
     if c > 1:
         core_f, core_b = float(costs.core_fwd_s[v]), float(costs.core_bwd_s[v])
         kv = float(costs.kv_bytes[v])
@@ -186,7 +191,7 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
             bwd += steps * max(0.0, ring_cp.latency + 2.0 * kv / ring_cp.bandwidth - core_b)
         core_bytes = float(costs.activation_bytes[v]) - float(costs.selective_bytes[v])
         extra_kept = extra_work = steps * core_bytes
-    return fwd, bwd, extra_kept, extra_work, expert
+    return fwd, bwd, extra_kept, extra_work, expert, moe_again
 
 
 def evaluate_placement(
@@ -243,7 +248,8 @@ def evaluate_placement(
         forward = 0.0
         experts = 0.0
         for v in layers:
-            fwd_v, bwd_v, extra_kept, extra_work, expert_v = _parallel_layer(problem, costs, v, e, c, imb, ring_cp, stride)
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v, moe_again = _parallel_layer(problem, costs, v, e, c, imb,
+                                                                                          ring_cp, stride)
             compute += fwd_v + bwd_v
             params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
             experts += expert_v
@@ -257,7 +263,7 @@ def evaluate_placement(
                 else:
                     rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
                 # ... and the recipe's other modules (traced at s / c: once)
-                rec += float(costs.module_s[v])
+                rec += float(costs.module_s[v]) + moe_again
                 kept -= float(costs.module_bytes[v])
                 work += float(costs.module_bytes[v])
             else:

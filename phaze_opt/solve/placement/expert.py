@@ -109,12 +109,15 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         fwd = lc.fwd_s.copy()
         bwd = lc.bwd_s.copy()
         expert = lc.expert_params.copy()
+        again = lc.module_s
         if any_moe:
             stride = problem.training.expert_stride(lc.tp, c)
             a2a = np.array([system.alltoall_s(imb * b, e, stride) for b in sizes])[where]
             fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
+            # a rerun MoE layer (`moe` recompute) runs its forward's all-to-alls and imbalance again
+            again = lc.module_s + np.where(moe, lc.module_moe * ((imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a), 0.0)
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b
@@ -122,7 +125,8 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         # by sums, ceilings and integer factors), so the copy skips LayerCosts' checks (speed).
         out = object.__new__(LayerCosts)
         out.__dict__.update(lc.__dict__)
-        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert)
+        out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert,
+                            module_s=again, module_moe=np.zeros(lc.n_layers))
         outs.append(out)
     return outs
 
