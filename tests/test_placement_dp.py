@@ -492,3 +492,16 @@ def test_zero_shards_state_and_interleaving_shrinks_the_bubble():
     inter = PlacementProblem(training=Training(mbs=1, virtual_stages=2), costs=(costs,), system=system, hbm_bytes=1e6, peak_flops=1.0)
     a, b = evaluate_placement(plain, Placement(1, 1, ((0, 1), (2, 3)))), evaluate_placement(inter, Placement(1, 1, ((0, 1), (2, 3))))
     assert b.bubble_fraction < a.bubble_fraction and b.feasible
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(recipe_problems(), st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
+def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
+    """Module-level selective recompute without ZeRO or interleaving: the DP's least memory of an
+    infeasible problem is exactly the oracle's, so its kept bytes and its working set (the
+    rebuilt `module_bytes`) are the evaluator's."""
+    import dataclasses
+
+    training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
+                                   virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
+    assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
