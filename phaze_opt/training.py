@@ -91,9 +91,11 @@ It holds
   and statistics are dropped after their consumers ran and rebuilt before those consumers'
   backward); `moe_act` the routed experts' activation (output-discarding: the SwiGLU product that
   FC2 reads); `mlp` a dense block's MLP, `moe` a MoE layer, `shared_experts` its shared experts
-  (standard checkpointing: the module keeps only its input). Which saved tensors each drops and
-  the ops it reruns are read off the trace (`workload/trace.py`, "Module-level recompute").
-  `mla_up_proj` is refused (not modelled). A module a layer lacks changes nothing in that layer,
+  (standard checkpointing: the module keeps only its input); `mla_up_proj` multi-head latent
+  attention's up-projections and RoPE (output-discarding: the Q, K and V the core attention reads,
+  MLASelfAttention `qkv_up_proj_and_rope_apply`). Which saved tensors each drops and the ops it
+  reruns are read off the trace (`workload/trace.py`, "Module-level recompute"). A module a layer
+  lacks changes nothing in that layer,
   as in Megatron-Core, where each flag acts only inside its module: one recipe serves a model
   that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
   rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
@@ -122,11 +124,10 @@ OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
-# Megatron-Core's `--recompute-modules` names (TransformerConfig.recompute_modules), the modelled
-# ones; the default list is Megatron's own, the attention core.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
+# Megatron-Core's `--recompute-modules` names (TransformerConfig.recompute_modules); the default
+# list is Megatron's own, the attention core.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
-UNMODELLED_RECOMPUTE_MODULES = ("mla_up_proj",)
 ZERO_STAGES = (0, 1, 3)
 # Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
 OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
@@ -179,8 +180,6 @@ def check_recompute_modules(value: Any, recompute: str) -> tuple[str, ...] | Non
     if not names:
         raise PhazeError(f"recompute_modules must name at least one of {', '.join(RECOMPUTE_MODULES)}")
     for n in names:
-        if n in UNMODELLED_RECOMPUTE_MODULES:
-            raise PhazeError(f"recompute_modules: {n} is not modelled; modelled modules are {', '.join(RECOMPUTE_MODULES)}")
         if n not in RECOMPUTE_MODULES:
             raise PhazeError(f"recompute_modules: unknown module {n!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
     if recompute != "selective":

@@ -49,10 +49,8 @@ def test_recompute_modules_are_checked_in_one_line():
     with pytest.raises(PhazeError, match="recompute_modules needs recompute selective .* got recompute none"):
         Training(recompute_modules=["layernorm"])
     with pytest.raises(PhazeError, match=r"unknown module 'norm'; allowed: core_attn, layernorm, moe_act, mlp, moe, "
-                                         r"shared_experts$"):
+                                         r"shared_experts, mla_up_proj$"):
         Training(recompute="selective", recompute_modules=["norm"])
-    with pytest.raises(PhazeError, match="mla_up_proj is not modelled"):
-        Training(recompute="selective", recompute_modules=["mla_up_proj"])
     with pytest.raises(PhazeError, match="at least one"):
         Training(recompute="selective", recompute_modules=[])
     t = Training(recompute="selective", recompute_modules=["moe", "layernorm", "moe"])
@@ -125,6 +123,28 @@ def test_mlp_drops_a_dense_mlps_saved_tensors_and_sequence_parallelism_shards_th
     # a module the layer lacks is a no-op (Megatron-Core: each flag acts only inside its module)
     assert all(layer.module_bytes({"moe", "moe_act", "shared_experts"}, sp) == 0
                for layer in graph.layers for sp in (False, True))
+
+
+def test_mla_up_proj_drops_the_heads_q_k_v_and_keeps_the_latents():
+    """DeepSeek-V3 at TP 2 with flash attention: `mla_up_proj` drops what the up-projections and
+    RoPE make, the Q, K and V the attention kernel keeps (H/t heads x s x (nope + rope) for Q and K,
+    x v_head_dim for V), and keeps the latents they are made from (made outside it)."""
+    model, graph = _graph("deepseek-v3")
+    t, e = graph.tp, model.bytes_per_element
+    block = next(l for l in graph.layers if l.kind == "block")
+    heads = model.heads // t
+    qkv = SEQ * heads * (2 * (model.qk_nope_head_dim + model.qk_rope_head_dim) + model.v_head_dim) * e
+    assert qkv <= _group(block, "mla_up_proj") <= qkv + SEQ * heads * model.qk_nope_head_dim * e  # V: a view of KV's
+    names = [entry[0] for entry, tags in zip(graph.extra["saved_tensors"]["block"], _saved_tags(model, t))
+             if tags == "mla_up_proj"]
+    assert names and block.module_bytes({"mla_up_proj"}) < block.activation_bytes  # the latents and the rest stay
+
+
+def _saved_tags(model, t):
+    from phaze_opt.workload.layers import build_layer, example_inputs
+    from phaze_opt.workload.trace import trace_layer_details
+
+    return trace_layer_details(build_layer(model, "block", t), example_inputs(model, "block", 1, SEQ)).saved_modules
 
 
 # --- monotone on every preset model ----------------------------------------------------------------
