@@ -122,6 +122,23 @@ It holds
   the inter-node network once per destination node and is forwarded to its experts there over
   NVLink; DeepSeek-V3 tech report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`;
   inside one node the two are the same. Not sampled by a space.
+- `recompute_modules`: Megatron-Core's module-level selective recompute (`--recompute-granularity
+  selective --recompute-modules ...`, Megatron-Core v0.13, "Fine-grained recomputation";
+  `TransformerConfig.recompute_modules` and the MoE README, "Fine-grained Recomputation"), a tuple
+  of module names, only with `recompute = "selective"`. None (default) is Megatron's default
+  `["core_attn"]`, today's `selective`. `core_attn` recomputes the attention core (standard
+  checkpointing); `layernorm` the blocks' input and pre-MLP norms (output-discarding: their outputs
+  and statistics are dropped after their consumers ran and rebuilt before those consumers'
+  backward); `moe_act` the routed experts' activation (output-discarding: the SwiGLU product that
+  FC2 reads); `mlp` a dense block's MLP, `moe` a MoE layer, `shared_experts` its shared experts
+  (standard checkpointing: the module keeps only its input); `mla_up_proj` multi-head latent
+  attention's up-projections and RoPE (output-discarding: the Q, K and V the core attention reads,
+  MLASelfAttention `qkv_up_proj_and_rope_apply`). Which saved tensors each drops and the ops it
+  reruns are read off the trace (`workload/trace.py`, "Module-level recompute"). A module a layer
+  lacks changes nothing in that layer,
+  as in Megatron-Core, where each flag acts only inside its module: one recipe serves a model
+  that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
+  rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -147,6 +164,10 @@ OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_
 # Every recipe field a space can sample, in the order a point lists them.
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 RECOMPUTE_MODES = ("none", "selective", "full")
+# Megatron-Core's `--recompute-modules` names (TransformerConfig.recompute_modules); the default
+# list is Megatron's own, the attention core.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 ZERO_STAGES = (0, 1, 2, 3)
 # Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
 OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
@@ -188,6 +209,27 @@ def recompute_mode(value: Any) -> str:
         return "full" if bool_flag(value, "recompute") else "none"
     except PhazeError:
         raise ValueError(f"recompute value {value!r} is not one of {', '.join(RECOMPUTE_MODES)} or on/off") from None
+
+
+def check_recompute_modules(value: Any, recompute: str) -> tuple[str, ...] | None:
+    """`recompute_modules` as a sorted tuple of distinct known names (None: Megatron's default), or
+    a one-line PhazeError: a list (or "a,b" text) of RECOMPUTE_MODULES, only with selective recompute."""
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise PhazeError(f"recompute_modules must be a list of module names ({', '.join(RECOMPUTE_MODULES)}), "
+                         f"got {value!r}")
+    names = [n.strip().lower() for n in names if n.strip()]
+    if not names:
+        raise PhazeError(f"recompute_modules must name at least one of {', '.join(RECOMPUTE_MODULES)}")
+    for n in names:
+        if n not in RECOMPUTE_MODULES:
+            raise PhazeError(f"recompute_modules: unknown module {n!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+    if recompute != "selective":
+        raise PhazeError(f"recompute_modules needs recompute selective (Megatron's --recompute-granularity "
+                         f"selective), got recompute {recompute}")
+    return tuple(sorted(set(names), key=RECOMPUTE_MODULES.index))
 
 
 def bool_flag(value: Any, name: str) -> bool:
@@ -311,6 +353,7 @@ class Training:
     fp8_param_gather: bool = False
     moe_a2a_overlap: bool = False
     moe_dispatcher: str = "alltoall"
+    recompute_modules: tuple[str, ...] | None = None
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -350,6 +393,7 @@ class Training:
         if dispatcher not in MOE_DISPATCHERS:
             raise PhazeError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         object.__setattr__(self, "moe_dispatcher", dispatcher)
+        object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
             raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
@@ -417,7 +461,8 @@ class Training:
                    if self.expert_tensor_parallel is not None else {}),
                 **({"stack": self.stack} if self.stack != STACKS[0] else {}),
                 **({"moe_a2a_overlap": True} if self.moe_a2a_overlap else {}),
-                **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {})}
+                **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
+                **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
@@ -427,7 +472,16 @@ class Training:
         return (self.mbs, bool(self.sequence_parallel), self.attention) + \
             ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
             ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ()) + \
-            ((("stack", self.stack),) if self.stack != STACKS[0] else ())
+            ((("stack", self.stack),) if self.stack != STACKS[0] else ()) + \
+            ((("recompute_modules", self.recomputed_modules),) if self.recompute_modules is not None else ())
+
+    @property
+    def recomputed_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute reruns (Megatron's default, the attention core, when
+        `recompute_modules` is None); empty unless the mode is `selective`."""
+        if self.recompute != "selective":
+            return ()
+        return DEFAULT_RECOMPUTE_MODULES if self.recompute_modules is None else self.recompute_modules
 
     @property
     def optimizer_state_bytes(self) -> int | None:

@@ -105,9 +105,12 @@ def sp_pairs(draw):
     problem = draw(recipe_problems())
     smaller = []
     for c in problem.costs:
-        cut = {name: [int(x) - draw(st.integers(0, int(x))) for x in getattr(c, name)]
-               for name in ("activation_bytes", "selective_bytes", "checkpoint_bytes", "selective_work_bytes",
-                            "full_work_bytes")}
+        # what module-level recompute drops (`module_bytes`) stays, so the kept bytes stay above it
+        floor = {name: c.module_bytes if name in ("activation_bytes", "selective_bytes") else 0 * c.module_bytes
+                 for name in ("activation_bytes", "selective_bytes", "checkpoint_bytes", "selective_work_bytes",
+                              "full_work_bytes")}
+        cut = {name: [int(x) - draw(st.integers(0, int(x) - int(f))) for x, f in zip(getattr(c, name), least)]
+               for name, least in floor.items()}
         smaller.append(dataclasses.replace(c, **cut))
     return problem, dataclasses.replace(problem, costs=tuple(smaller))
 

@@ -32,6 +32,9 @@ def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
         tp=tp, fwd_s=fwd, bwd_s=2 * fwd, params=params, activation_bytes=acts,
         boundary_bytes=np.ceil(rng.integers(1, 20, n) * seq_scale), input_bytes=[4.0] * n,
         selective_bytes=acts - core, selective_work_bytes=core, selective_s=0.2 * fwd,
+        # module-level recompute (Training.recompute_modules): priced only under selective
+        module_bytes=np.floor((acts - core) * rng.uniform(0.0, 0.6, n)), module_s=0.15 * fwd,
+        module_moe=np.where(moe & (rng.random(n) < 0.7), 1.0, 0.0),
         expert_params=np.where(moe, np.floor(params * expert_share / 8) * 8, 0.0),
         dispatch_bytes=np.where(moe, rng.integers(10, 200, n) * seq_scale, 0.0),
         expert_fwd_s=np.where(moe, 0.4 * fwd, 0.0), expert_bwd_s=np.where(moe, 0.8 * fwd, 0.0),
@@ -50,7 +53,7 @@ def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
     cp_costs = [moe_costs(t, n, np.random.default_rng(seed * 7 + t + 100 * c), cp=c, seq_scale=1.0 / c)
                 for t in widths for c in cp if c > 1]
     hbm = float(kw.pop("hbm", rng.uniform(200, 2000)))
-    recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k in ("load_imbalance", "account_for_embedding", "account_for_loss")}
+    recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k in ("load_imbalance", "account_for_embedding", "account_for_loss", "recompute_modules")}
     return PlacementProblem(costs=tuple(base), system=system, hbm_bytes=hbm, peak_flops=1.0, seq_len=8,
                             ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), training=Training(**recipe), **kw)
 
@@ -83,10 +86,14 @@ def assert_dp_is_brute(problem):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
        zero=st.sampled_from([0, 1, 2]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
-       hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans())
-def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather):
+       hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans(),
+       modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]))
+def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules):
+    """Module-level selective recompute too (with and without the attention core: under CP the
+    core's bytes and time scale by c, the other modules' not)."""
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
-                          load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather)
+                          load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather,
+                          recompute_modules=modules if recompute == "selective" else None)
     want, where = brute(problem)
     got = optimal_placement(problem)
     if not math.isfinite(want):
@@ -217,7 +224,10 @@ def test_zero3_with_ep_is_refused_with_a_reason():
 
 
 def test_effective_costs_are_the_evaluators_layer_terms():
-    prob = moe_problem(11, load_imbalance=1.25, hbm=1e9)
+    from phaze_opt.solve.placement.kernel import layer_terms
+
+    # module-level recompute of the whole MoE layer: its rerun holds the all-to-alls and imbalance too
+    prob = moe_problem(11, load_imbalance=1.25, hbm=1e9, recompute="selective", recompute_modules=("layernorm", "moe"))
     for lc in prob.costs:
         for c in prob.cp_widths:
             at = prob.costs_at(lc.tp, c)
@@ -229,6 +239,7 @@ def test_effective_costs_are_the_evaluators_layer_terms():
                     st = r.stages[v]
                     assert st.compute_s == pytest.approx(eff.fwd_s[v] + eff.bwd_s[v])
                     assert st.params == eff.params[v]
+                    assert st.recompute_s == pytest.approx(layer_terms(prob, eff)[2][v], rel=1e-12, abs=0)
 
 
 def test_effective_costs_at_every_ep_width_are_the_single_ones():
@@ -244,7 +255,7 @@ def test_effective_costs_at_every_ep_width_are_the_single_ones():
                 for e, got in zip(prob.ep_widths, effective_costs_at(prob, at, c, prob.ep_widths)):
                     want = effective_costs(prob, at, e, c)
                     for name in ("fwd_s", "bwd_s", "params", "expert_params", "activation_bytes", "full_work_bytes",
-                                 "selective_work_bytes", "selective_s"):
+                                 "selective_work_bytes", "selective_s", "module_s"):
                         assert np.array_equal(getattr(got, name), getattr(want, name)), (seed, lc.tp, c, e, name)
 
 

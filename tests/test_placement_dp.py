@@ -325,11 +325,17 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
             selective_work_bytes=[int(a) - s for a, s in zip(acts, selective)],
             full_work_bytes=[int(a) + draw(st.integers(0, 10)) for a in acts],
             selective_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
+            # module-level recompute (Training.recompute_modules): at most what selective keeps
+            module_bytes=[draw(st.integers(0, s)) for s in selective],
+            module_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
         ))
     v = draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
+    recompute = draw(st.sampled_from(["none", "selective", "full"]))
     training = dataclasses.replace(
         base.training,
-        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        recompute=recompute,
+        recompute_modules=draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
+        if recompute == "selective" else None,
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 2, 3])),
         overlap_grad_reduce=draw(st.booleans()),
@@ -528,3 +534,16 @@ def test_zero2_memory_lies_between_zero1_and_zero3_and_it_reduces_every_microbat
     problem1 = PlacementProblem(training=Training(mbs=1, zero=1), costs=(costs,), system=system, hbm_bytes=110,
                                 peak_flops=1.0)
     assert optimal_dense_placement(problem2).feasible and not evaluate_placement(problem1, pl).feasible
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(recipe_problems(), st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
+def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
+    """Module-level selective recompute without ZeRO or interleaving: the DP's least memory of an
+    infeasible problem is exactly the oracle's, so its kept bytes and its working set (the
+    rebuilt `module_bytes`) are the evaluator's."""
+    import dataclasses
+
+    training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
+                                   virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
+    assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, STACKS, ZERO_STAGES
+from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -19,6 +19,9 @@ def add_arguments(p):
     p.add_argument("--recompute", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
                    help="activation recompute: none, selective (the attention core) or full (each layer's "
                         "forward from its checkpointed input); a bare --recompute is full")
+    p.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help=f"with --recompute selective: the modules recomputed (Megatron-Core --recompute-modules), "
+                        f"any of {', '.join(RECOMPUTE_MODULES)} (default: core_attn, the attention core)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
@@ -111,7 +114,8 @@ def run(args) -> dict:
                       optimizer_state=args.optimizer_state, precision=args.precision,
                       expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
                       fp8_param_gather=args.fp8_param_gather,
-                      moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap)
+                      moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
+                      recompute_modules=args.recompute_modules)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg

@@ -52,7 +52,7 @@ from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import Layout, Training
 from ..workload.graphs import SP_COLLECTIVE
-from ..workload.stack import recipe_graph
+from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
 
@@ -118,6 +118,17 @@ def overlapped_pass_s(pass_s: float, comm_s: float) -> float:
     return max(pass_s - comm_s, min(comm_s, pass_s))
 
 
+def recomputed_s(op_graph, split, op_modules: dict, tags) -> float:
+    """Time of a forward pass's ops made inside the recompute modules `tags` (an op by the modules
+    around the traced node it writes, `LayerGraph.extra["forward_modules"]`), each spread over all
+    cores of its type (`split`), one after another: what module-level recompute runs again before
+    the layer's backward, as `attention_core_s` prices the attention core's."""
+    if not tags:
+        return 0.0
+    return float(sum(split[i] for i, op in enumerate(op_graph.ops)
+                     if set(op_modules.get(op.name, "").split(",")) & tags))
+
+
 def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
@@ -149,6 +160,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     timings["graph_s"] += time.perf_counter() - t0
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}
+    module_s: dict[str, float] = {}  # module-level recompute's forward again (Training.recompute_modules)
+    module_tags = recompute_tags(training)
     lower: dict[tuple[str, str], float] = {}
     unproven = []
     statuses: dict[str, int] = {}
@@ -165,6 +178,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
             timings["ilp_s"] += t2 - t1
             if pass_name == "fwd":
                 core_s[kind] = attention_core_s(op_graph, lat.split[0])
+                module_s[kind] = recomputed_s(op_graph, lat.split[0], graph.extra.get("forward_modules", {}).get(kind, {}),
+                                              module_tags)
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
@@ -188,6 +203,10 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         selective_s=[min(core_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) if l.attention_core_bytes > 0 else 0.0
                      for l in layers],
         sequence_parallel=sequence_parallel,
+        module_tags=module_tags,
+        module_s=[min(module_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) for l in layers],
+        # `moe` reruns the MoE layer whole: its all-to-alls too (placement.evaluate)
+        module_moe=[float("moe" in module_tags and l.module_bytes({"moe"}) > 0) for l in layers],
     )
     bound_costs = None
     if unproven:
@@ -241,7 +260,8 @@ def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, 
                                  training.stack)
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
-                        result.time_per_batch_s, area, system).total_j
+                        result.time_per_batch_s, area, system,
+                        recompute_core="core_attn" in training.recomputed_modules).total_j
 
 
 def check_ilp_time_limit(value) -> float:

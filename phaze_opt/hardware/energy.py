@@ -302,12 +302,15 @@ def batch_energy(
     area_mm2: float,
     system,
     constants: EnergyConstants | None = None,
+    recompute_core: bool = True,
 ) -> BatchEnergy:
     """Energy per batch of a placement.
 
     `layer_fwd_j`, `layer_bwd_j`: [n_layers, 4] per layer, device and microbatch, in COMPONENTS order
     (`layer_energies`); `costs`: the LayerCosts at the placement's TP width (edges, boundary bytes,
     params); `stages`: layer indices per stage, first to last; `system`: the System (links, precision).
+    `recompute_core`: whether selective recompute reruns the attention core (`selective_s`; the
+    recipe's modules, `Training.recompute_modules`), besides its other modules' `module_s`.
     """
     c = constants or load_constants()
     fwd = np.asarray(layer_fwd_j, dtype=float)
@@ -322,8 +325,9 @@ def batch_energy(
         share = np.ones(costs.n_layers)
     elif recompute == "selective":
         fwd_s = np.asarray(costs.fwd_s, dtype=float)
-        share = np.divide(np.asarray(costs.selective_s, dtype=float), fwd_s, out=np.zeros(costs.n_layers),
-                          where=fwd_s > 0)
+        again_s = np.asarray(costs.module_s, dtype=float) + (np.asarray(costs.selective_s, dtype=float)
+                                                             if recompute_core else 0.0)
+        share = np.divide(again_s, fwd_s, out=np.zeros(costs.n_layers), where=fwd_s > 0)
     again = (fwd * share[:, None]).sum(axis=0)
     per_mb = fwd.sum(axis=0) + bwd.sum(axis=0) + again  # one replica's TP rank, [4]
     scale = float(d * m * t)

@@ -34,7 +34,8 @@ def _config(r: RowResult, suite_system: str | None = None) -> str:
     c = r.config
     if "pp" not in c:  # a layer row
         return f"{c['model']} tp{c['tp']} mbs {c['mbs']} {c['attention']}"
-    extras = f"rc {c['recompute']}" + (" sp" if c["sequence_parallel"] else "") + \
+    extras = f"rc {c['recompute']}" + (f" ({'+'.join(c['recompute_modules'])})" if c.get("recompute_modules") else "") + \
+        (" sp" if c["sequence_parallel"] else "") + \
         (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "") + \
         (f" zero{c['zero']}" if c.get("zero") else "") + \
         (f" on {c['system']}" if c.get("system") and c["system"] != suite_system else "")

@@ -147,7 +147,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
             **({"stack": row.stack} if row.stack != STACKS[0] else {}),
             **({"moe_a2a_overlap": True} if row.moe_a2a_overlap else {}),
-            **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {})}
+            **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
+            **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -168,7 +169,8 @@ def row_training(row: Row) -> Training:
                     expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
                     account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
                     fp8_param_gather=row.fp8_param_gather,
-                    moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher)
+                    moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
+                    recompute_modules=row.recompute_modules)
 
 
 def row_model(row: Row):

@@ -51,6 +51,8 @@ A training row is one published run:
     moe_a2a_overlap             optional: the EP all-to-all overlap (Megatron-Core
                                 `--overlap-moe-expert-parallel-comm`; default false; needs ep > 1)
     moe_dispatcher              optional: the EP token dispatcher, alltoall | deepep (default alltoall)
+    recompute_modules           optional, with recompute selective: the modules Megatron-Core recomputes
+                                (`--recompute-modules`, Training.recompute_modules; default core_attn)
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
@@ -90,6 +92,7 @@ from typing import Any, Callable, Mapping
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES, Training
+from ..training import check_recompute_modules
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -119,7 +122,8 @@ ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_paralle
                 *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
                 "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
-                "moe_a2a_overlap", "moe_dispatcher")
+                "moe_a2a_overlap", "moe_dispatcher",
+                "recompute_modules")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -224,6 +228,7 @@ class Row:
     fp8_param_gather: bool = False  # parameters held in the GEMM format (Training.fp8_param_gather)
     moe_a2a_overlap: bool = False  # the EP all-to-all overlap (Training.moe_a2a_overlap)
     moe_dispatcher: str = MOE_DISPATCHERS[0]  # the EP token dispatcher (Training.moe_dispatcher)
+    recompute_modules: tuple[str, ...] | None = None  # module-level selective recompute; None: core_attn
 
     @property
     def dp(self) -> int:
@@ -520,6 +525,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     if "stack" in row:
         flags["stack"] = _choice(row, "stack", STACKS, file, at)
     flags.update(_moe_flags(row, ep, recompute, file, at))
+    if "recompute_modules" in row:
+        flags["recompute_modules"] = _recompute_modules(row, recompute, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
@@ -545,6 +552,16 @@ def _moe_flags(row: Mapping[str, Any], ep: int, recompute: str, file, at: str) -
     if "moe_dispatcher" in row:
         out["moe_dispatcher"] = _choice(row, "moe_dispatcher", MOE_DISPATCHERS, file, at)
     return out
+def _recompute_modules(row: Mapping[str, Any], recompute: str, file, at: str) -> tuple[str, ...]:
+    """A row's `recompute_modules`: a list of module names, checked as the recipe checks them."""
+    value = row["recompute_modules"]
+    if not isinstance(value, list):
+        raise config_error(file, f"{at}.recompute_modules", f"must be a list of module names, got {value!r}")
+    try:
+        return check_recompute_modules(value, recompute)
+    except PhazeError as exc:
+        raise config_error(file, f"{at}.recompute_modules", str(exc).removeprefix("recompute_modules").lstrip(": ")) \
+            from None
 
 
 def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:

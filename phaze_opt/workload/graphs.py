@@ -318,6 +318,7 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
             linear_input_bytes=float(tr.linear_input_bytes), linear_input_sp_bytes=float(tr.linear_input_sp_bytes),
             linear_shared_bytes=float(tr.linear_shared_bytes),
             linear_shared_sp_bytes=float(tr.linear_shared_sp_bytes),
+            module_groups=_module_groups(tr),
         ))
     op_graphs = {kind: {"fwd": tr.fwd, "bwd": tr.bwd} for kind, tr in traces.items()}
     step_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
@@ -337,5 +338,20 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
             "tied_embeddings": model.tied_embeddings,
             "unmapped_ops": sorted({op for tr in traces.values() for op in tr.unmapped_ops}),
             "saved_tensors": {kind: tr.saved for kind, tr in traces.items()},
+            # forward op name -> the recompute modules that made it ("a,b"), per kind (trace.py)
+            "forward_modules": {kind: dict(tr.forward_modules) for kind, tr in traces.items()},
         },
     )
+
+
+def _module_groups(tr) -> tuple[tuple[str, float, float], ...]:
+    """A trace's saved bytes made inside recompute modules, by module names (`Layer.module_groups`)."""
+    from .trace import SEQUENCE_PARALLEL
+
+    groups: dict[str, list[float]] = {}
+    for entry, region, names in zip(tr.saved, tr.saved_regions, tr.saved_modules):
+        if names:
+            g = groups.setdefault(names, [0.0, 0.0])
+            g[0] += entry[3]
+            g[1] += entry[3] if region == SEQUENCE_PARALLEL else 0
+    return tuple((names, float(b), float(sp)) for names, (b, sp) in sorted(groups.items()))

@@ -332,6 +332,18 @@ class SelfAttention(nn.Module):
         return self.proj(_core_attention(self, q, k, v, s, b, kv, g))
 
 
+class RecomputeScope(nn.Module):
+    """A stretch of its owner's forward (`fn`, run on `args`) that a module-level recompute reruns,
+    as a parameter-less module so that the tracer can tag what it makes (trace.py)."""
+
+    def __init__(self, recompute_module: str):
+        super().__init__()
+        self.recompute_module = recompute_module
+
+    def forward(self, fn, *args):
+        return fn(*args)
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-AI, "DeepSeek-V2", arXiv:2405.04434, Sec. 2.1, eq. 9-19;
     DeepSeek-V3, arXiv:2412.19437, Sec. 2.1.1), trained as Megatron-Core's MLASelfAttention shards it:
@@ -369,20 +381,27 @@ class LatentAttention(nn.Module):
         self.kv_up = ColumnParallelLinear(model.kv_lora_rank, model.heads * (self.nope + self.dv), t, model.bias,
                                           dtype, "heads")
         self.proj = RowParallelLinear(model.heads * self.dv, model.hidden, t, model.bias, dtype, "heads")
+        self.up_projection = RecomputeScope("mla_up_proj")
 
     def forward(self, x):
         s, b, _ = x.shape
-        t, H, nope, rope, dv = self.t, self.heads, self.nope, self.rope, self.dv
-        if self.q_proj is not None:
-            q = self.q_proj(copy_to_tp(x, t))
-        else:
-            q = self.q_up(copy_to_tp(self.q_norm(self.q_down(x)), t))
+        t, H = self.t, self.heads
+        q_latent = copy_to_tp(x if self.q_proj is not None else self.q_norm(self.q_down(x)), t)
+        latent, k_r = torch.split(self.kv_down(x), [self.kv_lora, self.rope], dim=-1)
+        q, k, v = self.up_projection(self._up_project, q_latent, copy_to_tp(self.kv_norm(latent), t), copy_to_tp(k_r, t))
+        return self.proj(_core_attention(self, q, k, v, s, b, H, 1))
+
+    def _up_project(self, q_latent, kv_latent, k_r):
+        """The up-projections and RoPE: the latents (and the rotary key) to the heads' Q, K and V in
+        the core attention's layout; what Megatron-Core's `mla_up_proj` recompute reruns
+        (MLASelfAttention `qkv_up_proj_and_rope_apply`)."""
+        s, b, _ = q_latent.shape
+        H, nope, rope, dv = self.heads, self.nope, self.rope, self.dv
+        q = (self.q_proj if self.q_proj is not None else self.q_up)(q_latent)
         q_c, q_r = torch.split(q.view(s, b, H, nope + rope), [nope, rope], dim=-1)
-        latent, k_r = torch.split(self.kv_down(x), [self.kv_lora, rope], dim=-1)
-        kv = self.kv_up(copy_to_tp(self.kv_norm(latent), t)).view(s, b, H, nope + dv)
+        kv = self.kv_up(kv_latent).view(s, b, H, nope + dv)
         k_c, v = torch.split(kv, [nope, dv], dim=-1)
-        k_r = copy_to_tp(k_r, t)
-        cos, sin = _rotary_tables(s, rope, x.dtype, x.device)
+        cos, sin = _rotary_tables(s, rope, q.dtype, q.device)
         q_r = q_r * cos[:, None, None, :] + _rotate_half(q_r) * sin[:, None, None, :]
         k_r = k_r * cos[:, None, :] + _rotate_half(k_r) * sin[:, None, :]
         q = torch.cat((q_c, q_r), dim=-1)  # [s, b, H, nope + rope]
@@ -391,7 +410,7 @@ class LatentAttention(nn.Module):
         q = q.permute(1, 2, 0, 3).reshape(b * H, s, d)
         k = k.permute(1, 2, 0, 3).reshape(b * H, s, d)
         v = v.permute(1, 2, 0, 3).reshape(b * H, s, dv)
-        return self.proj(_core_attention(self, q, k, v, s, b, H, 1))
+        return q, k, v
 
 
 def make_attention(model: ModelConfig, t: int, dtype, window: int = 0) -> nn.Module:
@@ -407,6 +426,31 @@ def _activate(y, activation: str):
     if activation == "squared_relu":  # So et al. 2021, "Primer"; Nemotron-4 (Parmar et al. 2024)
         return F.relu(y).square()
     return F.relu(y)
+
+
+# Module-level recompute (Training.recompute_modules): the tracer tags every forward value with
+# the `recompute_module` names of the modules whose forward produced it (trace.py, "Module-level
+# recompute"). The names are Megatron-Core's (TransformerConfig.recompute_modules), except
+# LAYERNORM_LINEAR: a norm whose output only a column-parallel linear reads, which Megatron-Core's
+# Transformer Engine layer spec fuses into that linear (TELayerNormColumnParallelLinear: the
+# input_layernorm / pre_mlp_layernorm slot is then IdentityOp, gpt_layer_specs.py), where
+# `layernorm` recompute does not act (transformer_layer.py: only a norm that is not IdentityOp).
+LAYERNORM = "layernorm"
+LAYERNORM_LINEAR = "layernorm_linear"
+
+
+class Activation(nn.Module):
+    """The experts' activation function as a module of its own, so that the tracer can tell its
+    output apart (`moe_act` recompute: Megatron-Core's GroupedMLP activation)."""
+
+    recompute_module = "moe_act"
+
+    def __init__(self, activation: str):
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, y):
+        return _activate(y, self.activation)
 
 
 class MLP(nn.Module):
@@ -462,6 +506,9 @@ class MoE(nn.Module):
         self.parallel = {"w1": "column", "w2": "row"}  # read by the tracer (trace.py)
         shared = model.shared_experts * model.expert_ffn
         self.shared = MLP(model, t, dtype, ffn=shared) if shared else None
+        if self.shared is not None:
+            self.shared.recompute_module = "shared_experts"
+        self.act = Activation(model.activation)
 
     def forward(self, x):
         s, b, h = x.shape
@@ -484,7 +531,7 @@ class MoE(nn.Module):
         if kept < E * C:
             rows = F.pad(rows, (0, 0, 0, E * C - kept))
         y = torch.bmm(rows.view(E, C, h), self.w1)
-        y = torch.bmm(_activate(y, self.activation), self.w2).reshape(E * C, h)[:kept]
+        y = torch.bmm(self.act(y), self.w2).reshape(E * C, h)[:kept]
         y = y * gate.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
         out = torch.zeros(T, h, dtype=x.dtype, device=x.device).index_add(0, token, y)  # combine
         out = reduce_from_tp(out, self.t)
@@ -512,6 +559,11 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(model, t, dtype)
         if model.parallel_block:
             self.attention.proj.reduce = self.mlp.fc2.reduce = False
+        self.mlp.recompute_module = "mlp"
+        if not model.post_norm:  # pre-norm: each norm's output feeds its sublayer only
+            self.norm1.recompute_module = LAYERNORM if model.mla or model.parallel_block else LAYERNORM_LINEAR
+            if self.norm2 is not None:
+                self.norm2.recompute_module = LAYERNORM_LINEAR
 
     def _attend(self, h):
         """Attention on the normalised input; MLA places Megatron's `f` on its latents itself."""
@@ -545,6 +597,8 @@ class MoEBlock(TransformerBlock):
     def __init__(self, model: ModelConfig, t: int, dtype, window: int = 0):
         super().__init__(model, t, dtype, window)
         self.mlp = MoE(model, t, dtype)
+        self.mlp.recompute_module = "moe"
+        self.norm2.recompute_module = LAYERNORM  # read by the router and the experts: not fused
 
     def forward(self, x):
         t = self.t

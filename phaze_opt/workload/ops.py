@@ -145,6 +145,22 @@ class Layer:
     linear_input_sp_bytes: float = 0.0
     linear_shared_bytes: float = 0.0
     linear_shared_sp_bytes: float = 0.0
+    # Module-level recompute (trace.py, "Module-level recompute"): of activation_bytes, the saved
+    # bytes made inside modules with a recompute name, grouped by those names, as ("a,b" (every
+    # such module around the producer), bytes, of which sequence-parallel bytes); the rest untagged.
+    module_groups: tuple[tuple[str, float, float], ...] = ()
+
+    def module_bytes(self, tags, sequence_parallel: bool = False) -> int:
+        """Bytes one microbatch stops keeping when the modules named `tags` (a set of
+        `recompute_module` names, layers.py; not the attention core, whose bytes stay in
+        `attention_core_bytes`) are recomputed: every group made inside one of them, each with
+        its sequence-parallel share split over `tp` as `activation_bytes_for` splits it. They are
+        rebuilt during the layer's backward, so they are also its extra working set. At most what
+        selective recompute keeps (a group lies outside the attention core)."""
+        tags = set(tags)
+        dropped = sum(_whole(b) - self._sp_saving(sp, sequence_parallel)
+                      for names, b, sp in self.module_groups if tags & set(names.split(",")))
+        return max(0, min(dropped, self.activation_bytes_for("selective", sequence_parallel)))
 
     def activation_bytes_for(self, recompute: str = "none", sequence_parallel: bool = False) -> int:
         """Bytes one microbatch keeps between this layer's forward and its backward.
@@ -256,7 +272,7 @@ LAYER_FIELDS = {
     "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num", "tp": "int",
     "attention_core_bytes": "num", "sequence_parallel_bytes": "num", "input_sequence_parallel_bytes": "num",
     "linear_input_bytes": "num", "linear_input_sp_bytes": "num", "linear_shared_bytes": "num",
-    "linear_shared_sp_bytes": "num",
+    "linear_shared_sp_bytes": "num", "module_groups": "groups",
 }
 GRAPH_FIELDS = {  # LayerGraph's plain fields; layers, edges, op_graphs and extra are decoded by hand
     "model": "str", "tp": "int", "mbs": "int", "seq": "int", "bytes_per_element": "int", "total_params": "int",
@@ -274,7 +290,13 @@ def _is_int(v) -> bool:
 
 def _typed(value, kind: str, where: str):
     """`value` checked against a field kind of the tables above (lists come back as tuples)."""
-    if kind == "gemm list":  # a fused op's GEMMs: [[batch, M, K, N], ...]
+    if kind == "groups":  # module-level recompute groups: [[names, bytes, sp bytes], ...]
+        if isinstance(value, list) and all(
+                isinstance(g, list) and len(g) == 3 and isinstance(g[0], str)
+                and all((_is_int(x) or isinstance(x, float)) and math.isfinite(x) and x >= 0 for x in g[1:])
+                for g in value):
+            return tuple(tuple(g) for g in value)
+    elif kind == "gemm list":  # a fused op's GEMMs: [[batch, M, K, N], ...]
         if isinstance(value, list) and all(isinstance(g, list) and len(g) == 4 and all(map(_is_int, g)) for g in value):
             return tuple(tuple(g) for g in value)
     elif kind in ("ints", "strs"):

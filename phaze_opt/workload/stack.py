@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from ..training import Training
 from .graphs import build_layer_graph, sequence_parallel_graph
+from .layers import LAYERNORM_LINEAR
 from .models import ModelConfig
 from .ops import LayerGraph
 from .precision import precision_graph
@@ -49,6 +50,22 @@ from .trace import ROW_FUSION
 TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION}
 # Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
 FUSED_CASTS = ("megatron-te",)
+
+
+# Stacks whose layer specs fuse a norm read only by a column-parallel linear into that linear
+# (Megatron-Core's TE spec: TELayerNormColumnParallelLinear, the norm slot IdentityOp), where
+# `layernorm` recompute does not act (layers.LAYERNORM_LINEAR).
+NORM_LINEAR_FUSION = ("megatron-te",)
+
+
+def recompute_tags(training: Training) -> frozenset:
+    """The `recompute_module` names (layers.py) whose saved tensors the recipe's module-level
+    recompute drops, besides the attention core (`Training.recomputed_modules`): each module by
+    its own name, `layernorm` also the norms fused into a linear on a stack that does not fuse them."""
+    modules = set(training.recomputed_modules) - {"core_attn"}
+    if "layernorm" in modules and training.stack not in NORM_LINEAR_FUSION:
+        modules.add(LAYERNORM_LINEAR)
+    return frozenset(modules)
 
 
 def recipe_graph(model: ModelConfig | str, tp: int, training: Training, sequence_parallel: bool = False) -> LayerGraph:

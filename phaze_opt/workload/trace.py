@@ -57,6 +57,15 @@ s b h (10 + 24/t + 5 a s / (h t)) with TP, s b h / t (34 + 5 a s / h) with SP, s
 addition is each LayerNorm's float32 mean and 1/std (16 s b bytes per layer, split by SP), which
 the paper leaves out; the softmax output is kept in 16 bits and the masks are bools, as it assumes.
 
+Module-level recompute (`Training.recompute_modules`, Megatron-Core's `--recompute-modules`): a
+module of the layer with a `recompute_module` name (layers.py) is followed while it runs its
+forward inside the trace (a forward pre-hook and hook on it note the nodes traced in between), so
+every forward value and op is tagged with the names of the modules whose forward produced it
+(`LayerTrace.saved_modules`, `forward_modules`). A recompute of module m drops the saved tensors
+tagged m (an output-discarding one the module's outputs and statistics, a standard checkpoint
+everything inside the module; the module's input was made outside it and stays) and reruns the
+forward ops tagged m (`ops.Layer.module_bytes`, `design.evaluate.layer_costs`).
+
 Fused attention (`ModelConfig.attention = "flash"`; layers.flash_attention): the FlashAttention
 kernels (Dao et al., NeurIPS 2022; Dao, FlashAttention-2, 2023) trace as one node per pass and map
 to one "tc+vc" op each (`_flash_cost`). FLOPs count the whole s x s square even for causal models
@@ -75,7 +84,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._pytree import tree_flatten
 
 from . import collectives  # noqa: F401  (registers phaze::allreduce)
@@ -214,6 +223,44 @@ class LayerTrace:
     linear_input_sp_bytes: int = 0
     linear_shared_bytes: int = 0
     linear_shared_sp_bytes: int = 0
+    # Module-level recompute (module docstring): per `saved` tensor the recompute modules whose
+    # forward produced it ("a,b", "" for none), and the forward ops made inside such modules, as
+    # (op name, "a,b").
+    saved_modules: tuple[str, ...] = ()
+    forward_modules: tuple[tuple[str, str], ...] = ()
+
+
+class _ModuleScopes:
+    """The traced forward nodes of each module with a `recompute_module` name (layers.py): hooks
+    note the graph's length when the module's forward starts and tag what it added by its end."""
+
+    def __init__(self, module: nn.Module):
+        self.tags: dict[str, set] = defaultdict(set)
+        self.open: list = []
+        self.handles = []
+        for sub in module.modules():
+            tag = getattr(sub, "recompute_module", None)
+            if tag:
+                self.handles.append(sub.register_forward_pre_hook(self._enter))
+                self.handles.append(sub.register_forward_hook(lambda m, args, out, tag=tag: self._leave(tag)))
+
+    def _enter(self, module, args):
+        mode = get_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        self.open.append((graph, len(graph.nodes) if graph is not None else 0))
+
+    def _leave(self, tag: str):
+        graph, start = self.open.pop()
+        if graph is not None:
+            for node in list(graph.nodes)[start:]:
+                self.tags[node.name].add(tag)
+
+    def of(self, name: str) -> str:
+        return ",".join(sorted(self.tags.get(name, ())))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
 
 
 def trace_layer(module: nn.Module, example_inputs, *, name: str = "layer", fuse: bool | str = True) -> tuple[OpGraph, OpGraph]:
@@ -258,10 +305,17 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         grads = torch.autograd.grad(outs, wrt, gs, allow_unused=True)
         return (*outs, *grads)
 
-    gm = make_fx(joint)(params, inputs, grads_in)
+    scopes = _ModuleScopes(module)
+    try:
+        gm = make_fx(joint)(params, inputs, grads_in)
+    finally:
+        scopes.close()
     mapped = _Mapper(gm, n_params=len(params), n_inputs=len(inputs), n_outs=len(outs0),
                      n_grad_inputs=len(grad_inputs), name=name, fuse=fuse,
                      param_roles=_parallel_roles(module, names)).run()
+    fwd_ops = mapped["fwd"].ops
+    forward_modules = tuple((op.name, tag) for op in fwd_ops
+                            if (tag := scopes.of(op.contains[-1] if op.contains else op.name)))
 
     param_count = sum(p.numel() for p in module.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -275,6 +329,7 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         saved_regions=mapped["saved_regions"], rebuilt=mapped["rebuilt"],
         attention_core_bytes=_region_bytes(mapped, ATTENTION_CORE),
         sequence_parallel_bytes=_region_bytes(mapped, SEQUENCE_PARALLEL),
+        saved_modules=tuple(scopes.of(entry[0]) for entry in mapped["saved"]), forward_modules=forward_modules,
         input_sequence_parallel_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
         **mapped["linear"],
     )

@@ -11,7 +11,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
 - Stage time per microbatch = sum of its layers' forward + backward time, plus the recompute of
   the recipe's mode on every stage, the last included, as Megatron does (Korthikanti et al. 2022,
   Sec. 5): `full` adds each layer's forward, `selective` the attention core's forward
-  (`LayerCosts.selective_s`), `none` nothing; plus receiving its inputs and the gradients of its
+  (`LayerCosts.selective_s`) when the core is among `Training.recompute_modules` (the default)
+  plus the forward of the recipe's other modules (`module_s`), `none` nothing; plus receiving its inputs and the gradients of its
   outputs. Inputs are the outputs of producers in earlier stages that feed the stage (each
   producer's `boundary_bytes` once); output gradients are those of the stage's layers that feed
   later stages. Each direction with anything to receive costs one message on the pipeline link:
@@ -35,15 +36,18 @@ disagreement in the tests. The model it implements (the definition the DP must o
   the optimizer part and the gradients (over their own replicas, as ZeRO-1's state) and with
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
-  `activation_bytes` (none), `selective_bytes` (selective) or `checkpoint_bytes` (full). Under
+  `activation_bytes` (none), `selective_bytes` (selective; `activation_bytes` when the attention
+  core is not recomputed; less `module_bytes` of the other modules) or `checkpoint_bytes` (full).
+  A `moe` recompute reruns the MoE layer's forward whole, its two all-to-alls and the busiest
+  rank's extra expert time included (`LayerCosts.module_moe`). Under
   1F1B (PipeDream-Flush; Narayanan et al., SOSP'19) the stage k-th from the end holds q = min(k, m)
   microbatches. Interleaved (v > 1, pp > 1), Megatron's schedule holds on the device k-th from the
   end min(2 (k - 1) + (v - 1) p + 1, m v) model chunks of one microbatch in flight (its warm-up
   count plus one; Megatron-LM `forward_backward_pipelining_with_interleaving`), each 1/v of the
   stage's activations: ceil(chunks x stash / v) bytes (on the first device (1 + (p - 1)/(p v)) p
   microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
-  the stage's layers, of what exists only during that layer's backward: its attention core
-  (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
+  the stage's layers, of what exists only during that layer's backward: its attention core and
+  its other recomputed modules' `module_bytes` (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
   Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
   split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
   loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
@@ -188,11 +192,13 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
     """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
     module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
     activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
-    all-to-all time the EP overlap hides per paired forward and backward)."""
+    all-to-all time the EP overlap hides per paired forward and backward, the all-to-alls and
+    imbalance a `moe` recompute reruns)."""
     fwd = float(costs.fwd_s[v])
     bwd = float(costs.bwd_s[v])
     expert = float(costs.expert_params[v])
     a2a = 0.0
+    extra_kept = extra_work = moe_again = 0.0
     if expert > 0 or costs.expert_fwd_s[v] > 0:
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
@@ -200,8 +206,9 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
                                         problem.top_k)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
+        # a rerun MoE layer (`moe` recompute) runs these forward terms again
+        moe_again = float(costs.module_moe[v]) * ((imb - 1.0) * float(costs.expert_fwd_s[v]) + 2.0 * a2a)
         expert = _ceil(expert / e)
-    extra_kept = extra_work = 0.0
     if c > 1:
         core_f, core_b = float(costs.core_fwd_s[v]), float(costs.core_bwd_s[v])
         kv = float(costs.kv_bytes[v])
@@ -226,7 +233,7 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
         hidden = max(0.0, fwd + bwd - paired)
         fwd -= 0.5 * hidden
         bwd -= 0.5 * hidden
-    return fwd, bwd, extra_kept, extra_work, expert, hidden
+    return fwd, bwd, extra_kept, extra_work, expert, hidden, moe_again
 
 
 def evaluate_placement(
@@ -263,6 +270,7 @@ def evaluate_placement(
         succs[u].append(v)
 
     mode = problem.training.recompute
+    core = "core_attn" in problem.training.recomputed_modules
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
@@ -284,7 +292,7 @@ def evaluate_placement(
         experts = 0.0
         hidden = 0.0
         for v in layers:
-            fwd_v, bwd_v, extra_kept, extra_work, expert_v, hidden_v = _parallel_layer(
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v, hidden_v, moe_again = _parallel_layer(
                 problem, costs, v, e, c, imb, ring_cp, stride)
             hidden += hidden_v
             compute += fwd_v + bwd_v
@@ -293,9 +301,16 @@ def evaluate_placement(
             flops += float(costs.flops[v])
             if mode == "full":  # Korthikanti et al. 2022, Sec. 5: the whole forward again
                 rec, kept, work = fwd_v, float(costs.checkpoint_bytes[v]), float(costs.full_work_bytes[v]) + extra_work
-            elif mode == "selective":  # only the attention core again (all c of its blocks under CP)
-                rec, kept = c * float(costs.selective_s[v]), float(costs.selective_bytes[v])
-                work = c * float(costs.selective_work_bytes[v])
+            elif mode == "selective":  # the attention core again (all c of its blocks under CP) ...
+                if core:
+                    rec, kept = c * float(costs.selective_s[v]), float(costs.selective_bytes[v])
+                    work = c * float(costs.selective_work_bytes[v])
+                else:
+                    rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
+                # ... and the recipe's other modules (traced at s / c: once)
+                rec += float(costs.module_s[v]) + moe_again
+                kept -= float(costs.module_bytes[v])
+                work += float(costs.module_bytes[v])
             else:
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
             if zero == 3:  # the layer's gathered parameters (and their low-precision copies) live through its passes

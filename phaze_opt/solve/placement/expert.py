@@ -111,6 +111,7 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         bwd = lc.bwd_s.copy()
         expert = lc.expert_params.copy()
         hidden = zeros
+        again = lc.module_s
         if any_moe:
             stride = problem.training.expert_stride(lc.tp, c)
             a2a = np.array([system.alltoall_s(imb * b, e, stride, problem.training, problem.top_k)
@@ -118,6 +119,8 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
             fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
+            # a rerun MoE layer (`moe` recompute) runs its forward's all-to-alls and imbalance again
+            again = lc.module_s + np.where(moe, lc.module_moe * ((imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a), 0.0)
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b
@@ -136,7 +139,7 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         out = object.__new__(LayerCosts)
         out.__dict__.update(lc.__dict__)
         out.__dict__.update(common, fwd_s=fwd, bwd_s=bwd, params=lc.params - lc.expert_params + expert, expert_params=expert,
-                            a2a_hidden_s=hidden)
+                            a2a_hidden_s=hidden, module_s=again, module_moe=np.zeros(lc.n_layers))
         outs.append(out)
     return outs
 

@@ -152,7 +152,11 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
     if problem.training.recompute == "full":
         kept, work, rec = c.checkpoint_bytes, c.full_work_bytes, c.fwd_s
     elif problem.training.recompute == "selective":
-        kept, work, rec = c.selective_bytes, c.selective_work_bytes, c.selective_s
+        if "core_attn" in problem.training.recomputed_modules:
+            kept, work, rec = c.selective_bytes, c.selective_work_bytes, c.selective_s
+        else:
+            kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
+        kept, work, rec = kept - c.module_bytes, work + c.module_bytes, rec + c.module_s
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
     if problem.training.zero == 3:

@@ -63,6 +63,14 @@ class LayerCosts:
       backward; default `activation_bytes`);
     - `selective_s`: the forward time of the attention core, what selective recompute adds to the
       backward (default 0); full recompute adds `fwd_s`.
+    - module-level selective recompute (`Training.recompute_modules`, beyond the attention core):
+      `module_bytes`, the bytes the recipe's other modules stop keeping per microbatch, rebuilt
+      during the layer's backward (so also working set), and `module_s`, those modules' forward
+      time run again (defaults 0). With the attention core among the modules selective keeps
+      `selective_bytes - module_bytes`, else `activation_bytes - module_bytes`. `module_moe`: 1
+      where the recipe reruns the whole MoE layer (`moe`: Megatron-Core checkpoints its router,
+      dispatch, experts and combine together, moe_layer.py), whose rerun then also holds the
+      placement's terms of the layer's forward (its two all-to-alls, the load imbalance), else 0.
 
     Expert and context parallelism (the model in `placement.evaluate`), all default 0:
     `expert_params` (of `params`, the routed experts' share, divided over the EP group),
@@ -91,6 +99,9 @@ class LayerCosts:
     selective_work_bytes: np.ndarray | None = None
     full_work_bytes: np.ndarray | None = None
     selective_s: np.ndarray | None = None
+    module_bytes: np.ndarray | None = None
+    module_s: np.ndarray | None = None
+    module_moe: np.ndarray | None = None
     expert_params: np.ndarray | None = None
     dispatch_bytes: np.ndarray | None = None
     expert_fwd_s: np.ndarray | None = None
@@ -142,6 +153,11 @@ class LayerCosts:
             object.__setattr__(self, name, _array(name, default if value is None else value, n, whole=True))
         sel_s = np.zeros(n) if self.selective_s is None else self.selective_s
         object.__setattr__(self, "selective_s", _array("selective_s", sel_s, n, whole=False))
+        for name, whole in (("module_bytes", True), ("module_s", False), ("module_moe", False)):
+            value = getattr(self, name)
+            object.__setattr__(self, name, _array(name, np.zeros(n) if value is None else value, n, whole=whole))
+        if np.any(self.module_bytes > self.activation_bytes):
+            raise ValueError("LayerCosts.module_bytes: more than the layer's activation_bytes")
         for name in PARALLEL_ARRAYS:
             value = getattr(self, name)
             whole = name.endswith("params") or name.endswith("bytes")
@@ -157,14 +173,19 @@ class LayerCosts:
         object.__setattr__(self, "names", names)
 
     @classmethod
-    def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False) -> "LayerCosts":
+    def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False,
+                         module_tags=frozenset(), module_s=None, module_moe=None) -> "LayerCosts":
         """Per-layer arrays of a workload `LayerGraph` at its TP width, with each layer's forward
         and backward time (seconds per microbatch, e.g. from its kind's schedules), the attention
         core's forward time (selective recompute) and the memory of every recompute mode; with
-        sequence parallelism the pipeline sends carry each rank's s/t share (`boundary_bytes_for`)."""
+        sequence parallelism the pipeline sends carry each rank's s/t share (`boundary_bytes_for`).
+        `module_tags` (workload.stack.recompute_tags) and `module_s`: module-level recompute."""
         layers = graph.layers
         sp = bool(sequence_parallel)
         return cls(
+            module_bytes=[l.module_bytes(module_tags, sp) for l in layers] if module_tags else None,
+            module_s=module_s,
+            module_moe=module_moe,
             selective_bytes=[l.activation_bytes_for("selective", sp) for l in layers],
             checkpoint_bytes=[l.checkpoint_bytes(sp) for l in layers],
             selective_work_bytes=[l.recompute_working_bytes("selective", sp) for l in layers],
