@@ -150,28 +150,10 @@ area:
 RECIPE_NAMES = ("recompute", "sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
 
 
-def _baselines_once(monkeypatch) -> None:
-    """The sweeps that follow compute the TPUv4 baselines of a (model, space, system) once: both
-    sweeps of one space score against the same baselines (the best of the space's recipes on
-    TPUv4), which are not under test here and cost as much as a quarter of a sweep."""
-    from phaze_opt.search import session
-
-    real, memo = session.compute_baselines, {}
-
-    def once(models, evaluator, reference_arch, system, params, dominance=False):
-        key = (tuple(models), reference_arch.name, str(system), repr(sorted(params.items())))
-        if key not in memo:
-            memo[key] = real(models, evaluator, reference_arch, system, params, dominance=dominance)
-        return memo[key]
-
-    monkeypatch.setattr(session, "compute_baselines", once)
-
-
-def _full_and_pruned_sweeps(tmp_path, monkeypatch, space_text: str, name: str):
+def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str):
     """The same space swept in full and with bound pruning; checks what every pruned sweep must
     hold (the same optimum, every point settled, no pruned bound above the optimum) and returns
     (full summary, pruned summary, the points file's rows)."""
-    _baselines_once(monkeypatch)
     space_file = tmp_path / name
     space_file.write_text(space_text)
     base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
@@ -219,8 +201,8 @@ def _full_and_pruned_sweeps(tmp_path, monkeypatch, space_text: str, name: str):
 
 
 @pytest.mark.slow
-def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path, monkeypatch):
-    full, pruned, _ = _full_and_pruned_sweeps(tmp_path, monkeypatch, TINY_SPACE, "tiny.yaml")
+def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
+    full, pruned, _ = _full_and_pruned_sweeps(tmp_path, TINY_SPACE, "tiny.yaml")
     ex = pruned["exhaustive"]
     assert ex["evaluated_by_bound"] > 0  # the bound did prune here
     assert pruned["trials"]["finished"] == ex["settled"]["evaluated"]
@@ -242,12 +224,12 @@ RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4
 
 
 @pytest.mark.slow
-def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path, monkeypatch):
+def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path):
     """The pruned sweep over every recipe field with all its choices (144 recipes; 1 GiB
     of HBM makes memory bind, so recompute, ZeRO and interleaving decide) finds the optimum of the
     full sweep, and every point's true throughput is at most the bound it was settled by, the
     dominance rules' included."""
-    _, pruned, rows = _full_and_pruned_sweeps(tmp_path, monkeypatch, RECIPE_SPACE, "recipes.yaml")
+    _, pruned, rows = _full_and_pruned_sweeps(tmp_path, RECIPE_SPACE, "recipes.yaml")
     assert {r["attention"] for r in rows} >= {"unfused", "flash"}
     settled = pruned["exhaustive"]["settled"]
     assert settled["dominated"] > 0 and settled["bound-placement"] > 0 and settled["evaluated"] > 0
