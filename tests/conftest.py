@@ -20,9 +20,10 @@ outside_guard.install()
 OUTSIDE_LOG = os.environ["PHAZE_OPT_OUTSIDE_LOG"]
 
 
-# The longest tests, longest first (CI's `--durations` on two pytest-xdist workers: 230-300 s each, the
-# rest of the suite under 100 s a test). They run first, so the many short tests fill in beside them
-# instead of one of them starting last and running alone while the other worker idles.
+# The longest tests, longest first (230-300 s each on CI's two pytest-xdist workers; 43-123 s once a
+# study's processes stopped importing PyTorch). They run first, so the many short tests fill in beside
+# them instead of one of them starting last and running alone while the other worker idles. Single
+# tests only: a module's tests stay together (a module fixture split in two is built twice).
 LONGEST = (
     "tests/test_upper_bound.py::test_pruned_sweep_is_exact_over_every_recipe_field",
     "tests/test_fault_injection.py::test_a_killed_and_resumed_study_is_consistent",
