@@ -64,6 +64,7 @@ postgres:
 
 # The tests run in parallel, one process per core (pytest-xdist; `make test TEST_JOBS=0` runs them in
 # this process alone): CI's budget is 20 minutes and the suite is about 28 minutes of one core.
+# `--durations=20`: the log names the slowest tests (tests/conftest.py runs the longest first).
 TEST_JOBS ?= auto
 test: $(STAMP) postgres
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --durations=20

@@ -20,6 +20,26 @@ outside_guard.install()
 OUTSIDE_LOG = os.environ["PHAZE_OPT_OUTSIDE_LOG"]
 
 
+# The longest tests, longest first (230-300 s each on CI's two pytest-xdist workers; 43-123 s once a
+# study's processes stopped importing PyTorch). They run first, so the many short tests fill in beside
+# them instead of one of them starting last and running alone while the other worker idles. Single
+# tests only: a module's tests stay together (a module fixture split in two is built twice).
+LONGEST = (
+    "tests/test_upper_bound.py::test_pruned_sweep_is_exact_over_every_recipe_field",
+    "tests/test_fault_injection.py::test_a_killed_and_resumed_study_is_consistent",
+    "tests/test_fault_injection.py::test_every_signal_stops_the_study_cleanly",
+    "tests/test_crash_safety.py::test_two_processes_stop_at_the_total_and_count_their_own",
+)
+
+
+def _longest_rank(item) -> int:
+    return next((i for i, prefix in enumerate(LONGEST) if item.nodeid.startswith(prefix)), len(LONGEST))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_longest_rank)  # stable: everything else keeps its order
+
+
 def pytest_sessionfinish(session, exitstatus):
     log = Path(OUTSIDE_LOG)
     reads = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []

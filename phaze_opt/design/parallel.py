@@ -40,7 +40,7 @@ from ..errors import PhazeError
 from ..hardware.latency import estimate
 from ..solve.placement.types import LayerCosts
 from ..workload.graphs import routed_expert_params
-from ..workload.layers import attention_kind, layer_sequence, routed_kind
+from ..workload.kinds import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
 from ..workload.stack import recipe_graph
 

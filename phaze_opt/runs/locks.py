@@ -118,15 +118,54 @@ def build_aside(db: Path, open_store: Callable[[str], object], purpose: str = "m
             stale.unlink(missing_ok=True)  # we hold the lock: its builder is dead
         aside = db.parent / f".{db.name}.building-{os.getpid()}"
         try:
-            store = open_store(f"sqlite:///{aside}")
+            with _unsynced(aside):
+                store = open_store(f"sqlite:///{aside}")
             engine = getattr(store, "engine", None)
             if engine is not None:
                 engine.dispose()  # no connection may outlive the rename
             for suffix in ("-wal", "-shm", "-journal"):  # all in the main file once its connections closed
                 Path(f"{aside}{suffix}").unlink(missing_ok=True)
+            _fsync(aside)
             os.replace(aside, db)
         finally:
             aside.unlink(missing_ok=True)
+
+
+@contextmanager
+def _unsynced(path: Path):
+    """SQLite connections opened meanwhile to `path` neither sync nor keep a journal on disk. For a
+    database built aside only: one killed or cut by a power loss midway is never moved into place
+    (the next build removes it), so the schema's hundreds of statements need no sync each (MLflow's
+    migrations: 8 s on a loaded disk, 3 s unsynced); `build_aside` syncs the finished file once."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    target = os.path.realpath(path)
+
+    def unsynced(dbapi_conn, _record):
+        if not isinstance(dbapi_conn, sqlite3.Connection):
+            return
+        cur = dbapi_conn.cursor()
+        if any(os.path.realpath(row[2]) == target for row in cur.execute("PRAGMA database_list") if row[2]):
+            cur.execute("PRAGMA synchronous=OFF")
+            cur.execute("PRAGMA journal_mode=MEMORY")
+        cur.close()
+
+    event.listen(Engine, "connect", unsynced)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "connect", unsynced)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def build_mlflow_db(db: Path, open_store: Callable[[str], object]) -> None:

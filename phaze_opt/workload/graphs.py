@@ -80,7 +80,7 @@ def build_layer_graph(
     `model` may be a ModelConfig or a model name/path. `attention` ("unfused" or "flash") overrides
     the model's own `attention` choice; it is part of the model's identity, hence of the cache key.
     `fuse`: True fuses chains of pointwise ops, False keeps one op per traced operator (eager),
-    `trace.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
+    `ops.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
     `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
     one-line PhazeError.
     """

@@ -33,14 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import copy_to_tp, reduce_from_tp
+from .kinds import (BLOCK_KINDS, KINDS, attention_kind, block_kind, layer_kinds,  # noqa: F401  (layers' face)
+                    layer_sequence, routed_kind)
 from .models import ModelConfig
 
 META = torch.device("meta")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# dense_block: the dense first blocks of a MoE model; local_*: blocks with sliding-window attention
-# (ModelConfig.window); mtp: a multi-token-prediction module (ModelConfig.mtp_layers).
-BLOCK_KINDS = ("dense_block", "local_dense_block", "local_block", "block")
-KINDS = ("embedding", *BLOCK_KINDS, "mtp", "head")
 
 
 def _param(dtype, *shape) -> nn.Parameter:
@@ -743,35 +741,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
     """Mean token cross-entropy of [s, b, rows] logits (float32, as Megatron computes it)."""
     return _VocabParallelCrossEntropy.apply(logits.float(), labels, t, rows).mean()
-
-
-def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
-    """The layer kinds a model has, in order of first appearance (a dense model has no `dense_block`)."""
-    return tuple(dict.fromkeys(kind for _, kind in layer_sequence(model)))
-
-
-def block_kind(model: ModelConfig, i: int) -> str:
-    """The kind of block i: dense first blocks of a MoE model, sliding-window (local) blocks."""
-    kind = "dense_block" if model.moe and i < model.dense_layers else "block"
-    return kind if model.global_block(i) else f"local_{kind}"
-
-
-def layer_sequence(model: ModelConfig) -> list[tuple[str, str]]:
-    """(name, kind) of every layer in order: embedding, the blocks, the MTP modules, head."""
-    return ([("embedding", "embedding")]
-            + [(f"block.{i}", block_kind(model, i)) for i in range(model.layers)]
-            + [(f"mtp.{i}", "mtp") for i in range(model.mtp_layers)]
-            + [("head", "head")])
-
-
-def routed_kind(model: ModelConfig, kind: str) -> bool:
-    """Whether layers of this kind hold routed experts."""
-    return model.moe and kind in ("block", "local_block", "mtp")
-
-
-def attention_kind(kind: str) -> bool:
-    """Whether layers of this kind run attention (every block and MTP module)."""
-    return kind in BLOCK_KINDS or kind == "mtp"
 
 
 def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:

@@ -27,6 +27,10 @@ UNITS = (TC, VC, TCVC, NET, NONE)
 # The fused attention kind (FlashAttention; see trace.py): forward and backward are one op each.
 FLASH_ATTENTION = "flash_attention"
 ATTENTION_MODES = ("unfused", "flash")
+# The trace's fusion level of a stack with Transformer Engine's kernels (trace.py says what it fuses).
+# Here, not in trace.py, so the stacks (workload/stack.py) name it without importing PyTorch: a
+# study's processes never trace and start seconds sooner without it.
+ROW_FUSION = "row"
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 

@@ -24,7 +24,7 @@ field (`Training.stack`) that picks the kernels, and the efficiencies stay one s
   `LayerNorm`, `RMSNorm`, `LayerNormLinear`), RoPE is one kernel (Megatron-Core
   `--apply-rope-fusion`, TE's fused rotary embedding; Megatron-Bridge enables it where
   `can_enable_apply_rope_fusion`), and an activation's backward is one kernel with its bias
-  gradient (TE's dbias + dact kernels), all by `trace.ROW_FUSION`. In FP8 the cast of a GEMM
+  gradient (TE's dbias + dact kernels), all by the trace's `ROW_FUSION`. In FP8 the cast of a GEMM
   operand is done by the kernel that produces it: TE's `LayerNormLinear` and `LayerNormMLP` write
   the norm's (and the activation's) output directly in FP8 ("Fused TE Modules", TE user guide,
   Getting Started), and a gradient is cast once for both of its GEMMs, in both layouts
@@ -42,9 +42,8 @@ from ..training import Training
 from .graphs import build_layer_graph, sequence_parallel_graph
 from .layers import LAYERNORM_LINEAR
 from .models import ModelConfig
-from .ops import LayerGraph
+from .ops import ROW_FUSION, LayerGraph
 from .precision import precision_graph
-from .trace import ROW_FUSION
 
 # The trace's fusion level of each stack (`graphs.build_layer_graph`'s `fuse`).
 TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION}

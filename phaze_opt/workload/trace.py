@@ -88,7 +88,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._pytree import tree_flatten
 
 from . import collectives  # noqa: F401  (registers phaze::allreduce)
-from .ops import FLASH_ATTENTION, NET, NONE, TC, TCVC, VC, Op, OpGraph
+from .ops import FLASH_ATTENTION, NET, NONE, ROW_FUSION, TC, TCVC, VC, Op, OpGraph
 
 # Regions of the saved tensors (see the module docstring).
 ATTENTION_CORE = "attention_core"
@@ -147,7 +147,6 @@ _POINTWISE = frozenset(_VECTOR)
 # concatenation of RoPE's rotated halves, whatever their element counts (a per-row statistic is
 # broadcast back over its row inside one kernel): TE's fused LayerNorm/RMSNorm and RoPE kernels, and
 # its activation-backward + bias-gradient kernels.
-ROW_FUSION = "row"
 _ROW_FUSABLE = _POINTWISE | {"mean", "sum", "cat", "slice_backward", "native_layer_norm", "native_layer_norm_backward"}
 _OTHER_VECTOR = {
     "native_layer_norm": ("norm", "layernorm"), "native_layer_norm_backward": ("norm", "layernorm_bwd"),
