@@ -353,3 +353,19 @@ def test_the_study_config_walk_enters_each_module_at_most_twice():
     entries = Counter(module for module, _ in stops)
     assert stops[-1] == ("phaze_opt.search.objective", "evaluate_point")
     assert max(entries.values()) <= 2, entries
+
+
+def test_a_study_process_never_imports_torch():
+    """A study's parent and worker processes evaluate designs from cached or extracted graphs; only
+    tracing a layer needs PyTorch (seconds of import per process on a loaded machine). The modules
+    a study loads to run trials, in a fresh interpreter, must leave torch unloaded; fails if any of
+    them imports `workload.layers` (torch) at module level."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import phaze_opt.cli, phaze_opt.study, phaze_opt.search.sampled, phaze_opt.design.evaluate\n"
+            "import phaze_opt.design.parallel, phaze_opt.workload.stack, phaze_opt.validation.runner\n"
+            "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

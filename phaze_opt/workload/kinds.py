@@ -13,6 +13,10 @@ from .models import ModelConfig
 # (ModelConfig.window); mtp: a multi-token-prediction module (ModelConfig.mtp_layers).
 BLOCK_KINDS = ("dense_block", "local_dense_block", "local_block", "block")
 KINDS = ("embedding", *BLOCK_KINDS, "mtp", "head")
+# The `recompute_module` tag of a norm whose output only a column-parallel linear reads (layers.py
+# sets it; workload/stack.py reads it without building a layer): Megatron-Core's Transformer Engine
+# spec fuses such a norm into the linear, where `layernorm` recompute does not act.
+LAYERNORM_LINEAR = "layernorm_linear"
 
 
 def layer_kinds(model: ModelConfig) -> tuple[str, ...]:

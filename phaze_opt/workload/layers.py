@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import copy_to_tp, reduce_from_tp
-from .kinds import (BLOCK_KINDS, KINDS, attention_kind, block_kind, layer_kinds,  # noqa: F401  (layers' face)
-                    layer_sequence, routed_kind)
+from .kinds import (BLOCK_KINDS, KINDS, LAYERNORM_LINEAR, attention_kind, block_kind,  # noqa: F401  (layers' face)
+                    layer_kinds, layer_sequence, routed_kind)
 from .models import ModelConfig
 
 META = torch.device("meta")
@@ -434,7 +434,6 @@ def _activate(y, activation: str):
 # input_layernorm / pre_mlp_layernorm slot is then IdentityOp, gpt_layer_specs.py), where
 # `layernorm` recompute does not act (transformer_layer.py: only a norm that is not IdentityOp).
 LAYERNORM = "layernorm"
-LAYERNORM_LINEAR = "layernorm_linear"
 
 
 class Activation(nn.Module):

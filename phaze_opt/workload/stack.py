@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from ..training import Training
 from .graphs import build_layer_graph, sequence_parallel_graph
-from .layers import LAYERNORM_LINEAR
+from .kinds import LAYERNORM_LINEAR
 from .models import ModelConfig
 from .ops import ROW_FUSION, LayerGraph
 from .precision import precision_graph
@@ -53,7 +53,7 @@ FUSED_CASTS = ("megatron-te",)
 
 # Stacks whose layer specs fuse a norm read only by a column-parallel linear into that linear
 # (Megatron-Core's TE spec: TELayerNormColumnParallelLinear, the norm slot IdentityOp), where
-# `layernorm` recompute does not act (layers.LAYERNORM_LINEAR).
+# `layernorm` recompute does not act (kinds.LAYERNORM_LINEAR).
 NORM_LINEAR_FUSION = ("megatron-te",)
 
 
