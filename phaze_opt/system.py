@@ -119,6 +119,29 @@ _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns":
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9].*?)?\s*$")
 
 
+
+def routed_node_share(nodes: int, k: int, groups: int = 0, group_topk: int = 0) -> float:
+    """The chance that a token's k routed experts include one on a given node of an EP group spread
+    evenly over `nodes` nodes (experts laid out contiguously by rank, so each node holds an equal
+    contiguous block), under balanced routing: 1 - (1 - 1/N)^k. With group-limited routing (the
+    experts in G equal contiguous groups, a token's k experts drawn from its best M groups;
+    DeepSeek-V3 report, Sec. 2.1.2), when a node holds G/N whole groups: the number j of the
+    token's M groups on the node is hypergeometric, and the node is hit with 1 - (1 - j/M)^k; when
+    a group spans N/G nodes: (M/G)(1 - (1 - G/(N M))^k). Other layouts, or M = G, fall back to the
+    ungrouped share (M = G gives it exactly)."""
+    if nodes <= 1:
+        return 1.0
+    if not groups or group_topk >= groups:
+        return 1.0 - (1.0 - 1.0 / nodes) ** k
+    if groups % nodes == 0:
+        per = groups // nodes
+        total = math.comb(groups, group_topk)
+        return sum(math.comb(per, j) * math.comb(groups - per, group_topk - j) / total * (1.0 - (1.0 - j / group_topk) ** k)
+                   for j in range(0, min(per, group_topk) + 1))
+    if nodes % groups == 0:
+        return group_topk / groups * (1.0 - (1.0 - groups / (nodes * group_topk)) ** k)
+    return 1.0 - (1.0 - 1.0 / nodes) ** k
+
 @dataclass(frozen=True)
 class Link:
     """A point-to-point link per device and direction, in the alpha-beta model (Hockney, 1994)."""
@@ -342,7 +365,7 @@ class System:
         return 1
 
     def alltoall_s(self, nbytes: float, e: int, stride: int, training: "Training | None" = None,
-                   copies: int = 1) -> float:
+                   copies: int = 1, groups: tuple[int, int] = (0, 0)) -> float:
         """An all-to-all of `nbytes` per device over e ranks (MoE dispatch or combine), by the
         recipe's dispatcher (`training.moe_dispatcher`; None: the plain all-to-all); `nbytes` holds
         `copies` copies of each token (the router's top-k), what DeepEP sends once per node.
@@ -366,7 +389,8 @@ class System:
         the g - 1 other ranks of its node, the local tokens' and those that arrived from other
         nodes (forwarded), n (g - 1)/g in all, beside the inter-node part (DeepEP pipelines the
         two). Inside one node (N = 1) nothing crosses: the all-to-all's time. On a torus, the
-        all-to-all's.
+        all-to-all's. With group-limited routing (`groups` = (G groups, M per token), the model's
+        `router_groups`, `router_group_topk`) fewer nodes are hit: `routed_node_share`.
         """
         if e <= 1:
             return 0.0
@@ -377,7 +401,7 @@ class System:
         if training is not None and training.moe_dispatcher == "deepep" and g < e:
             nodes = e // g
             k = max(1, int(copies))
-            hit = 1.0 - (1.0 - 1.0 / nodes) ** k  # one given other node holds one of the k experts
+            hit = routed_node_share(nodes, k, *groups)  # one given other node holds one of the k experts
             near = (g - 1) * self.intra_node.latency + nbytes * (g - 1) / g / self.intra_node.bandwidth
             far = (nodes - 1) * (self.inter_node.latency + nbytes / k * hit / self.inter_node.bandwidth)
             return max(near, far)

@@ -247,3 +247,91 @@ def test_shipped_suites_set_the_published_dispatcher_and_overlap():
     q235 = [r for name, r in nemo.items() if r.model == "qwen3-235b-a22b"]
     assert q235 and all(r.moe_a2a_overlap and r.moe_dispatcher == "alltoall" for r in q235)
     assert nemo["DGX-H100, 16 GPUs, FP8, EP 16"].moe_dispatcher == "deepep"
+
+
+def _node_share_by_enumeration(nodes, k, groups, group_topk, experts):
+    """The share by brute force: every equally likely choice of the token's M groups, each of its k
+    experts uniform over the chosen groups' experts; experts and groups laid out contiguously."""
+    import itertools
+
+    per_node, per_group = experts // nodes, experts // groups
+    total = 0.0
+    for node in range(nodes):
+        mine = set(range(node * per_node, (node + 1) * per_node))
+        subsets = list(itertools.combinations(range(groups), group_topk))
+        for chosen in subsets:
+            pool = [x for g in chosen for x in range(g * per_group, (g + 1) * per_group)]
+            inside = sum(1 for x in pool if x in mine) / len(pool)
+            total += (1.0 - (1.0 - inside) ** k) / len(subsets)
+    return total / nodes
+
+
+@pytest.mark.parametrize("nodes, groups, group_topk, k", [
+    (8, 8, 4, 8), (4, 8, 4, 8), (2, 8, 3, 6), (8, 4, 2, 8), (16, 4, 1, 4), (4, 4, 4, 8), (8, 8, 1, 2)])
+def test_group_limited_routing_reaches_the_nodes_enumeration_says(nodes, groups, group_topk, k):
+    """DeepSeek-V3's node-limited routing (a token's experts from its best M of G groups): the
+    closed form equals brute-force enumeration when a node holds whole groups or a group spans whole
+    nodes; M = G is the ungrouped share; fewer groups per token never reach more nodes."""
+    from phaze_opt.system import routed_node_share
+
+    experts = 8 * nodes * groups
+    got = routed_node_share(nodes, k, groups, group_topk)
+    assert got == pytest.approx(_node_share_by_enumeration(nodes, k, groups, group_topk, experts), rel=1e-12)
+    assert routed_node_share(nodes, k, groups, groups) == pytest.approx(1 - (1 - 1 / nodes) ** k, rel=1e-12)
+    assert got <= routed_node_share(nodes, k) + 1e-12
+
+
+def test_deepseek_v3_sends_fewer_copies_between_nodes_with_its_node_limited_routing():
+    """The model card's n_group 8 / topk_group 4 reach the all-to-all: over 8 nodes DeepEP sends
+    (1 - 0.75^8)/2 = 0.45 of the token copies to a given node instead of 1 - (7/8)^8 = 0.66; the
+    plain all-to-all sends every copy to its expert's rank either way."""
+    import dataclasses
+
+    from phaze_opt.system import load_system
+    from phaze_opt.workload.models import load_model, parse_model
+
+    model = load_model("deepseek-v3")
+    assert (model.router_groups, model.router_group_topk) == (8, 4)
+    system = dataclasses.replace(load_system("dgx-h100"), accelerators=64)
+    deepep, plain = Training(moe_dispatcher="deepep"), Training()
+    grouped = system.alltoall_s(1e9, 64, 1, deepep, 8, (8, 4))
+    ungrouped = system.alltoall_s(1e9, 64, 1, deepep, 8)
+    assert grouped < ungrouped
+    assert system.alltoall_s(1e9, 64, 1, plain, 8, (8, 4)) == system.alltoall_s(1e9, 64, 1, plain, 8)
+    import yaml
+
+    base = yaml.safe_load(open(model.source))  # the shipped file, as a user's copy would read
+    base.pop("router_groups"), base.pop("router_group_topk")
+    parse_model(base, "ds.yaml")  # without the fields: ungrouped routing
+    for bad, words in (({"router_groups": 7, "router_group_topk": 4}, "must divide experts"),
+                       ({"router_groups": 8}, "come together"),
+                       ({"router_groups": 8, "router_group_topk": 9}, "must be at most router_groups")):
+        with pytest.raises(PhazeError, match=words):
+            parse_model({**base, **bad}, "ds.yaml")
+
+
+def test_the_evaluator_routes_by_the_model_s_groups(monkeypatch, tmp_path):
+    """A tiny MoE whose EP group spans two nodes, DeepEP: declaring group-limited routing (one of two
+    groups per token, a group per node) leaves every token's experts on one node, so the iteration is
+    shorter than with the same model routed freely; the graphs and memory are the same."""
+    import dataclasses
+
+    from phaze_opt.design.evaluate import evaluate
+    from phaze_opt.hardware.arch import load_arch
+    from phaze_opt.system import load_system
+    from phaze_opt.workload.models import parse_model
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    tiny = dict(name="tiny-moe", family="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, seq=512,
+                vocab=512, activation="swiglu", norm="rmsnorm", position="rotary", tied_embeddings=False, bias=False,
+                dropout=0.0, attention="flash", experts=4, top_k=2, expert_ffn=128)
+    free = parse_model(tiny, "tiny.yaml")
+    limited = parse_model(dict(tiny, router_groups=2, router_group_topk=1), "tiny.yaml")
+    system = dataclasses.replace(load_system("dgx-h100"), accelerators=4, devices_per_node=2, nics_per_node=2,
+                                 global_batch=8)
+    recipe = Training(1, placement="tp=1,pp=1,dp=4,ep=4", expert_tensor_parallel=1, moe_dispatcher="deepep")
+    arch = load_arch("h100-sxm")
+    a, b = (evaluate(m, arch, recipe, system, 10.0) for m in (free, limited))
+    assert a.feasible and b.feasible
+    assert b.time_per_batch_s < a.time_per_batch_s
+    assert b.placement["peak_memory_bytes"] == a.placement["peak_memory_bytes"]

@@ -326,6 +326,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         training=training,
         fp8_transposed_copy=not arch.tc_fp8_any_layout,
         top_k=model.top_k if model.moe else 1,
+        router_groups=(model.router_groups, model.router_group_topk),
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.

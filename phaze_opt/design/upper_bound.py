@@ -274,6 +274,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         reduction_hidden=training.overlap_grad_reduce or training.overlap_param_gather,
         fp8_transposed_copy=False,  # the fewest FP8 weight copies any chip keeps: a bound for every chip
         top_k=model.top_k if model.moe else 1,
+        router_groups=(model.router_groups, model.router_group_topk),
     )
     result = optimal_placement(problem)
     return float(result.throughput) if result.feasible else 0.0

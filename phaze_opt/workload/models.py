@@ -61,7 +61,7 @@ OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "t
             *("head_dim", "qk_norm", "window", "global_every", "parallel_block", "mtp_layers",
               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
-              "capacity_factor"))
+              "capacity_factor", "router_groups", "router_group_topk"))
 # Mixture-of-experts fields (see `ModelConfig`): absent means a dense model, and a dense model's
 # identity (hence every cache key) is what it was before they existed.
 MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
@@ -74,7 +74,7 @@ ATTENTIONS = ("unfused", "flash")  # flash: one fused attention kernel per pass 
 # (and caches) as it did before the field existed.
 MODERN_DEFAULTS = {"head_size": 0, "qk_norm": False, "window": 0, "global_every": 0, "parallel_block": False,
                    "mtp_layers": 0, "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0,
-                   "qk_rope_head_dim": 0, "v_head_dim": 0}
+                   "qk_rope_head_dim": 0, "v_head_dim": 0, "router_groups": 0, "router_group_topk": 0}
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -156,6 +156,14 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Group-limited routing (DeepSeek-V3 report, arXiv:2412.19437, Sec. 2.1.2 "Node-Limited Routing":
+    # each token is sent to at most M nodes; model card config.json n_group 8, topk_group 4;
+    # Megatron-Core `--moe-router-num-groups`, `--moe-router-group-topk`): the routed experts fall into
+    # `router_groups` equal groups and a token's top-k experts come from its best `router_group_topk`
+    # of them. It changes no graph, only what DeepEP sends between nodes (System.alltoall_s).
+    # 0: not used.
+    router_groups: int = 0
+    router_group_topk: int = 0
     source: str = field(default="", compare=False)  # the file it came from; not part of its identity
 
     @property
@@ -453,12 +461,13 @@ def _modern_fields(data: dict, file, family: str, layers: int, mla: int) -> dict
 
 def _moe_fields(data: dict, file, ffn: int, layers: int, family: str) -> dict:
     """The mixture-of-experts fields, checked; all defaults (a dense model) when `experts` is absent."""
-    present = [k for k in MOE_FIELDS if k in data]
+    present = [k for k in MOE_FIELDS + ("router_groups", "router_group_topk") if k in data]
     if "experts" not in data:
         if present:
             raise config_error(file, present[0], "only a mixture-of-experts model (one that sets experts) takes it")
         return {"experts": 0, "top_k": 0, "expert_ffn": ffn, "shared_experts": 0, "dense_layers": 0,
-                "gate_renorm": True, "aux_loss_coef": 0.01, "capacity_factor": 1.0}
+                "gate_renorm": True, "aux_loss_coef": 0.01, "capacity_factor": 1.0,
+                "router_groups": 0, "router_group_topk": 0}
     if family == "bert":
         raise config_error(file, "experts", "mixture-of-experts blocks are built for the decoder families only")
     experts = configs.positive_int(data, "experts", file, limit=MOE_LIMIT)
@@ -479,7 +488,18 @@ def _moe_fields(data: dict, file, ffn: int, layers: int, family: str) -> dict:
     alpha = data.get("aux_loss_coef", 0.01)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < 1e6:
         raise config_error(file, "aux_loss_coef", f"must be a non-negative number, got {alpha!r}")
+    groups = _non_negative_int(data, "router_groups", file, MOE_LIMIT)
+    if groups and experts % groups:
+        raise config_error(file, "router_groups", f"must divide experts ({experts}), got {groups}")
+    group_topk = _non_negative_int(data, "router_group_topk", file, MOE_LIMIT)
+    if bool(groups) != bool(group_topk):
+        raise config_error(file, "router_group_topk" if groups else "router_groups",
+                           "router_groups and router_group_topk come together (group-limited routing)")
+    if groups and not (group_topk <= groups and top_k <= group_topk * (experts // groups)):
+        raise config_error(file, "router_group_topk", f"must be at most router_groups ({groups}) and leave room "
+                           f"for top_k ({top_k}) experts in its groups, got {group_topk}")
     return {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn, "shared_experts": shared,
+            "router_groups": groups, "router_group_topk": group_topk,
             "dense_layers": dense, "gate_renorm": _boolean(data, "gate_renorm", file, default=True),
             "aux_loss_coef": float(alpha),
             "capacity_factor": check_capacity_factor(data.get("capacity_factor", 1.0), f"{file}: capacity_factor")}

@@ -203,7 +203,7 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
         a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride, problem.training,
-                                        problem.top_k)
+                                        problem.top_k, problem.router_groups)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
         # a rerun MoE layer (`moe` recompute) runs these forward terms again

@@ -114,7 +114,7 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         again = lc.module_s
         if any_moe:
             stride = problem.training.expert_stride(lc.tp, c)
-            a2a = np.array([system.alltoall_s(imb * b, e, stride, problem.training, problem.top_k)
+            a2a = np.array([system.alltoall_s(imb * b, e, stride, problem.training, problem.top_k, problem.router_groups)
                             for b in sizes])[where]
             fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)

@@ -291,6 +291,9 @@ class PlacementProblem:
     # Experts per token (the router's top-k): the copies of each token a `dispatch_bytes` payload
     # holds, which DeepEP sends once per node (`System.alltoall_s`).
     top_k: int = 1
+    # Group-limited routing, (router_groups, router_group_topk) of the model ((0, 0): none): fewer
+    # nodes a token reaches, what DeepEP sends fewer copies to (`System.alltoall_s`).
+    router_groups: tuple = (0, 0)
 
     def __post_init__(self):
         costs = self.costs.values() if isinstance(self.costs, Mapping) else self.costs
@@ -316,6 +319,7 @@ class PlacementProblem:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1:
             raise ValueError(f"PlacementProblem.top_k must be a positive integer, got {self.top_k!r}")
         object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "router_groups", tuple(int(x) for x in self.router_groups))
         if not (self.hbm_bandwidth >= 0 and math.isfinite(self.hbm_bandwidth)):
             raise ValueError(f"PlacementProblem.hbm_bandwidth must be finite and non-negative, got {self.hbm_bandwidth!r}")
         il = int(self.interleave_layers) or first.n_layers
