@@ -131,8 +131,9 @@ def routed_node_share(nodes: int, k: int, groups: int = 0, group_topk: int = 0) 
     ungrouped share (M = G gives it exactly)."""
     if nodes <= 1:
         return 1.0
+    free = 1.0 - (1.0 - 1.0 / nodes) ** k  # routed over every expert
     if not groups or group_topk >= groups:
-        return 1.0 - (1.0 - 1.0 / nodes) ** k
+        return free
     if groups % nodes == 0:
         per = groups // nodes
         total = math.comb(groups, group_topk)
@@ -140,7 +141,7 @@ def routed_node_share(nodes: int, k: int, groups: int = 0, group_topk: int = 0) 
                    for j in range(0, min(per, group_topk) + 1))
     if nodes % groups == 0:
         return group_topk / groups * (1.0 - (1.0 - groups / (nodes * group_topk)) ** k)
-    return 1.0 - (1.0 - 1.0 / nodes) ** k
+    return free
 
 @dataclass(frozen=True)
 class Link:

@@ -91,8 +91,8 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES, Training
-from ..training import check_recompute_modules
+from ..training import (ATTENTIONS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES, Training,
+                        check_recompute_modules)
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -486,7 +486,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
     flags = {}
     for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss",
-                 "fp8_param_gather"):
+                 "fp8_param_gather", "moe_a2a_overlap"):
         flags[name] = row.get(name, False)
         if not isinstance(flags[name], bool):
             raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
@@ -524,7 +524,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
     if "stack" in row:
         flags["stack"] = _choice(row, "stack", STACKS, file, at)
-    flags.update(_moe_flags(row, ep, recompute, file, at))
+    flags.update(_moe_flags(row, flags["moe_a2a_overlap"], ep, recompute, file, at))
     if "recompute_modules" in row:
         flags["recompute_modules"] = _recompute_modules(row, recompute, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
@@ -537,21 +537,17 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                **_row_numbers(row, at, metric, papers, file), **names)
 
 
-def _moe_flags(row: Mapping[str, Any], ep: int, recompute: str, file, at: str) -> dict:
-    """The row's EP all-to-all fields (the overlap, the dispatcher), where it sets them."""
-    out = {}
-    if "moe_a2a_overlap" in row:
-        out["moe_a2a_overlap"] = row["moe_a2a_overlap"]
-        if not isinstance(out["moe_a2a_overlap"], bool):
-            raise config_error(file, f"{at}.moe_a2a_overlap", f"must be true or false, got {row['moe_a2a_overlap']!r}")
-        if out["moe_a2a_overlap"] and ep < 2:  # Megatron-Core asserts expert_model_parallel_size > 1
-            raise config_error(file, f"{at}.moe_a2a_overlap", "needs ep > 1 (no all-to-all to overlap)")
-        if out["moe_a2a_overlap"] and recompute == "full":  # Training refuses it, as Megatron-Core does
-            raise config_error(file, f"{at}.moe_a2a_overlap", "cannot run with recompute full (Megatron-Core "
-                                                               "refuses full recomputation with the overlap)")
-    if "moe_dispatcher" in row:
-        out["moe_dispatcher"] = _choice(row, "moe_dispatcher", MOE_DISPATCHERS, file, at)
-    return out
+def _moe_flags(row: Mapping[str, Any], overlap: bool, ep: int, recompute: str, file, at: str) -> dict:
+    """The row's EP all-to-all fields: the overlap (already read as a boolean) checked against its
+    EP width and recompute, and the dispatcher where the row sets it."""
+    if overlap and ep < 2:  # Megatron-Core asserts expert_model_parallel_size > 1
+        raise config_error(file, f"{at}.moe_a2a_overlap", "needs ep > 1 (no all-to-all to overlap)")
+    if overlap and recompute == "full":  # Training refuses it, as Megatron-Core does
+        raise config_error(file, f"{at}.moe_a2a_overlap", "cannot run with recompute full (Megatron-Core "
+                                                           "refuses full recomputation with the overlap)")
+    return {"moe_dispatcher": _choice(row, "moe_dispatcher", MOE_DISPATCHERS, file, at)} if "moe_dispatcher" in row else {}
+
+
 def _recompute_modules(row: Mapping[str, Any], recompute: str, file, at: str) -> tuple[str, ...]:
     """A row's `recompute_modules`: a list of module names, checked as the recipe checks them."""
     value = row["recompute_modules"]
