@@ -50,8 +50,9 @@ tensor cores read either major order (`Accelerator.tc_fp8_any_layout`, archs/b20
 rank, not optimizer state: Megatron-Core's distributed optimizer (ZeRO-1) shards only the
 optimizer state, so every data-parallel rank holds its stage's copies whole (solve/placement/types.py
 `weight_copies`); under ZeRO-3 they are made from the gathered layer and live in its working set.
-They are charged on every parameter (the embedding and output layer have none; FP8 primary weights,
-`--fp8-param-gather`, which drop the BF16 weight, are not modelled).
+They are charged on every parameter (the embedding and output layer have none). FP8 primary
+weights (`--fp8-param-gather`, `Training.fp8_param_gather`) drop the BF16 weight: the FP8 weight is
+the parameter and its row-wise copy (solve/placement/types.py `state_split`, `weight_copies`).
 
 Saved activations: TE saves the FP8 (column-wise) cast of each linear layer's input for the weight
 gradient instead of the BF16 input (same page: "By default, TE saves the columnwise quantized input
@@ -64,8 +65,8 @@ sequence-parallel parts shrink the same way. The embedding and output layer stay
 
 Communication: BF16 throughout. Megatron-Core's tensor-parallel all-reduces and the data-
 parallel gradient reductions carry BF16/FP32; FP8 all-gathers happen only with
-`--fp8-param-gather` (FP8 primary weights, not modelled) or TE's FP8 userbuffers overlap, off by
-default.
+`--fp8-param-gather` (FP8 primary weights, `Training.fp8_param_gather`: the weight all-gather moves
+1-byte weights) or TE's FP8 userbuffers overlap, off by default.
 """
 
 from __future__ import annotations
