@@ -18,7 +18,7 @@ from phaze_opt.validation.suites import (
 from phaze_opt.workload.graphs import model_params
 from phaze_opt.workload.models import load_model
 
-SUITES = ("korthikanti-2022", "layers-h100", "layers-h100-2026", "layers-h200-2026", "megatron-core-h100",
+SUITES = ("dgxc-h100-bf16", "korthikanti-2022", "layers-h100", "layers-h100-2026", "layers-h200-2026", "megatron-core-h100",
           "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100", "tpuv4-pod")
 TRUTH = configs.shipped_dir() / "validation" / "truth" / "h100-blocks.json"
 
@@ -298,7 +298,7 @@ def test_layer_suite_errors(tmp_path):
 
 
 def test_unknown_suite_lists_the_choices():
-    with pytest.raises(PhazeError, match="unknown validation suite 'nope': choose one of korthikanti-2022, layers-h100"):
+    with pytest.raises(PhazeError, match="unknown validation suite 'nope': choose one of dgxc-h100-bf16, korthikanti-2022, layers-h100"):
         load_suite("nope")
     with pytest.raises(PhazeError, match="no such validation suite file"):
         load_suite("missing/suite.yaml")

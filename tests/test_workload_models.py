@@ -44,7 +44,7 @@ MOE = ("mixtral-8x7b", "deepseek-moe-16b", "llama2-7b-32k")  # and the long-cont
 # Models trained since 2023 (decoupled heads, MQA, QK-norm, windows, parallel blocks, MLA, MTP); their
 # sizes are tested in test_workload_modern.py.
 MODERN = ("llama3-8b", "llama3-70b", "llama3-405b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3",
-          "gpt-oss-120b", "nemotron-4-340b", "palm-540b")
+          "gpt-oss-120b", "nemotron-4-15b", "nemotron-4-340b", "palm-540b")
 
 
 def test_every_shipped_config_is_listed():

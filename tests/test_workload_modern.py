@@ -34,6 +34,7 @@ PUBLISHED = {
     "qwen3-235b-a22b": (235e9, 22e9),
     "deepseek-v3": (671e9, 37e9),
     "gpt-oss-120b": (116.83e9, 5.13e9),
+    "nemotron-4-15b": (15.7e9, None),  # Table 1: 3.2B embedding + 12.5B non-embedding
     "nemotron-4-340b": (341e9, None),
     "palm-540b": (540.35e9, None),
 }
@@ -359,6 +360,7 @@ CARD_FEATURES = {
                     "moe_top_k": "8", "shared_experts": "1", "dense_layers": "3", "mtp_layers": "1"},
     "gpt-oss-120b": {"attention": "gqa", "kv_heads": "8", "head_dim": "64", "window": "128", "global_every": "2",
                      "moe_experts": "128", "moe_top_k": "4"},
+    "nemotron-4-15b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
     "nemotron-4-340b": {"attention": "gqa", "kv_heads": "8", "moe_experts": "0"},
     "palm-540b": {"attention": "mqa", "kv_heads": "1", "head_dim": "256", "parallel_block": "true"},
 }

@@ -107,6 +107,7 @@ PUBLISHED_FIELDS = (
     "hfu_percent",  # hardware FLOPs utilisation
     "throughput_increase_percent",  # speed-up over the paper's baseline
     "tokens_per_s_per_gpu",  # training tokens per second per GPU (NeMo / Megatron-Bridge tables)
+    "tokens_per_s",  # training tokens per second over all GPUs (DGX Cloud Benchmarking tables)
 )
 # The GEMM datatype a published run trained in. NVIDIA's NeMo / Megatron-Bridge tables name bf16, fp8
 # (per-tensor scaling, delayed or current), mxfp8 (1 x 32 blocks with an E8M0 scale) and nvfp4. The
