@@ -78,8 +78,11 @@ It holds
   run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
   each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
   "Overlap Communication with Dependent Computation via Decomposition", ASPLOS 2023): a layer pass
-  of time T with TP collectives C takes max(T - C, C), only the part of C longer than the rest of
-  the pass exposed (`design.evaluate.layer_costs`). Without SP the all-reduces stay exposed (the
+  of time T with TP collectives C takes max(T - C + x C, C), the part of C longer than the rest of
+  the pass exposed, and x C for what the overlap costs itself: a pipelined reduce-scatter's last
+  chunk runs after its GEMM and the collective kernels take SMs from the GEMMs beside them (x from
+  the userbuffers plan NVIDIA ships for H100: 0.20 forward, 0.06 backward; `design.evaluate.UB_EXPOSED`,
+  `layer_costs`). Without SP the all-reduces stay exposed (the
   overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
   are. Default off.
 - `stack`: the software stack's kernel fusion, which sets how many kernels a layer launches and
