@@ -142,6 +142,18 @@ It holds
   as in Megatron-Core, where each flag acts only inside its module: one recipe serves a model
   that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
   rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
+- `cp_comm`: how context parallelism moves K and V (Megatron-Core `--cp-comm-type`): `p2p`
+  (default: ring attention, each of the c - 1 K/V blocks passed to the ring neighbour while the
+  attention core of the block before runs; Liu et al. 2023) or `all_gather` (Megatron-Core /
+  Transformer Engine `AttnFuncWithCPAndKVAllGather`, whose docstring says the "KV all-gather
+  between CP ranks is exposed": the whole sequence's K and V are all-gathered over the CP group
+  before the attention and dK, dV reduce-scattered after its backward, neither under compute).
+  Meta trains Llama 3 405B's long-context stage so: "we first all-gather the key (K) and value
+  (V) tensors, and then compute attention output for the local query (Q) tensor chunk ...
+  Although the all-gather communication latency is exposed in the critical path ... the
+  communicated K and V tensors are much smaller than Q tensor due to the use of GQA" (Llama Team,
+  arXiv 2407.21783, Sec. 3.3.2, "Context parallelism"). Priced in `solve.placement.evaluate`;
+  Megatron-Core's `a2a` and `a2a+p2p` are not modelled. No effect at CP 1. Not sampled by a space.
 
 A new field gets a default that means today's behaviour (so every caller and stored study keeps
 working), its check in `__post_init__`, and, when a search space may sample it, its name in
@@ -184,6 +196,9 @@ PLACEMENTS = ("optimal", "expert")
 STACKS = ("megatron-lm", "eager", "megatron-te")
 # EP token dispatchers (`System.alltoall_s`); the first is the default, today's all-to-all.
 MOE_DISPATCHERS = ("alltoall", "deepep")
+# Context-parallel K/V exchanges (Megatron-Core `--cp-comm-type`, of which a2a and a2a+p2p are not
+# modelled); the first is the default, today's ring.
+CP_COMMS = ("p2p", "all_gather")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
 MAX_VIRTUAL_STAGES = 64
@@ -357,6 +372,7 @@ class Training:
     moe_a2a_overlap: bool = False
     moe_dispatcher: str = "alltoall"
     recompute_modules: tuple[str, ...] | None = None
+    cp_comm: str = CP_COMMS[0]
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -396,6 +412,10 @@ class Training:
         if dispatcher not in MOE_DISPATCHERS:
             raise PhazeError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         object.__setattr__(self, "moe_dispatcher", dispatcher)
+        cp_comm = str(self.cp_comm).strip().lower()
+        if cp_comm not in CP_COMMS:
+            raise PhazeError(f"cp_comm must be one of {', '.join(CP_COMMS)}, got {self.cp_comm!r}")
+        object.__setattr__(self, "cp_comm", cp_comm)
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
@@ -465,7 +485,8 @@ class Training:
                 **({"stack": self.stack} if self.stack != STACKS[0] else {}),
                 **({"moe_a2a_overlap": True} if self.moe_a2a_overlap else {}),
                 **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
-                **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {})}
+                **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {}),
+                **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence

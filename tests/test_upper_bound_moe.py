@@ -30,7 +30,8 @@ def _cache(monkeypatch, tmp_path_factory):
 HBM = 20 * 2**20
 RECIPES = [dict(recompute="none"), dict(recompute="selective", zero=1), dict(recompute="full", overlap_grad_reduce=True),
            dict(recompute="none", zero=1, overlap_grad_reduce=True),
-           dict(recompute="none", zero=2, overlap_grad_reduce=True, overlap_param_gather=True)]
+           dict(recompute="none", zero=2, overlap_grad_reduce=True, overlap_param_gather=True),
+           dict(recompute="none", cp_comm="all_gather")]  # all-gather CP: level 1 prices its exposed gathers
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
+from ..training import CP_COMMS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -85,6 +85,10 @@ def add_arguments(p):
                    help="Megatron-Core --overlap-moe-expert-parallel-comm: the EP all-to-alls of one microbatch "
                         "under the compute of another in the steady 1F1B phase (needs virtual stages when pp > 1; "
                         "not with full recompute)")
+    p.add_argument("--cp-comm", choices=CP_COMMS, default=CP_COMMS[0],
+                   help="how context parallelism moves K and V (Megatron-Core --cp-comm-type): p2p (ring attention, "
+                        "each K/V hop under one block's attention) or all_gather (K/V all-gathered before the "
+                        "attention, dK/dV reduce-scattered after it, exposed; Llama 3's CP) (default p2p)")
     add_ilp_time_limit(p)
 
 
@@ -115,7 +119,7 @@ def run(args) -> dict:
                       expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
                       fp8_param_gather=args.fp8_param_gather,
                       moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
-                      recompute_modules=args.recompute_modules)
+                      recompute_modules=args.recompute_modules, cp_comm=args.cp_comm)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -172,6 +176,8 @@ def render(r: dict) -> str:
         extras.append(f"{r['moe_dispatcher']} dispatcher")
     if r.get("moe_a2a_overlap"):
         extras.append("EP all-to-all overlapped")
+    if r.get("cp_comm"):
+        extras.append(f"{r['cp_comm']} context parallelism")
     if r.get("stack"):
         extras.append(f"{r['stack']} kernels")
     if r.get("attention"):

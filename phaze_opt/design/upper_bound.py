@@ -39,7 +39,12 @@ the lower-bound work of the layers traced at s / c (the further ring-attention b
 level 0 takes min over t and c of t c W_{t,c} (`WidthBounds.cp_bounds`). Level 1 runs the EP/CP
 placement search with the sizes exact (expert parameters, all-to-all and K/V bytes) and the time
 terms at their lower bounds: the experts' imbalance and the attention cores at zero (CP's per-step
-time (c - 1) max(core, K/V hop) is non-decreasing in the core, so zero bounds it).
+time (c - 1) max(core, K/V hop) is non-decreasing in the core, so zero bounds it). All-gather CP
+(`Training.cp_comm`) takes (c - 1) (core + K/V hop) per pass, at least the ring's (c - 1) max(core,
+hop) and non-decreasing in the core too; its hop and its gathered K/V bytes on the working set
+depend only on the exact K/V sizes and the link, so level 1, which runs the point's own recipe,
+prices them as the evaluation does (the same memory fits), and level 0, which leaves every
+communication out, stands for both.
 
 MoE parallel folding (`Training.expert_tensor_parallel`) prices the experts' GEMMs at another width
 than the layers these bounds are traced at, so neither level covers it; no space samples it (it is

@@ -39,7 +39,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import MOE_DISPATCHERS, STACKS, Layout, Training
+from ..training import CP_COMMS, MOE_DISPATCHERS, STACKS, Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -148,7 +148,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"stack": row.stack} if row.stack != STACKS[0] else {}),
             **({"moe_a2a_overlap": True} if row.moe_a2a_overlap else {}),
             **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
-            **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {})}
+            **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {}),
+            **({"cp_comm": row.cp_comm} if row.cp_comm != CP_COMMS[0] else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -170,7 +171,7 @@ def row_training(row: Row) -> Training:
                     account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
                     fp8_param_gather=row.fp8_param_gather,
                     moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
-                    recompute_modules=row.recompute_modules)
+                    recompute_modules=row.recompute_modules, cp_comm=row.cp_comm)
 
 
 def row_model(row: Row):

@@ -115,6 +115,16 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   is traced at s/c tokens. Memory: the activations traced at s/c, plus c - 1 more attention cores
   (the unfused s x s blocks; none with flash) where they are kept (none) or rebuilt (selective
   working set x c, full working set); selective recompute reruns c attention cores.
+  All-gather CP (`Training.cp_comm = "all_gather"`, Megatron-Core `--cp-comm-type all_gather`,
+  Transformer Engine's `AttnFuncWithCPAndKVAllGather`, "KV all-gather between CP ranks is
+  exposed"; Meta's CP for Llama 3, arXiv 2407.21783, Sec. 3.3.2: "Although the all-gather
+  communication latency is exposed in the critical path ..."): the same c blocks of attention core
+  and the same c - 1 K/V blocks on the same link, but gathered before the attention and, in
+  backward, gathered again with dK/dV reduce-scattered after it, none of it under compute: exposed
+  (c - 1) x (latency + bytes / bandwidth) forward and (c - 1) x (latency + 2 x bytes / bandwidth)
+  backward, never less than the ring's exposed part (the difference is (c - 1) x min(hop, core)
+  each way). The gathered c - 1 blocks live through the layer's attention: (c - 1) x `kv_bytes` on
+  its working set in every recompute mode, kept across no layer.
 - Gradients: the dense ones are reduced over the d x c ranks that hold the same weights, the routed
   experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
   kind's optimizer state over its own group, ZeRO-2 its gradients and state; the optimizer step
@@ -193,12 +203,12 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
     module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
     activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
     all-to-all time the EP overlap hides per paired forward and backward, the all-to-alls and
-    imbalance a `moe` recompute reruns)."""
+    imbalance a `moe` recompute reruns, the gathered K/V bytes of all-gather CP)."""
     fwd = float(costs.fwd_s[v])
     bwd = float(costs.bwd_s[v])
     expert = float(costs.expert_params[v])
     a2a = 0.0
-    extra_kept = extra_work = moe_again = 0.0
+    extra_kept = extra_work = moe_again = gathered = 0.0
     if expert > 0 or costs.expert_fwd_s[v] > 0:
         fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
         bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
@@ -215,7 +225,14 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
         steps = c - 1
         fwd += steps * core_f
         bwd += steps * core_b
-        if kv > 0:
+        if kv > 0 and problem.training.cp_comm == "all_gather":
+            # K and V all-gathered before the attention, dK and dV reduce-scattered after its
+            # backward, nothing under them (TE AttnFuncWithCPAndKVAllGather; Llama 3, Sec. 3.3.2:
+            # "the all-gather communication latency is exposed in the critical path")
+            fwd += steps * (ring_cp.latency + kv / ring_cp.bandwidth)
+            bwd += steps * (ring_cp.latency + 2.0 * kv / ring_cp.bandwidth)
+            gathered = steps * kv  # the other ranks' K/V blocks, held through the layer's attention
+        elif kv > 0:
             fwd += steps * max(0.0, ring_cp.latency + kv / ring_cp.bandwidth - core_f)
             bwd += steps * max(0.0, ring_cp.latency + 2.0 * kv / ring_cp.bandwidth - core_b)
         core_bytes = float(costs.activation_bytes[v]) - float(costs.selective_bytes[v])
@@ -233,7 +250,7 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
         hidden = max(0.0, fwd + bwd - paired)
         fwd -= 0.5 * hidden
         bwd -= 0.5 * hidden
-    return fwd, bwd, extra_kept, extra_work, expert, hidden, moe_again
+    return fwd, bwd, extra_kept, extra_work, expert, hidden, moe_again, gathered
 
 
 def evaluate_placement(
@@ -292,7 +309,7 @@ def evaluate_placement(
         experts = 0.0
         hidden = 0.0
         for v in layers:
-            fwd_v, bwd_v, extra_kept, extra_work, expert_v, hidden_v, moe_again = _parallel_layer(
+            fwd_v, bwd_v, extra_kept, extra_work, expert_v, hidden_v, moe_again, gathered = _parallel_layer(
                 problem, costs, v, e, c, imb, ring_cp, stride)
             hidden += hidden_v
             compute += fwd_v + bwd_v
@@ -315,6 +332,7 @@ def evaluate_placement(
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
             if zero == 3:  # the layer's gathered parameters (and their low-precision copies) live through its passes
                 work += float(costs.params[v]) * (w_b + k_b)
+            work += gathered  # all-gather CP's K/V, whatever the recompute mode
             recompute += rec
             rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
             backward += bwd_v + rec

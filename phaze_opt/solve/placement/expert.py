@@ -9,7 +9,8 @@ does for TP/PP/DP alone. Problems without EP, CP or a load imbalance go to that 
 
 How. For a fixed (c, e) every layer's time and memory terms are fixed numbers
 (`effective_costs`: the all-to-alls, the extra ring-attention blocks and their exposed K/V
-transfers, the routed experts' parameters over e, the c - 1 further attention cores), so the stage
+transfers, or all-gather CP's exposed K/V gathers and its gathered blocks on the working set, the
+routed experts' parameters over e, the c - 1 further attention cores), so the stage
 costs are those of `placement`'s stacks over these per-layer arrays; what (c, e) adds is
 per-stage: the gradient reduction of the dense parameters over d c ranks and of the routed experts
 over their EDP replicas (d c / e, or t c d / (e ETP) folded: `Training.expert_replicas`), and
@@ -87,15 +88,23 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         bwd_moe = lc.bwd_s + (imb - 1.0) * lc.expert_bwd_s
     core_bytes = lc.activation_bytes - lc.selective_bytes
     extra = np.zeros(lc.n_layers)
+    zeros = np.zeros(lc.n_layers)
+    gathered = zeros
     if c > 1:
         link = system.cp_link(lc.tp, c)
         core_f = (c - 1) * lc.core_fwd_s
         core_b = (c - 1) * lc.core_bwd_s
         send = lc.kv_bytes > 0
-        kv_f = np.where(send, (c - 1) * np.maximum(0.0, link.latency + lc.kv_bytes / link.bandwidth - lc.core_fwd_s), 0.0)
-        kv_b = np.where(send, (c - 1) * np.maximum(0.0, link.latency + 2.0 * lc.kv_bytes / link.bandwidth - lc.core_bwd_s), 0.0)
+        hop_f = link.latency + lc.kv_bytes / link.bandwidth
+        hop_b = link.latency + 2.0 * lc.kv_bytes / link.bandwidth
+        if problem.training.cp_comm == "all_gather":  # placement.evaluate: gathered, nothing under it
+            kv_f = np.where(send, (c - 1) * hop_f, 0.0)
+            kv_b = np.where(send, (c - 1) * hop_b, 0.0)
+            gathered = np.where(send, (c - 1) * lc.kv_bytes, 0.0)
+        else:  # the ring: each hop under one block's core
+            kv_f = np.where(send, (c - 1) * np.maximum(0.0, hop_f - lc.core_fwd_s), 0.0)
+            kv_b = np.where(send, (c - 1) * np.maximum(0.0, hop_b - lc.core_bwd_s), 0.0)
         extra = (c - 1) * core_bytes
-    zeros = np.zeros(lc.n_layers)
     common = dict(
         activation_bytes=lc.activation_bytes + extra,
         full_work_bytes=lc.full_work_bytes + extra,
@@ -103,6 +112,7 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         selective_s=c * lc.selective_s,
         # the arrays below only feed `effective_costs` itself; zero so nothing is added twice
         dispatch_bytes=zeros, expert_fwd_s=zeros, expert_bwd_s=zeros, core_fwd_s=zeros, core_bwd_s=zeros, kv_bytes=zeros,
+        gathered_kv_bytes=gathered,
         cp=1,
     )
     outs = []

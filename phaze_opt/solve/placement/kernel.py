@@ -161,6 +161,7 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
     if problem.training.zero == 3:
         work = work + c.params * (state_split(problem)[0] + weight_copies(problem))
+    work = work + c.gathered_kv_bytes  # all-gather CP's K/V, whatever the mode (zero but in effective costs)
     return kept, work, rec
 
 

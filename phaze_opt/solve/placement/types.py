@@ -81,7 +81,9 @@ class LayerCosts:
     context-parallel width these costs were traced at (the layer works on seq / cp tokens);
     `a2a_hidden_s`, set only in the EP DP's effective costs (`expert.effective_costs`): the
     all-to-all time the EP overlap hides per paired forward and backward, already taken off
-    `fwd_s` and `bwd_s` (half each), which the unpaired microbatches pay back.
+    `fwd_s` and `bwd_s` (half each), which the unpaired microbatches pay back; `gathered_kv_bytes`,
+    likewise set only there: the other CP ranks' K/V blocks all-gather CP holds through the layer's
+    attention (`Training.cp_comm`), working set in every recompute mode (`kernel.layer_terms`).
     """
 
     tp: int
@@ -111,6 +113,7 @@ class LayerCosts:
     kv_bytes: np.ndarray | None = None
     cp: int = 1
     a2a_hidden_s: np.ndarray | None = None
+    gathered_kv_bytes: np.ndarray | None = None
 
     def __post_init__(self):
         if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
@@ -247,7 +250,7 @@ def weight_copies(problem: "PlacementProblem") -> int:
 
 # LayerCosts' expert- and context-parallel per-layer terms, zero by default (a dense model at a short sequence).
 PARALLEL_ARRAYS = ("expert_params", "dispatch_bytes", "expert_fwd_s", "expert_bwd_s", "core_fwd_s", "core_bwd_s",
-                   "kv_bytes", "a2a_hidden_s")
+                   "kv_bytes", "a2a_hidden_s", "gathered_kv_bytes")
 
 
 @dataclass(frozen=True, eq=False)
