@@ -111,3 +111,30 @@ def test_suites_name_the_stack_of_their_software(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(PhazeError, match="stack.*megatron-lm, eager, megatron-te"):
         load_suite(path)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_te_attention_keeps_its_own_v_not_the_fused_qkv_output(kv_heads):
+    """Transformer Engine's attention takes contiguous copies of Q, K, V whose strides match no packed
+    layout, so under `megatron-te` a grouped-query block keeps V alone and the fused QKV projection's
+    output is freed; eager PyTorch keeps V as a view, hence the whole QKV output. The difference is
+    exactly that output less V, with one KV head per query head too (RoPE has copied Q and K, so V's
+    strides still match no packed layout)."""
+    from phaze_opt.workload.layers import build_layer, example_inputs
+    from phaze_opt.workload.models import parse_model
+    from phaze_opt.workload.ops import ROW_FUSION
+    from phaze_opt.workload.trace import trace_layer_details
+
+    heads, hidden, seq = 8, 64, 16
+    model = parse_model({"name": "tiny-gqa", "family": "llama", "layers": 2, "hidden": hidden, "heads": heads,
+                         "kv_heads": kv_heads, "ffn": 128, "seq": seq, "vocab": 96, "activation": "swiglu",
+                         "norm": "rmsnorm", "position": "rotary", "tied_embeddings": False, "bias": False,
+                         "dropout": 0.0, "attention": "flash"})
+    block = build_layer(model, "block", 1)
+    eager, te = (trace_layer_details(block, example_inputs(model, "block", 1, seq), name="block", fuse=fuse)
+                 for fuse in (True, ROW_FUSION))
+    d = hidden // heads
+    qkv_out, v = seq * (heads + 2 * kv_heads) * d * 2, seq * kv_heads * d * 2
+    assert eager.activation_bytes - te.activation_bytes == qkv_out - v
+    assert any(n == "mm" and b == qkv_out for n, _, _, b in eager.saved)
+    assert not any(b == qkv_out for _, _, _, b in te.saved)

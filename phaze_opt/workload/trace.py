@@ -361,6 +361,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _is_attention_backward(node) -> bool:
+    return node.op == "call_function" and _namespace(node) == "phaze" and _op_name(node) == "flash_attention_backward"
+
+
 def _op_name(node) -> str:
     target = node.target
     if target is operator.getitem:
@@ -451,9 +455,17 @@ class _Mapper:
         return node
 
     def _saved(self):
-        """Forward values (or layer inputs) that backward ops read, one entry per storage."""
+        """Forward values (or layer inputs) that backward ops read, one entry per storage.
+
+        With Transformer Engine's kernels (`fuse=ROW_FUSION`) a storage the backward reads only as
+        views handed to the attention kernel is kept as those views alone: TE's DotProductAttention
+        makes Q, K and V contiguous when their strides match none of its packed layouts
+        (`get_qkv_layout`), as a V sliced out of the fused QKV projection's output does once RoPE
+        has copied Q and K, so the attention saves its own copy and the projection's output is
+        freed. Views that partition the storage (Q, K, V of an unrotated block) keep the same bytes.
+        Eager PyTorch's attention keeps the views, hence their whole storage."""
         bpos = self.pos[self.boundary]
-        bases = {}
+        bases, readers = {}, {}
         for n in self.nodes[bpos + 1:]:
             if n.op != "call_function":
                 continue
@@ -466,15 +478,21 @@ class _Mapper:
                 if not (base in self.input_ph or base in self.act_dep):
                     continue
                 bases[base] = None
+                readers.setdefault(base, {})[a] = readers.get(base, {}).get(a, True) and _is_attention_backward(n)
         rebuilt = self._rebuilt_in_backward(bases)
         saved, dropped = [], []
         for base in bases:
             vals = _vals(base)
             if len(vals) != 1:
                 continue
-            v = vals[0]
-            entry = (base.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v))
-            (dropped if base in rebuilt else saved).append(entry)
+            views = readers[base]
+            if self.fuse == ROW_FUSION and base not in views and all(views.values()):
+                kept = [(a, _vals(a)[0]) for a in views if len(_vals(a)) == 1]
+            else:
+                kept = [(base, vals[0])]
+            for node, v in kept:
+                entry = (node.name, tuple(v.shape), str(v.dtype).replace("torch.", ""), _nbytes(v))
+                (dropped if base in rebuilt else saved).append(entry)
         return tuple(saved), tuple(dropped)
 
     def _forward_consumers(self, node) -> list:
