@@ -1,0 +1,65 @@
+"""Wall time of `phaze-opt evaluate` of a 405B-class run on H100 (target: under 30 s).
+
+    python benchmarks/bench_evaluate.py [--repeats 3]
+
+Two runs of Llama 3.1 405B on `h100-sxm` / `dgx-h100`, the NeMo recipe of the dgxc-h100-bf16 suite
+(2,304 GPUs, global batch 1008, TP 8 CP 2 VP 7, sequence parallelism with TP-communication overlap,
+the distributed optimizer with both overlaps, Transformer Engine's kernels):
+- `fixed`: its published placement (tp=8,pp=9,dp=16,cp=2), what `validate` evaluates;
+- `search`: the exact placement DP over every TP / PP / DP / CP the recipe allows (`--placement`
+  left out), what a user asking "how should I split it" runs.
+Each run is a fresh `python -m phaze_opt evaluate` process. `cold` runs get an empty schedule and
+graph cache of their own (every layer traced and scheduled anew); `warm` runs reuse one cache filled
+by a first, untimed run. Prints the median and the minimum of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ["--model", "llama3-405b", "--arch", "h100-sxm", "--system", "dgx-h100", "--devices", "2304",
+          "--global-batch", "1008", "--mbs", "1", "--seq", "8192", "--recompute", "none", "--sequence-parallel",
+          "--tp-comm-overlap", "--virtual-stages", "7", "--zero", "1", "--overlap-grad-reduce",
+          "--overlap-param-gather", "--stack", "megatron-te", "--json"]
+CASES = {"fixed": ["--placement", "tp=8,pp=9,dp=16,cp=2"], "search": []}
+
+
+def one_run(cache: str, extra: list[str]) -> float:
+    cmd = [sys.executable, "-m", "phaze_opt", "evaluate", *RECIPE, *extra]
+    env = dict(os.environ, PHAZE_OPT_CACHE=cache, PYTHONPATH=str(ROOT), MLFLOW_DISABLE_TELEMETRY="true")
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        sys.exit(f"evaluate failed ({done.returncode}): {done.stderr.strip()}")
+    return wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    for name, extra in CASES.items():
+        cold = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                cold.append(one_run(cache, extra))
+        with tempfile.TemporaryDirectory() as cache:
+            one_run(cache, extra)
+            warm = [one_run(cache, extra) for _ in range(args.repeats)]
+        for label, runs in (("cold", cold), ("warm", warm)):
+            print(f"{name} {label}: median {statistics.median(runs):.1f} s, min {min(runs):.1f} s over "
+                  f"{len(runs)} runs ({', '.join(f'{r:.1f}' for r in runs)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
