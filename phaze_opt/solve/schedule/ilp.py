@@ -700,9 +700,14 @@ class BlockModel:
         t_aft, s_aft, c_aft = self._chain_terms(name, i, after, xval, tag + "d")
         w = prob.add_variable(f"w_{name}_{i}_{tag}", cat="Binary")
         x_k = self.x[sep] if sep in self.free_mode else 1.0
-        prob += pulp.lpSum(t_bef) + s_bef <= c_bef * (w + 1 - x_k)
-        prob += pulp.lpSum(t_aft) + s_aft <= c_aft * (2 - w - x_k)
-        prob += v >= need * on - pulp.lpSum(t_rest) - s_rest - pulp.lpSum(t_bef) - s_bef - pulp.lpSum(t_aft) - s_aft
+        # A side's chains of fixed-mode ops may overlap i by at most their static capacity, and by
+        # nothing when the side is shut: a variable up to it, not the constant (which would force
+        # the shut side's capacity to fit in zero and cut off every schedule that runs k split).
+        z_bef = prob.add_variable(f"zs_{name}_{i}_{tag}a", lowBound=0, upBound=s_bef)
+        z_aft = prob.add_variable(f"zs_{name}_{i}_{tag}d", lowBound=0, upBound=s_aft)
+        prob += pulp.lpSum(t_bef) + z_bef <= c_bef * (w + 1 - x_k)
+        prob += pulp.lpSum(t_aft) + z_aft <= c_aft * (2 - w - x_k)
+        prob += v >= need * on - pulp.lpSum(t_rest) - s_rest - pulp.lpSum(t_bef) - z_bef - pulp.lpSum(t_aft) - z_aft
 
     def _capacity_at(self, i: int, group: list[int], xval) -> float:
         total = 0.0
