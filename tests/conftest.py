@@ -27,6 +27,7 @@ OUTSIDE_LOG = os.environ["PHAZE_OPT_OUTSIDE_LOG"]
 LONGEST = (
     "tests/test_upper_bound.py::test_pruned_sweep_is_exact_over_every_recipe_field",
     "tests/test_fault_injection.py::test_a_killed_and_resumed_study_is_consistent",
+    "tests/test_workload_modern.py::test_featured_models_evaluate_and_the_bounds_hold",
     "tests/test_fault_injection.py::test_every_signal_stops_the_study_cleanly",
     "tests/test_crash_safety.py::test_two_processes_stop_at_the_total_and_count_their_own",
 )

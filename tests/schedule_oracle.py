@@ -6,7 +6,8 @@ just before that start are a subset of those running at it, so no limit is broke
 breadth-first search over integer time steps is exact. The state at time t is the set of finished
 ops and the running ops with their modes and remaining time; at each step every set of ready ops,
 in every allowed mode, that fits beside the running ones may start. The first step at which a
-state has every op finished is the optimal makespan.
+state has every op finished is the optimal makespan. A state reached at an earlier step is not
+expanded again: what is left to schedule from it is the same, only started later.
 
 Resources as the schedule semantics define them: a single-mode "tc" op needs 1 TC, "vc" 1 VC,
 "tc+vc" 1 TC and 1 VC; a split op needs every TC and every VC (nothing else computes beside it)
@@ -36,10 +37,11 @@ def _modes(unit, single, split, num_tc, num_vc):
 
 def oracle_makespan(units, single, split, edges, num_tc, num_vc, max_steps=10_000) -> int:
     n = len(units)
-    preds = [set() for _ in range(n)]
+    preds = [0] * n  # bit mask of each op's predecessors
     for a, b in edges:
-        preds[b].add(a)
+        preds[b] |= 1 << a
     modes = [_modes(units[i], int(single[i]), int(split[i]), num_tc, num_vc) for i in range(n)]
+    instant = [i for i in range(n) if any(m[0] == 0 for m in modes[i])]
     full = (1 << n) - 1
 
     def settle(done: int, started: int) -> tuple[int, int]:
@@ -47,18 +49,30 @@ def oracle_makespan(units, single, split, edges, num_tc, num_vc, max_steps=10_00
         changed = True
         while changed:
             changed = False
-            for i in range(n):
+            for i in instant:
                 bit = 1 << i
-                if started & bit or any(not (done >> p) & 1 for p in preds[i]):
-                    continue
-                if any(m[0] == 0 for m in modes[i]):
+                if not started & bit and preds[i] & done == preds[i]:
                     done |= bit
                     started |= bit
                     changed = True
         return done, started
 
+    def starts(ready, j, tc, vc, link, picked):
+        """Every set of ready ops, each in one mode, that fits beside the running ones (cores are
+        only ever added, so a set that overflows a limit is cut as soon as it does)."""
+        if j == len(ready):
+            yield picked
+            return
+        yield from starts(ready, j + 1, tc, vc, link, picked)
+        i = ready[j]
+        for m in modes[i]:
+            t, v, k = tc + m[1], vc + m[2], link + m[3]
+            if t <= num_tc and v <= num_vc and k <= 1:
+                yield from starts(ready, j + 1, t, v, k, picked + ((i, m),))
+
     done0, started0 = settle(0, 0)
     frontier = {(done0, started0, ())}
+    seen = set(frontier)
     for t in range(max_steps):
         for done, _, _ in frontier:
             if done == full:
@@ -69,32 +83,28 @@ def oracle_makespan(units, single, split, edges, num_tc, num_vc, max_steps=10_00
             for _, m, _ in running:
                 for k in range(3):
                     used[k] += m[1 + k]
-            ready = [i for i in range(n) if not (started >> i) & 1 and all((done >> p) & 1 for p in preds[i])]
-            choices = []
-            for i in ready:
-                choices.append([None] + list(modes[i]))
-            for pick in itertools.product(*choices) if choices else [()]:
-                u = list(used)
-                new = list(running)
+            ready = [i for i in range(n) if not (started >> i) & 1 and preds[i] & done == preds[i]]
+            for pick in starts(ready, 0, *used, ()):
+                if not pick and not running:
+                    continue  # idle with nothing running never helps
                 st = started
-                ok = True
-                for i, m in zip(ready, pick):
-                    if m is None:
-                        continue
-                    for k in range(3):
-                        u[k] += m[1 + k]
-                    new.append((i, m, m[0]))
-                    st |= 1 << i
-                if u[0] > num_tc or u[1] > num_vc or u[2] > 1 or not new:
-                    continue
                 d = done
                 still = []
-                for i, m, rem in new:
+                for i, m, rem in running:
                     if rem - 1 <= 0:
                         d |= 1 << i
                     else:
                         still.append((i, m, rem - 1))
+                for i, m in pick:
+                    st |= 1 << i
+                    if m[0] - 1 <= 0:
+                        d |= 1 << i
+                    else:
+                        still.append((i, m, m[0] - 1))
                 d, st = settle(d, st)
-                nxt.add((d, st, tuple(sorted(still))))
+                state = (d, st, tuple(sorted(still)))
+                if state not in seen:  # reached earlier: the same rest of the problem, started later
+                    seen.add(state)
+                    nxt.add(state)
         frontier = nxt
     raise RuntimeError("oracle did not finish")

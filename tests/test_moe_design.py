@@ -63,7 +63,7 @@ def test_parallel_terms_read_off_the_graph():
     arch = load_arch("tpuv4")
     system = small_system()
     tr = Training(2)
-    _, _, problem, per_tp = training_problem(m, arch, tr, system, (2,), 10.0)
+    _, _, problem, per_tp = training_problem(m, arch, tr, system, (2,), 2.0)
     lc = with_parallel_terms(per_tp[2].costs, m, arch, tr, system)
     blocks = [i for i, n in enumerate(lc.names) if n.startswith("block")]
     for i in range(lc.n_layers):
@@ -105,15 +105,15 @@ def test_design_problem_has_ep_and_cp_and_the_dp_beats_every_fixed_choice():
 
 def test_evaluate_fixed_placement_with_ep_and_cp():
     m = parse_model(TINY, "tiny.yaml")
-    r = evaluate(m, load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=4,ep=2,cp=2"), small_system(), 10.0)
+    r = evaluate(m, load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=4,ep=2,cp=2"), small_system(), 2.0)
     assert r.feasible and (r.placement["ep"], r.placement["cp"], r.placement["devices_used"]) == (2, 2, 8)
     imbalanced = evaluate(m, load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=4,ep=2,cp=2", load_imbalance=2.0),
-                          small_system(), 10.0)
+                          small_system(), 2.0)
     assert imbalanced.time_per_batch_s > r.time_per_batch_s
     with pytest.raises(PhazeError, match="ep=3: must divide the 4 experts"):
-        evaluate(m, load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=3,ep=3"), small_system(), 10.0)
+        evaluate(m, load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=3,ep=3"), small_system(), 2.0)
     with pytest.raises(PhazeError, match="has no experts"):
-        evaluate("llama2-7b", load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=4,ep=2"), small_system(), 10.0)
+        evaluate("llama2-7b", load_arch("tpuv4"), Training(1, placement="tp=1,pp=1,dp=4,ep=2"), small_system(), 2.0)
 
 
 @pytest.mark.parametrize("bad, match", [({"capacity_factor": 0}, "capacity_factor"),

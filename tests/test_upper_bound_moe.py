@@ -58,7 +58,9 @@ def test_bounds_hold_with_ep_and_cp(recipe):
     for i, a in enumerate(accels):
         ub1 = placement_throughput(model, widths, i, system=system, training=Training(1, **recipe),
                                    hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
-        result = evaluate(model, a, Training(1, **recipe), system, 2.0)
+        # a 1 s pass limit: an open pass's proven lower bound only gets weaker with less time, so
+        # throughput_bound (the placement on those bounds) only rises and the check below only tightens
+        result = evaluate(model, a, Training(1, **recipe), system, 1.0)
         feasible += result.feasible
         used_parallel += result.feasible and (result.placement["ep"] > 1 or result.placement["cp"] > 1)
         assert ideal[i] * (1 + 1e-12) >= ub1 >= result.throughput_bound, (ideal[i], ub1, result.throughput_bound)

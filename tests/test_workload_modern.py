@@ -401,11 +401,15 @@ def test_featured_models_evaluate_and_the_bounds_hold(name):
     model = parse_model(FEATURED[name])
     arch, system = load_arch("h100-sxm"), load_system("dgx-h100")
     system = dataclasses.replace(system, accelerators=8, global_batch=16)
-    optimal = evaluate(model, arch, Training(1, "selective"), system)
-    fixed = evaluate(model, arch, Training(1, "selective", "tp=2,pp=2,dp=2"), system)
+    # Some backward passes of these blocks stay open at any limit (gap ~1e-4 after 60 s); a pass the
+    # limit stops keeps its verified incumbent, so the throughputs (the same ones at 3 s as at 60 s)
+    # stay achievable and the bounds below must still hold above them.
+    limit = 3.0
+    optimal = evaluate(model, arch, Training(1, "selective"), system, limit)
+    fixed = evaluate(model, arch, Training(1, "selective", "tp=2,pp=2,dp=2"), system, limit)
     assert optimal.feasible and fixed.feasible and optimal.throughput >= fixed.throughput * (1 - 1e-9)
     # the expert placement is missing: the optimal one stands in, and the result says so
-    expert = evaluate(model, arch, Training(1, "selective", "expert"), system)
+    expert = evaluate(model, arch, Training(1, "selective", "expert"), system, limit)
     assert expert.throughput == optimal.throughput and "no expert_placement" in expert.note
     designs = DesignArrays.from_accelerators([arch])
     widths = [layer_lower_bounds(model, designs, 1, system, t) for t in tp_widths(model, system)]
