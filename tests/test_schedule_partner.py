@@ -165,6 +165,14 @@ def test_one_cycle_ops_hosted_by_an_equal_pair():
     assert s.status == "optimal" and s.makespan == pytest.approx(5.0)
 
 
+# Found by this test: op 3 (two cycles single) is unordered with the chain 0 -> 1 -> 5; a cut that
+# splits op 3's partners at op 1 kept the fixed-mode chain on the shut side as a constant, so every
+# schedule running op 1 split (the optimum, 4) was cut off.
+SHUT_SIDE = ScheduleProblem(units=("vc", "vc", "net", "vc", "vc", "vc"), single=(1.0, 2.0, 1.0, 2.0, 1.0, 1.0),
+                            split=(1.0,) * 6, edges=((0, 1), (0, 2), (0, 4), (0, 5), (1, 2), (1, 4), (1, 5), (2, 4),
+                                                     (2, 5), (3, 4)), num_tc=2, num_vc=2)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(pairing_problems(), separator_problems()), st.data())
 def test_every_partner_cut_holds_at_an_optimal_schedule(p, data):
@@ -172,6 +180,15 @@ def test_every_partner_cut_holds_at_an_optimal_schedule(p, data):
     splits at, so add them all, at random modes, to the relaxation with its modes held to an optimal
     schedule's: its optimum must stay at or below that schedule's makespan. (The separation rounds
     only ever add a few of these; this tries them all, side binaries included.)"""
+    _every_cover_holds(p, lambda: float(data.draw(st.booleans())))
+
+
+@pytest.mark.parametrize("draw", [0.0, 1.0])
+def test_a_separators_shut_side_overlaps_nothing(draw):
+    _every_cover_holds(SHUT_SIDE, lambda: draw)
+
+
+def _every_cover_holds(p, draw):
     from phaze_opt.solve.schedule.ilp import BlockModel, _run_solver
 
     inst = prepare(p)
@@ -184,7 +201,7 @@ def test_every_partner_cut_holds_at_an_optimal_schedule(p, data):
     modes = {i: bool(s.split[i]) for i in view.ops}
     model = BlockModel(inst, view, (s.makespan, start, modes), 0.0, with_pairs=False, anchored=True)
     model.add_partner_cuts()
-    xval = {j: float(data.draw(st.booleans())) for j in model.x}
+    xval = {j: draw() for j in model.x}
     for (name, i) in list(getattr(model, "partner", {})):
         model._add_partner_cover(name, i, xval)
         for k in view.ops:
