@@ -16,15 +16,10 @@ by a first, untimed run. Prints the median and the minimum of each.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from cold_warm import cli_seconds, cold_and_warm, report
+
 RECIPE = ["--model", "llama3-405b", "--arch", "h100-sxm", "--system", "dgx-h100", "--devices", "2304",
           "--global-batch", "1008", "--mbs", "1", "--seq", "8192", "--recompute", "none", "--sequence-parallel",
           "--tp-comm-overlap", "--virtual-stages", "7", "--zero", "1", "--overlap-grad-reduce",
@@ -32,32 +27,14 @@ RECIPE = ["--model", "llama3-405b", "--arch", "h100-sxm", "--system", "dgx-h100"
 CASES = {"fixed": ["--placement", "tp=8,pp=9,dp=16,cp=2"], "search": []}
 
 
-def one_run(cache: str, extra: list[str]) -> float:
-    cmd = [sys.executable, "-m", "phaze_opt", "evaluate", *RECIPE, *extra]
-    env = dict(os.environ, PHAZE_OPT_CACHE=cache, PYTHONPATH=str(ROOT), MLFLOW_DISABLE_TELEMETRY="true")
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if done.returncode:
-        sys.exit(f"evaluate failed ({done.returncode}): {done.stderr.strip()}")
-    return wall
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     for name, extra in CASES.items():
-        cold = []
-        for _ in range(args.repeats):
-            with tempfile.TemporaryDirectory() as cache:
-                cold.append(one_run(cache, extra))
-        with tempfile.TemporaryDirectory() as cache:
-            one_run(cache, extra)
-            warm = [one_run(cache, extra) for _ in range(args.repeats)]
-        for label, runs in (("cold", cold), ("warm", warm)):
-            print(f"{name} {label}: median {statistics.median(runs):.1f} s, min {min(runs):.1f} s over "
-                  f"{len(runs)} runs ({', '.join(f'{r:.1f}' for r in runs)})")
+        cold, warm = cold_and_warm(lambda cache: cli_seconds(["evaluate", *RECIPE, *extra], cache), args.repeats)
+        report(f"{name} cold", cold)
+        report(f"{name} warm", warm)
     return 0
 
 

@@ -12,29 +12,15 @@ Prints the median and the minimum of each.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from cold_warm import cli_seconds, cold_and_warm, report
 
 
 def one_run(cache: str, suites: list[str]) -> float:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "phaze_opt", "validate", "--out", out]
-        for s in suites:
-            cmd += ["--suite", s]
-        env = dict(os.environ, PHAZE_OPT_CACHE=cache, PYTHONPATH=str(ROOT))
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    if done.returncode:
-        sys.exit(f"validate failed ({done.returncode}): {done.stderr.strip()}")
-    return wall
+        return cli_seconds(["validate", "--out", out, *(a for s in suites for a in ("--suite", s))], cache)
 
 
 def main(argv=None) -> int:
@@ -42,16 +28,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--suite", action="append", default=[])
     args = p.parse_args(argv)
-    cold = []
-    for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory() as cache:
-            cold.append(one_run(cache, args.suite))
-    with tempfile.TemporaryDirectory() as cache:
-        one_run(cache, args.suite)
-        warm = [one_run(cache, args.suite) for _ in range(args.repeats)]
-    for name, runs in (("cold cache", cold), ("warm cache", warm)):
-        print(f"{name}: median {statistics.median(runs):.1f} s, min {min(runs):.1f} s over {len(runs)} runs "
-              f"({', '.join(f'{r:.1f}' for r in runs)})")
+    cold, warm = cold_and_warm(lambda cache: one_run(cache, args.suite), args.repeats)
+    report("cold cache", cold)
+    report("warm cache", warm)
     return 0
 
 

@@ -478,7 +478,8 @@ class _Mapper:
                 if not (base in self.input_ph or base in self.act_dep):
                     continue
                 bases[base] = None
-                readers.setdefault(base, {})[a] = readers.get(base, {}).get(a, True) and _is_attention_backward(n)
+                seen = readers.setdefault(base, {})  # per view read: read only by the attention backward
+                seen[a] = seen.get(a, True) and _is_attention_backward(n)
         rebuilt = self._rebuilt_in_backward(bases)
         saved, dropped = [], []
         for base in bases:
