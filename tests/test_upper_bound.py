@@ -218,6 +218,7 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
 
 
 RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4, 16]", "num_tc: [16]").replace(
+    "tc_x: [64, 128]", "tc_x: [128]").replace(
     "hbm_gib: [32, 80]", "hbm_gib: [0.4, 80]").replace("{32: 1200, 80: 2048}", "{0.4: 400, 80: 2048}").replace(
     "recompute: [false, true]",
     "recompute: [none, selective, full]\n  sequence_parallel: [false, true]\n  virtual_stages: [1, 2]\n"

@@ -84,6 +84,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._pytree import tree_flatten
 
@@ -306,7 +307,12 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
 
     scopes = _ModuleScopes(module)
     try:
-        gm = make_fx(joint)(params, inputs, grads_in)
+        # make_fx records each traced tensor's metadata in a FakeTensorMode; on meta tensors it finds
+        # none and builds a new one per tensor, whose constructor captures the Python stack (half of a
+        # block's trace time). One mode for the whole trace, where torch._guards.detect_fake_mode
+        # looks first, gives the same metadata.
+        with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+            gm = make_fx(joint)(params, inputs, grads_in)
     finally:
         scopes.close()
     mapped = _Mapper(gm, n_params=len(params), n_inputs=len(inputs), n_outs=len(outs0),
