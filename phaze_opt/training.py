@@ -142,6 +142,14 @@ It holds
   as in Megatron-Core, where each flag acts only inside its module: one recipe serves a model
   that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
   rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
+- `expert_weights`: where a MoE layer applies its router's gate weights: `combine` (each expert
+  output row scaled as it is added back to its token: GShard, Switch Transformer, Megatron-Core
+  before 0.13, whose unpermute keeps the second linear's output for the weights' gradient) or
+  `activation` (the expert MLP scales its activation's output before the second linear:
+  Megatron-Core from 0.13, TEGroupedMLP's fused `weighted_bias_swiglu`, which keeps only its input
+  and the weights). None (default): the stack's (`workload/stack.py`; `activation` under
+  `megatron-te`, else `combine`). Changes a MoE layer's saved bytes and its element-wise work; no
+  effect on a dense model.
 - `cp_comm`: how context parallelism moves K and V (Megatron-Core `--cp-comm-type`): `p2p`
   (default: ring attention, each of the c - 1 K/V blocks passed to the ring neighbour while the
   attention core of the block before runs; Liu et al. 2023) or `all_gather` (Megatron-Core /
@@ -196,6 +204,8 @@ PLACEMENTS = ("optimal", "expert")
 STACKS = ("megatron-lm", "eager", "megatron-te")
 # EP token dispatchers (`System.alltoall_s`); the first is the default, today's all-to-all.
 MOE_DISPATCHERS = ("alltoall", "deepep")
+# Where a MoE layer applies its router's gate weights (`expert_weights`, workload/layers.py MoE).
+EXPERT_WEIGHTS = ("combine", "activation")
 # Context-parallel K/V exchanges (Megatron-Core `--cp-comm-type`, of which a2a and a2a+p2p are not
 # modelled); the first is the default, today's ring.
 CP_COMMS = ("p2p", "all_gather")
@@ -373,6 +383,7 @@ class Training:
     moe_dispatcher: str = "alltoall"
     recompute_modules: tuple[str, ...] | None = None
     cp_comm: str = CP_COMMS[0]
+    expert_weights: str | None = None
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -416,6 +427,11 @@ class Training:
         if cp_comm not in CP_COMMS:
             raise PhazeError(f"cp_comm must be one of {', '.join(CP_COMMS)}, got {self.cp_comm!r}")
         object.__setattr__(self, "cp_comm", cp_comm)
+        if self.expert_weights is not None:
+            weights = str(self.expert_weights).strip().lower()
+            if weights not in EXPERT_WEIGHTS:
+                raise PhazeError(f"expert_weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {self.expert_weights!r}")
+            object.__setattr__(self, "expert_weights", weights)
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
@@ -486,7 +502,8 @@ class Training:
                 **({"moe_a2a_overlap": True} if self.moe_a2a_overlap else {}),
                 **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
                 **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {}),
-                **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {})}
+                **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {}),
+                **({"expert_weights": self.expert_weights} if self.expert_weights is not None else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
@@ -497,7 +514,8 @@ class Training:
             ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
             ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ()) + \
             ((("stack", self.stack),) if self.stack != STACKS[0] else ()) + \
-            ((("recompute_modules", self.recomputed_modules),) if self.recompute_modules is not None else ())
+            ((("recompute_modules", self.recomputed_modules),) if self.recompute_modules is not None else ()) + \
+            ((("expert_weights", self.expert_weights),) if self.expert_weights is not None else ())
 
     @property
     def recomputed_modules(self) -> tuple[str, ...]:

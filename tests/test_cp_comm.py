@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaze_opt.errors import PhazeError
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.expert import effective_costs_at, optimal_placement
 from phaze_opt.solve.placement.kernel import layer_terms
@@ -173,12 +172,7 @@ def test_dp_matches_brute_force_where_the_gathered_kv_decides_memory(seed):
 
 # --- (4) bad values -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", ["a2a", "a2a+p2p", "ring", 3])
-def test_bad_cp_comm_is_one_line_naming_the_field_and_the_choices(bad):
-    with pytest.raises(PhazeError) as info:
-        Training(cp_comm=bad)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith("cp_comm must be one of p2p, all_gather")
+# A bad cp_comm: tests/test_expert_weights.py, with the other choice fields.
 
 
 def test_recipe_lists_cp_comm_only_when_not_the_ring():
@@ -203,17 +197,9 @@ LLAMA_CP = {"model": "llama3-405b", "tp": 8, "pp": 16, "cp": 16, "seq": 131072, 
 
 
 def test_suite_rows_carry_cp_comm_to_the_recipe(tmp_path):
-    from test_validation_modern import _suite
+    from test_validation_modern import assert_row_field_reaches_the_recipe
 
-    from phaze_opt.validation.runner import row_config, row_training
-    from phaze_opt.validation.suites import load_suite
-
-    suite = load_suite(_suite(tmp_path, {**LLAMA_CP, "cp_comm": "all_gather"}))
-    (row,) = suite.rows
-    assert row_training(row).cp_comm == "all_gather" and row_config(row, suite)["cp_comm"] == "all_gather"
-    plain = load_suite(_suite(tmp_path, LLAMA_CP, name="plain.yaml"))
-    (row,) = plain.rows  # absent: the ring, and no report change
-    assert row_training(row).cp_comm == "p2p" and "cp_comm" not in row_config(row, plain)
+    assert_row_field_reaches_the_recipe(tmp_path, LLAMA_CP, "cp_comm", "all_gather", "p2p")
 
 
 @pytest.mark.parametrize("change, words", [
@@ -221,15 +207,9 @@ def test_suite_rows_carry_cp_comm_to_the_recipe(tmp_path):
     ({"cp_comm": "all_gather", "cp": 1, "gpus": 1024}, "needs cp > 1"),
 ])
 def test_suite_rows_refuse_a_bad_cp_comm_in_one_line(tmp_path, change, words):
-    from test_validation_modern import _suite
+    from test_validation_modern import assert_row_refused_in_one_line
 
-    from phaze_opt.validation.suites import load_suite
-
-    path = _suite(tmp_path, {**LLAMA_CP, **change})
-    with pytest.raises(PhazeError) as info:
-        load_suite(path)
-    message = str(info.value)
-    assert "\n" not in message and str(path) in message and "field 'rows[0].cp_comm'" in message and words in message
+    assert_row_refused_in_one_line(tmp_path, {**LLAMA_CP, **change}, "cp_comm", words)
 
 
 def test_shipped_suite_runs_llama3_long_context_with_all_gather_cp():

@@ -206,7 +206,7 @@ def test_gpt2_energy_matches_its_flops_and_recompute_costs_more():
     # the MAC energy of one batch is the model's training FLOPs / 2 x the MAC energy, within the
     # per-device sharding's rounding: a missed factor (tp, dp, microbatches) would be off by >= 2x
     model, system, problem, per_tp = training_problem("gpt2-xl", TPU, Training(1, False), "default", (1,))
-    fwd, bwd = tp_layer_energies(model, TPU, 1, system, per_tp[1])
+    fwd, bwd = tp_layer_energies(model, TPU, Training(1), system, per_tp[1])
     stages = [s["layers"] for s in off.placement["stages"]]
     b = batch_energy(fwd, bwd, per_tp[1].costs, stages, 64, off.placement["microbatches"], False,
                      off.time_per_batch_s, off.area_mm2, system)

@@ -35,6 +35,29 @@ def _suite(tmp_path, *rows, name="modern.yaml"):
     return path
 
 
+def assert_row_field_reaches_the_recipe(tmp_path, row: dict, field: str, value, default):
+    """A suite row's recipe `field` set to `value` reaches its Training and its report configuration;
+    left out, the Training holds `default` and the configuration leaves the field out (old reports
+    stay as they were)."""
+    from phaze_opt.validation.runner import row_config
+
+    suite = load_suite(_suite(tmp_path, {**row, field: value}))
+    (r,) = suite.rows
+    assert getattr(row_training(r), field) == value and row_config(r, suite)[field] == value
+    plain = load_suite(_suite(tmp_path, row, name="plain.yaml"))
+    (r,) = plain.rows
+    assert getattr(row_training(r), field) == default and field not in row_config(r, plain)
+
+
+def assert_row_refused_in_one_line(tmp_path, row: dict, field: str, words: str):
+    """Loading a suite with `row` fails with one line naming the file, the row's `field` and `words`."""
+    path = _suite(tmp_path, row)
+    with pytest.raises(PhazeError) as info:
+        load_suite(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and f"field 'rows[0].{field}'" in message and words in message
+
+
 def test_megatron_core_flops_by_hand():
     """Megatron-LM's num_floating_point_operations (MCore v0.8) for Mixtral 8x7B, one sequence of 4096:
     12 s l h^2 [(1 + 8/32 + s/h) x 1 + 14336/4096 x 2 x 3/2 + 32000 / (2 x 32 x 4096)]."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..training import CP_COMMS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
+from ..training import CP_COMMS, EXPERT_WEIGHTS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
@@ -89,6 +89,11 @@ def add_arguments(p):
                    help="how context parallelism moves K and V (Megatron-Core --cp-comm-type): p2p (ring attention, "
                         "each K/V hop under one block's attention) or all_gather (K/V all-gathered before the "
                         "attention, dK/dV reduce-scattered after it, exposed; Llama 3's CP) (default p2p)")
+    p.add_argument("--expert-weights", choices=EXPERT_WEIGHTS, default=None,
+                   help="where MoE layers apply the router's weights: combine (each expert output scaled as it "
+                        "is added back; Megatron-Core before 0.13) or activation (the expert MLP scales its "
+                        "activation's output; Megatron-Core 0.13 on) (default: the stack's, activation under "
+                        "megatron-te)")
     add_ilp_time_limit(p)
 
 
@@ -119,7 +124,8 @@ def run(args) -> dict:
                       expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
                       fp8_param_gather=args.fp8_param_gather,
                       moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
-                      recompute_modules=args.recompute_modules, cp_comm=args.cp_comm)
+                      recompute_modules=args.recompute_modules, cp_comm=args.cp_comm,
+                      expert_weights=args.expert_weights)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -178,6 +184,8 @@ def render(r: dict) -> str:
         extras.append("EP all-to-all overlapped")
     if r.get("cp_comm"):
         extras.append(f"{r['cp_comm']} context parallelism")
+    if r.get("expert_weights"):
+        extras.append(f"expert weights at the {r['expert_weights']}")
     if r.get("stack"):
         extras.append(f"{r['stack']} kernels")
     if r.get("attention"):

@@ -254,10 +254,10 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     return out
 
 
-def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: System, tp_costs: _TpCosts,
-                      attention: str | None = None, precision: str = "bf16", stack: str = "megatron-lm"):
+def tp_layer_energies(model: ModelConfig, arch: Accelerator, training: Training, system: System, tp_costs: _TpCosts):
     """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
-    with every op in the mode its schedule chose; memoised by the costs' content key and the constants."""
+    with every op in the mode its schedule chose (the graph `training` runs, without SP's collectives);
+    memoised by the costs' content key and the constants."""
     constants = load_energy_constants()
     key = (tp_costs.key, constants)
     hit = _ENERGY_MEMO.get(key)
@@ -266,7 +266,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
     tp = tp_costs.costs.tp
     # the ops the schedules chose modes for (the casts included); a low-precision GEMM is charged
     # the BF16 MAC energy (the energy model has one MAC energy), its operand bytes at the format's
-    graph = recipe_graph(model, tp, Training(mbs=mbs, attention=attention, precision=precision, stack=stack))
+    graph = recipe_graph(model, tp, training)
     intra = system.tp_within_node(tp)
     passes = {}
     for kind in graph.kinds:
@@ -280,8 +280,7 @@ def tp_layer_energies(model: ModelConfig, arch: Accelerator, mbs: int, system: S
 
 
 def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, result, area: float) -> float:
-    fwd, bwd = tp_layer_energies(model, arch, training.mbs, system, tp_costs, training.attention, training.precision,
-                                 training.stack)
+    fwd, bwd = tp_layer_energies(model, arch, training, system, tp_costs)
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system,

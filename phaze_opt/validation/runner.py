@@ -149,7 +149,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"moe_a2a_overlap": True} if row.moe_a2a_overlap else {}),
             **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
             **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {}),
-            **({"cp_comm": row.cp_comm} if row.cp_comm != CP_COMMS[0] else {})}
+            **({"cp_comm": row.cp_comm} if row.cp_comm != CP_COMMS[0] else {}),
+            **({"expert_weights": row.expert_weights} if row.expert_weights is not None else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -171,7 +172,8 @@ def row_training(row: Row) -> Training:
                     account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
                     fp8_param_gather=row.fp8_param_gather,
                     moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
-                    recompute_modules=row.recompute_modules, cp_comm=row.cp_comm)
+                    recompute_modules=row.recompute_modules, cp_comm=row.cp_comm,
+                    expert_weights=row.expert_weights)
 
 
 def row_model(row: Row):

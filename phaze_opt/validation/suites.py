@@ -51,6 +51,8 @@ A training row is one published run:
     moe_a2a_overlap             optional: the EP all-to-all overlap (Megatron-Core
                                 `--overlap-moe-expert-parallel-comm`; default false; needs ep > 1)
     moe_dispatcher              optional: the EP token dispatcher, alltoall | deepep (default alltoall)
+    expert_weights              optional: where MoE layers apply the router's weights (Training.expert_weights),
+                                combine | activation (default: the stack's); only on a MoE model
     cp_comm                     optional: how CP moves K and V (Megatron-Core `--cp-comm-type`,
                                 Training.cp_comm), p2p | all_gather (default p2p); needs cp > 1
     recompute_modules           optional, with recompute selective: the modules Megatron-Core recomputes
@@ -93,7 +95,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import (ATTENTIONS, CP_COMMS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES,
+from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES,
                         Training, check_recompute_modules)
 from ..workload.models import ModelConfig, load_model
 
@@ -126,7 +128,7 @@ ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_paralle
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
                 "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
                 "moe_a2a_overlap", "moe_dispatcher",
-                "recompute_modules", "cp_comm")
+                "recompute_modules", "cp_comm", "expert_weights")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -233,6 +235,7 @@ class Row:
     moe_dispatcher: str = MOE_DISPATCHERS[0]  # the EP token dispatcher (Training.moe_dispatcher)
     recompute_modules: tuple[str, ...] | None = None  # module-level selective recompute; None: core_attn
     cp_comm: str = CP_COMMS[0]  # how CP moves K and V (Training.cp_comm)
+    expert_weights: str | None = None  # where MoE layers apply the router's weights; None: the stack's
 
     @property
     def dp(self) -> int:
@@ -535,6 +538,10 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         flags["cp_comm"] = _choice(row, "cp_comm", CP_COMMS, file, at)
         if cp == 1 and flags["cp_comm"] != CP_COMMS[0]:
             raise config_error(file, f"{at}.cp_comm", "needs cp > 1 (no context-parallel group to gather over)")
+    if "expert_weights" in row:
+        if not model.moe:
+            raise config_error(file, f"{at}.expert_weights", f"{model.name} has no experts; leave it out")
+        flags["expert_weights"] = _choice(row, "expert_weights", EXPERT_WEIGHTS, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,

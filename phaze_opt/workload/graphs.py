@@ -36,6 +36,7 @@ from ..cache import BoundedMemo, cache_root, write_atomic
 from ..configs import positive_arg
 from ..errors import PhazeError
 from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
+from ..training import EXPERT_WEIGHTS
 from .models import ATTENTIONS, LIMITS, ModelConfig, check_capacity_factor, check_tp, load_model
 from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
                   layer_graph_to_json)
@@ -63,9 +64,11 @@ def _code_version() -> str:
 _CODE_VERSION = _code_version()
 
 
-def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True) -> str:
+def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True,
+              expert_weights: str = "combine") -> str:
     payload = json.dumps(
-        {"model": model.identity(), "tp": tp, "mbs": mbs, "seq": seq, "fuse": fuse, "code": _CODE_VERSION},
+        {"model": model.identity(), "tp": tp, "mbs": mbs, "seq": seq, "fuse": fuse, "code": _CODE_VERSION,
+         **({"expert_weights": expert_weights} if model.moe else {})},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
@@ -74,6 +77,7 @@ def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str 
 def build_layer_graph(
     model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool | str = True,
     cache: bool = True, attention: str | None = None, capacity_factor: float | None = None,
+    expert_weights: str = "combine",
 ) -> LayerGraph:
     """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
 
@@ -81,6 +85,7 @@ def build_layer_graph(
     the model's own `attention` choice; it is part of the model's identity, hence of the cache key.
     `fuse`: True fuses chains of pointwise ops, False keeps one op per traced operator (eager),
     `ops.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
+    `expert_weights`: where a MoE layer applies its gate weights (training.EXPERT_WEIGHTS).
     `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
     one-line PhazeError.
     """
@@ -98,7 +103,9 @@ def build_layer_graph(
     if model.position == "learned" and seq > model.positions:
         raise PhazeError(f"model {model.name}: sequence length {seq} exceeds its {model.positions} learned positions")
 
-    key = graph_key(model, tp, mbs, seq, fuse)
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise PhazeError(f"expert weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {expert_weights!r}")
+    key = graph_key(model, tp, mbs, seq, fuse, expert_weights)
     if key in _MEMO:
         return _MEMO[key]
     path = cache_root() / "graphs" / f"{key}.json"
@@ -109,7 +116,7 @@ def build_layer_graph(
             log.warning("graph cache %s: rejected, %s; tracing again", path, problem)
             graph = None
     if graph is None:
-        graph = _extract(model, tp, mbs, seq, fuse, cache)
+        graph = _extract(model, tp, mbs, seq, fuse, cache, expert_weights)
         if cache:
             _write(path, key, graph)
     _check_exact(model, graph)
@@ -240,13 +247,14 @@ def _write(path: Path, key: str, graph: LayerGraph) -> None:
             pass
 
 
-def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True) -> dict:
+def trace_kinds(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str = True,
+                expert_weights: str = "combine") -> dict:
     """Build and trace one module per layer kind: {kind: LayerTrace}."""
     from .layers import build_layer, example_inputs, layer_kinds
     from .trace import trace_layer_details
 
     return {
-        kind: trace_layer_details(build_layer(model, kind, tp), example_inputs(model, kind, mbs, seq),
+        kind: trace_layer_details(build_layer(model, kind, tp, expert_weights), example_inputs(model, kind, mbs, seq),
                                   name=kind, fuse=fuse)
         for kind in layer_kinds(model)
     }
@@ -296,9 +304,10 @@ def active_params(model: ModelConfig) -> int:
     return model_params(model) - model.moe_layers * (model.experts - model.top_k) * routed_expert_params(model)
 
 
-def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, cache: bool) -> LayerGraph:
+def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, cache: bool,
+             expert_weights: str) -> LayerGraph:
     start = time.perf_counter()
-    traces = trace_kinds(model, tp, mbs, seq, fuse)
+    traces = trace_kinds(model, tp, mbs, seq, fuse, expert_weights)
     from .layers import layer_sequence
 
     names, kinds = (list(x) for x in zip(*layer_sequence(model)))
@@ -325,7 +334,8 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
     if tp == 1 and mbs == 1:
         flops_per_sequence = step_flops
     else:  # the model's own work: the unsharded graph of one sequence (cached like any other)
-        flops_per_sequence = build_layer_graph(model, 1, 1, seq, fuse=fuse, cache=cache).train_flops_per_sequence
+        flops_per_sequence = build_layer_graph(model, 1, 1, seq, fuse=fuse, cache=cache,
+                                               expert_weights=expert_weights).train_flops_per_sequence
     return LayerGraph(
         model=model.name, tp=tp, mbs=mbs, seq=seq, bytes_per_element=model.bytes_per_element,
         layers=tuple(layers), edges=edges, op_graphs=op_graphs, total_params=model_params(model),

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import copy_to_tp, reduce_from_tp
+from ..training import EXPERT_WEIGHTS
 from .kinds import (BLOCK_KINDS, KINDS, LAYERNORM_LINEAR, attention_kind, block_kind,  # noqa: F401  (layers' face)
                     layer_kinds, layer_sequence, routed_kind)
 from .models import ModelConfig
@@ -446,8 +447,11 @@ class Activation(nn.Module):
         super().__init__()
         self.activation = activation
 
-    def forward(self, y):
-        return _activate(y, self.activation)
+    def forward(self, y, weights=None):
+        """`weights` (one per row of y, or None): scale each row's output, inside the module as
+        Megatron-Core's weighted activation does (so `moe_act` recompute reruns the product too)."""
+        a = _activate(y, self.activation)
+        return a if weights is None else a * weights.to(a.dtype).view(*y.shape[:-1], 1)
 
 
 class MLP(nn.Module):
@@ -484,6 +488,11 @@ class MoE(nn.Module):
       each expert SwiGLU/GELU of width expert_ffn, sharded over the TP group like a dense MLP
       (column-parallel first linear, row-parallel second; expert tensor parallelism = TP);
     - combine: each slot's output scaled by its gate weight and added back to its token (index_add);
+      with `weights_in_mlp` the gate weight scales the activation's output instead, before the
+      second linear (Megatron-Core from 0.13, commit 2659630721 "Memory efficient token
+      permutation", 2025-04: TEGroupedMLP's `weighted_bias_swiglu_impl` / `bias_act_func`), so the
+      combine adds unscaled rows and the second linear's output is not kept for the weights'
+      gradient (the fused weighted activation keeps its input and the weights; the same sum);
     - `shared_experts` always-on experts (DeepSeek-MoE) as one dense MLP of shared x expert_ffn.
 
     Under expert parallelism e the same tokens meet the same experts, E/e per device with e times
@@ -506,6 +515,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.recompute_module = "shared_experts"
         self.act = Activation(model.activation)
+        self.weights_in_mlp = False  # set by build_layer (EXPERT_WEIGHTS)
 
     def forward(self, x):
         s, b, h = x.shape
@@ -527,9 +537,14 @@ class MoE(nn.Module):
         rows = xf.index_select(0, token)  # dispatch
         if kept < E * C:
             rows = F.pad(rows, (0, 0, 0, E * C - kept))
-        y = torch.bmm(rows.view(E, C, h), self.w1)
-        y = torch.bmm(self.act(y), self.w2).reshape(E * C, h)[:kept]
-        y = y * gate.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
+        weight = gate.reshape(-1).index_select(0, order)  # each kept slot's gate weight
+        slots = None
+        if self.weights_in_mlp:
+            slots = F.pad(weight, (0, E * C - kept)) if kept < E * C else weight
+        a = self.act(torch.bmm(rows.view(E, C, h), self.w1), slots)
+        y = torch.bmm(a, self.w2).reshape(E * C, h)[:kept]
+        if not self.weights_in_mlp:
+            y = y * weight.to(y.dtype).unsqueeze(-1)
         out = torch.zeros(T, h, dtype=x.dtype, device=x.device).index_add(0, token, y)  # combine
         out = reduce_from_tp(out, self.t)
         if self.shared is not None:
@@ -742,8 +757,18 @@ def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
     return _VocabParallelCrossEntropy.apply(logits.float(), labels, t, rows).mean()
 
 
-def build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
+def build_layer(model: ModelConfig, kind: str, t: int, expert_weights: str = EXPERT_WEIGHTS[0]) -> nn.Module:
     """The module of one layer kind at TP width t, on the meta device."""
+    module = _build_layer(model, kind, t)
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.weights_in_mlp = expert_weights == "activation"
+    return module
+
+
+def _build_layer(model: ModelConfig, kind: str, t: int) -> nn.Module:
     dtype = TORCH_DTYPES[model.dtype]
     if kind == "embedding":
         return Embedding(model, t, dtype)

@@ -47,6 +47,17 @@ from .precision import precision_graph
 
 # The trace's fusion level of each stack (`graphs.build_layer_graph`'s `fuse`).
 TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION}
+# Where each stack's MoE layers apply the router's gate weights unless the recipe says
+# (`Training.expert_weights`): Megatron-Core moved them from the combine into the expert MLP's
+# activation in 0.13 (2025-07, commit 2659630721 "Memory efficient token permutation"), which the
+# `megatron-te` stack stands for (NeMo 25.09 and later). Not a fusion: it changes which tensors a
+# layer keeps, so it is a graph key of its own.
+STACK_EXPERT_WEIGHTS = {"eager": "combine", "megatron-lm": "combine", "megatron-te": "activation"}
+
+
+def expert_weights(training: Training) -> str:
+    """Where the recipe's MoE layers apply their gate weights (training.EXPERT_WEIGHTS)."""
+    return training.expert_weights or STACK_EXPERT_WEIGHTS[training.stack]
 # Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
 FUSED_CASTS = ("megatron-te",)
 
@@ -72,7 +83,7 @@ def recipe_graph(model: ModelConfig | str, tp: int, training: Training, sequence
     stack's fusion and GEMM number format (`precision.py`); with `sequence_parallel` (the recipe's,
     where the caller prices its collectives) the SP collectives in place of the all-reduces."""
     graph = build_layer_graph(model, tp, training.mbs, attention=training.attention,
-                              fuse=TRACE_FUSION[training.stack])
+                              fuse=TRACE_FUSION[training.stack], expert_weights=expert_weights(training))
     if sequence_parallel:
         graph = sequence_parallel_graph(graph)
     return precision_graph(graph, training.precision, fused_casts=training.stack in FUSED_CASTS)
