@@ -82,3 +82,26 @@ def test_llama3_405b_runs_without_activation_checkpointing_fit_80_gb(index):
 
     result = evaluate_row(MODERN, MODERN.rows[index], index)
     assert result.feasible, result.reason
+
+
+# The NVIDIA rows that needed a recipe field to fit: the weighted expert activation of their
+# Megatron-Core (`expert_weights`, the megatron-te stack's) and Nemotron-4 340B's BF16 optimizer
+# state (`optimizer_state`, its launcher config's `optim.dtype: bf16`).
+NEWLY_FIT = [("nemo-fp8-h100", 9), ("nemo-fp8-h100", 10), ("nemo-fp8-b200", 4), ("nemo-fp8-b200", 11),
+             ("nemo-fp8-b200", 12)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite_name, index", NEWLY_FIT)
+def test_nvidia_rows_fit_with_their_recipes(suite_name, index):
+    from phaze_opt.validation.runner import evaluate_row
+
+    suite = load_suite(suite_name)
+    row = suite.rows[index]
+    result = evaluate_row(suite, row, index)
+    assert result.feasible, result.reason
+    if row.optimizer_state is not None:  # the layout decides: with the system's 12 B it does not fit
+        plain = evaluate_row(suite, replace(row, optimizer_state=None), index)
+        assert not plain.feasible and "GiB per device" in plain.reason
+    else:
+        assert row.model != "mixtral-8x7b" and row.stack == "megatron-te" and row.expert_weights is None

@@ -95,6 +95,16 @@ def test_an_unknown_precision_is_one_line_naming_the_field(tmp_path):
         load_suite(_with_row_field(tmp_path, "precision", "fp6"))
 
 
+def test_a_rows_optimizer_state_reaches_its_recipe(tmp_path):
+    from test_validation_modern import assert_row_field_reaches_the_recipe, assert_row_refused_in_one_line
+
+    row = {"model": "llama3-8b", "tp": 1, "pp": 1, "gpus": 8, "batch": 128, "microbatch": 1, "recompute": "none",
+           "per_gpu_tflops": 400, "source": {"paper": "p", "table": "t", "row": "r"}}
+    assert_row_field_reaches_the_recipe(tmp_path, row, "optimizer_state", "bf16-adamw", None)
+    assert_row_refused_in_one_line(tmp_path, {**row, "optimizer_state": "fp16"}, "optimizer_state",
+                                   "must be one of fp32-adam, bf16-moments, bf16-adamw")
+
+
 def test_b200_preset_matches_the_datasheet():
     """NVIDIA HGX B200 datasheet / Blackwell technical brief: 2.25 PFLOP/s dense BF16 per GPU (36 with
     sparsity over 8 GPUs), 8 TB/s HBM3e (64 TB/s over 8), 148 SMs (Chips and Cheese)."""

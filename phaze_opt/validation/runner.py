@@ -150,7 +150,8 @@ def row_config(row: Row, suite: Suite) -> dict:
             **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
             **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {}),
             **({"cp_comm": row.cp_comm} if row.cp_comm != CP_COMMS[0] else {}),
-            **({"expert_weights": row.expert_weights} if row.expert_weights is not None else {})}
+            **({"expert_weights": row.expert_weights} if row.expert_weights is not None else {}),
+            **({"optimizer_state": row.optimizer_state} if row.optimizer_state is not None else {})}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -173,7 +174,7 @@ def row_training(row: Row) -> Training:
                     fp8_param_gather=row.fp8_param_gather,
                     moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
                     recompute_modules=row.recompute_modules, cp_comm=row.cp_comm,
-                    expert_weights=row.expert_weights)
+                    expert_weights=row.expert_weights, optimizer_state=row.optimizer_state)
 
 
 def row_model(row: Row):

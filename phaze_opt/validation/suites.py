@@ -53,6 +53,8 @@ A training row is one published run:
     moe_dispatcher              optional: the EP token dispatcher, alltoall | deepep (default alltoall)
     expert_weights              optional: where MoE layers apply the router's weights (Training.expert_weights),
                                 combine | activation (default: the stack's); only on a MoE model
+    optimizer_state             optional: the optimizer-state layout (Training.optimizer_state), fp32-adam |
+                                bf16-moments | bf16-adamw (default: the system's accounting)
     cp_comm                     optional: how CP moves K and V (Megatron-Core `--cp-comm-type`,
                                 Training.cp_comm), p2p | all_gather (default p2p); needs cp > 1
     recompute_modules           optional, with recompute selective: the modules Megatron-Core recomputes
@@ -95,8 +97,8 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error
-from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, PRECISIONS, STACKS, ZERO_STAGES,
-                        Training, check_recompute_modules)
+from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, OPTIMIZER_STATES,
+                        PRECISIONS, STACKS, ZERO_STAGES, Training, check_recompute_modules)
 from ..workload.models import ModelConfig, load_model
 
 KIND = "validation"
@@ -128,7 +130,7 @@ ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_paralle
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
                 "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
                 "moe_a2a_overlap", "moe_dispatcher",
-                "recompute_modules", "cp_comm", "expert_weights")
+                "recompute_modules", "cp_comm", "expert_weights", "optimizer_state")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -236,6 +238,7 @@ class Row:
     recompute_modules: tuple[str, ...] | None = None  # module-level selective recompute; None: core_attn
     cp_comm: str = CP_COMMS[0]  # how CP moves K and V (Training.cp_comm)
     expert_weights: str | None = None  # where MoE layers apply the router's weights; None: the stack's
+    optimizer_state: str | None = None  # the optimizer-state layout (Training.optimizer_state); None: the system's
 
     @property
     def dp(self) -> int:
@@ -542,6 +545,8 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         if not model.moe:
             raise config_error(file, f"{at}.expert_weights", f"{model.name} has no experts; leave it out")
         flags["expert_weights"] = _choice(row, "expert_weights", EXPERT_WEIGHTS, file, at)
+    if "optimizer_state" in row:
+        flags["optimizer_state"] = _choice(row, "optimizer_state", tuple(OPTIMIZER_STATES), file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
