@@ -176,3 +176,17 @@ def test_shipped_modern_suite():
     assert all(r.model not in configs.available("models") for r in suite.rows if r.skip)
     assert any(r.cp > 1 for r in suite.rows) and any(r.model == "llama3-405b" for r in suite.rows)
     assert all(r.source.paper in suite.papers for r in suite.rows)
+
+
+def test_a_rows_configuration_names_every_switch_it_sets(tmp_path):
+    """The report's configuration is the recipe as `Training.recipe()` lists it: switches that are
+    on (a boolean equal to 1 once slipped through a `not in (1, ...)` filter), ZeRO from 2 up, the
+    expert TP as `etp`; nothing a row leaves unset."""
+    from phaze_opt.validation.runner import row_config
+
+    zero2 = {**MIXTRAL, "zero": 2, "expert_tensor_parallel": 1, "source": {**MIXTRAL["source"], "row": "zero2"}}
+    suite = load_suite(_suite(tmp_path, MIXTRAL, zero2))
+    plain, zero2 = (row_config(r, suite) for r in suite.rows)
+    assert plain["overlap_grad_reduce"] is True and "zero" not in plain and "etp" not in plain
+    assert "overlap_param_gather" not in plain and "cp" not in plain and plain["ep"] == 8
+    assert zero2["zero"] == 2 and zero2["etp"] == 1

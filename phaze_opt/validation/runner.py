@@ -39,7 +39,7 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import CP_COMMS, MOE_DISPATCHERS, STACKS, Layout, Training
+from ..training import Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -130,28 +130,23 @@ class SuiteResult:
                 "rows": [r.to_json() for r in self.rows]}
 
 
+# Report names of recipe fields where the report is shorter than the recipe.
+REPORT_NAMES = {"expert_tensor_parallel": "etp"}
+
+
 def row_config(row: Row, suite: Suite) -> dict:
+    """The row's configuration as the report prints it: its cluster and layout, then its recipe as
+    `Training.recipe()` lists it. Off switches, unset fields and ZeRO 0 or 1 (the distributed
+    optimizer every Megatron suite runs) are left out, so each configuration names what sets the
+    row apart."""
+    recipe = row_training(row).recipe()
+    del recipe["placement"]  # the layout below says it
+    core = {k: recipe.pop(k) for k in ("mbs", "recompute", "sequence_parallel", "virtual_stages")}
+    rest = {REPORT_NAMES.get(k, k): v for k, v in recipe.items()
+            if v not in (None, False) and not (k == "zero" and v <= 1)}
+    layout = {k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq)) if v not in (1, None)}
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
-            "mbs": row.microbatch, "recompute": row.recompute, "sequence_parallel": row.sequence_parallel,
-            "virtual_stages": row.virtual_stages, "system": row.system or suite.system, "arch": row.arch or suite.arch,
-            # the newer fields only where a row sets them, so the older suites' reports are unchanged
-            **{k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq), ("zero", row.zero),
-                                 ("overlap_grad_reduce", row.overlap_grad_reduce),
-                                 ("overlap_param_gather", row.overlap_param_gather),
-                                 ("tp_comm_overlap", row.tp_comm_overlap),
-                                 ("account_for_embedding", row.account_for_embedding),
-                                 ("account_for_loss", row.account_for_loss),
-                                 ("fp8_param_gather", row.fp8_param_gather)) if v not in (1, None, 0, False)},
-            **({"precision": row.precision} if row.precision != "bf16" else {}),
-            **({"attention": row.attention} if row.attention else {}),
-            **({"etp": row.expert_tensor_parallel} if row.expert_tensor_parallel is not None else {}),
-            **({"stack": row.stack} if row.stack != STACKS[0] else {}),
-            **({"moe_a2a_overlap": True} if row.moe_a2a_overlap else {}),
-            **({"moe_dispatcher": row.moe_dispatcher} if row.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
-            **({"recompute_modules": list(row.recompute_modules)} if row.recompute_modules is not None else {}),
-            **({"cp_comm": row.cp_comm} if row.cp_comm != CP_COMMS[0] else {}),
-            **({"expert_weights": row.expert_weights} if row.expert_weights is not None else {}),
-            **({"optimizer_state": row.optimizer_state} if row.optimizer_state is not None else {})}
+            **core, "system": row.system or suite.system, "arch": row.arch or suite.arch, **layout, **rest}
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
