@@ -13,6 +13,7 @@ import optuna
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from phaze_opt import configs
 from phaze_opt.hardware.latency import DesignArrays
 from phaze_opt.design.space import load_space
 from phaze_opt.design.evaluate import evaluate, layer_costs, tp_widths
@@ -151,14 +152,14 @@ area:
 RECIPE_NAMES = ("recompute", "sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention")
 
 
-def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str):
+def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str, system: str = "default"):
     """The same space swept in full and with bound pruning; checks what every pruned sweep must
     hold (the same optimum, every point settled, no pruned bound above the optimum) and returns
     (full summary, pruned summary, the points file's rows)."""
     space_file = tmp_path / name
     space_file.write_text(space_text)
-    base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
-                output_dir=str(tmp_path), progress=False)
+    base = dict(models=("gpt2-xl",), space=str(space_file), system=system, exhaustive=True, hysteresis="off",
+                tracking_uri="off", output_dir=str(tmp_path), progress=False)
     full = run_study(StudyConfig(**base, prune="off"))
     pruned = run_study(StudyConfig(**base, prune="bound"))
     points = load_space(str(space_file)).grid_points("grid")
@@ -219,21 +220,28 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
 
 RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4, 16]", "num_tc: [16]").replace(
     "tc_x: [64, 128]", "tc_x: [128]").replace(
-    "hbm_gib: [32, 80]", "hbm_gib: [0.4, 80]").replace("{32: 1200, 80: 2048}", "{0.4: 400, 80: 2048}").replace(
+    "hbm_gib: [32, 80]", "hbm_gib: [0.8, 80]").replace("{32: 1200, 80: 2048}", "{0.8: 400, 80: 2048}").replace(
     "recompute: [false, true]",
     "recompute: [none, selective, full]\n  sequence_parallel: [false, true]\n  virtual_stages: [1, 2]\n"
     "  zero: [0, 1, 2, 3]\n  overlap_grad_reduce: [false, true]\n  attention: [unfused, flash]")
 
 
 @pytest.mark.slow
-def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path):
-    """The pruned sweep over every recipe field with all its choices (192 recipes; 0.4 GiB
+def test_pruned_sweep_is_exact_over_every_recipe_field(tmp_path, monkeypatch):
+    """The pruned sweep over every recipe field with all its choices (192 recipes; 0.8 GiB
     of HBM makes memory bind, so recompute, ZeRO and interleaving decide) finds the optimum of the
     full sweep, and every point's true throughput is at most the bound it was settled by, the
-    dominance rules' included. At 0.4 GiB only ZeRO-2 and 3 fit (with full recompute; ZeRO-1 needs
-    about 0.5 GiB), so a rule that let ZeRO-1 stand for ZeRO-2 or 3 would settle feasible points
-    by an infeasible one and fail here."""
-    _, pruned, rows = _full_and_pruned_sweeps(tmp_path, RECIPE_SPACE, "recipes.yaml")
+    dominance rules' included. On 64 accelerators (fewer placements for the DP to weigh than the
+    default 1024) at 0.8 GiB only ZeRO-2 and 3 fit, with full recompute (ZeRO-2 at 4 of its 16
+    recipes, ZeRO-3 at 12; ZeRO-0 and 1 at none), so a rule that let ZeRO-1 stand for ZeRO-2 or 3
+    would settle feasible points by an infeasible one and fail here."""
+    systems = tmp_path / "configs" / "systems"
+    systems.mkdir(parents=True)
+    text = (configs.shipped_dir() / "systems" / "default.yaml").read_text()
+    (systems / "sweep64.yaml").write_text(text.replace("name: default", "name: sweep64").replace(
+        "accelerators: 1024", "accelerators: 64").replace("global_batch: 4096", "global_batch: 256"))
+    monkeypatch.setenv(configs.ENV, str(tmp_path / "configs"))
+    _, pruned, rows = _full_and_pruned_sweeps(tmp_path, RECIPE_SPACE, "recipes.yaml", system="sweep64")
     assert {r["attention"] for r in rows} >= {"unfused", "flash"}
     settled = pruned["exhaustive"]["settled"]
     assert settled["dominated"] > 0 and settled["bound-placement"] > 0 and settled["evaluated"] > 0
