@@ -38,7 +38,8 @@ def test_every_model_is_both_fitted_and_held_out():
 def test_rows_reach_the_evaluator_with_their_configs_recipe():
     """What each NeMo launcher config sets (suite header): the distributed optimizer with both overlaps,
     TE's userbuffers TP overlap wherever sequence parallelism is on (TP > 1), fused attention, TE's
-    kernels, selective recompute only for Nemotron-4 340B; the published GPUs, batch and parallelism."""
+    kernels, selective recompute and BF16 optimizer state only for Nemotron-4 340B; the published
+    GPUs, batch and parallelism."""
     suite = load_suite(SUITE)
     seen = []
 
@@ -55,5 +56,7 @@ def test_rows_reach_the_evaluator_with_their_configs_recipe():
         assert t.sequence_parallel == t.tp_comm_overlap == (row.tp > 1), row.source
         assert t.stack == "megatron-te" and t.precision == "bf16"
         assert t.recompute == ("selective" if name == "nemotron-4-340b" else "none"), row.source
+        # Nemotron-4 340B's config alone runs Apex's distributed Adam in BF16 (optim.dtype bf16)
+        assert t.optimizer_state == ("bf16-adamw" if name == "nemotron-4-340b" else None), row.source
         assert (t.attention or load_model(name).attention) == "flash", row.source
         assert (t.mbs, t.virtual_stages) == (row.microbatch, row.virtual_stages or 1)
