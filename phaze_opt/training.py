@@ -398,40 +398,19 @@ class Training:
         for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap",
                      "fp8_param_gather"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
-        if self.optimizer_state is not None:
-            layout = str(self.optimizer_state).strip().lower()
-            if layout not in OPTIMIZER_STATES:
-                raise PhazeError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
-                                 f"got {self.optimizer_state!r}")
-            object.__setattr__(self, "optimizer_state", layout)
-        precision = str(self.precision).strip().lower()
-        if precision not in PRECISIONS:
-            raise PhazeError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        object.__setattr__(self, "precision", precision)
+        self._choose("optimizer_state", OPTIMIZER_STATES, optional=True)
+        precision = self._choose("precision", PRECISIONS)
         if self.fp8_param_gather and precision not in LOW_PRECISION_PARAMS:
             raise PhazeError(f"fp8_param_gather needs precision {' or '.join(LOW_PRECISION_PARAMS)} "
                              f"(1-byte parameters), got precision {precision}")
         if self.expert_tensor_parallel is not None:
             object.__setattr__(self, "expert_tensor_parallel",
                                check_mbs(self.expert_tensor_parallel, "expert_tensor_parallel"))
-        stack = str(self.stack).strip().lower()
-        if stack not in STACKS:
-            raise PhazeError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
-        object.__setattr__(self, "stack", stack)
+        self._choose("stack", STACKS)
         object.__setattr__(self, "moe_a2a_overlap", bool_flag(self.moe_a2a_overlap, "moe_a2a_overlap"))
-        dispatcher = str(self.moe_dispatcher).strip().lower()
-        if dispatcher not in MOE_DISPATCHERS:
-            raise PhazeError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
-        object.__setattr__(self, "moe_dispatcher", dispatcher)
-        cp_comm = str(self.cp_comm).strip().lower()
-        if cp_comm not in CP_COMMS:
-            raise PhazeError(f"cp_comm must be one of {', '.join(CP_COMMS)}, got {self.cp_comm!r}")
-        object.__setattr__(self, "cp_comm", cp_comm)
-        if self.expert_weights is not None:
-            weights = str(self.expert_weights).strip().lower()
-            if weights not in EXPERT_WEIGHTS:
-                raise PhazeError(f"expert_weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {self.expert_weights!r}")
-            object.__setattr__(self, "expert_weights", weights)
+        self._choose("moe_dispatcher", MOE_DISPATCHERS)
+        self._choose("cp_comm", CP_COMMS)
+        self._choose("expert_weights", EXPERT_WEIGHTS, optional=True)
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
         if self.virtual_stages > MAX_VIRTUAL_STAGES:
@@ -442,11 +421,7 @@ class Training:
         if isinstance(zero, bool) or not isinstance(zero, (int, np.integer)) or int(zero) not in ZERO_STAGES:
             raise PhazeError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
         object.__setattr__(self, "zero", int(zero))
-        if self.attention is not None:
-            attention = str(self.attention).strip().lower()
-            if attention not in ATTENTIONS:
-                raise PhazeError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-            object.__setattr__(self, "attention", attention)
+        self._choose("attention", ATTENTIONS, optional=True)
         for name, low in (("capacity_factor", 0.0), ("load_imbalance", 1.0)):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -480,6 +455,18 @@ class Training:
     def recomputes(self) -> bool:
         """Whether any activations are recomputed."""
         return self.recompute != "none"
+
+    def _choose(self, name: str, choices, optional: bool = False):
+        """Field `name` normalised (stripped, lower case) and checked against `choices`: a one-line
+        error naming the field and what is allowed; None stays None where the field is `optional`."""
+        value = getattr(self, name)
+        if value is None and optional:
+            return None
+        chosen = str(value).strip().lower()
+        if chosen not in choices:
+            raise PhazeError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        object.__setattr__(self, name, chosen)
+        return chosen
 
     def recipe(self) -> dict:
         """The recipe's fields as plain values (for reports and tracking)."""

@@ -759,9 +759,9 @@ def vocab_parallel_cross_entropy(logits, labels, t: int, rows: int):
 
 def build_layer(model: ModelConfig, kind: str, t: int, expert_weights: str = EXPERT_WEIGHTS[0]) -> nn.Module:
     """The module of one layer kind at TP width t, on the meta device."""
-    module = _build_layer(model, kind, t)
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
+    module = _build_layer(model, kind, t)
     for m in module.modules():
         if isinstance(m, MoE):
             m.weights_in_mlp = expert_weights == "activation"

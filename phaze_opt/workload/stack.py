@@ -58,6 +58,8 @@ STACK_EXPERT_WEIGHTS = {"eager": "combine", "megatron-lm": "combine", "megatron-
 def expert_weights(training: Training) -> str:
     """Where the recipe's MoE layers apply their gate weights (training.EXPERT_WEIGHTS)."""
     return training.expert_weights or STACK_EXPERT_WEIGHTS[training.stack]
+
+
 # Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
 FUSED_CASTS = ("megatron-te",)
 
