@@ -132,3 +132,24 @@ def test_shipped_mixtral_row_keeps_the_combine_of_its_megatron_core():
     rows = load_suite("megatron-core-h100").rows
     assert [r.model for r in rows if r.expert_weights == "combine"] == ["mixtral-8x7b"]
     assert rows[0].model == "mixtral-8x7b" and rows[0].stack == "megatron-te"  # the rest of the TE stack stays
+
+
+def test_evaluate_prices_time_memory_and_energy_on_the_same_graph():
+    """`evaluate` of a MoE model under megatron-te: its energy is computed on the graph the recipe
+    runs (the weighted activation), not on one rebuilt from loose recipe fields (whose op count
+    differs from the schedules' and once failed), and the two placements of the weights differ."""
+    import dataclasses as dc
+
+    from phaze_opt.design.evaluate import evaluate
+    from phaze_opt.hardware.arch import load_arch
+    from phaze_opt.system import load_system
+
+    model = parse_model(TINY_MOE)
+    system = dc.replace(load_system("dgx-h100"), accelerators=8, global_batch=16)
+    results = {w: evaluate(model, load_arch("h100-sxm"), Training(1, stack="megatron-te", expert_weights=w,
+                                                                    placement="tp=1,pp=1,dp=8"), system, 1.0)
+               for w in EXPERT_WEIGHTS}
+    for r in results.values():
+        assert r.feasible and r.energy_j is not None and r.energy_j > 0
+    memory = {w: r.placement["peak_memory_bytes"] for w, r in results.items()}
+    assert memory["activation"] < memory["combine"]
