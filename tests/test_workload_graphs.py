@@ -29,7 +29,8 @@ def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path_factory.getbasetemp() / "workload-cache"))
 
 
-def small_model(family="gpt", heads=4, head_dim=4, kv_heads=None, ffn=24, vocab=37, seq=8, dropout=0.1):
+def small_model(family="gpt", heads=4, head_dim=4, kv_heads=None, ffn=24, vocab=37, seq=8, dropout=0.1,
+                qkv_projection="fused"):
     llama = family == "llama"
     data = {
         "name": f"small-{family}", "family": family, "layers": 3, "hidden": heads * head_dim, "heads": heads,
@@ -37,7 +38,7 @@ def small_model(family="gpt", heads=4, head_dim=4, kv_heads=None, ffn=24, vocab=
         "activation": {"llama": "swiglu", "opt": "relu"}.get(family, "gelu"),
         "norm": "rmsnorm" if llama else "layernorm", "position": "rotary" if llama else "learned",
         "tied_embeddings": not llama, "bias": not llama, "dropout": 0.0 if llama else dropout,
-        "expert_placement": {"tp": 1, "pp": 1, "dp": 1},
+        "expert_placement": {"tp": 1, "pp": 1, "dp": 1}, "qkv_projection": qkv_projection,
     }
     return parse_model(data, "small")
 
@@ -155,13 +156,15 @@ def _autograd_saved_bytes(module, inputs):
 @HYP
 @given(family=st.sampled_from(["gpt", "bert", "opt", "llama"]), heads=st.sampled_from([2, 4]),
        head_dim=st.sampled_from([2, 4]), seq=st.integers(2, 8), mbs=st.integers(1, 3),
-       tp=st.sampled_from([1, 2]), kind=st.sampled_from(["embedding", "block", "head"]))
-def test_activation_bytes_equal_what_autograd_saves(family, heads, head_dim, seq, mbs, tp, kind):
+       tp=st.sampled_from([1, 2]), kind=st.sampled_from(["embedding", "block", "head"]),
+       qkv=st.sampled_from(["fused", "separate"]))
+def test_activation_bytes_equal_what_autograd_saves(family, heads, head_dim, seq, mbs, tp, kind, qkv):
     """Our count from the traced graph against the autograd engine's saved tensors, minus the
     constants our count leaves out on purpose (they do not grow with the microbatch): the causal
-    mask, the rotary tables and the position ids."""
+    mask, the rotary tables and the position ids. Fused or separate QKV projections: which storage
+    a saved V keeps alive is autograd's to say."""
     kv = heads // 2 if family == "llama" and (heads // 2) % tp == 0 else heads
-    m = small_model(family, heads, head_dim, kv, seq=seq)
+    m = small_model(family, heads, head_dim, kv, seq=seq, qkv_projection=qkv)
     inputs = example_inputs(m, kind, mbs, seq)
     traced = trace_layer_details(build_layer(m, kind, tp), inputs)
     # what a fused kernel rebuilds in backward (trace._Mapper._rebuilt_in_backward) eager autograd keeps

@@ -144,7 +144,8 @@ def row_config(row: Row, suite: Suite) -> dict:
     core = {k: recipe.pop(k) for k in ("mbs", "recompute", "sequence_parallel", "virtual_stages")}
     rest = {REPORT_NAMES.get(k, k): v for k, v in recipe.items()
             if v not in (None, False) and not (k == "zero" and v <= 1)}
-    layout = {k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq)) if v not in (1, None)}
+    layout = {k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq),
+                                ("qkv_projection", row.qkv_projection)) if v not in (1, None)}
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
             **core, "system": row.system or suite.system, "arch": row.arch or suite.arch, **layout, **rest}
 
@@ -173,8 +174,10 @@ def row_training(row: Row) -> Training:
 
 
 def row_model(row: Row):
-    """The row's model config at the row's sequence length."""
+    """The row's model config at the row's sequence length, with its code's QKV projection layout."""
     model = load_model(row.model)
+    if row.qkv_projection is not None:
+        model = replace(model, qkv_projection=row.qkv_projection)
     return model if row.seq is None else replace(model, seq=row.seq)
 
 
@@ -206,7 +209,7 @@ def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficienc
     if row.skip:
         return RowResult(predicted=None, feasible=False, reason=row.skip, skipped=True, **common)
     try:
-        result = (evaluator or evaluate)(row_model(row) if row.seq else row.model,
+        result = (evaluator or evaluate)(row_model(row) if row.seq or row.qkv_projection else row.model,
                                          row_arch(suite, arch_efficiency, row), row_training(row),
                                          row_system(suite, row, efficiency))
     except PhazeError as exc:

@@ -70,6 +70,9 @@ A training row is one published run:
     attention                   optional: the run's attention kernel, unfused | flash (default: the
                                 model config's own), e.g. flash for a stack whose fused attention
                                 kernels keep no s x s scores for the backward
+    qkv_projection              optional: the run's code lays out the attention's input projection as
+                                one fused GEMM or three (ModelConfig.qkv_projection, fused | separate;
+                                default: the model config's own); not on an MLA model
     per_gpu_tflops, iteration_time_s
                                 the suite's metric is required; the other is optional
     published                   optional: the paper's other numbers for the row (PUBLISHED_FIELDS)
@@ -99,7 +102,7 @@ from .. import configs
 from ..errors import PhazeError, config_error
 from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, OPTIMIZER_STATES,
                         PRECISIONS, STACKS, ZERO_STAGES, Training, check_recompute_modules)
-from ..workload.models import ModelConfig, load_model
+from ..workload.models import QKV_PROJECTIONS, ModelConfig, load_model
 
 KIND = "validation"
 TRAINING_METRICS = ("per_gpu_tflops", "iteration_time_s")
@@ -130,7 +133,7 @@ ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_paralle
                 "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
                 "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
                 "moe_a2a_overlap", "moe_dispatcher",
-                "recompute_modules", "cp_comm", "expert_weights", "optimizer_state")
+                "recompute_modules", "cp_comm", "expert_weights", "optimizer_state", "qkv_projection")
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -239,6 +242,7 @@ class Row:
     cp_comm: str = CP_COMMS[0]  # how CP moves K and V (Training.cp_comm)
     expert_weights: str | None = None  # where MoE layers apply the router's weights; None: the stack's
     optimizer_state: str | None = None  # the optimizer-state layout (Training.optimizer_state); None: the system's
+    qkv_projection: str | None = None  # the code's QKV projection layout (ModelConfig.qkv_projection); None: the model's
 
     @property
     def dp(self) -> int:
@@ -547,6 +551,11 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         flags["expert_weights"] = _choice(row, "expert_weights", EXPERT_WEIGHTS, file, at)
     if "optimizer_state" in row:
         flags["optimizer_state"] = _choice(row, "optimizer_state", tuple(OPTIMIZER_STATES), file, at)
+    if "qkv_projection" in row:
+        if model.mla:
+            raise config_error(file, f"{at}.qkv_projection",
+                               f"{model.name} uses MLA, whose projections are its own; leave it out")
+        flags["qkv_projection"] = _choice(row, "qkv_projection", QKV_PROJECTIONS, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,

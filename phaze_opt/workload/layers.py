@@ -302,7 +302,14 @@ class SelfAttention(nn.Module):
         self.window = window
         # t x the local width: with replicated KV heads each device holds a whole KV head
         width = (model.heads + 2 * self.kv_heads * t) * self.d
-        self.qkv = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "QKV width")
+        if model.qkv_projection == "separate":  # ModelConfig.qkv_projection: three outputs of their own
+            self.qkv = None
+            kv_width = self.kv_heads * t * self.d
+            self.q = ColumnParallelLinear(model.hidden, model.heads * self.d, t, model.bias, dtype, "Q width")
+            self.k = ColumnParallelLinear(model.hidden, kv_width, t, model.bias, dtype, "KV width")
+            self.v = ColumnParallelLinear(model.hidden, kv_width, t, model.bias, dtype, "KV width")
+        else:
+            self.qkv = ColumnParallelLinear(model.hidden, width, t, model.bias, dtype, "QKV width")
         self.proj = RowParallelLinear(model.heads * self.d, model.hidden, t, model.bias, dtype, "heads x head size")
         if model.qk_norm:  # Dehghani et al. 2023; Qwen3 normalises before the rotary embedding
             self.q_norm = RMSNorm(self.d, model.norm_eps, dtype)
@@ -313,9 +320,11 @@ class SelfAttention(nn.Module):
     def forward(self, x):
         s, b, _ = x.shape
         kv, g, d = self.kv_heads, self.group, self.d
-        # Megatron's layout: per KV group, g query heads then its key and value: [s, b, kv, (g + 2) d].
-        qkv = self.qkv(x).view(s, b, kv, (g + 2) * d)
-        q, k, v = torch.split(qkv, [g * d, d, d], dim=-1)
+        if self.qkv is None:  # query head i reads KV head i // g, as in the fused layout
+            q, k, v = self.q(x).view(s, b, kv, g * d), self.k(x).view(s, b, kv, d), self.v(x).view(s, b, kv, d)
+        else:  # Megatron's layout: per KV group, g query heads then its key and value: [s, b, kv, (g + 2) d]
+            qkv = self.qkv(x).view(s, b, kv, (g + 2) * d)
+            q, k, v = torch.split(qkv, [g * d, d, d], dim=-1)
         q = q.reshape(s, b, kv, g, d).permute(1, 2, 0, 3, 4)  # [b, kv, s, g, d]
         k = k.permute(1, 2, 0, 3)  # [b, kv, s, d]
         v = v.permute(1, 2, 0, 3)

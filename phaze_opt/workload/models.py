@@ -58,7 +58,7 @@ EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
 
 OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention",
             "expert_placement",
-            *("head_dim", "qk_norm", "window", "global_every", "parallel_block", "mtp_layers",
+            *("head_dim", "qk_norm", "window", "global_every", "parallel_block", "mtp_layers", "qkv_projection",
               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
               "capacity_factor", "router_groups", "router_group_topk"))
@@ -69,12 +69,14 @@ MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers"
 # Most experts of any published MoE: 2,048 (GShard 600B); Switch-C has 2,048 too.
 MOE_LIMIT = configs.Limit(2**16, "32x the most experts of any published MoE, 2,048")
 ATTENTIONS = ("unfused", "flash")  # flash: one fused attention kernel per pass (layers.py, trace.py)
+QKV_PROJECTIONS = ("fused", "separate")  # see ModelConfig.qkv_projection
 # The architecture fields of models trained since 2023 (see `ModelConfig`), with the value that means
 # "not used". At that value a field is left out of the model's identity, so every older model hashes
 # (and caches) as it did before the field existed.
 MODERN_DEFAULTS = {"head_size": 0, "qk_norm": False, "window": 0, "global_every": 0, "parallel_block": False,
                    "mtp_layers": 0, "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0,
-                   "qk_rope_head_dim": 0, "v_head_dim": 0, "router_groups": 0, "router_group_topk": 0}
+                   "qk_rope_head_dim": 0, "v_head_dim": 0, "router_groups": 0, "router_group_topk": 0,
+                   "qkv_projection": "fused"}
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -142,6 +144,14 @@ class ModelConfig:
     # `parallel_block`: attention and MLP read the same normalised input and their outputs are added
     # to the residual together (GPT-J, Wang & Komatsuzaki 2021; PaLM, Chowdhery et al. 2022, Sec. 2)
     parallel_block: bool = False
+    # `qkv_projection`: how the implementation lays out the attention's input projection. `fused`:
+    # one GEMM whose output holds Q, K and V side by side (Megatron's `linear_qkv`); `separate`:
+    # three GEMMs with outputs of their own (`wq`, `wk`, `wv` in Meta's published Llama code,
+    # github.com/meta-llama/llama3 `llama/model.py`, and in torchtitan's Llama 3; `q_proj`,
+    # `k_proj`, `v_proj` in Hugging Face's). Same weights and FLOPs; what differs is memory: autograd
+    # keeps a saved view's whole storage, so an attention that saves V keeps the fused output
+    # (Q, K and V) through it, and only V's own bytes when V has its own storage.
+    qkv_projection: str = "fused"
     # `mtp_layers`: DeepSeek-V3's multi-token-prediction modules (DeepSeek-AI 2024, arXiv:2412.19437,
     # Sec. 2.2): each a projection of [norm(h); norm(emb)] then one transformer block, the embedding
     # and output head shared with the main model.
@@ -258,6 +268,8 @@ def model_features(model: ModelConfig) -> list[str]:
                    + (f", one block in {model.global_every} global" if model.global_every else ""))
     if model.parallel_block:
         out.append("parallel attention + MLP blocks")
+    if model.qkv_projection != "fused":
+        out.append("separate Q, K and V projections")
     if model.moe and model.shared_experts:
         out.append(f"{model.shared_experts} shared experts")
     if model.moe and model.dense_layers:
@@ -455,8 +467,11 @@ def _modern_fields(data: dict, file, family: str, layers: int, mla: int) -> dict
     mtp = _non_negative_int(data, "mtp_layers", file, MTP_LIMIT)
     if mtp and family == "bert":
         raise config_error(file, "mtp_layers", "multi-token prediction is built for the decoder families only")
+    qkv = configs.one_of(data, "qkv_projection", file, QKV_PROJECTIONS, default="fused")
+    if qkv != "fused" and mla:
+        raise config_error(file, "qkv_projection", "MLA projects its queries and latents with projections of its own")
     return {"qk_norm": qk_norm, "window": window, "global_every": global_every, "parallel_block": parallel,
-            "mtp_layers": mtp}
+            "mtp_layers": mtp, "qkv_projection": qkv}
 
 
 def _moe_fields(data: dict, file, ffn: int, layers: int, family: str) -> dict:
