@@ -74,6 +74,14 @@ It holds
   `SHARD_GRAD_OP` gathers them layer by layer in the first forward, prefetched); with ZeRO-0
   there is no such gather and with ZeRO-3 the gathers are per layer already, so it changes
   nothing there. Default off.
+- `overlap_p2p_comm`: the interleaved schedule's pipeline sends and receives run beside compute
+  (Megatron-LM's default with interleaving, `--no-overlap-p2p-communication` turns it off; NeMo and
+  Megatron-Bridge set it whenever the virtual pipeline size is above 1): each step posts its
+  transfers asynchronously and waits for them only before the step that needs them, so in the
+  steady state a stage's messages hide under its compute; in the warm-up and flush (without
+  `--overlap-p2p-communication-warmup-flush`) they do not (`solve/placement/evaluate.py`). No
+  effect without interleaving (virtual_stages 1), where Megatron-LM turns it off. Not sampled by a
+  space. Default off.
 - `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
   run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
   each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
@@ -384,6 +392,7 @@ class Training:
     recompute_modules: tuple[str, ...] | None = None
     cp_comm: str = CP_COMMS[0]
     expert_weights: str | None = None
+    overlap_p2p_comm: bool = False
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -396,7 +405,7 @@ class Training:
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
         for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap",
-                     "fp8_param_gather"):
+                     "fp8_param_gather", "overlap_p2p_comm"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
         self._choose("optimizer_state", OPTIMIZER_STATES, optional=True)
         precision = self._choose("precision", PRECISIONS)
@@ -490,7 +499,8 @@ class Training:
                 **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
                 **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {}),
                 **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {}),
-                **({"expert_weights": self.expert_weights} if self.expert_weights is not None else {})}
+                **({"expert_weights": self.expert_weights} if self.expert_weights is not None else {}),
+                **({"overlap_p2p_comm": True} if self.overlap_p2p_comm else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence

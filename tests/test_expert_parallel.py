@@ -53,7 +53,8 @@ def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
     cp_costs = [moe_costs(t, n, np.random.default_rng(seed * 7 + t + 100 * c), cp=c, seq_scale=1.0 / c)
                 for t in widths for c in cp if c > 1]
     hbm = float(kw.pop("hbm", rng.uniform(200, 2000)))
-    recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k in ("load_imbalance", "account_for_embedding", "account_for_loss", "recompute_modules")}
+    recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k in ("load_imbalance", "account_for_embedding", "account_for_loss", "recompute_modules",
+                                                                      "overlap_p2p_comm")}
     return PlacementProblem(costs=tuple(base), system=system, hbm_bytes=hbm, peak_flops=1.0, seq_len=8,
                             ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), training=Training(**recipe), **kw)
 
@@ -104,9 +105,9 @@ def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_b
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), v=st.sampled_from([1, 2]))
-def test_dp_matches_brute_force_interleaved(seed, v):
-    problem = moe_problem(seed, n=4, virtual_stages=v, global_batch=8)
+@given(seed=st.integers(0, 10**6), v=st.sampled_from([1, 2]), p2p=st.booleans())
+def test_dp_matches_brute_force_interleaved(seed, v, p2p):
+    problem = moe_problem(seed, n=4, virtual_stages=v, global_batch=8, overlap_p2p_comm=p2p)
     assert_dp_is_brute(problem)
 
 

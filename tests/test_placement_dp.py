@@ -340,6 +340,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         zero=draw(st.sampled_from([0, 1, 2, 3])),
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
+        overlap_p2p_comm=draw(st.booleans()),  # a stage time that depends on S and m
         # Megatron-Core's uneven splits: layer counts p x v does not divide, embedding/loss counted
         account_for_embedding=uneven and draw(st.booleans()),
         account_for_loss=uneven and draw(st.booleans()),
@@ -547,3 +548,17 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(recipe_problems(interleaved=True), st.sampled_from([0.05, 1.0, 20.0]))
+def test_chain_dp_equals_brute_force_with_overlapped_p2p(problem, network):
+    """Overlapped pipeline sends (`overlap_p2p_comm`): a stage time that depends on S and m, from
+    messages far shorter than compute to far longer; the DP prices each S's own share."""
+    import dataclasses
+
+    system = dataclasses.replace(problem.system, inter_node=dataclasses.replace(
+        problem.system.inter_node, bandwidth=problem.system.inter_node.bandwidth * network))
+    problem = dataclasses.replace(problem, system=system,
+                                  training=dataclasses.replace(problem.training, overlap_p2p_comm=True))
+    assert_recipe_matches_oracle(problem, chain_splits(problem.n_layers))

@@ -138,19 +138,10 @@ def test_activation_bytes_with_tensor_parallelism(t):
 
 def _autograd_saved_bytes(module, inputs):
     """Bytes of the distinct storages the autograd engine saves, parameters excluded."""
-    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    from phaze_opt.validation.measure import saved_storage_bytes
+
     xs = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in params:
-            storages[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        module(*xs)
-    return sum(storages.values())
+    return saved_storage_bytes(module, lambda: module(*xs))[0]
 
 
 @HYP

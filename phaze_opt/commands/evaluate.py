@@ -43,6 +43,9 @@ def add_arguments(p):
                    help="with --zero 1 or 2: the weights' all-gather under the next iteration's forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="with --sequence-parallel: TP reduce-scatters/all-gathers pipelined with the GEMMs")
+    p.add_argument("--overlap-p2p-comm", action="store_true",
+                   help="with --virtual-stages > 1: the pipeline sends and receives beside compute, but in the "
+                        "schedule's warm-up and flush (Megatron-LM's default with interleaving)")
     p.add_argument("--attention", choices=("unfused", "flash"), default=None,
                    help="attention kernel (default: the model config's)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
@@ -125,7 +128,7 @@ def run(args) -> dict:
                       fp8_param_gather=args.fp8_param_gather,
                       moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
                       recompute_modules=args.recompute_modules, cp_comm=args.cp_comm,
-                      expert_weights=args.expert_weights)
+                      expert_weights=args.expert_weights, overlap_p2p_comm=args.overlap_p2p_comm)
     model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
@@ -174,6 +177,8 @@ def render(r: dict) -> str:
         extras.append("overlapped param gather")
     if r.get("tp_comm_overlap"):
         extras.append("TP comm overlapped")
+    if r.get("overlap_p2p_comm"):
+        extras.append("pipeline p2p overlapped")
     if r.get("fp8_param_gather"):
         extras.append("low-precision parameters")
     if r.get("expert_tensor_parallel"):

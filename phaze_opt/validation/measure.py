@@ -351,6 +351,24 @@ def time_gemms(shapes, device: torch.device, dtype: str, clock, warmup: int, rep
     return out
 
 
+def saved_storage_bytes(module: torch.nn.Module, run: Callable[[], object]) -> tuple[int, object]:
+    """Bytes of the distinct storages autograd saves while `run` (a forward of `module`) runs, the
+    module's parameters excluded, and what `run` returned: the truth a saved-activation count is
+    held to (a view keeps its whole storage, so storages, not tensors, are counted)."""
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params:
+            storages[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(storages.values()), out
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -170,7 +170,8 @@ def row_training(row: Row) -> Training:
                     fp8_param_gather=row.fp8_param_gather,
                     moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
                     recompute_modules=row.recompute_modules, cp_comm=row.cp_comm,
-                    expert_weights=row.expert_weights, optimizer_state=row.optimizer_state)
+                    expert_weights=row.expert_weights, optimizer_state=row.optimizer_state,
+                    overlap_p2p_comm=row.overlap_p2p_comm)
 
 
 def row_model(row: Row):

@@ -22,7 +22,8 @@ def feature_fields(model: str | os.PathLike | ModelConfig) -> dict[str, str]:
         "qk_norm": model.qk_norm, "window": model.window, "global_every": model.global_every,
         "parallel_block": model.parallel_block, "moe_experts": model.experts, "moe_top_k": model.top_k,
         "shared_experts": model.shared_experts, "dense_layers": model.dense_layers if model.moe else 0,
-        "mtp_layers": model.mtp_layers, "params": model_params(model), "active_params": active_params(model),
+        "mtp_layers": model.mtp_layers, "qkv_projection": model.qkv_projection,
+        "params": model_params(model), "active_params": active_params(model),
     }
     if model.mla:
         out.update({"q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank})

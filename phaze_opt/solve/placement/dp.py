@@ -67,6 +67,7 @@ from .kernel import (
     epsilon_sweeps,
     layer_terms,
     min_memory_needed,
+    p2p_exposed_share,
     ring_links,
     stage_fit,
     stage_stack,
@@ -452,7 +453,11 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     w_b, g_b, o_b = state_split(problem)
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
-    times = {h: st.stage_time(links[h], v, system.efficiency.microbatch_overhead_s)[1] for h in (0, 1)}
+    fixed = system.efficiency.microbatch_overhead_s
+    # With overlapped point-to-point a stage's time depends on S (p2p_exposed_share): the sweeps that
+    # order the groups take the least of it (share 0), each group its own S's.
+    overlap = 0.0 if problem.training.overlap_p2p_comm and v > 1 else None
+    times = {h: st.stage_time(links[h], v, fixed, overlap)[1] for h in (0, 1)}
     L = st.n_layers
     T = len(costs)
     blocks = np.arange(T)
@@ -479,7 +484,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         sl = slice(b, b + 1)
         params, acts, workmax, bwdwin = st.params[sl], st.acts[sl], st.workmax[sl], st.bwdwin[sl]
         params0 = np.where(valid[sl], params, 0.0)
-        time_g = times[h][sl]
+        share = p2p_exposed_share(problem, S_only, m)
+        time_g = times[h][sl] if share is None else st.stage_time(links[h], v, fixed, share, sl)[1]
         tail = np.zeros(params.shape)
         hide_gather = problem.training.zero in (1, 2) and problem.training.overlap_param_gather
         if problem.training.zero == 2:  # each microbatch's reduce-scatter (placement.evaluate)

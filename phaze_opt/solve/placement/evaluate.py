@@ -18,6 +18,10 @@ disagreement in the tests. The model it implements (the definition the DP must o
   later stages. Each direction with anything to receive costs one message on the pipeline link:
   latency + bytes / bandwidth; with v virtual stages (interleaved 1F1B) every microbatch crosses
   v times as many stage boundaries, so v times the messages (Narayanan et al., SC'21, Sec. 2.2).
+  With `overlap_p2p_comm` (interleaved only, as Megatron-LM allows it) each step's messages run
+  beside the compute of the step after it, except in the warm-up and flush: the messages of a
+  share f = ((S - 1) / v) / (m + (S - 1) / v) of the steps stay exposed, so a stage with compute W
+  (recompute included) and messages P takes max(W + f P, f W + P) instead of W + P.
   With ZeRO-3 the stage also all-gathers each layer's parameters over the d replicas before the
   layer's forward and again before its backward, and reduce-scatters its gradients after the
   backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
@@ -348,6 +352,12 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_in / hop.bandwidth)
         if producers_out:
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
+        if problem.training.overlap_p2p_comm and v_virt > 1 and S > 1:
+            # Megatron's overlapped p2p: a step's sends and receives run beside the next chunk's
+            # compute, except in the warm-up and flush, (S - 1) / v of the m + (S - 1) / v stage times
+            share = (S - 1) / v_virt / (m + (S - 1) / v_virt)
+            work = compute + recompute
+            comm = max(work + share * comm, share * work + comm) - work
         grad_bytes = params * g_b
         dense = params - experts
         groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
