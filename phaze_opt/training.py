@@ -81,7 +81,9 @@ It holds
   steady state a stage's messages hide under its compute; in the warm-up and flush (without
   `--overlap-p2p-communication-warmup-flush`) they do not (`solve/placement/evaluate.py`). No
   effect without interleaving (virtual_stages 1), where Megatron-LM turns it off. Not sampled by a
-  space. Default off.
+  space. None (the default): the stack's own default (`overlaps_p2p`: on under `megatron-te`, whose
+  Megatron-Core, NeMo and Megatron-Bridge turn it on with interleaving; off under `megatron-lm`, the
+  2021-22 Megatron-LM whose schedule sent in batches, and `eager`).
 - `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
   run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
   each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
@@ -200,6 +202,10 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 ZERO_STAGES = (0, 1, 2, 3)
+# Stacks whose interleaved schedule overlaps its pipeline sends unless told not to: Megatron-Core
+# (Megatron-LM's `--no-overlap-p2p-communication` is a store_false flag, megatron/training/
+# arguments.py), NeMo and Megatron-Bridge (CommOverlapConfig: on wherever VP > 1).
+P2P_OVERLAP_STACKS = ("megatron-te",)
 # Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
 OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
 ATTENTIONS = ("unfused", "flash")
@@ -392,7 +398,7 @@ class Training:
     recompute_modules: tuple[str, ...] | None = None
     cp_comm: str = CP_COMMS[0]
     expert_weights: str | None = None
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool | None = None
     # "expert", or the Layout of a fixed placement; None for "optimal"
     fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -405,8 +411,10 @@ class Training:
         object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
         object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
         for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap",
-                     "fp8_param_gather", "overlap_p2p_comm"):
+                     "fp8_param_gather"):
             object.__setattr__(self, name, bool_flag(getattr(self, name), name))
+        if self.overlap_p2p_comm is not None:
+            object.__setattr__(self, "overlap_p2p_comm", bool_flag(self.overlap_p2p_comm, "overlap_p2p_comm"))
         self._choose("optimizer_state", OPTIMIZER_STATES, optional=True)
         precision = self._choose("precision", PRECISIONS)
         if self.fp8_param_gather and precision not in LOW_PRECISION_PARAMS:
@@ -500,7 +508,7 @@ class Training:
                 **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {}),
                 **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {}),
                 **({"expert_weights": self.expert_weights} if self.expert_weights is not None else {}),
-                **({"overlap_p2p_comm": True} if self.overlap_p2p_comm else {})}
+                **({"overlap_p2p_comm": self.overlap_p2p_comm} if self.overlap_p2p_comm is not None else {})}
 
     def layer_key(self) -> tuple:
         """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
@@ -513,6 +521,12 @@ class Training:
             ((("stack", self.stack),) if self.stack != STACKS[0] else ()) + \
             ((("recompute_modules", self.recomputed_modules),) if self.recompute_modules is not None else ()) + \
             ((("expert_weights", self.expert_weights),) if self.expert_weights is not None else ())
+
+    @property
+    def overlaps_p2p(self) -> bool:
+        """Whether the interleaved schedule's pipeline sends run beside compute: the recipe's
+        `overlap_p2p_comm`, else its stack's default (P2P_OVERLAP_STACKS)."""
+        return self.overlap_p2p_comm if self.overlap_p2p_comm is not None else self.stack in P2P_OVERLAP_STACKS
 
     @property
     def recomputed_modules(self) -> tuple[str, ...]:

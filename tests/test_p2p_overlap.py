@@ -62,9 +62,33 @@ def test_more_microbatches_hide_more():
 
 def test_recipe_field_checked_and_listed():
     assert Training(overlap_p2p_comm=True).recipe()["overlap_p2p_comm"] is True
+    assert Training(overlap_p2p_comm=False).recipe()["overlap_p2p_comm"] is False
     assert "overlap_p2p_comm" not in Training().recipe()  # earlier recipes (and resumed keys) unchanged
     with pytest.raises(PhazeError, match="overlap_p2p_comm"):
         Training(overlap_p2p_comm="often")
+
+
+def test_unset_it_is_the_stacks_default():
+    """Megatron-Core, NeMo and Megatron-Bridge (the megatron-te stack) overlap the interleaved
+    schedule's sends unless told not to; 2021-22 Megatron-LM and eager PyTorch do not."""
+    assert Training(stack="megatron-te").overlaps_p2p
+    assert not Training(stack="megatron-te", overlap_p2p_comm=False).overlaps_p2p
+    assert not Training().overlaps_p2p and not Training(stack="eager").overlaps_p2p
+    assert Training(stack="eager", overlap_p2p_comm=True).overlaps_p2p
+    te = evaluate_placement(_problem(5.0, virtual_stages=2, stack="megatron-te"), TWO_STAGES)
+    on = evaluate_placement(_problem(5.0, virtual_stages=2, overlap_p2p_comm=True), TWO_STAGES)
+    assert te.time_per_batch_s == on.time_per_batch_s
+
+
+def test_a_row_that_turns_it_off_under_megatron_te_says_so():
+    """NeMo 24.07's Nemotron-4 340B launcher config sets `overlap_p2p_comm: False`."""
+    from phaze_opt.validation.runner import row_config, row_training
+    from phaze_opt.validation.suites import load_suite
+
+    suite = load_suite("nemo-fp8-h100")
+    (row,) = [r for r in suite.rows if r.model == "nemotron-4-340b"]
+    assert row.stack == "megatron-te" and not row_training(row).overlaps_p2p
+    assert row_config(row, suite)["overlap_p2p_comm"] is False
 
 
 def test_cli_flag_reaches_the_recipe():
@@ -75,7 +99,8 @@ def test_cli_flag_reaches_the_recipe():
     p = argparse.ArgumentParser()
     command.add_arguments(p)
     assert p.parse_args(["--overlap-p2p-comm"]).overlap_p2p_comm is True
-    assert p.parse_args([]).overlap_p2p_comm is False
+    assert p.parse_args(["--no-overlap-p2p-comm"]).overlap_p2p_comm is False
+    assert p.parse_args([]).overlap_p2p_comm is None
 
 
 ROW = {"model": "llama3-70b", "tp": 8, "pp": 4, "virtual_stages": 5, "gpus": 64, "batch": 64, "microbatch": 1,
@@ -86,7 +111,7 @@ ROW = {"model": "llama3-70b", "tp": 8, "pp": 4, "virtual_stages": 5, "gpus": 64,
 def test_suite_rows_carry_it_to_the_recipe(tmp_path):
     from test_validation_modern import assert_row_field_reaches_the_recipe
 
-    assert_row_field_reaches_the_recipe(tmp_path, ROW, "overlap_p2p_comm", True, False)
+    assert_row_field_reaches_the_recipe(tmp_path, ROW, "overlap_p2p_comm", True, None)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -97,3 +122,19 @@ def test_suite_rows_refuse_a_bad_value_in_one_line(tmp_path, change, words):
     from test_validation_modern import assert_row_refused_in_one_line
 
     assert_row_refused_in_one_line(tmp_path, {**ROW, **change}, "overlap_p2p_comm", words)
+
+
+def test_stage_time_never_falls_as_the_backward_grows_beside_a_hidden_reduce_scatter():
+    """ZeRO-2's per-microbatch reduce-scatter hides under the backward too: the sends must hide
+    under the stage's whole work (compute and that exposed scatter), or a longer backward would
+    shorten the stage (and the placement bound, which runs on lower-bound layer times, would fail)."""
+    times = []
+    for bwd in (0.1, 1.0, 4.0, 8.0, 12.0, 16.0):  # a stage's backward from 0.2 s to 32 s
+        # sends of 4 B on a 0.1 B/s link (80 s per microbatch, past the work), a scatter of 20 s
+        costs = make_costs(1, [1.0] * 4, [bwd] * 4, [1] * 4, [0] * 4, [4] * 4)
+        system = make_system(accelerators=4, devices_per_node=1, global_batch=8, intra=(0.1, 0.0), inter=(0.1, 0.0))
+        problem = PlacementProblem(training=Training(mbs=1, virtual_stages=2, zero=2, overlap_grad_reduce=True,
+                                                     overlap_p2p_comm=True),
+                                   costs=(costs,), system=system, hbm_bytes=1e9, peak_flops=1.0, interleave_layers=4)
+        times.append(evaluate_placement(problem, Placement(1, 2, ((0, 1), (2, 3)))).stages[0].time_s)
+    assert times == sorted(times) and times[0] < times[-1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..training import CP_COMMS, EXPERT_WEIGHTS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
@@ -43,9 +45,9 @@ def add_arguments(p):
                    help="with --zero 1 or 2: the weights' all-gather under the next iteration's forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="with --sequence-parallel: TP reduce-scatters/all-gathers pipelined with the GEMMs")
-    p.add_argument("--overlap-p2p-comm", action="store_true",
+    p.add_argument("--overlap-p2p-comm", action=argparse.BooleanOptionalAction, default=None,
                    help="with --virtual-stages > 1: the pipeline sends and receives beside compute, but in the "
-                        "schedule's warm-up and flush (Megatron-LM's default with interleaving)")
+                        "schedule's warm-up and flush (default: the stack's, on under megatron-te)")
     p.add_argument("--attention", choices=("unfused", "flash"), default=None,
                    help="attention kernel (default: the model config's)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
@@ -177,8 +179,8 @@ def render(r: dict) -> str:
         extras.append("overlapped param gather")
     if r.get("tp_comm_overlap"):
         extras.append("TP comm overlapped")
-    if r.get("overlap_p2p_comm"):
-        extras.append("pipeline p2p overlapped")
+    if r.get("overlap_p2p_comm") is not None:
+        extras.append(f"pipeline p2p {'overlapped' if r['overlap_p2p_comm'] else 'exposed'}")
     if r.get("fp8_param_gather"):
         extras.append("low-precision parameters")
     if r.get("expert_tensor_parallel"):

@@ -132,6 +132,8 @@ class SuiteResult:
 
 # Report names of recipe fields where the report is shorter than the recipe.
 REPORT_NAMES = {"expert_tensor_parallel": "etp"}
+# Switches whose `false` overrides a stack default that is on: shown when set, off or on.
+OFF_OVER_STACK = ("overlap_p2p_comm",)
 
 
 def row_config(row: Row, suite: Suite) -> dict:
@@ -143,7 +145,7 @@ def row_config(row: Row, suite: Suite) -> dict:
     del recipe["placement"]  # the layout below says it
     core = {k: recipe.pop(k) for k in ("mbs", "recompute", "sequence_parallel", "virtual_stages")}
     rest = {REPORT_NAMES.get(k, k): v for k, v in recipe.items()
-            if v not in (None, False) and not (k == "zero" and v <= 1)}
+            if (v not in (None, False) or k in OFF_OVER_STACK) and not (k == "zero" and v <= 1)}
     layout = {k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq),
                                 ("qkv_projection", row.qkv_projection)) if v not in (1, None)}
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,

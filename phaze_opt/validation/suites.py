@@ -44,8 +44,8 @@ A training row is one published run:
     tp_comm_overlap             optional: SP's TP collectives pipelined with the GEMMs
                                 (Megatron `--tp-comm-overlap`; default false)
     overlap_p2p_comm            optional: the interleaved schedule's pipeline sends and receives
-                                beside compute (Megatron-LM's default with interleaving; default
-                                false); needs virtual_stages > 1
+                                beside compute (Training.overlap_p2p_comm; default: the stack's, on
+                                under megatron-te); true needs virtual_stages > 1
     fp8_param_gather            optional: parameters held in the fp8 / mxfp8 GEMM format, no BF16
                                 weight (Megatron-Core `--fp8-param-gather`; default false)
     expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
@@ -230,7 +230,7 @@ class Row:
     flops_formula: str | None = None  # None: the suite's
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool | None = None  # None: the stack's default (Training.overlaps_p2p)
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
@@ -505,15 +505,19 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
     flags = {}
     for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss",
-                 "fp8_param_gather", "moe_a2a_overlap", "overlap_p2p_comm"):
+                 "fp8_param_gather", "moe_a2a_overlap"):
         flags[name] = row.get(name, False)
         if not isinstance(flags[name], bool):
             raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
     split = Training(virtual_stages=chunks, account_for_embedding=flags["account_for_embedding"],
                      account_for_loss=flags["account_for_loss"])
-    if flags["overlap_p2p_comm"] and chunks == 1:
-        raise config_error(file, f"{at}.overlap_p2p_comm",
-                           "needs virtual_stages > 1 (Megatron-LM overlaps p2p only in the interleaved schedule)")
+    if "overlap_p2p_comm" in row:
+        flags["overlap_p2p_comm"] = row["overlap_p2p_comm"]
+        if not isinstance(flags["overlap_p2p_comm"], bool):
+            raise config_error(file, f"{at}.overlap_p2p_comm", f"must be true or false, got {flags['overlap_p2p_comm']!r}")
+        if flags["overlap_p2p_comm"] and chunks == 1:
+            raise config_error(file, f"{at}.overlap_p2p_comm",
+                               "needs virtual_stages > 1 (Megatron-LM overlaps p2p only in the interleaved schedule)")
     if chunks > 1 and pp == 1:  # Megatron refuses it too: the interleaved schedule needs a pipeline
         raise config_error(file, f"{at}.virtual_stages", "needs pp > 1 (no pipeline to interleave at pp 1)")
     if chunks > 1 and not split.interleave_split_ok(model.layers, pp):

@@ -456,7 +456,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     fixed = system.efficiency.microbatch_overhead_s
     # With overlapped point-to-point a stage's time depends on S (p2p_exposed_share): the sweeps that
     # order the groups take the least of it (share 0), each group its own S's.
-    overlap = 0.0 if problem.training.overlap_p2p_comm and v > 1 else None
+    overlap = 0.0 if problem.training.overlaps_p2p and v > 1 else None
     times = {h: st.stage_time(links[h], v, fixed, overlap)[1] for h in (0, 1)}
     L = st.n_layers
     T = len(costs)
@@ -484,22 +484,21 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         sl = slice(b, b + 1)
         params, acts, workmax, bwdwin = st.params[sl], st.acts[sl], st.workmax[sl], st.bwdwin[sl]
         params0 = np.where(valid[sl], params, 0.0)
-        share = p2p_exposed_share(problem, S_only, m)
-        time_g = times[h][sl] if share is None else st.stage_time(links[h], v, fixed, share, sl)[1]
+        beside = 0.0  # ZeRO-2/3: the exposed part of each microbatch's data-parallel collectives
         tail = np.zeros(params.shape)
         hide_gather = problem.training.zero in (1, 2) and problem.training.overlap_param_gather
         if problem.training.zero == 2:  # each microbatch's reduce-scatter (placement.evaluate)
             scatter = _half(params0 * g_b, d, ring)
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 scatter = np.maximum(0.0, scatter - bwdwin)
-            time_g = time_g + scatter
+            beside = scatter
         if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
             exposed_f, exposed_b = _zero3_exposed(st, b, gather)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
-            time_g = time_g + (exposed_f + exposed_b + scatter)
+            beside = exposed_f + exposed_b + scatter
         else:
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
@@ -526,6 +525,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 step_bytes = step_bytes / d
             tail = tail + step_bytes / problem.hbm_bandwidth
         tail = np.where(valid[sl], tail, INF)
+        share = p2p_exposed_share(problem, S_only, m)
+        time_g = times[h][sl] + beside if share is None else st.stage_time(links[h], v, fixed, share, sl, beside)[1]
         state = state_bytes(problem, params0, d)
         kmax = stage_fit(state, acts, workmax, valid[sl], problem.hbm_bytes, S_only, v, m)
         time_g = np.where(valid[sl] & (kmax >= 1), time_g, INF)

@@ -19,9 +19,10 @@ disagreement in the tests. The model it implements (the definition the DP must o
   latency + bytes / bandwidth; with v virtual stages (interleaved 1F1B) every microbatch crosses
   v times as many stage boundaries, so v times the messages (Narayanan et al., SC'21, Sec. 2.2).
   With `overlap_p2p_comm` (interleaved only, as Megatron-LM allows it) each step's messages run
-  beside the compute of the step after it, except in the warm-up and flush: the messages of a
-  share f = ((S - 1) / v) / (m + (S - 1) / v) of the steps stay exposed, so a stage with compute W
-  (recompute included) and messages P takes max(W + f P, f W + P) instead of W + P.
+  beside the stage's work W of the step after it (its compute and recompute, and the exposed part
+  of its per-microbatch ZeRO-2/3 collectives), except in the warm-up and flush: the messages of a
+  share f = ((S - 1) / v) / (m + (S - 1) / v) of the steps stay exposed, so the stage takes
+  max(W + f P, f W + P) instead of W + P, non-decreasing in every layer time.
   With ZeRO-3 the stage also all-gathers each layer's parameters over the d replicas before the
   layer's forward and again before its backward, and reduce-scatters its gradients after the
   backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
@@ -352,12 +353,6 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_in / hop.bandwidth)
         if producers_out:
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
-        if problem.training.overlap_p2p_comm and v_virt > 1 and S > 1:
-            # Megatron's overlapped p2p: a step's sends and receives run beside the next chunk's
-            # compute, except in the warm-up and flush, (S - 1) / v of the m + (S - 1) / v stage times
-            share = (S - 1) / v_virt / (m + (S - 1) / v_virt)
-            work = compute + recompute
-            comm = max(work + share * comm, share * work + comm) - work
         grad_bytes = params * g_b
         dense = params - experts
         groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
@@ -377,6 +372,13 @@ def evaluate_placement(
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
                 scatter = max(0.0, scatter - (backward + exposed_bwd))
             shard_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
+        if problem.training.overlaps_p2p and v_virt > 1 and S > 1:
+            # Megatron's overlapped p2p: a step's sends and receives run beside the stage's work (its
+            # compute and exposed data-parallel collectives), except in the warm-up and flush,
+            # (S - 1) / v of the m + (S - 1) / v stage times
+            share = (S - 1) / v_virt / (m + (S - 1) / v_virt)
+            work = compute + recompute + shard_s
+            comm = max(work + share * comm, share * work + comm) - work
         # In flight: 1F1B (q microbatches) or Megatron's interleaved schedule (chunks of 1/v each).
         if v_virt > 1 and S > 1:
             chunks = min(2 * (k - 1) + (v_virt - 1) * S + 1, m * v_virt)

@@ -242,7 +242,7 @@ def _build(problem: PlacementProblem, blocks: list, force_dag: bool, own: np.nda
     v = problem.training.virtual_stages
     # overlapped point-to-point: the least stage time over every S (share 0) here, each group's own
     # S in `_search_group` (kernel.p2p_exposed_share)
-    overlap = 0.0 if problem.training.overlap_p2p_comm and v > 1 else None
+    overlap = 0.0 if problem.training.overlaps_p2p and v > 1 else None
     times = {h: st.stage_time(links[h], v, problem.system.efficiency.microbatch_overhead_s, overlap)[1]
              for h in (0, 1)}
     return _Blocks(costs, np.array([e for _, e, _ in blocks]), np.array([c for c, _, _ in blocks]),
@@ -468,9 +468,9 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         state = params0 * (w_b + g_b + k_b) + np.ceil(params0 * o_b / ranks)
     kmax = stage_fit(state, acts, workmax, ok, problem.hbm_bytes, S_only, v, m)
     share = p2p_exposed_share(problem, S_only, m)
-    times = b.times[h][sl] if share is None else b.st.stage_time(
-        (system.inter_node, system.intra_node)[h], v, system.efficiency.microbatch_overhead_s, share, sl)[1]
-    time_g = np.where(ok & (kmax >= 1), times + scatter, INF)
+    times = b.times[h][sl] + scatter if share is None else b.st.stage_time(
+        (system.inter_node, system.intra_node)[h], v, system.efficiency.microbatch_overhead_s, share, sl, scatter)[1]
+    time_g = np.where(ok & (kmax >= 1), times, INF)
 
     def record(stages):
         best.tp, best.dp, best.stages, best.ep, best.cp = costs[blk].tp, d, stages, e, c

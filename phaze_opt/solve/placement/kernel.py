@@ -74,15 +74,17 @@ class StageStack:
         return int(self.sizes.shape[0])
 
     def stage_time(self, link, v: int = 1, fixed_s: float = 0.0, exposed: float | None = None,
-                   rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+                   rows: slice = slice(None), beside=0.0) -> tuple[np.ndarray, np.ndarray]:
         """Stage time per microbatch on this pipeline link: (last stage, other stages); v virtual
         stages send v times the messages and pay v times the fixed cost per microbatch `fixed_s`
         (`SystemEfficiency.microbatch_overhead_s`, as `evaluate_placement` charges it).
 
         `exposed` (overlapped point-to-point, `Training.overlap_p2p_comm`): the share f of the
         schedule's steps in its warm-up and flush, whose messages are exposed; the others run
-        beside the stage's compute W, so the messages P cost max(W + f P, f W + P) - W. Non-decreasing
-        in f, so f = 0 gives a lower bound on every f. `rows`: the widths to price (all by default)."""
+        beside the stage's work W (its compute, plus `beside`: the exposed per-microbatch ZeRO-2/3
+        collectives), so the stage takes max(W + f P, f W + P). Non-decreasing in f, so f = 0 gives
+        a lower bound on every f. `rows`: the widths to price (all by default). Without `exposed`,
+        `beside` is the caller's to add."""
         has_in, has_out, grad = self.has_in[rows], self.has_out[rows], self.grad[rows]
         work1, work2 = self.work1[rows], self.work2[rows]
         p2p_in = np.where(has_in, v * (link.latency + self.bytes_in[rows] / link.bandwidth), 0.0)
@@ -94,6 +96,7 @@ class StageStack:
         p2p = p2p_in + p2p_out
 
         def overlapped(work):  # max(W + f P, f W + P), written so that an infinite W stays infinite
+            work = work + beside
             return work + np.maximum(exposed * p2p, p2p - (1.0 - exposed) * work) + v * fixed_s
 
         return np.where(valid, overlapped(work1), INF), np.where(valid, overlapped(work2), INF)
@@ -506,7 +509,7 @@ def p2p_exposed_share(problem: PlacementProblem, S: int, m: int) -> float | None
     the schedule's steps in its warm-up and flush, (S - 1) / v of m + (S - 1) / v stage times, whose
     messages stay exposed (`StageStack.stage_time`); None when every message is exposed."""
     v = problem.training.virtual_stages
-    if not (problem.training.overlap_p2p_comm and v > 1 and S > 1):
+    if not (problem.training.overlaps_p2p and v > 1 and S > 1):
         return None
     return (S - 1) / v / (m + (S - 1) / v)
 
