@@ -4,7 +4,9 @@ fused QKV projection (Megatron's `linear_qkv`) and separate Q, K and V projectio
 Llama code). The block is the project's own module (`workload.layers`, the traced one) with random
 weights, run by `validation.measure` on CUDA with fused attention as PyTorch's SDPA; grouped KV
 heads go to SDPA as they are (`enable_gqa=True`), so that the kernel saves K and V unrepeated, as a
-fused attention kernel does. Two readings per case:
+fused attention kernel does. Dense Llama 3 blocks and two MoE blocks (Qwen3-30B-A3B with QK-norm,
+Mixtral 8x7B), the MoE ones with the router's weights applied at the combine (the eager default).
+Two readings per case:
 
 - `hook_bytes`: the distinct storages autograd saves (torch.autograd.graph.saved_tensors_hooks),
   parameters excluded, as tests/test_workload_graphs.py counts them on the CPU;
@@ -27,7 +29,8 @@ from phaze_opt.workload import layers
 from phaze_opt.workload.graphs import trace_kinds
 from phaze_opt.workload.models import load_model
 
-CASES = [("llama3-405b", 8, 8192), ("llama3-70b", 8, 8192), ("llama3-8b", 1, 8192), ("llama3-8b", 2, 8192)]
+CASES = [("llama3-405b", 8, 8192), ("llama3-70b", 8, 8192), ("llama3-8b", 1, 8192), ("llama3-8b", 2, 8192),
+         ("qwen3-30b-a3b", 1, 4096), ("mixtral-8x7b", 2, 4096)]  # MoE blocks (capacity buffers, QK-norm)
 
 
 def gqa_sdpa(q, k, v, kv_heads, g, causal, p, scale, window=0):
@@ -61,12 +64,13 @@ def main(path):
             before = torch.cuda.memory_allocated()
             out = forward(block)
             torch.cuda.synchronize()
-            allocated = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
+            outs = out if isinstance(out, tuple) else (out,)  # a MoE block also returns its aux loss
+            allocated = torch.cuda.memory_allocated() - before - sum(t.untyped_storage().nbytes() for t in outs)
             rows.append({"model": name, "tp": tp, "seq": seq, "mbs": 1, "qkv_projection": qkv,
                          "traced_bytes": int(traced.activation_bytes + sum(r[3] for r in traced.rebuilt)),
                          "hook_bytes": int(hook), "allocated_bytes": int(allocated)})
             print(json.dumps(rows[-1]), flush=True)
-            del out, block
+            del out, outs, block
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tool": __doc__.split("\n")[0],
               "cases": rows}
