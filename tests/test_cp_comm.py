@@ -216,4 +216,4 @@ def test_shipped_suite_runs_llama3_long_context_with_all_gather_cp():
     from phaze_opt.validation.suites import load_suite
 
     rows = load_suite("megatron-core-h100").rows
-    assert [(r.model, r.cp) for r in rows if r.cp_comm == "all_gather"] == [("llama3-405b", 16)]
+    assert [(r.model, r.cp) for r in rows if r.training.cp_comm == "all_gather"] == [("llama3-405b", 16)]

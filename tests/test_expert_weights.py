@@ -130,8 +130,8 @@ def test_shipped_mixtral_row_keeps_the_combine_of_its_megatron_core():
     from phaze_opt.validation.suites import load_suite
 
     rows = load_suite("megatron-core-h100").rows
-    assert [r.model for r in rows if r.expert_weights == "combine"] == ["mixtral-8x7b"]
-    assert rows[0].model == "mixtral-8x7b" and rows[0].stack == "megatron-te"  # the rest of the TE stack stays
+    assert [r.model for r in rows if r.training.expert_weights == "combine"] == ["mixtral-8x7b"]
+    assert rows[0].model == "mixtral-8x7b" and rows[0].training.stack == "megatron-te"  # the rest of the TE stack stays
 
 
 def test_evaluate_prices_time_memory_and_energy_on_the_same_graph():

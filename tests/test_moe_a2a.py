@@ -206,16 +206,16 @@ def _mixtral_suite(tmp_path, **change):
 
 
 def test_suite_rows_carry_the_dispatcher_and_overlap_to_the_recipe(tmp_path):
-    from phaze_opt.validation.runner import row_config, row_training
+    from phaze_opt.validation.runner import row_config
     from phaze_opt.validation.suites import load_suite
 
     suite = load_suite(_mixtral_suite(tmp_path, moe_dispatcher="deepep", moe_a2a_overlap=True))
     (row,) = suite.rows
-    t = row_training(row)
+    t = row.training
     assert (t.moe_dispatcher, t.moe_a2a_overlap) == ("deepep", True)
     assert row_config(row, suite)["moe_dispatcher"] == "deepep" and row_config(row, suite)["moe_a2a_overlap"]
     (plain,) = load_suite(_mixtral_suite(tmp_path)).rows  # absent: today's defaults, and no report change
-    assert (row_training(plain).moe_dispatcher, row_training(plain).moe_a2a_overlap) == ("alltoall", False)
+    assert (plain.training.moe_dispatcher, plain.training.moe_a2a_overlap) == ("alltoall", False)
     assert "moe_dispatcher" not in row_config(plain, suite) and "moe_a2a_overlap" not in row_config(plain, suite)
 
 
@@ -240,13 +240,13 @@ def test_shipped_suites_set_the_published_dispatcher_and_overlap():
 
     zoo = [r for r in load_suite("megatron-core-h100").rows if r.model == "qwen3-235b-a22b"]
     assert len(zoo) == 8
-    overlapped = [r for r in zoo if r.moe_a2a_overlap]
+    overlapped = [r for r in zoo if r.training.moe_a2a_overlap]
     assert [r.value for r in overlapped] == [276]  # the "+1f1b overlap" row only
-    assert [r.moe_dispatcher for r in zoo].count("alltoall") == 1  # the intra-node "A2A" row
+    assert [r.training.moe_dispatcher for r in zoo].count("alltoall") == 1  # the intra-node "A2A" row
     nemo = {r.source.row: r for r in load_suite("nemo-fp8-h100").rows}
     q235 = [r for name, r in nemo.items() if r.model == "qwen3-235b-a22b"]
-    assert q235 and all(r.moe_a2a_overlap and r.moe_dispatcher == "alltoall" for r in q235)
-    assert nemo["DGX-H100, 16 GPUs, FP8, EP 16"].moe_dispatcher == "deepep"
+    assert q235 and all(r.training.moe_a2a_overlap and r.training.moe_dispatcher == "alltoall" for r in q235)
+    assert nemo["DGX-H100, 16 GPUs, FP8, EP 16"].training.moe_dispatcher == "deepep"
 
 
 def _node_share_by_enumeration(nodes, k, groups, group_topk, experts):

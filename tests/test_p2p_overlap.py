@@ -82,12 +82,12 @@ def test_unset_it_is_the_stacks_default():
 
 def test_a_row_that_turns_it_off_under_megatron_te_says_so():
     """NeMo 24.07's Nemotron-4 340B launcher config sets `overlap_p2p_comm: False`."""
-    from phaze_opt.validation.runner import row_config, row_training
+    from phaze_opt.validation.runner import row_config
     from phaze_opt.validation.suites import load_suite
 
     suite = load_suite("nemo-fp8-h100")
     (row,) = [r for r in suite.rows if r.model == "nemotron-4-340b"]
-    assert row.stack == "megatron-te" and not row_training(row).overlaps_p2p
+    assert row.training.stack == "megatron-te" and not row.training.overlaps_p2p
     assert row_config(row, suite)["overlap_p2p_comm"] is False
 
 

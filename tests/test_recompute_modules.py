@@ -20,7 +20,6 @@ from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import load_system
 from phaze_opt.training import RECOMPUTE_MODULES, Training
-from phaze_opt.validation.runner import row_training
 from phaze_opt.validation.suites import load_suite
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.layers import expert_capacity
@@ -75,7 +74,7 @@ def test_layernorm_leaves_the_norms_fused_into_a_linear_under_transformer_engine
 def test_a_suite_row_carries_its_modules_and_a_wrong_one_is_one_line(tmp_path):
     row = {**MIXTRAL, "recompute": "selective", "recompute_modules": ["moe_act", "layernorm"]}
     (loaded,) = load_suite(_suite(tmp_path, row)).rows
-    assert row_training(loaded).recompute_modules == ("layernorm", "moe_act")
+    assert loaded.training.recompute_modules == ("layernorm", "moe_act")
     for change, words in (({"recompute": "none"}, "needs recompute selective"),
                           ({"recompute_modules": ["attn"]}, "unknown module 'attn'"),
                           ({"recompute_modules": "moe"}, "must be a list")):

@@ -13,7 +13,6 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.system import load_system
 from phaze_opt.training import STACKS, Training
-from phaze_opt.validation.runner import row_training
 from phaze_opt.validation.suites import load_suite
 from phaze_opt.workload.models import load_model
 from phaze_opt.workload.ops import NONE, VC
@@ -99,12 +98,12 @@ def test_stack_changes_layer_costs():
 def test_suites_name_the_stack_of_their_software(tmp_path):
     """The A100 papers ran Megatron-LM (the default); the NeMo / Megatron-Core suites TE, except
     Meta's Llama 3 rows, which say their own; a suite's stack reaches the row's recipe."""
-    assert {r.stack for r in load_suite("narayanan-sc21").rows} == {"megatron-lm"}
-    assert {r.stack for r in load_suite("nemo-fp8-h100").rows} == {"megatron-te"}
+    assert {r.training.stack for r in load_suite("narayanan-sc21").rows} == {"megatron-lm"}
+    assert {r.training.stack for r in load_suite("nemo-fp8-h100").rows} == {"megatron-te"}
     core = load_suite("megatron-core-h100")
-    assert {r.stack for r in core.rows if r.model == "llama3-405b"} == {"megatron-lm"}
-    assert {r.stack for r in core.rows if r.model != "llama3-405b"} == {"megatron-te"}
-    assert row_training(core.rows[0]).stack == "megatron-te"
+    assert {r.training.stack for r in core.rows if r.model == "llama3-405b"} == {"megatron-lm"}
+    assert {r.training.stack for r in core.rows if r.model != "llama3-405b"} == {"megatron-te"}
+    assert core.rows[0].training.stack == "megatron-te"
     data = yaml.safe_load(open(core.path))
     data["stack"] = "fused"
     path = tmp_path / "bad.yaml"

@@ -59,4 +59,4 @@ def test_rows_reach_the_evaluator_with_their_configs_recipe():
         # Nemotron-4 340B's config alone runs Apex's distributed Adam in BF16 (optim.dtype bf16)
         assert t.optimizer_state == ("bf16-adamw" if name == "nemotron-4-340b" else None), row.source
         assert (t.attention or load_model(name).attention) == "flash", row.source
-        assert (t.mbs, t.virtual_stages) == (row.microbatch, row.virtual_stages or 1)
+        assert (t.mbs, t.virtual_stages) == (row.training.mbs, row.training.virtual_stages)

@@ -23,9 +23,7 @@ def test_published_run_fits_its_gpus(suite_name, index):
     suite = load_suite(suite_name)
     row = suite.rows[index]
     system = replace(load_system(suite.system), accelerators=row.gpus, global_batch=row.batch)
-    training = Training(row.microbatch, row.recompute, f"tp={row.tp},pp={row.pp},dp={row.dp}",
-                        row.sequence_parallel, row.virtual_stages)
-    result = evaluate(row.model, load_arch(suite.arch), training, system)
+    result = evaluate(row.model, load_arch(suite.arch), row.training, system)
     assert result.feasible, result.reason
     stages = result.placement["stages"]
     assert len(stages) == row.pp and result.placement["dp"] == row.dp
@@ -62,7 +60,7 @@ def test_bare_recompute_flag_is_full():
 
 
 MODERN = load_suite("megatron-core-h100")
-NO_CHECKPOINTING = [i for i, row in enumerate(MODERN.rows) if row.model == "llama3-405b" and row.recompute == "none"]
+NO_CHECKPOINTING = [i for i, row in enumerate(MODERN.rows) if row.model == "llama3-405b" and row.training.recompute == "none"]
 
 
 @pytest.mark.parametrize("index", NO_CHECKPOINTING)
@@ -94,8 +92,8 @@ def test_nvidia_rows_fit_with_their_recipes(suite_name, index):
     row = suite.rows[index]
     result = evaluate_row(suite, row, index)
     assert result.feasible, result.reason
-    if row.optimizer_state is not None:  # the layout decides: with the system's 12 B it does not fit
-        plain = evaluate_row(suite, replace(row, optimizer_state=None), index)
+    if row.training.optimizer_state is not None:  # the layout decides: with the system's 12 B it does not fit
+        plain = evaluate_row(suite, replace(row, training=replace(row.training, optimizer_state=None)), index)
         assert not plain.feasible and "GiB per device" in plain.reason
     else:
-        assert row.model != "mixtral-8x7b" and row.stack == "megatron-te" and row.expert_weights is None
+        assert row.model != "mixtral-8x7b" and row.training.stack == "megatron-te" and row.training.expert_weights is None

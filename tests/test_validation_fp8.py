@@ -141,7 +141,7 @@ def test_every_row_runs_fused_attention(name):
 
     run_suite(suite, evaluator=fake)
     assert seen and set(seen) == {"flash"}
-    assert any(r.attention == "flash" for r in suite.rows) or name == "nemo-fp8-b200"
+    assert any(r.training.attention == "flash" for r in suite.rows) or name == "nemo-fp8-b200"
 
 
 def test_an_unknown_attention_is_one_line_naming_the_field(tmp_path):

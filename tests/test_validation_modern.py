@@ -12,7 +12,7 @@ from phaze_opt import configs
 from phaze_opt.errors import PhazeError
 from phaze_opt.validation.calibration import fit_rows
 from phaze_opt.validation.report import render_text
-from phaze_opt.validation.runner import row_training, run_suite
+from phaze_opt.validation.runner import run_suite
 from phaze_opt.validation.suites import iteration_flops, load_suite
 from phaze_opt.workload.models import load_model
 
@@ -43,10 +43,10 @@ def assert_row_field_reaches_the_recipe(tmp_path, row: dict, field: str, value, 
 
     suite = load_suite(_suite(tmp_path, {**row, field: value}))
     (r,) = suite.rows
-    assert getattr(row_training(r), field) == value and row_config(r, suite)[field] == value
+    assert getattr(r.training, field) == value and row_config(r, suite)[field] == value
     plain = load_suite(_suite(tmp_path, row, name="plain.yaml"))
     (r,) = plain.rows
-    assert getattr(row_training(r), field) == default and field not in row_config(r, plain)
+    assert getattr(r.training, field) == default and field not in row_config(r, plain)
 
 
 def assert_row_refused_in_one_line(tmp_path, row: dict, field: str, words: str):
@@ -103,10 +103,10 @@ def test_pending_rows_are_skipped_with_their_reason_and_run_once_the_model_exist
 def test_the_row_recipe_reaches_the_evaluator(tmp_path):
     row = load_suite(_suite(tmp_path, MIXTRAL, {**MIXTRAL, "tp": 2, "pp": 1, "ep": 4, "cp": 2, "seq": 8192,
                                                "virtual_stages": 1, "source": {"paper": "p", "table": "t", "row": "cp"}})).rows
-    t = row_training(row[0])
+    t = row[0].training
     assert t.fixed == Layout(tp=1, pp=4, dp=16, ep=8) and t.zero == 1 and t.overlap_grad_reduce
     assert t.virtual_stages == 8
-    t = row_training(row[1])
+    t = row[1].training
     assert t.fixed == Layout(tp=2, pp=1, dp=16, ep=4, cp=2) and row[1].seq == 8192
 
 
@@ -123,7 +123,7 @@ def test_a_pipeline_split_counting_the_embedding_and_loss_interleaves_any_layer_
         load_suite(_suite(tmp_path, {**llama, "account_for_embedding": True}, name="one.yaml"))
     (row,) = load_suite(_suite(tmp_path, {**llama, "account_for_embedding": True, "account_for_loss": True},
                                name="both.yaml")).rows
-    t = row_training(row)
+    t = row.training
     assert (t.virtual_stages, t.account_for_embedding, t.account_for_loss) == (8, True, True)
 
 

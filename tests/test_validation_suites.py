@@ -57,8 +57,8 @@ def test_narayanan_rows():
     assert suite.flops_expression == "96 B s l h^2 (1 + s/(6h) + V/(16 l h))"
     assert [r.model for r in suite.rows] == [m for m in PUBLISHED_B if m not in ("megatron-gpt-22b", "megatron-gpt-175b")]
     assert [r.gpus for r in suite.rows] == [32, 64, 128, 256, 512, 1024, 1536, 1920, 2520, 3072]
-    assert [r.microbatch for r in suite.rows] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
-    assert all(isinstance(r, Row) and r.recompute == "full" and not r.sequence_parallel for r in suite.rows)
+    assert [r.training.mbs for r in suite.rows] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
+    assert all(isinstance(r, Row) and r.training.recompute == "full" and not r.training.sequence_parallel for r in suite.rows)
     # the transcription is consistent with itself: TFLOP/s x GPUs = the aggregate, TFLOP/s / 312 = % of peak
     for r in suite.rows:
         assert r.value * r.gpus / 1e3 == pytest.approx(r.published["aggregate_pflops"], rel=0.005), r.source
@@ -69,14 +69,14 @@ def test_korthikanti_rows_recompute_their_published_utilisation():
     suite = load_suite("korthikanti-2022")
     peak = load_arch(suite.arch).peak_flops
     assert suite.metric == "iteration_time_s" and suite.flops_formula == "megatron-model"
-    full = {r.model: r for r in suite.rows if r.recompute == "full"}
-    present = {r.model: r for r in suite.rows if r.recompute == "selective"}
+    full = {r.model: r for r in suite.rows if r.training.recompute == "full"}
+    present = {r.model: r for r in suite.rows if r.training.recompute == "selective"}
     assert sorted(full) == sorted(present) == sorted(
         ["megatron-gpt-22b", "megatron-gpt-175b", "megatron-gpt-530b", "megatron-gpt-1t"])
     for model, r in present.items():
-        assert r.sequence_parallel and not full[model].sequence_parallel
-        assert (r.tp, r.pp, r.gpus, r.batch, r.microbatch) == (full[model].tp, full[model].pp, full[model].gpus,
-                                                               full[model].batch, full[model].microbatch)
+        assert r.training.sequence_parallel and not full[model].training.sequence_parallel
+        assert (r.tp, r.pp, r.gpus, r.batch, r.training.mbs) == (full[model].tp, full[model].pp, full[model].gpus,
+                                                                 full[model].batch, full[model].training.mbs)
         speedup = 100 * (full[model].value / r.value - 1)
         assert speedup == pytest.approx(r.published["throughput_increase_percent"], abs=0.1), model
         denominator = r.value * r.gpus * peak

@@ -20,7 +20,7 @@ PALM_N, PALM_L, PALM_H, PALM_Q, PALM_T = 540.35e9, 118, 48, 256, 2048
 
 def test_palm_row_is_consistent_with_its_published_utilisation():
     row = load_suite("tpuv4-pod").rows[0]
-    assert (row.model, row.tp, row.pp, row.dp, row.gpus, row.batch, row.zero) == \
+    assert (row.model, row.tp, row.pp, row.dp, row.gpus, row.batch, row.training.zero) == \
         ("palm-540b", 12, 1, 512, 6144, 2048, 3)
     tokens_per_s = row.batch * PALM_T / row.iteration_time_s
     assert tokens_per_s == pytest.approx(238.3e3, rel=1e-3)  # Table 3's throughput

@@ -39,7 +39,6 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
-from ..training import Layout, Training
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
 from .layers import compare_layers
@@ -141,7 +140,7 @@ def row_config(row: Row, suite: Suite) -> dict:
     `Training.recipe()` lists it. Off switches, unset fields and ZeRO 0 or 1 (the distributed
     optimizer every Megatron suite runs) are left out, so each configuration names what sets the
     row apart."""
-    recipe = row_training(row).recipe()
+    recipe = row.training.recipe()
     del recipe["placement"]  # the layout below says it
     core = {k: recipe.pop(k) for k in ("mbs", "recompute", "sequence_parallel", "virtual_stages")}
     rest = {REPORT_NAMES.get(k, k): v for k, v in recipe.items()
@@ -159,21 +158,6 @@ def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = Non
     own = row.system is not None and row.system != suite.system
     system = replace(load_system(row.system or suite.system), accelerators=row.gpus, global_batch=row.batch)
     return system if efficiency is None or own else system.with_efficiency(efficiency)
-
-
-def row_training(row: Row) -> Training:
-    layout = Layout(row.tp, row.pp, row.dp, row.ep, row.cp)
-    return Training(row.microbatch, row.recompute, layout.spec(),
-                    row.sequence_parallel, row.virtual_stages, zero=row.zero,
-                    overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=row.overlap_param_gather,
-                    tp_comm_overlap=row.tp_comm_overlap, precision=row.precision, attention=row.attention,
-                    expert_tensor_parallel=row.expert_tensor_parallel, stack=row.stack,
-                    account_for_embedding=row.account_for_embedding, account_for_loss=row.account_for_loss,
-                    fp8_param_gather=row.fp8_param_gather,
-                    moe_a2a_overlap=row.moe_a2a_overlap, moe_dispatcher=row.moe_dispatcher,
-                    recompute_modules=row.recompute_modules, cp_comm=row.cp_comm,
-                    expert_weights=row.expert_weights, optimizer_state=row.optimizer_state,
-                    overlap_p2p_comm=row.overlap_p2p_comm)
 
 
 def row_model(row: Row):
@@ -213,7 +197,7 @@ def evaluate_row(suite: Suite, row: Row, index: int, efficiency: SystemEfficienc
         return RowResult(predicted=None, feasible=False, reason=row.skip, skipped=True, **common)
     try:
         result = (evaluator or evaluate)(row_model(row) if row.seq or row.qkv_projection else row.model,
-                                         row_arch(suite, arch_efficiency, row), row_training(row),
+                                         row_arch(suite, arch_efficiency, row), row.training,
                                          row_system(suite, row, efficiency))
     except PhazeError as exc:
         return RowResult(predicted=None, feasible=False, reason=f"not expressible: {exc}", **common)

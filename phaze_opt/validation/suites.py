@@ -104,7 +104,7 @@ from typing import Any, Callable, Mapping
 from .. import configs
 from ..errors import PhazeError, config_error
 from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, OPTIMIZER_STATES,
-                        PRECISIONS, STACKS, ZERO_STAGES, Training, check_recompute_modules)
+                        PRECISIONS, STACKS, ZERO_STAGES, Layout, Training, check_recompute_modules)
 from ..workload.models import QKV_PROJECTIONS, ModelConfig, load_model
 
 KIND = "validation"
@@ -205,17 +205,15 @@ class Source:
 
 @dataclass(frozen=True)
 class Row:
-    """One published training run."""
+    """One published training run: its layout, its recipe (a whole `Training`, the placement fixed
+    to the layout) and what it published."""
 
     model: str
     tp: int
     pp: int
     gpus: int
     batch: int
-    microbatch: int
-    recompute: str
-    sequence_parallel: bool
-    virtual_stages: int
+    training: Training
     value: float  # the suite's metric
     source: Source
     per_gpu_tflops: float | None = None
@@ -225,28 +223,11 @@ class Row:
     cp: int = 1
     ep: int = 1
     seq: int | None = None  # None: the model's
-    zero: int = 0
-    overlap_grad_reduce: bool = False
     flops_formula: str | None = None  # None: the suite's
-    overlap_param_gather: bool = False
-    tp_comm_overlap: bool = False
-    overlap_p2p_comm: bool | None = None  # None: the stack's default (Training.overlaps_p2p)
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
-    precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS)
-    attention: str | None = None  # the run's attention kernel (ATTENTIONS); None: the model config's
-    expert_tensor_parallel: int | None = None  # ETP with MoE parallel folding; None: unfolded
-    stack: str = STACKS[0]  # the run's software stack (Training.stack): its own, else its suite's
-    account_for_embedding: bool = False  # the pipeline split counts the embedding as a layer
-    account_for_loss: bool = False  # ... and the loss
-    fp8_param_gather: bool = False  # parameters held in the GEMM format (Training.fp8_param_gather)
-    moe_a2a_overlap: bool = False  # the EP all-to-all overlap (Training.moe_a2a_overlap)
-    moe_dispatcher: str = MOE_DISPATCHERS[0]  # the EP token dispatcher (Training.moe_dispatcher)
-    recompute_modules: tuple[str, ...] | None = None  # module-level selective recompute; None: core_attn
-    cp_comm: str = CP_COMMS[0]  # how CP moves K and V (Training.cp_comm)
-    expert_weights: str | None = None  # where MoE layers apply the router's weights; None: the stack's
-    optimizer_state: str | None = None  # the optimizer-state layout (Training.optimizer_state); None: the system's
+    precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS); the recipe's when modelled
     qkv_projection: str | None = None  # the code's QKV projection layout (ModelConfig.qkv_projection); None: the model's
 
     @property
@@ -256,7 +237,7 @@ class Row:
     @property
     def microbatches(self) -> int:
         """Microbatches each pipeline runs per iteration."""
-        return self.batch // (self.microbatch * self.dp)
+        return self.batch // (self.training.mbs * self.dp)
 
 
 @dataclass(frozen=True)
@@ -451,7 +432,7 @@ def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file, stack
         raise config_error(file, "rows", f"must be a non-empty list of runs, got {raw!r}")
     models: dict[str, ModelConfig] = {}
     rows = tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
-    return tuple(r if isinstance(raw[i], dict) and "stack" in raw[i] else replace(r, stack=stack)
+    return tuple(r if isinstance(raw[i], dict) and "stack" in raw[i] else replace(r, training=replace(r.training, stack=stack))
                  for i, r in enumerate(rows))
 
 
@@ -465,10 +446,11 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, nam
         raise config_error(file, f"{at}.pending_model", f"must say why the model may be missing, got {pending!r}")
     ints = {k: _int(row, k, file, f"{at}.{k}", default=1 if k in ("cp", "ep", "virtual_stages") else None)
             for k in ("tp", "pp", "gpus", "batch", "microbatch", "cp", "ep", "virtual_stages")}
-    return Row(model=name, tp=ints["tp"], pp=ints["pp"], gpus=ints["gpus"], batch=ints["batch"],
-               microbatch=ints["microbatch"], recompute=_choice(row, "recompute", RECOMPUTE, file, at),
-               sequence_parallel=bool(row.get("sequence_parallel", False)), virtual_stages=ints["virtual_stages"],
-               cp=ints["cp"], ep=ints["ep"], seq=row.get("seq"), zero=_zero(row, file, at),
+    training = Training(ints["microbatch"], _choice(row, "recompute", RECOMPUTE, file, at),
+                        sequence_parallel=bool(row.get("sequence_parallel", False)),
+                        virtual_stages=ints["virtual_stages"], zero=_zero(row, file, at))
+    return Row(model=name, tp=ints["tp"], pp=ints["pp"], gpus=ints["gpus"], batch=ints["batch"], training=training,
+               cp=ints["cp"], ep=ints["ep"], seq=row.get("seq"),
                skip=f"model config '{name}' not in configs/models yet ({pending.strip()})",
                precision=_precision(row, file, at), **_row_numbers(row, at, metric, papers, file), **names)
 
@@ -563,19 +545,23 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
         flags["expert_weights"] = _choice(row, "expert_weights", EXPERT_WEIGHTS, file, at)
     if "optimizer_state" in row:
         flags["optimizer_state"] = _choice(row, "optimizer_state", tuple(OPTIMIZER_STATES), file, at)
+    qkv = None
     if "qkv_projection" in row:
         if model.mla:
             raise config_error(file, f"{at}.qkv_projection",
                                f"{model.name} uses MLA, whose projections are its own; leave it out")
-        flags["qkv_projection"] = _choice(row, "qkv_projection", QKV_PROJECTIONS, file, at)
+        qkv = _choice(row, "qkv_projection", QKV_PROJECTIONS, file, at)
     skip = "" if precision in MODELLED_PRECISIONS else \
         f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
-    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, microbatch=mbs, recompute=recompute,
-               sequence_parallel=sp, virtual_stages=chunks, cp=cp, ep=ep, seq=seq if seq != model.seq else None,
-               zero=zero, overlap_grad_reduce=overlap, flops_formula=formula, precision=precision, skip=skip, **flags,
-               attention=attention,
-               expert_tensor_parallel=etp,
-               **_row_numbers(row, at, metric, papers, file), **names)
+    try:  # the recipe whole, its placement the published layout (a row in an unmodelled format: BF16, skipped)
+        training = Training(mbs, recompute, Layout(tp, pp, dp, ep, cp).spec(), sp, chunks, zero=zero,
+                            overlap_grad_reduce=overlap, precision=precision if not skip else "bf16",
+                            attention=attention, expert_tensor_parallel=etp, **flags)
+    except PhazeError as exc:
+        raise config_error(file, at, str(exc)) from None
+    return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, training=training, cp=cp, ep=ep,
+               seq=seq if seq != model.seq else None, flops_formula=formula, precision=precision, skip=skip,
+               qkv_projection=qkv, **_row_numbers(row, at, metric, papers, file), **names)
 
 
 def _moe_flags(row: Mapping[str, Any], overlap: bool, ep: int, recompute: str, file, at: str) -> dict:
