@@ -115,12 +115,12 @@ def test_suite_rows_carry_it_to_the_model_and_the_report(tmp_path):
     from phaze_opt.validation.runner import row_config, row_model
     from phaze_opt.validation.suites import load_suite
 
-    (row,) = load_suite(_suite(tmp_path, {**META_ROW, "qkv_projection": "separate"})).rows
-    assert row_model(row).qkv_projection == "separate"
-    assert row_config(row, load_suite(_suite(tmp_path, META_ROW, name="plain.yaml")))["qkv_projection"] == "separate"
-    (plain,) = load_suite(_suite(tmp_path, META_ROW, name="plain.yaml")).rows
-    assert row_model(plain).qkv_projection == "fused"
-    assert "qkv_projection" not in row_config(plain, load_suite(_suite(tmp_path, META_ROW, name="plain.yaml")))
+    suite = load_suite(_suite(tmp_path, {**META_ROW, "qkv_projection": "separate"}))
+    (row,) = suite.rows
+    assert row_model(row).qkv_projection == "separate" and row_config(row, suite)["qkv_projection"] == "separate"
+    plain_suite = load_suite(_suite(tmp_path, META_ROW, name="plain.yaml"))
+    (plain,) = plain_suite.rows
+    assert row_model(plain).qkv_projection == "fused" and "qkv_projection" not in row_config(plain, plain_suite)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -139,24 +139,28 @@ def _identity(x, *_args, **_kwargs):
     return x
 
 
-def _sdpa_attention(q, k, v, kv_heads: int, g: int, causal: bool, p: float, scale: float, window: int = 0):
+def _sdpa_attention(q, k, v, kv_heads: int, g: int, causal: bool, p: float, scale: float, window: int = 0,
+                    unrepeated_kv: bool = False):
     """`layers.flash_attention` on a real device: PyTorch's fused attention in the traced op's layout.
 
     q is [b kv, s g, d] with the g query heads of a KV group stacked along the rows (row r is position
     r // g), k [b kv, s, d] and v [b kv, s, dv]; the result is O in [s, b, kv, g, dv], as the traced op
     writes it. A sliding window passes its mask explicitly (SDPA then picks a kernel that takes one).
+    Grouped KV heads are repeated to the query heads, so that every SDPA backend applies, unless
+    `unrepeated_kv` (SDPA's `enable_gqa`: the kernel then saves K and V as a fused kernel keeps them).
     """
     bkv, rows, d = q.shape
     b, s, dv = bkv // kv_heads, rows // g, v.shape[-1]
     qh = q.reshape(b, kv_heads, s, g, d).transpose(2, 3).reshape(b, kv_heads * g, s, d)
     kh, vh = k.reshape(b, kv_heads, s, d), v.reshape(b, kv_heads, s, dv)
-    if g > 1:  # grouped-query attention: each KV head serves its g query heads
+    gqa = {"enable_gqa": True} if unrepeated_kv and g > 1 else {}
+    if g > 1 and not gqa:  # grouped-query attention: each KV head serves its g query heads
         kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
     if causal and 0 < window < s:
         visible = ~layers.attention_mask(s, window, q.device)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, dropout_p=p, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, dropout_p=p, scale=scale, **gqa)
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=causal, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=causal, scale=scale, **gqa)
     return out.reshape(b, kv_heads, g, s, dv).permute(3, 0, 1, 2, 4).contiguous(), None
 
 

@@ -488,15 +488,11 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     flags = {}
     for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss",
                  "fp8_param_gather", "moe_a2a_overlap"):
-        flags[name] = row.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise config_error(file, f"{at}.{name}", f"must be true or false, got {flags[name]!r}")
+        flags[name] = _flag(row, name, file, at)
     split = Training(virtual_stages=chunks, account_for_embedding=flags["account_for_embedding"],
                      account_for_loss=flags["account_for_loss"])
     if "overlap_p2p_comm" in row:
-        flags["overlap_p2p_comm"] = row["overlap_p2p_comm"]
-        if not isinstance(flags["overlap_p2p_comm"], bool):
-            raise config_error(file, f"{at}.overlap_p2p_comm", f"must be true or false, got {flags['overlap_p2p_comm']!r}")
+        flags["overlap_p2p_comm"] = _flag(row, "overlap_p2p_comm", file, at)
         if flags["overlap_p2p_comm"] and chunks == 1:
             raise config_error(file, f"{at}.overlap_p2p_comm",
                                "needs virtual_stages > 1 (Megatron-LM overlaps p2p only in the interleaved schedule)")
@@ -515,9 +511,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     recompute = _choice(row, "recompute", RECOMPUTE, file, at)
     sp = _sequence_parallel(row, tp, file, at)
     zero = _zero(row, file, at)
-    overlap = row.get("overlap_grad_reduce", False)
-    if not isinstance(overlap, bool):
-        raise config_error(file, f"{at}.overlap_grad_reduce", f"must be true or false, got {overlap!r}")
+    overlap = _flag(row, "overlap_grad_reduce", file, at)
     etp = _int(row, "expert_tensor_parallel", file, f"{at}.expert_tensor_parallel") \
         if "expert_tensor_parallel" in row else None
     if etp is not None and (not model.moe or etp not in model.tp_widths):
@@ -611,10 +605,16 @@ def _zero(row: Mapping[str, Any], file, at: str) -> int:
     return zero
 
 
+def _flag(row: Mapping[str, Any], key: str, file, at: str) -> bool:
+    """A row's switch `key` (false when absent): true or false, else a one-line error."""
+    value = row.get(key, False)
+    if not isinstance(value, bool):
+        raise config_error(file, f"{at}.{key}", f"must be true or false, got {value!r}")
+    return value
+
+
 def _sequence_parallel(row: Mapping[str, Any], tp: int, file, at: str) -> bool:
-    sp = row.get("sequence_parallel", False)
-    if not isinstance(sp, bool):
-        raise config_error(file, f"{at}.sequence_parallel", f"must be true or false, got {sp!r}")
+    sp = _flag(row, "sequence_parallel", file, at)
     if sp and tp == 1:
         raise config_error(file, f"{at}.sequence_parallel",
                            "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
@@ -650,9 +650,7 @@ def _layer_rows(path: Path, file, paper: str, table: str) -> tuple[tuple[LayerRo
         tp, mbs = _int(entry, "tp", path, f"{at}.tp"), _int(entry, "mbs", path, f"{at}.mbs")
         if tp not in model.tp_widths:
             raise config_error(path, f"{at}.tp", _tp_choices(model, tp))
-        flash = entry["flash"]
-        if not isinstance(flash, bool):
-            raise config_error(path, f"{at}.flash", f"must be true or false, got {flash!r}")
+        flash = _flag(entry, "flash", path, at)
         fwd, bwd, both = (_number(entry, k, path, f"{at}.{k}") for k in ("fwd_s", "bwd_s", "fwd_bwd_s"))
         if abs(fwd + bwd - both) > 1e-6 * both:
             raise config_error(path, f"{at}.bwd_s", f"fwd_s + bwd_s ({fwd + bwd}) must equal fwd_bwd_s ({both})")

@@ -148,9 +148,10 @@ class ModelConfig:
     # one GEMM whose output holds Q, K and V side by side (Megatron's `linear_qkv`); `separate`:
     # three GEMMs with outputs of their own (`wq`, `wk`, `wv` in Meta's published Llama code,
     # github.com/meta-llama/llama3 `llama/model.py`, and in torchtitan's Llama 3; `q_proj`,
-    # `k_proj`, `v_proj` in Hugging Face's). Same weights and FLOPs; what differs is memory: autograd
-    # keeps a saved view's whole storage, so an attention that saves V keeps the fused output
-    # (Q, K and V) through it, and only V's own bytes when V has its own storage.
+    # `k_proj`, `v_proj` in Hugging Face's). Same weights and GEMM FLOPs (backward adds the three
+    # input gradients); what differs is memory: autograd keeps a saved view's whole storage, so an
+    # attention that saves V keeps the fused output (Q, K and V) through it, and only V's own bytes
+    # when V has its own storage.
     qkv_projection: str = "fused"
     # `mtp_layers`: DeepSeek-V3's multi-token-prediction modules (DeepSeek-AI 2024, arXiv:2412.19437,
     # Sec. 2.2): each a projection of [norm(h); norm(emb)] then one transformer block, the embedding

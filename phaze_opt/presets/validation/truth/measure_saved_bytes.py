@@ -18,11 +18,11 @@ kernel would rebuild, which eager autograd keeps), the layer input included. Usa
 python3 measure_saved_bytes.py OUT.json (python3 must hold a CUDA PyTorch, PyYAML and NumPy).
 """
 import dataclasses
+import functools
 import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from phaze_opt.validation import measure
 from phaze_opt.workload import layers
@@ -33,20 +33,9 @@ CASES = [("llama3-405b", 8, 8192), ("llama3-70b", 8, 8192), ("llama3-8b", 1, 819
          ("qwen3-30b-a3b", 1, 4096), ("mixtral-8x7b", 2, 4096)]  # MoE blocks (capacity buffers, QK-norm)
 
 
-def gqa_sdpa(q, k, v, kv_heads, g, causal, p, scale, window=0):
-    """measure._sdpa_attention with the KV heads passed unrepeated (SDPA's enable_gqa)."""
-    bkv, rows, d = q.shape
-    b, s, dv = bkv // kv_heads, rows // g, v.shape[-1]
-    qh = q.reshape(b, kv_heads, s, g, d).transpose(2, 3).reshape(b, kv_heads * g, s, d)
-    kh, vh = k.reshape(b, kv_heads, s, d), v.reshape(b, kv_heads, s, dv)
-    out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=causal, scale=scale,
-                                         enable_gqa=g > 1)
-    return out.reshape(b, kv_heads, g, s, dv).permute(3, 0, 1, 2, 4).contiguous(), None
-
-
 def forward(block):
     with measure.device_kernels(True):
-        layers.flash_attention = gqa_sdpa
+        layers.flash_attention = functools.partial(measure._sdpa_attention, unrepeated_kv=True)
         return block.module(block.x)
 
 
