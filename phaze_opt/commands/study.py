@@ -20,8 +20,9 @@ def add_arguments(p) -> None:
                         "the mean throughput relative to each model's TPUv4 expert baseline (default gpt3-175b)")
     p.add_argument("--space", default="phaze", help="search space config name or YAML path (default phaze)")
     p.add_argument("--system", default="default", help="system config name or YAML path (default default)")
-    p.add_argument("--sampler", default="tpe", metavar="NAME",
-                   help=f"Optuna sampler: {', '.join(SAMPLERS)} (default tpe)")
+    p.add_argument("--sampler", default="auto", metavar="NAME",
+                   help=f"Optuna sampler: auto, {', '.join(SAMPLERS)} (default auto: bound, the bound-guided sampler, "
+                        "where the proven throughput bounds apply (one model, throughput alone), else tpe)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0; a seed gives the same study)")
     p.add_argument("--trials", type=int, default=500,
                    help="finished trials the study should hold; a resumed study runs only the rest (default 500)")

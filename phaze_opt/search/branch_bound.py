@@ -48,14 +48,13 @@ import numpy as np
 
 from ..design.dominance import model_dominators
 from ..design.evaluate import tp_widths
-from ..design.upper_bound import (CHUNK, WidthBounds, concat_bounds, group_placement_throughput, ideal_throughput,
-                                  layer_lower_bounds, pipeline_throughput, placement_throughput, relaxed_recipe,
-                                  slice_designs)
+from ..design.best_first import level0_throughput, recipe_bounds
+from ..design.upper_bound import CHUNK, WidthBounds, concat_bounds, layer_lower_bounds, slice_designs
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
-from ..training import Training, recipe_choices
+from ..training import recipe_choices
 from ..workload.models import load_model
 from . import objective
 from ..runs import signals
@@ -140,7 +139,6 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
         progress.update(tasks[i][3] - tasks[i][2])
     progress.close()
     system = load_system(session.config.system)
-    accelerators = system.accelerators
     v_max = max([1] + [int(v) for v in session.space.params.get("virtual_stages", [1])])
     widths = []
     for k in range(len(grid.mbss)):
@@ -149,10 +147,7 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
             chunks = [part for (m, aa, _, _), part in zip(tasks, results) if m == k and aa == a]
             per_attn.append([_concat([chunk[t] for chunk in chunks]) for t in range(len(chunks[0]))])
         widths.append(per_attn)
-    ub0 = np.stack([np.max(np.stack([np.minimum(ideal_throughput(w, mbs, accelerators),
-                                                pipeline_throughput(w, mbs, accelerators, system.global_batch, v_max))
-                                     for w in per_attn]), axis=0)
-                    for per_attn, mbs in zip(widths, grid.mbss)])
+    ub0 = np.stack([level0_throughput(per_attn, mbs, system, v_max) for per_attn, mbs in zip(widths, grid.mbss)])
     return ub0, widths
 
 
@@ -162,34 +157,9 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
 
 def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,
             incumbent: float = 0.0) -> list[float]:
-    """Level 1 of one design row at one microbatch for every recipe; widths[a]: kernel a's bounds.
-
-    Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
-    (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
-    bound cannot beat `incumbent` (the best score when the task was handed out; the best only
-    grows) gives all its recipes that bound; the others are bounded one by one."""
-    model, system = _W["model"], _W["system"]
-    recipes = [Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
-    groups: dict = {}
-    for i, recipe in enumerate(recipes):
-        groups.setdefault(relaxed_recipe(recipe), []).append(i)
-    out = [0.0] * len(rcs)
-    for members in groups.values():
-        group_bound = float("inf")
-        if len(members) > 1:
-            kernels = {recipes[i].attention: widths[attns.index(rcs[i].get("attention"))] for i in members}
-            group_bound = group_placement_throughput(model, kernels, 0, system=system,
-                                                     recipes=[recipes[i] for i in members], hbm_bytes=hbm_bytes,
-                                                     peak_flops=peak_flops)
-        for i in members:
-            if group_bound <= incumbent:
-                out[i] = group_bound
-                continue
-            recipe = recipes[i]
-            out[i] = min(group_bound, placement_throughput(
-                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, training=recipe,
-                hbm_bytes=hbm_bytes, peak_flops=peak_flops))
-    return out
+    """Level 1 of one design row at one microbatch for every recipe (`best_first.recipe_bounds`), with
+    this worker's model and system; `incumbent` is the best score when the task was handed out."""
+    return recipe_bounds(_W["model"], _W["system"], widths, mbs, hbm_bytes, peak_flops, rcs, attns, incumbent)
 
 
 def _evaluate(points: list[dict]) -> list[tuple]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .. import configs
 from .objective import directions
 from ..runs.tracking import DEFAULT_TRACKING_URI
-from .strategy import SAMPLERS, SINGLE_OBJECTIVE_SAMPLERS, Strategy, strategy_for  # noqa: F401  (re-exported)
+from .strategy import AUTO, SAMPLERS, SINGLE_OBJECTIVE_SAMPLERS, Strategy, strategy_for  # noqa: F401  (re-exported)
 
 ORDERS = ("area", "grid")
 # The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
@@ -32,7 +32,7 @@ class StudyConfig:
     models: tuple[str, ...] = ("gpt3-175b",)
     space: str = "phaze"
     system: str = "default"
-    sampler: str = "tpe"
+    sampler: str = "auto"  # `setup.resolve_sampler`: bound where the proven bounds apply, else tpe
     seed: int = 0
     trials: int = 500  # the study's total of finished trials; a resumed study runs only the rest
     objectives: tuple[str, ...] = ("throughput",)

@@ -16,7 +16,7 @@ from ..figures import pyplot, write_figure
 from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
-from .setup import default_storage, default_study_name, resolve_prune
+from .setup import default_storage, default_study_name, resolve_prune, resolve_sampler
 from ..runs.tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
@@ -136,7 +136,7 @@ def next_steps(session) -> dict:
     of the same models, space, system and objectives (what `compare` is for); for a sweep, TPE."""
     c = session.config
     other, what, extra = c.strategy.counterpart(c)
-    other = replace(other, prune=resolve_prune(other, session.backend))
+    other = replace(other, prune=resolve_prune(other, session.backend), sampler=resolve_sampler(other, session.backend))
     name = default_study_name(other)
     exe = venv_command("phaze-opt")
     study = [exe, "study"] + [a for m in c.models for a in ("--model", str(m))] + ["--space", str(c.space)]

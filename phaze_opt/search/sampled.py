@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 from ..runs import reconcile, signals
 from ..runs.disk import DiskFull
 from .. import interrupt
+from .bound_sampler import SETTLED_ATTR, settled_note, stop_when_settled
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
 from .report import finish
@@ -67,7 +68,7 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
     reconcile.adopt(spec.owner)
     ctx = spec.context()
     if study is None:
-        study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index)
+        study = load_study(spec.config, spec.storage_url, spec.study_name, worker=index, space=spec.backend.space)
     codec = SpaceCodec(spec.backend.space.params)
     tracker = tracker or NullTracker()
     artifacts: dict[int, dict] = {}
@@ -138,9 +139,10 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
 
     try:
         with interrupt.deferred():
-            if not interrupt.stop_requested():
+            if not interrupt.stop_requested() and SETTLED_ATTR not in study.user_attrs:
                 study.optimize(objective, n_trials=quota, catch=(TrialError, TrialInterrupted), gc_after_trial=False,
-                               callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials)])
+                               callbacks=[callback, reconcile.stop_at_total(spec.config.trials, finished_trials),
+                                          stop_when_settled])
     except KeyboardInterrupt:
         release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
         raise
@@ -225,6 +227,9 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
         elif remaining:
             worker_stats = _run_pool(session, remaining, progress)
         progress.close()
+        note = settled_note(session.study)
+        if note:
+            session.notes.append(note)
         return finish(session, worker_stats)
 
 

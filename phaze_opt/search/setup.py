@@ -38,7 +38,7 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
 )
 from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_tracking_uri
 from .objective import parse_objectives
-from .strategy import make_sampler
+from .strategy import AUTO
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
 from ..runs.tracking import driver_url, redact, sqlite_path, tracking_enabled
 
@@ -102,7 +102,7 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     if tracking_enabled(config.tracking_uri):  # a tracking server that fails stops the start before any store changes
         probe_tracking_uri(config.tracking_uri)
     storage = make_storage(url)
-    sampler = config.strategy.optuna_sampler(config)
+    sampler = config.strategy.optuna_sampler(config, backend.space)
     with interrupt.deferred():  # a study is created with its identity, whole
         study, resumed = open_study(config, storage, backend.space, sampler)
     return Prepared(config, backend, name, url, storage, study, resumed)
@@ -114,12 +114,12 @@ def locate(config: StudyConfig, backend: Backend) -> tuple[StudyConfig, str, str
     return config, study_name(config), storage_url(config)
 
 
-def load_study(config: StudyConfig, url: str, name: str, worker: int | None = None) -> optuna.Study:
-    """The study a worker process runs: its storage, and (with `worker`) worker's own sampler."""
+def load_study(config: StudyConfig, url: str, name: str, worker: int | None = None, space=None) -> optuna.Study:
+    """The study a worker process runs: its storage, and (with `worker`) worker's own sampler for `space`."""
     storage = make_storage(url)
     if worker is None:
         return optuna.load_study(study_name=name, storage=storage)
-    sampler = make_sampler(config.sampler, config.seed, len(config.objectives), worker=worker)
+    sampler = config.strategy.optuna_sampler(config, space, worker)
     return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
 
 
@@ -200,8 +200,10 @@ def max_workers() -> int:
 def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig:
     """Check every user-given setting; returns the config with normalised values."""
     sampler = str(config.sampler).strip().lower()
-    if sampler not in SAMPLERS:
-        raise PhazeError(f"--sampler: unknown sampler '{config.sampler}'; choose one of {', '.join(SAMPLERS)}")
+    if sampler not in (AUTO, *SAMPLERS):
+        raise PhazeError(f"--sampler: unknown sampler '{config.sampler}'; choose {AUTO} or one of {', '.join(SAMPLERS)}")
+    sampler = resolve_sampler(replace(config, objectives=parse_objectives(config.objectives),
+                                      models=tuple(str(m) for m in config.models)), backend)
     objectives = parse_objectives(config.objectives)
     if not config.models:
         raise PhazeError("--model: give at least one model")
@@ -250,40 +252,66 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
 PRUNES = ("auto", "bound", "off")
 
 
-def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
-    """`auto` becomes `bound` where the proven throughput bounds apply, else `off`.
+def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
+    """Why the proven throughput bounds do not apply to a study, or None when they do.
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
-    an exhaustive sweep without hysteresis (which depends on the visiting order), one model, the
-    throughput objective alone, the real evaluator and a space with HBM capacities whose recipes
-    are all BF16.
+    one model, the throughput objective alone, the real evaluator and a space with HBM capacities
+    whose recipes are all BF16.
     """
+    evaluator = backend.evaluator if backend else None
+    space = backend.space if backend else None
+    if space is None:
+        try:
+            space = load_space(config.space)
+        except PhazeError:
+            space = None  # reported where the space is loaded
+    if len(config.models) != 1:
+        return "it bounds one model's throughput; a common design over several models is not bounded"
+    if tuple(config.objectives) != ("throughput",):
+        return "it bounds throughput only; other objectives need every point evaluated"
+    if evaluator is not None and not isinstance(evaluator, BoundedEvaluator):
+        return "a custom evaluator has no throughput bound"
+    if space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
+        return "the space has no architecture grid with HBM capacities"
+    if space is not None and any(p != "bf16" for p in getattr(space, "params", {}).get("precision", ())):
+        # its layer-time lower bounds are BF16 latencies, which a faster GEMM format undercuts
+        return "its bounds price BF16 GEMMs, and the space samples a lower precision"
+    return None
+
+
+def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
+    """`auto` becomes `bound` where the proven throughput bounds apply (`bound_obstacle`, and no
+    hysteresis, which depends on the visiting order), else `off`."""
     prune = str(config.prune).strip().lower()
     if prune not in PRUNES:
         raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
     if prune == "off" or not config.strategy.can_prune:
         return "off"
-    evaluator = backend.evaluator if backend else None
-    space = backend.space if backend else None
     why = None
     if config.hysteresis is not None:
         why = "--hysteresis stops by area order; bound pruning visits best-first (use --hysteresis off)"
-    elif len(config.models) != 1:
-        why = "it bounds one model's throughput; a common design over several models is not bounded"
-    elif tuple(config.objectives) != ("throughput",):
-        why = "it bounds throughput only; other objectives need every point evaluated"
-    elif evaluator is not None and not isinstance(evaluator, BoundedEvaluator):
-        why = "a custom evaluator has no throughput bound"
-    elif space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
-        why = "the space has no architecture grid with HBM capacities"
-    elif space is not None and any(p != "bf16" for p in getattr(space, "params", {}).get("precision", ())):
-        # its layer-time lower bounds are BF16 latencies, which a faster GEMM format undercuts
-        why = "its bounds price BF16 GEMMs, and the space samples a lower precision"
+    else:
+        why = bound_obstacle(config, backend)
     if why is None:
         return "bound"
     if prune == "bound":
         raise PhazeError(f"--prune bound: {why}")
     return "off"
+
+
+def resolve_sampler(config: StudyConfig, backend: Backend | None) -> str:
+    """`auto` becomes the bound-guided sampler where the proven bounds apply, else TPE; `bound`
+    where they do not is refused with the reason."""
+    sampler = str(config.sampler).strip().lower()
+    if sampler not in (AUTO, "bound") or config.exhaustive:
+        return sampler
+    why = bound_obstacle(config, backend)
+    if why is None:
+        return "bound"
+    if sampler == "bound":
+        raise PhazeError(f"--sampler bound: {why}; choose another sampler ({', '.join(SAMPLERS[1:])})")
+    return "tpe"
 
 
 def _check_model(name: str):

@@ -10,17 +10,25 @@ the settings the CLI has always taken (`--exhaustive`, `--prune`), so the flags 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Protocol
 
 import optuna
 
+from ..design.best_first import BoundOrder
 from ..errors import PhazeError
+from ..system import load_system
+from ..workload.models import load_model
+from .bound_sampler import EXPLORE, BoundSampler
 
 # `StudyConfig` in the annotations is `config.StudyConfig`, which imports this module (to name its
 # strategy), so it is not imported here.
 
-SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp", "nsga2")
-SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
+SAMPLERS = ("bound", "tpe", "random", "cmaes", "qmc", "gp", "nsga2")
+SINGLE_OBJECTIVE_SAMPLERS = ("cmaes", "bound")
+# `--sampler auto` (the default): the bound-guided sampler where the proven bounds apply
+# (`setup.bound_obstacle`), TPE elsewhere.
+AUTO = "auto"
 
 
 class Strategy(Protocol):
@@ -39,9 +47,10 @@ class Strategy(Protocol):
 
     Methods (each pure: it reads the config, never the study or the storage):
         sampler_label(config): the sampler the study and its MLflow runs record.
-        optuna_sampler(config): the Optuna sampler the study is opened with in this process. A
-            strategy that chooses its points itself still opens the study with a seeded sampler,
-            so Optuna never falls back to an unseeded default.
+        optuna_sampler(config, space, worker): the Optuna sampler the study is opened with in this
+            process (`worker` 0 is the parent), for the space the study searches. A strategy that
+            chooses its points itself still opens the study with a seeded sampler, so Optuna never
+            falls back to an unseeded default.
         check(config): raise a `PhazeError` naming the flag when a setting contradicts the
             strategy (called from `setup.validate` with the normalised values).
         name_parts(config): the parts of the default study name that tell its runs apart.
@@ -59,7 +68,7 @@ class Strategy(Protocol):
 
     def sampler_label(self, config: StudyConfig) -> str: ...
 
-    def optuna_sampler(self, config: StudyConfig) -> optuna.samplers.BaseSampler: ...
+    def optuna_sampler(self, config: StudyConfig, space, worker: int = 0) -> optuna.samplers.BaseSampler: ...
 
     def check(self, config: StudyConfig) -> None: ...
 
@@ -72,9 +81,18 @@ class Strategy(Protocol):
     def counterpart(self, config: StudyConfig) -> tuple[StudyConfig, str, list[str]]: ...
 
 
-def make_sampler(name: str, seed: int, n_objectives: int, worker: int = 0) -> optuna.samplers.BaseSampler:
-    """The sampler for one process; worker k > 0 gets seed + k so workers do not propose the same points."""
+def _bound_order(config: StudyConfig, space) -> BoundOrder:
+    return BoundOrder(load_model(config.models[0]), load_system(config.system), space, seed=config.seed)
+
+
+def make_sampler(config: StudyConfig, space, worker: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler for one process. Optuna's own samplers: worker k > 0 gets seed + k so workers do
+    not propose the same points. The bound-guided sampler: every worker the same seed, since its
+    proposal for a trial is a function of the trial's number (see `bound_sampler`)."""
+    name, seed = config.sampler, config.seed
     s = seed + worker
+    if name == "bound":
+        return BoundSampler(space, partial(_bound_order, config, space), seed=seed, workers=config.workers)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=s)
     if name == "random":
@@ -100,8 +118,8 @@ class Sampled:
     def sampler_label(self, config):
         return config.sampler
 
-    def optuna_sampler(self, config):
-        return make_sampler(config.sampler, config.seed, len(config.objectives))
+    def optuna_sampler(self, config, space, worker=0):
+        return make_sampler(config, space, worker)
 
     def check(self, config):
         if len(config.objectives) > 1 and config.sampler in SINGLE_OBJECTIVE_SAMPLERS:
@@ -117,6 +135,9 @@ class Sampled:
     def notes(self, config):
         if config.sampler == "cmaes":
             return ["cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput"]
+        if config.sampler == "bound":
+            return ["bound: area-feasible points only, each design once, in the order of their proven throughput bounds "
+                    f"({round(100 * EXPLORE)}% of trials explore around the best design)"]
         return []
 
     def counterpart(self, config):
@@ -133,7 +154,7 @@ class Grid:
     def sampler_label(self, config):
         return "exhaustive"
 
-    def optuna_sampler(self, config):
+    def optuna_sampler(self, config, space, worker=0):
         return optuna.samplers.RandomSampler(seed=config.seed)
 
     def check(self, config):
@@ -153,8 +174,8 @@ class Grid:
         return []
 
     def counterpart(self, config):
-        other = replace(config, exhaustive=False, sampler="tpe", seed=0, study_name=None, prune="off")
-        return other, "the default TPE study", []
+        other = replace(config, exhaustive=False, sampler=AUTO, seed=0, study_name=None, prune="off")
+        return other, "the default sampled study", []
 
 
 class BranchAndBound(Grid):

@@ -1,0 +1,242 @@
+"""Grid points in decreasing order of their proven throughput bounds, computed only as far as asked.
+
+The exhaustive sweep bounds every (architecture, HBM, microbatch) cell at level 0 before it
+evaluates anything (a minute on two cores for the `phaze` space), then evaluates best-first. A
+sampler cannot wait that long, and most of that work is spent on cells far below the optimum. This
+module gives the same best-first order lazily, as an A*-style search over a tree of bounds (Hart,
+Nilsson and Raphael, "A Formal Basis for the Heuristic Determination of Minimum Cost Paths", 1968;
+best-first branch and bound, Land and Doig 1960), each level no larger than the one above it:
+
+1. an architecture's roofline: devices x (tensor + vector peak FLOP/s) / the model's FLOPs per
+   sequence (`roofline_throughput`); no layer pass can run its FLOPs faster than the peak of the
+   units it runs on. Costs nothing: computed for every area-feasible architecture at once;
+2. an architecture's level 0 at its fastest HBM (`upper_bound`: operator latencies fall as HBM
+   bandwidth rises, so this bounds every HBM choice), the largest over microbatches; computed for a
+   batch of architectures at a time when the first of them reaches the top;
+3. a cell's level 0 (its own HBM and microbatch);
+4. a point's level 1 (`recipe_bounds`: the placement DP on lower-bound layer times, its own
+   recipe), for the recipes no other recipe of the cell provably matches or beats
+   (`design.dominance`); dominated recipes are never offered.
+
+`BoundOrder.next_point` pops the tree until the best item is a point; ties (designs with equal
+bounds) are broken by a permutation drawn from the seed. The sequence of popped items depends only
+on the model, system, space and seed, never on what a caller did with earlier points, so processes
+that share a study walk the same sequence and agree on it point by point.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..hardware.latency import DesignArrays
+from ..training import Training, recipe_choices
+from ..workload.graphs import build_layer_graph
+from .dominance import model_dominators
+from .evaluate import tp_widths
+from .upper_bound import (WidthBounds, group_placement_throughput, ideal_throughput, layer_lower_bounds,
+                          pipeline_throughput, placement_throughput, relaxed_recipe)
+
+ROOFLINE, ARCH, CELL, POINT = range(4)
+# Items of one level bounded together (one vectorised call instead of hundreds): architectures by
+# their roofline, and architectures whose other HBM choices are bounded.
+BATCH = {ROOFLINE: 256, ARCH: 32}
+# Best-first would expand every cell whose level 0 lies above the best level-1 bound found, thousands
+# on `phaze` since level 0 is loose; after this many cells expanded with a point waiting, the best
+# point is handed out anyway (the exhaustive sweep's dive), so good incumbents come early.
+DIVE_AFTER = 4
+
+
+def level0_throughput(widths_by_attention: Sequence[Sequence[WidthBounds]], mbs: int, system,
+                      virtual_stages: int) -> np.ndarray:
+    """Level 0 per design: the smaller of the ideal-scaling and pipeline bounds, the larger over the
+    attention kernels a space offers (each kernel's graph bounds only its own recipes)."""
+    n = system.accelerators
+    return np.max(np.stack([np.minimum(ideal_throughput(w, mbs, n),
+                                       pipeline_throughput(w, mbs, n, system.global_batch, virtual_stages))
+                            for w in widths_by_attention]), axis=0)
+
+
+def recipe_bounds(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: int, hbm_bytes: float,
+                  peak_flops: float, rcs: Sequence[Mapping], attns: Sequence, incumbent: float = 0.0) -> list[float]:
+    """Level 1 of one design row at one microbatch for each recipe of `rcs`; widths[a]: kernel a's bounds.
+
+    Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
+    (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
+    bound cannot beat `incumbent` gives all its recipes that bound; the others are bounded one by one."""
+    recipes = [Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
+    groups: dict = {}
+    for i, recipe in enumerate(recipes):
+        groups.setdefault(relaxed_recipe(recipe), []).append(i)
+    out = [0.0] * len(rcs)
+    for members in groups.values():
+        group_bound = float("inf")
+        if len(members) > 1:
+            kernels = {recipes[i].attention: widths[attns.index(rcs[i].get("attention"))] for i in members}
+            group_bound = group_placement_throughput(model, kernels, 0, system=system,
+                                                     recipes=[recipes[i] for i in members], hbm_bytes=hbm_bytes,
+                                                     peak_flops=peak_flops)
+        for i in members:
+            if group_bound <= incumbent:
+                out[i] = group_bound
+                continue
+            out[i] = min(group_bound, placement_throughput(
+                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, training=recipes[i],
+                hbm_bytes=hbm_bytes, peak_flops=peak_flops))
+    return out
+
+
+def flops_per_sequence(model, system, attns: Sequence) -> float:
+    """The fewest FLOPs one training sequence (forward and backward of every layer) costs at any
+    TP width and kernel the space offers: each width's sharded graphs summed over its devices."""
+    best = float("inf")
+    for attention in attns:
+        for tp in tp_widths(model, system):
+            graph = build_layer_graph(model, tp, 1, attention=attention)
+            total = sum(graph.op_graphs[layer.kind]["fwd"].flops + graph.op_graphs[layer.kind]["bwd"].flops
+                        for layer in graph.layers)
+            best = min(best, tp * total)
+    return best
+
+
+def roofline_throughput(accelerators: Sequence, devices: int, flops: float) -> np.ndarray:
+    """Sequences/s no placement reaches: every device's tensor cores at their fastest format plus its
+    vector lanes, busy all the time on the model's FLOPs."""
+    peak = np.array([a.peak_flops * max([1.0] + [float(r) for _, r in a.tc_datatypes])
+                     + 2.0 * a.num_vc * a.vc_width * a.clock_hz for a in accelerators])
+    return devices * peak / flops if flops > 0 else np.full(len(accelerators), np.inf)
+
+
+class BoundOrder:
+    """The space's points, best bound first, for one model on one system (see the module docstring)."""
+
+    def __init__(self, model, system, space, seed: int = 0):
+        self.model, self.system, self.space = model, system, space
+        self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.architectures(order="grid")]
+        self.hbms = list(space.params["hbm_gib"])
+        self.mbss = [int(m) for m in space.params["mbs"]]
+        self.rcs = recipe_choices(space.params)
+        self.attns = list(space.params.get("attention", [None]))
+        self.v_max = max([1] + [int(v) for v in space.params.get("virtual_stages", [1])])
+        bandwidth = [float(space.hbm_bw_table[h]) for h in self.hbms]
+        self.fast_hbm = int(np.argmax(bandwidth))  # first of the fastest: bounds every HBM choice
+        self._canon: dict[int, list[int]] = {}
+        self._widths: dict[tuple, list] = {}  # (arch, hbm, mbs) -> [kernel][tp width] bounds of that one design
+        self._cell_bounds: dict[tuple, float] = {}  # (arch, hbm, mbs) -> level 0
+        self.tie = np.random.default_rng(seed).permutation(len(self.archs))
+        roof = roofline_throughput([self.accelerator(a, self.fast_hbm) for a in range(len(self.archs))],
+                                   system.accelerators, flops_per_sequence(model, system, self.attns))
+        self.heap = [(-float(b), (int(self.tie[a]), -1, -1, -1), ROOFLINE, a) for a, b in enumerate(roof)]
+        heapq.heapify(self.heap)
+        self.points: list = []  # bounded points, best first
+        self.expanded = 0  # cells expanded since a point was last popped
+        self.popped = 0  # points handed out or passed over: how far down the order this process is
+
+    def __len__(self) -> int:
+        return len(self.archs) * len(self.hbms) * len(self.mbss) * len(self.rcs)
+
+    def accelerator(self, a: int, h: int):
+        return self.space.accelerator(self.point(a, h, 0, 0))
+
+    def point(self, a: int, h: int, m: int, r: int) -> dict:
+        return {**self.archs[a], "hbm_gib": self.hbms[h], "mbs": self.mbss[m], **self.rcs[r]}
+
+    def top_bound(self) -> float:
+        """The best bound not yet handed out: no point still in the order can beat it."""
+        return max(self._top(self.heap), self._top(self.points))
+
+    def next_point(self, incumbent: float, taken: Callable[[dict], bool],
+                   peek: bool = False) -> tuple[dict, float] | None:
+        """The next point whose bound is above `incumbent` and that `taken` does not claim, with its
+        level-1 bound; None when every point left is bounded at or below `incumbent`. With `peek`
+        the point stays first in the order (the points passed over on the way are gone either way).
+
+        What is popped next never depends on `incumbent` or `taken` (they only decide whether a popped
+        point is returned or passed over), so every caller walks the same sequence."""
+        while True:
+            best = max(self._top(self.heap), self._top(self.points))
+            if best <= incumbent:
+                return None
+            if self.points and (self._top(self.points) >= self._top(self.heap) or self.expanded >= DIVE_AFTER):
+                entry = heapq.heappop(self.points)
+                neg, item, expanded = entry[0], entry[3], self.expanded
+                self.expanded = 0
+                self.popped += 1
+                point = self.point(*item)
+                if -neg > incumbent and not taken(point):
+                    if peek:  # put back exactly as it was: the sequence is unchanged
+                        heapq.heappush(self.points, entry)
+                        self.expanded, self.popped = expanded, self.popped - 1
+                    return point, -neg
+                continue
+            _, _, level, item = self.heap[0]
+            if level == CELL:
+                heapq.heappop(self.heap)
+                self._bound_points(*item)
+                self.expanded += 1
+                continue
+            batch = [heapq.heappop(self.heap)[3]]  # bounded together: one vectorised call
+            while self.heap and self.heap[0][2] == level and len(batch) < BATCH[level]:
+                batch.append(heapq.heappop(self.heap)[3])
+            (self._bound_archs if level == ROOFLINE else self._bound_cells)(batch)
+
+    @staticmethod
+    def _top(heap: list) -> float:
+        return -heap[0][0] if heap else 0.0
+
+    def _widths_of(self, accelerators: list, mbs: int) -> list[list[WidthBounds]]:
+        designs = DesignArrays.from_accelerators(accelerators)
+        return [[layer_lower_bounds(self.model, designs, mbs, self.system, tp, attention)
+                 for tp in tp_widths(self.model, self.system)] for attention in self.attns]
+
+    def _bound_archs(self, archs: list[int]) -> None:
+        accs = [self.accelerator(a, self.fast_hbm) for a in archs]
+        best = np.zeros(len(archs))
+        for m, mbs in enumerate(self.mbss):
+            widths = self._widths_of(accs, mbs)
+            b0 = level0_throughput(widths, mbs, self.system, self.v_max)
+            best = np.maximum(best, b0)
+            for i, a in enumerate(archs):
+                self._widths[(a, self.fast_hbm, m)] = [[w.take([i]) for w in per] for per in widths]
+                self._cell_bounds[(a, self.fast_hbm, m)] = float(b0[i])
+        for i, a in enumerate(archs):
+            heapq.heappush(self.heap, (-float(best[i]), (int(self.tie[a]), -1, -1, -1), ARCH, a))
+
+    def _bound_cells(self, archs: list[int]) -> None:
+        others = [(a, h) for a in archs for h in range(len(self.hbms)) if h != self.fast_hbm]
+        accs = [self.accelerator(a, h) for a, h in others]
+        for m, mbs in enumerate(self.mbss):
+            if accs:
+                widths = self._widths_of(accs, mbs)
+                b0 = level0_throughput(widths, mbs, self.system, self.v_max)
+                for i, (a, h) in enumerate(others):
+                    self._widths[(a, h, m)] = [[w.take([i]) for w in per] for per in widths]
+                    self._cell_bounds[(a, h, m)] = float(b0[i])
+            for a in archs:
+                for h in range(len(self.hbms)):
+                    heapq.heappush(self.heap, (-self._cell_bounds[(a, h, m)], (int(self.tie[a]), h, m, -1), CELL,
+                                               (a, h, m)))
+
+    def canonical(self, m: int) -> list[int]:
+        """The recipes of microbatch index m that no other recipe provably matches or beats."""
+        if m not in self._canon:
+            dom = model_dominators(self.rcs, self.model, self.system, self.mbss[m])
+            self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r]
+        return self._canon[m]
+
+    def _bound_points(self, a: int, h: int, m: int) -> None:
+        acc = self.accelerator(a, h)
+        canon = self.canonical(m)
+        bounds = recipe_bounds(self.model, self.system, self._widths.pop((a, h, m)), self.mbss[m],
+                               float(acc.hbm_bytes), float(acc.peak_flops), [self.rcs[r] for r in canon], self.attns)
+        for r, b in zip(canon, bounds):
+            if b > 0:  # 0: no placement fits the HBM at any time, so the point is infeasible
+                heapq.heappush(self.points, (-float(b), (int(self.tie[a]), h, m, r), POINT, (a, h, m, r)))
+
+    def cell_bound(self, point: Mapping) -> float:
+        """Level 0 of one point's cell (its architecture, HBM and microbatch), whatever its recipe."""
+        acc = self.space.accelerator(dict(point))
+        mbs = int(point["mbs"])
+        return float(level0_throughput(self._widths_of([acc], mbs), mbs, self.system, self.v_max)[0])
