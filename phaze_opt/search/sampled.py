@@ -22,7 +22,7 @@ from ..runs.disk import DiskFull
 from .. import interrupt
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
-from .report import finish
+from .report import crash_notes, finish
 from ..runs.progress import Progress, say
 from .session import (
     Session,
@@ -181,12 +181,21 @@ def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[st
         release_storage(storage)
 
 
-def nothing_to_run(config: StudyConfig, name: str, url: str, held: int) -> dict:
-    """A study that already holds `--trials` (its total) finished trials: said at once, and no parent
-    run, study attribute or wall time is added for an invocation that runs nothing."""
+def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend: Backend | None = None) -> dict:
+    """A study that already holds `--trials` (its total) finished trials: reconciled as every start is
+    (a parent killed once the last trial finished leaves runs missing and its own run RUNNING), then
+    said at once; no parent run, study attribute or wall time is added for an invocation that runs
+    nothing."""
+    session = Session(config, backend, runs=False)
+    try:
+        notes = crash_notes(session, finished_trials(session.all_trials()))
+    finally:
+        session.release()
+    for note in notes:
+        say(note)
     say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
         f"nothing to run (no MLflow run started); give --trials above {held} to add trials")
-    held_note = {"nothing_to_run": True, "held": held, "requested": config.trials}
+    held_note = {"nothing_to_run": True, "held": held, "requested": config.trials, "reconciled": notes}
     path = Path(config.output_dir) / f"{name}-summary.json"
     try:  # the summary of the run that finished it, so callers (`published --resume`) read the same fields
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -199,7 +208,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     """Run (or resume) a sampled study."""
     name, url, held = held_trials(config, backend)
     if held >= config.trials:
-        return nothing_to_run(config, name, url, held)
+        return nothing_to_run(config, name, url, held, backend)
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()

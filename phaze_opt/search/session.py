@@ -178,11 +178,13 @@ class SpoolLogger:
 class Session:
     """One invocation of a sampled or exhaustive study (the parent process)."""
 
-    def __init__(self, config: StudyConfig, backend: Backend | None = None):
+    def __init__(self, config: StudyConfig, backend: Backend | None = None, *, runs: bool = True):
         """Open the invocation. A signal cuts what only reads or builds aside (opening the stores, the
         TPUv4 baselines) at once and waits for the end of each group of writes; the parent run, if
-        opened, is then closed as KILLED."""
+        opened, is then closed as KILLED. `runs=False`: a start that will run nothing (the study holds
+        its total) still reconciles, but opens no parent run and records no worker count."""
         self.clock_start = time.time()
+        self.runs = runs
         interrupt.fresh_start()  # a stop request of an earlier invocation in this process is over
         self.restore_signals = signals.handle_termination()  # SIGINT, SIGTERM, SIGHUP: the stop flag
         self.tracker = NullTracker()
@@ -209,6 +211,9 @@ class Session:
             trials = self._claim_trials()
         interrupt.checkpoint_deferred()
         self._count_start(trials)
+        if not self.runs:
+            self._reconcile_only()
+            return
         with interrupt.deferred():  # the computation inside is cut at once, its storing is not
             self.baselines = self._baselines()
         interrupt.checkpoint_deferred()
@@ -260,6 +265,26 @@ class Session:
         if self.tracker.enabled:  # the spools of this study's dead invocations are logged now
             signals.clean_stale_spools(sessions=reconcile.sessions_of(self.all_trials()))
 
+    def _reconcile_only(self) -> None:
+        """MLflow made to agree with the study by a tracker with no parent run of its own."""
+        c = self.config
+        if tracking_enabled(c.tracking_uri):
+            exp_id = MlflowTracker.prepare(c.tracking_uri, self.name, storage_key=storage_key(self.url))
+            with interrupt.deferred():
+                self.tracker = MlflowTracker.attach(c.tracking_uri, exp_id, None, context=self._tracker_context(),
+                                                    background=False)
+        with interrupt.deferred():
+            self._reconcile_runs()
+
+    def release(self) -> None:
+        """The end of a start that ran nothing (`runs=False`): the tracker and the signals let go."""
+        with interrupt.deferred():
+            try:
+                self.tracker.close()
+            finally:
+                reconcile.end_session()
+                self.restore_signals()
+
     def _baselines(self) -> dict[str, Baseline]:
         stored = self.study.user_attrs.get("baselines") or {}
         if all(m in stored for m in self.config.models):
@@ -285,13 +310,7 @@ class Session:
         if not tracking_enabled(c.tracking_uri):
             return NullTracker()
         constant = constant_params(self.space)
-        context = {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
-                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
-                   "constant": sorted(constant),
-                   # each model's shape and features (`feature_fields`): params of the parent, tags of each
-                   # trial, so runs of different models compare by them
-                   "model_tags": {f"{'' if len(c.models) == 1 else m + '.'}model.{k}": v
-                                  for m in c.models for k, v in self.backend.describe_model(m).items()}}
+        context = self._tracker_context()
         trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
@@ -311,6 +330,17 @@ class Session:
                                       storage_key=storage_key(self.url))
         tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
         return tracker
+
+    def _tracker_context(self) -> dict:
+        """What every trial run of the study is logged with (`tracking.trial_record`)."""
+        c = self.config
+        return {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
+                "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
+                "constant": sorted(constant_params(self.space)),
+                # each model's shape and features (`feature_fields`): params of the parent, tags of each
+                # trial, so runs of different models compare by them
+                "model_tags": {f"{'' if len(c.models) == 1 else m + '.'}model.{k}": v
+                               for m in c.models for k, v in self.backend.describe_model(m).items()}}
 
     def _run_params(self, space_name: str, sampler: str, constant: dict) -> dict:
         """The parent run's MLflow params: the settings, the strategy's own, each model's baseline."""
