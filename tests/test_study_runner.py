@@ -346,3 +346,22 @@ def test_baseline_gets_the_whole_recipe_space_on_its_own_system_and_the_study_ev
     queued = [codec.decode(t.params) for t in study.get_trials() if t.user_attrs.get("reference")]
     assert space.reference_point(recipe={"mbs": 2, "recompute": "none", **base["recipe"]}) in queued
     assert Training.from_point(queued[-1]) == Training(2, "none", sequence_parallel=True, zero=0, attention="flash")
+
+
+@pytest.mark.parametrize("with_trials", [True, False], ids=["with-trials", "empty"])
+def test_another_programs_study_of_the_same_name_is_refused(tmp_path, monkeypatch, with_trials):
+    """Same name, same direction, made by plain Optuna: refused in one line, never adopted (it was:
+    its best became the summary's, its trials MLflow's "missing" runs); nothing is added to it."""
+    from phaze_opt.search import setup
+
+    monkeypatch.setattr(setup, "IDENTITY_WAIT_S", 0.2)  # an empty one is looked at again this long
+    cfg = config(tmp_path, trials=3, study_name="s")
+    (tmp_path / "studies").mkdir(exist_ok=True)
+    foreign = optuna.create_study(study_name="s", storage=cfg.storage, direction="maximize")
+    if with_trials:
+        foreign.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1_000_011.9))
+    with pytest.raises(PhazeError, match="was not made by phaze-opt") as info:
+        run_study(cfg, backend())
+    assert "\n" not in str(info.value)
+    again = optuna.load_study(study_name="s", storage=cfg.storage)
+    assert again.user_attrs == {} and len(again.get_trials()) == int(with_trials)
