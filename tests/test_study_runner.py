@@ -365,3 +365,22 @@ def test_another_programs_study_of_the_same_name_is_refused(tmp_path, monkeypatc
     assert "\n" not in str(info.value)
     again = optuna.load_study(study_name="s", storage=cfg.storage)
     assert again.user_attrs == {} and len(again.get_trials()) == int(with_trials)
+
+
+def test_a_worker_killed_as_by_the_oom_killer_costs_its_trial_not_the_study(tmp_path, capsys):
+    """SIGKILL of one of two workers mid-trial broke the pool: a 29-line BrokenProcessPool traceback and
+    exit 1. Now its trial is failed as interrupted, its point queued again, and the study reaches its
+    total; the summary's notes say which trial."""
+    from test_study_fakes import KillOnce
+
+    marker = tmp_path / "killed"
+    cfg = config(tmp_path, trials=8, workers=2)
+    summary = run_study(cfg, backend(evaluator=KillOnce(str(marker))))
+    assert marker.exists()  # a worker was killed
+    err = capsys.readouterr().err
+    assert "a worker process died" in err and "Traceback" not in err
+    trials = load(cfg).get_trials()
+    assert len(finished_trials(trials)) == 8 and not [t for t in trials if t.state == TrialState.RUNNING]
+    lost = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert lost and all(t.state == TrialState.FAIL for t in lost)
+    assert any("left by a process that is gone" in n for n in summary["notes"])

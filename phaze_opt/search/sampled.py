@@ -8,6 +8,7 @@ queued again; a trial whose process died is failed by Optuna's heartbeat check a
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -27,9 +28,11 @@ from ..runs.progress import Progress, say
 from .session import (
     Session,
     SpoolLogger,
+    WorkerLost,
     WorkerSpec,
     finished_trials,
     is_feasible,
+    lost_worker,
     one_line,
     quiet_optuna,
     run_pool,
@@ -238,8 +241,17 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
 
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
-    quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+    """The workers of a study with --workers > 1; a worker that dies (the OOM killer) costs its trial,
+    failed and queued again, and the pool is started again for what is left of the total."""
     with tempfile.TemporaryDirectory(prefix=signals.spool_prefix(session.session_id)) as spool:
         spec = session.worker_spec(spool if session.tracker.enabled else None)
         logger = SpoolLogger(session, spool)
-        return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+        for restarts in itertools.count():
+            quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+            try:
+                return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+            except WorkerLost:
+                lost_worker(session, restarts)
+            remaining = session.config.trials - len(finished_trials(session.all_trials()))
+            if remaining <= 0:
+                return []

@@ -27,6 +27,7 @@ import os
 import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,7 +43,7 @@ from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from ..runs import reconcile, signals
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .. import interrupt
-from ..runs.progress import Progress, close_bar
+from ..runs.progress import Progress, close_bar, say
 from .setup import Backend, StudyConfig, database_place, prepare, release_storage
 from ..runs.tracking import (
     NOTE_TAG,
@@ -496,8 +497,34 @@ def tally(trials) -> tuple[int, float | None, int]:
     return len(done), best_score(done), sum(map(is_feasible, done))
 
 
+class WorkerLost(PhazeError):
+    """A worker process died without a word (SIGKILL: the kernel's out-of-memory killer, or a user), which
+    breaks the whole pool; the others are stopped as on Ctrl-C. One line, where it was a traceback."""
+
+    def __init__(self, message: str = "a worker process died (killed: out of memory?); its trial is failed and "
+                                      "queued again by the next start: run the same command again"):
+        super().__init__(message)
+
+
+LOST_WORKER_RESTARTS = 3  # pools started again after a worker died, before the study stops in one line
+
+
+def lost_worker(session: Session, restarts: int) -> None:
+    """After a pool broke (`WorkerLost`, every worker gone): fail the trials its dead workers held as
+    interrupted and queue their points again (`reconcile.fail_zombies`, as a start does), noted in
+    the summary; a caller may then start the workers again, at most `LOST_WORKER_RESTARTS` times."""
+    failed = reconcile.fail_zombies(session.study)
+    session.zombies = [*session.zombies, *failed]
+    if restarts >= LOST_WORKER_RESTARTS:
+        raise WorkerLost(f"worker processes died {restarts + 1} times (killed: out of memory?); their trials are "
+                         "failed and queued again: run the same command again, perhaps with fewer --workers")
+    say(f"a worker process died (killed: out of memory?); trial(s) {', '.join(map(str, failed)) or 'none'} "
+        "failed and queued again; the workers start again")
+
+
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
-    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
+    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging. A
+    worker that dies breaks the pool: `WorkerLost`, after the other workers are stopped."""
     context = multiprocessing.get_context("spawn")
 
     def drain():  # log what the workers finished, written before the spool folder goes
@@ -528,6 +555,8 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
                 if exc is not None:
                     for other in pending:
                         other.cancel()
+                    if isinstance(exc, BrokenProcessPool):  # its traceback says nothing a user can act on
+                        raise WorkerLost() from None
                     raise exc
             if not pending:
                 break
