@@ -122,10 +122,11 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
 MAX_CONFIG_BYTES = 4 * 2**20  # far above any config; a larger file is refused before it is parsed
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases: `*name` makes one node stand for a shared copy, so a small file can
-    expand to billions of elements ("billion laughs") wherever the value is walked or printed. No
-    config needs them."""
+class _StrictLoader(yaml.SafeLoader):
+    """YAML without aliases or repeated keys. Aliases: `*name` makes one node stand for a shared
+    copy, so a small file can expand to billions of elements ("billion laughs") wherever the value
+    is walked or printed; no config needs them. A key given twice in one mapping would silently
+    take its last value (`layers: 48`, then `layers: 49` a screen further down)."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.events.AliasEvent):
@@ -133,9 +134,25 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed", event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = key in first
+                except TypeError:  # an unhashable key: the constructor below says so
+                    continue
+                if seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {shown(key)} given twice (first at line {first[key] + 1})",
+                        key_node.start_mark)
+                first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
 
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse one UTF-8 YAML file; malformed YAML, aliases, nesting too deep, a file over
+    """Parse one UTF-8 YAML file; malformed YAML, aliases, a key repeated in a mapping, nesting too deep, a file over
     `MAX_CONFIG_BYTES`, text that is not UTF-8, a folder or an unreadable file is a one-line error
     naming it."""
     path = Path(path)
@@ -143,7 +160,7 @@ def read_yaml(path: str | os.PathLike) -> Any:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise PhazeError(f"{path}: {size:,} bytes; a config may have at most {MAX_CONFIG_BYTES:,}")
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_NoAliasLoader)  # noqa: S506 - safe, no aliases
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 - safe, no aliases
     except RecursionError:
         raise PhazeError(f"{path}: malformed YAML: nested too deeply") from None
     except UnicodeDecodeError as exc:

@@ -268,3 +268,27 @@ def test_compare_reads_storages_without_changing_or_creating_files(two_studies, 
     digest = hashlib.sha256(db.read_bytes()).hexdigest()
     compare([a, b], out_dir=out, tracking_uri="off", name="ro")
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+
+def test_compare_and_export_never_create_optunas_tables_in_another_database(tmp_path, capsys):
+    """A database URL SQLite's own check does not cover (any SQLAlchemy URL: PostgreSQL, MySQL, or
+    here SQLite through a named driver) holding another program's table: both read-only commands
+    refuse it in one line and leave it as it was (Optuna's RDBStorage added its 13 tables)."""
+    import sqlite3
+
+    from phaze_opt import cli
+
+    db = tmp_path / "theirs.db"
+    con = sqlite3.connect(db)
+    con.execute("create table orders (a int)")
+    con.commit()
+    con.close()
+    url = f"sqlite+pysqlite:///{db}"
+    with pytest.raises(PhazeError, match="not an Optuna storage") as info:
+        compare(["x", "y"], storage=url, out_dir=str(tmp_path / "o"), tracking_uri="off")
+    assert "\n" not in str(info.value)
+    assert cli.main(["export", "x", "--storage", url, "--out", str(tmp_path / "x.csv")]) != 0
+    assert "not an Optuna storage" in capsys.readouterr().err
+    con = sqlite3.connect(db)
+    assert {r[0] for r in con.execute("select name from sqlite_master where type='table'")} == {"orders"}
+    con.close()

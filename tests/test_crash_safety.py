@@ -323,12 +323,26 @@ def test_a_stop_request_cuts_the_schedule_solver_and_caches_nothing(tmp_path, mo
 
     monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
     problem = hard_block()
-    # The whole schedule solver (search hint, tight relaxation bound) proves this block optimal in
-    # about 1.6 s once its numba kernels are compiled, where HiGHS's MIP alone runs for minutes: a
-    # stop after 2 s came too late whenever another test had compiled them first. 0.3 s lands
-    # inside the solve either way (in the first compile, or in the search that follows it).
+    # The whole schedule solver proves this block optimal in about 1.6 s here, so a stop on a timer
+    # (0.3 s once, 2 s before that) misses the solve on a machine fast enough. The stop is requested
+    # instead at HiGHS's first interrupt callback (the relaxation, after a first search given no
+    # time), which lands it inside the solve on a machine of any speed.
+    from phaze_opt import interrupt
+    from phaze_opt.solve.schedule import solver as schedule_solver
+
+    monkeypatch.setattr(schedule_solver, "SEARCH_FIRST_S", 0.0)
+    asked = []
+
+    def poll(self):
+        if not asked:
+            asked.append(True)
+            interrupt.request_stop("test")
+        return self.flag[0] != 0
+
+    monkeypatch.setattr(interrupt.Poll, "__call__", poll)
     with pytest.raises(KeyboardInterrupt):
-        _stopped_after(0.3, lambda: solve_schedule(problem, time_limit_s=60.0))
+        _stopped_after(600.0, lambda: solve_schedule(problem, time_limit_s=60.0))
+    assert asked  # the stop came from inside HiGHS
     assert cache.get(cache.problem_key(problem), "highs", 60.0, problem=problem) is None
     assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file()]
 

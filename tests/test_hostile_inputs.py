@@ -109,3 +109,22 @@ def test_a_cache_write_the_disk_refuses_leaves_no_partial_file(tmp_path, monkeyp
     monkeypatch.setattr(cache.os, "fdopen", lambda fd, *a, **k: Full(real(fd, *a, **k)))
     assert cache.write_atomic(tmp_path / "c" / "x.json", "{" + "0" * 1000 + "}") is False
     assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_key_repeated_in_a_yaml_mapping_is_one_line_naming_the_file_and_key(tmp_path):
+    """`layers: 48` then `layers: 49` took the last value silently; now it names both lines."""
+    from phaze_opt.workload.models import load_model
+
+    text = (configs.shipped_dir() / "models" / "gpt2-xl.yaml").read_text()
+    path = tmp_path / "twice.yaml"
+    path.write_text(text + "layers: 49\n")
+    line = 1 + next(i for i, s in enumerate(text.splitlines()) if s.startswith("layers:"))
+    with pytest.raises(PhazeError) as info:
+        load_model(str(path))
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert f"key 'layers' given twice (first at line {line})" in message
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("a:\n  b: 1\n  c: 2\n  b: 3\n")
+    with pytest.raises(PhazeError, match=r"nested.yaml: malformed YAML at line 4: key 'b' given twice \(first at line 2\)"):
+        configs.read_yaml(nested)

@@ -72,3 +72,38 @@ def test_a_study_asked_for_fewer_trials_than_it_holds_runs_nothing(tmp_path, cap
     study = optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage)
     assert dict(study.user_attrs) == attrs_before  # wall time and workers untouched
     assert len(study.get_trials()) == 6
+
+
+def test_a_study_at_its_total_still_reconciles_on_start(tmp_path, capsys):
+    """A parent killed as its last trial finished: trials without an MLflow run, its own run left
+    RUNNING. The same command again runs nothing, but logs the missing runs and closes the dead run
+    (this process counts as gone to reconciliation, like a parent killed with SIGKILL)."""
+    from mlflow import MlflowClient
+
+    from phaze_opt.search.session import finished_trials
+
+    uri = mlflow_uri(tmp_path)
+    cfg = config(tmp_path, trials=6, tracking_uri=uri)
+    run_study(cfg, backend())
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(default_study_name(cfg)).experiment_id
+    runs = client.search_runs([exp], max_results=1000)
+    parents = [r for r in runs if "optuna.trial_number" not in r.data.tags]
+    trial_runs = [r for r in runs if "optuna.trial_number" in r.data.tags]
+    for r in trial_runs[:2]:
+        client.delete_run(r.info.run_id)
+    client.update_run(parents[0].info.run_id, status="RUNNING")
+    study = optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage)
+    attrs_before = dict(study.user_attrs)
+    capsys.readouterr()
+    result = run_study(cfg, backend())
+    err = capsys.readouterr().err
+    assert result["nothing_to_run"] and "already holds 6 finished trials" in err
+    assert "2 missing trial runs logged, 1 runs left RUNNING closed as KILLED" in err
+    runs = client.search_runs([exp], max_results=1000)
+    assert [r.info.status for r in runs if "optuna.trial_number" not in r.data.tags] == ["KILLED"]  # no new one
+    done = finished_trials(optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage).get_trials())
+    logged = sorted(int(r.data.tags["optuna.trial_number"]) for r in runs if "optuna.trial_number" in r.data.tags)
+    assert logged == sorted(t.number for t in done) and len(done) == 6
+    assert {r.info.status for r in runs} <= {"FINISHED", "FAILED", "KILLED"}
+    assert dict(optuna.load_study(study_name=default_study_name(cfg), storage=cfg.storage).user_attrs) == attrs_before

@@ -41,6 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DATABASES = ("optuna", "optuna_ex", "mlflow", "theirs")  # theirs: another program's database
+
+
 @pytest.fixture(scope="module")
 def postgres():
     initdb, pg_ctl = pg_binary("initdb"), pg_binary("pg_ctl")
@@ -73,10 +76,10 @@ def postgres():
         conn = psycopg2.connect(host="127.0.0.1", port=port, user="phaze", dbname="postgres")
         conn.autocommit = True
         with conn.cursor() as cur:
-            for db in ("optuna", "optuna_ex", "mlflow"):
+            for db in DATABASES:
                 cur.execute(f"CREATE DATABASE {db}")
         conn.close()
-        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in ("optuna", "optuna_ex", "mlflow")}
+        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in DATABASES}
     finally:
         subprocess.run(run_as + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=60)
@@ -140,3 +143,34 @@ def test_three_processes_create_mlflows_schema_on_a_new_postgres_database(postgr
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
     assert len({o[0].strip() for o in outs}) == 1  # one experiment, the same for all
+
+
+def test_compare_and_export_leave_another_programs_postgres_database_unwritten(tmp_path, postgres, capsys):
+    """Both read-only commands refuse a database without Optuna's tables in one line; Optuna's
+    RDBStorage had created its 13 tables beside the other program's."""
+    import psycopg2
+
+    from phaze_opt import cli
+    from phaze_opt.errors import PhazeError
+    from phaze_opt.experiments.convergence import compare
+
+    url = postgres["theirs"]
+
+    def tables():
+        conn = psycopg2.connect(url)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                return {r[0] for r in cur.fetchall()}
+        finally:
+            conn.close()
+
+    conn = psycopg2.connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("CREATE TABLE orders (a int)")
+    conn.close()
+    with pytest.raises(PhazeError, match="not an Optuna storage"):
+        compare(["x", "y"], storage=url, out_dir=str(tmp_path / "o"), tracking_uri="off")
+    assert cli.main(["export", "x", "--storage", url, "--out", str(tmp_path / "x.csv")]) != 0
+    assert "not an Optuna storage" in capsys.readouterr().err
+    assert tables() == {"orders"}

@@ -346,3 +346,41 @@ def test_baseline_gets_the_whole_recipe_space_on_its_own_system_and_the_study_ev
     queued = [codec.decode(t.params) for t in study.get_trials() if t.user_attrs.get("reference")]
     assert space.reference_point(recipe={"mbs": 2, "recompute": "none", **base["recipe"]}) in queued
     assert Training.from_point(queued[-1]) == Training(2, "none", sequence_parallel=True, zero=0, attention="flash")
+
+
+@pytest.mark.parametrize("with_trials", [True, False], ids=["with-trials", "empty"])
+def test_another_programs_study_of_the_same_name_is_refused(tmp_path, monkeypatch, with_trials):
+    """Same name, same direction, made by plain Optuna: refused in one line, never adopted (it was:
+    its best became the summary's, its trials MLflow's "missing" runs); nothing is added to it."""
+    from phaze_opt.search import setup
+
+    monkeypatch.setattr(setup, "IDENTITY_WAIT_S", 0.2)  # an empty one is looked at again this long
+    cfg = config(tmp_path, trials=3, study_name="s")
+    (tmp_path / "studies").mkdir(exist_ok=True)
+    foreign = optuna.create_study(study_name="s", storage=cfg.storage, direction="maximize")
+    if with_trials:
+        foreign.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1_000_011.9))
+    with pytest.raises(PhazeError, match="was not made by phaze-opt") as info:
+        run_study(cfg, backend())
+    assert "\n" not in str(info.value)
+    again = optuna.load_study(study_name="s", storage=cfg.storage)
+    assert again.user_attrs == {} and len(again.get_trials()) == int(with_trials)
+
+
+def test_a_worker_killed_as_by_the_oom_killer_costs_its_trial_not_the_study(tmp_path, capsys):
+    """SIGKILL of one of two workers mid-trial broke the pool: a 29-line BrokenProcessPool traceback and
+    exit 1. Now its trial is failed as interrupted, its point queued again, and the study reaches its
+    total; the summary's notes say which trial."""
+    from test_study_fakes import KillOnce
+
+    marker = tmp_path / "killed"
+    cfg = config(tmp_path, trials=8, workers=2)
+    summary = run_study(cfg, backend(evaluator=KillOnce(str(marker))))
+    assert marker.exists()  # a worker was killed
+    err = capsys.readouterr().err
+    assert "a worker process died" in err and "Traceback" not in err
+    trials = load(cfg).get_trials()
+    assert len(finished_trials(trials)) == 8 and not [t for t in trials if t.state == TrialState.RUNNING]
+    lost = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert lost and all(t.state == TrialState.FAIL for t in lost)
+    assert any("left by a process that is gone" in n for n in summary["notes"])

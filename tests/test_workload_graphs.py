@@ -375,7 +375,8 @@ def _scaled(node, factor):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty list", "wrong key", "bad op field", "bool for int",
-                                    "missing kind", "not utf-8", "flops cut", "negative bytes", "params cut"])
+                                    "missing kind", "not utf-8", "flops cut", "negative bytes", "params cut",
+                                    "bytes x1000", "flops x2", "tc ops to vc", "zeroed bytes"])
 def test_a_damaged_graph_cache_file_is_a_logged_miss_and_rewritten(tmp_path, monkeypatch, caplog, damage):
     import json
 
@@ -409,6 +410,20 @@ def test_a_damaged_graph_cache_file_is_a_logged_miss_and_rewritten(tmp_path, mon
         text = json.dumps(data)
     elif damage == "params cut":
         data["graph"]["total_params"] //= 2
+        text = json.dumps(data)
+    elif damage in ("bytes x1000", "flops x2", "tc ops to vc", "zeroed bytes"):
+        # edits the plausibility checks pass (seen: 21.87 seq/s instead of 2743.19); the signature does not
+        for kind in data["graph"]["op_graphs"].values():
+            for og in kind.values():
+                for op in og["ops"]:
+                    if damage == "bytes x1000":
+                        op["bytes_read"] *= 1000
+                    elif damage == "tc ops to vc" and op["unit"] == "tc":
+                        op["unit"] = "vc"
+        if damage == "flops x2":
+            data["graph"] = _scaled(data["graph"], 2.0)
+        for layer in data["graph"]["layers"] if damage == "zeroed bytes" else ():
+            layer["activation_bytes"] = layer["params"] = 0
         text = json.dumps(data)
     else:
         text = None
@@ -450,3 +465,24 @@ def test_sizes_within_their_limits_but_too_large_together_are_one_line_naming_th
     with pytest.raises(PhazeError, match=r"^deep.yaml: 'layers' 10000, 'hidden' 16 and sequence length 1048576 .*"
                                          r"beyond the 8 PiB float64 counts exactly"):
         build_layer_graph(parse_model(data, "deep.yaml"), 1, 1, cache=False)
+
+
+def test_a_graph_file_from_another_cache_folder_is_traced_again(tmp_path, monkeypatch, caplog):
+    """Each cache folder signs with its own key: a file copied in from elsewhere (or made by hand with
+    the right format and key) is not trusted, however plausible its numbers."""
+    import shutil
+
+    m = small_model("gpt")
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "a"))
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    build_layer_graph(m, 1, 1)
+    name = f"{graphs.graph_key(m, 1, 1, m.seq)}.json"
+    (tmp_path / "b" / "graphs").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "graphs" / name, tmp_path / "b" / "graphs" / name)
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "b"))
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    with caplog.at_level("WARNING", logger="phaze_opt.workload.graphs"):
+        assert build_layer_graph(m, 1, 1).extra["source"] == "traced"
+    assert any("signature" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(graphs, "_MEMO", {})
+    assert build_layer_graph(m, 1, 1).extra["source"] == "disk cache"  # rewritten under b's key

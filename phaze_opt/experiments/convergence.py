@@ -31,7 +31,8 @@ import optuna
 
 from ..errors import PhazeError
 from ..figures import pyplot, write_figure
-from ..runs import OPTUNA_TABLES, MlflowTracker, check_sqlite_storage, driver_url, redact, sqlite_path, tracking_enabled
+from ..runs import (OPTUNA_TABLES, MlflowTracker, check_sqlite_storage, driver_url, probe_database, redact, sqlite_path,
+                    tracking_enabled)
 from ..search import best_trial as first_best, clean_name, default_storage, finished_trials, is_feasible, quiet_optuna, study_wall_s
 
 
@@ -91,25 +92,46 @@ def resolve_study(arg: str, storage: str | None, out_dir: str = "studies") -> tu
 
 @functools.lru_cache(maxsize=8)  # a comparison reads a handful of storages; each holds a connection pool
 def read_storage(url: str):
-    """The storage at `url`, for reading: a SQLite file must exist and hold Optuna's tables (not an
-    MLflow database, whose tables Optuna would extend), and is opened read-only, so a comparison
-    never creates or changes a file."""
+    """The storage at `url`, for reading: it must exist and hold Optuna's tables, looked for before
+    Optuna opens it (its RDBStorage creates any table it misses, in any database: an MLflow one, or
+    another program's PostgreSQL database), so a comparison or an export never creates or changes a
+    database; a SQLite file is opened read-only."""
     path = sqlite_path(url)
-    if path is None:
-        return optuna.storages.RDBStorage(driver_url(url))
-    if not path.is_file():
+    if path is not None and not path.is_file():
         raise PhazeError(f"--storage {url}: no such file")
     check_sqlite_storage(url)
-    import sqlite3
-
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-    try:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    finally:
-        con.close()
-    if not OPTUNA_TABLES <= tables:
-        raise PhazeError(f"--storage {url}: not an Optuna storage (no Optuna tables)")
+    if not OPTUNA_TABLES <= _tables(url):
+        raise PhazeError(f"--storage {redact(url)}: not an Optuna storage (no Optuna tables); compare and export "
+                         "only read a study, they never create one")
+    if path is None:
+        return optuna.storages.RDBStorage(driver_url(url))
     return optuna.storages.RDBStorage(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
+
+
+def _tables(url: str) -> set[str]:
+    """The names of the tables in the database at `url`, read without writing to it."""
+    path = sqlite_path(url)
+    if path is not None:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    probe_database(url, option="--storage")  # an unreachable server: one line now, not the driver's minutes
+    try:
+        engine = sqlalchemy.create_engine(driver_url(url), poolclass=NullPool)
+        try:
+            return set(sqlalchemy.inspect(engine).get_table_names())
+        finally:
+            engine.dispose()
+    except Exception as exc:  # noqa: BLE001 - the user's URL
+        raise PhazeError(f"--storage {redact(url)}: cannot open: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def study_names(url: str) -> list[str]:

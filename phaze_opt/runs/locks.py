@@ -186,7 +186,7 @@ def probe_tracking_uri(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     client retries those for minutes). SQLite and files pass (opening them fails fast on its own)."""
     text = str(uri)
     if text.startswith(("postgresql", "postgres://", "mysql")):
-        _probe_database(text, timeout_s)
+        probe_database(text, timeout_s)
         return
     if not text.startswith(("http://", "https://")):
         return
@@ -230,9 +230,9 @@ def _auth_headers() -> dict:
 DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306}
 
 
-def _probe_database(text: str, timeout_s: float) -> None:
+def probe_database(text: str, timeout_s: float = PROBE_TIMEOUT_S, option: str = "--tracking-uri") -> None:
     """A database server's port must accept a connection within `timeout_s` (MLflow's own client
-    retries a refused or unreachable server for minutes)."""
+    retries a refused or unreachable server for minutes); `option` is the flag that named it."""
     import socket
     from urllib.parse import urlparse
 
@@ -241,14 +241,15 @@ def _probe_database(text: str, timeout_s: float) -> None:
     try:
         host, port = parsed.hostname, parsed.port or DEFAULT_PORTS.get(scheme)
     except ValueError:
-        raise PhazeError(f"--tracking-uri {redact(text)}: not a valid database URL") from None
+        raise PhazeError(f"{option} {redact(text)}: not a valid database URL") from None
     if not host or not port:
         return  # a local socket or a driver's own default: left to the driver
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise PhazeError(f"--tracking-uri {redact(text)}: no database server answers at {host}:{port} "
-                         f"({exc.strerror or exc}); start it, or use --tracking-uri off") from None
+        off = ", or use --tracking-uri off" if option == "--tracking-uri" else ""
+        raise PhazeError(f"{option} {redact(text)}: no database server answers at {host}:{port} "
+                         f"({exc.strerror or exc}); start it{off}") from None
 
 
 OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}

@@ -340,7 +340,7 @@ class MlflowTracker:
     enabled = True
     experiment_name: str | None = None
 
-    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
+    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str | None, *, context: Mapping,
                  background: bool = True, run_name: str | None = None):
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient
@@ -450,8 +450,9 @@ class MlflowTracker:
         return tracker
 
     @classmethod
-    def attach(cls, tracking_uri: str, experiment_id: str, parent_run_id: str, *, context: Mapping,
+    def attach(cls, tracking_uri: str, experiment_id: str, parent_run_id: str | None, *, context: Mapping,
                background: bool = True) -> "MlflowTracker":
+        """Join the parent run `parent_run_id` (a worker), or none (a start that only reconciles)."""
         return cls(tracking_uri, experiment_id, parent_run_id, context=context, background=background)
 
     # -- logging -------------------------------------------------------------------------------
@@ -468,7 +469,9 @@ class MlflowTracker:
         from mlflow.entities import Metric, Param, RunTag
 
         c = self.client
-        tags = {"mlflow.parentRunId": parent_run_id or self.parent_run_id, **record.tags}
+        parent = parent_run_id or self.parent_run_id
+        # a tracker that only reconciles has no parent run: a trial whose own parent run is gone stands alone
+        tags = {**({"mlflow.parentRunId": parent} if parent else {}), **record.tags}
         run = retrying(lambda: c.create_run(self.experiment_id, start_time=record.start_ms, tags=tags,
                                              run_name=record.name))
         run_id = run.info.run_id
@@ -587,13 +590,15 @@ class MlflowTracker:
         """Flush pending writes and end the parent run (only the process that started it calls this).
         A tracking store that stops answering holds the end for at most `FLUSH_LIMIT_S`: then a
         warning, and the study (whole in its storage) ends; the next start logs what is missing."""
-        self._submit(lambda: retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
+        if self.parent_run_id is not None:  # a reconciling tracker (`attach` with no run) opened none
+            self._submit(lambda: retrying(lambda: self.client.set_terminated(self.parent_run_id, status)))
         self._end()
 
     def discard(self) -> None:
         """End the parent run of a start that failed by deleting it: an invocation that ran nothing
         leaves no run (an interrupted one is closed as KILLED instead, `close`)."""
-        self._submit(lambda: retrying(lambda: self.client.delete_run(self.parent_run_id)))
+        if self.parent_run_id is not None:
+            self._submit(lambda: retrying(lambda: self.client.delete_run(self.parent_run_id)))
         self._end()
 
     def _end(self) -> None:

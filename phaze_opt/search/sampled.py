@@ -8,6 +8,7 @@ queued again; a trial whose process died is failed by Optuna's heartbeat check a
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -23,14 +24,16 @@ from .. import interrupt
 from .bound_sampler import SETTLED_ATTR, settled_note, stop_when_settled
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
-from .report import finish
+from .report import crash_notes, finish
 from ..runs.progress import Progress, say
 from .session import (
     Session,
     SpoolLogger,
+    WorkerLost,
     WorkerSpec,
     finished_trials,
     is_feasible,
+    lost_worker,
     one_line,
     quiet_optuna,
     run_pool,
@@ -183,12 +186,21 @@ def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[st
         release_storage(storage)
 
 
-def nothing_to_run(config: StudyConfig, name: str, url: str, held: int) -> dict:
-    """A study that already holds `--trials` (its total) finished trials: said at once, and no parent
-    run, study attribute or wall time is added for an invocation that runs nothing."""
+def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend: Backend | None = None) -> dict:
+    """A study that already holds `--trials` (its total) finished trials: reconciled as every start is
+    (a parent killed once the last trial finished leaves runs missing and its own run RUNNING), then
+    said at once; no parent run, study attribute or wall time is added for an invocation that runs
+    nothing."""
+    session = Session(config, backend, runs=False)
+    try:
+        notes = crash_notes(session, finished_trials(session.all_trials()))
+    finally:
+        session.release()
+    for note in notes:
+        say(note)
     say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
         f"nothing to run (no MLflow run started); give --trials above {held} to add trials")
-    held_note = {"nothing_to_run": True, "held": held, "requested": config.trials}
+    held_note = {"nothing_to_run": True, "held": held, "requested": config.trials, "reconciled": notes}
     path = Path(config.output_dir) / f"{name}-summary.json"
     try:  # the summary of the run that finished it, so callers (`published --resume`) read the same fields
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -201,7 +213,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     """Run (or resume) a sampled study."""
     name, url, held = held_trials(config, backend)
     if held >= config.trials:
-        return nothing_to_run(config, name, url, held)
+        return nothing_to_run(config, name, url, held, backend)
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()
@@ -234,8 +246,17 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
 
 
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
-    quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+    """The workers of a study with --workers > 1; a worker that dies (the OOM killer) costs its trial,
+    failed and queued again, and the pool is started again for what is left of the total."""
     with tempfile.TemporaryDirectory(prefix=signals.spool_prefix(session.session_id)) as spool:
         spec = session.worker_spec(spool if session.tracker.enabled else None)
         logger = SpoolLogger(session, spool)
-        return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+        for restarts in itertools.count():
+            quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
+            try:
+                return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+            except WorkerLost:
+                lost_worker(session, restarts)
+            remaining = session.config.trials - len(finished_trials(session.all_trials()))
+            if remaining <= 0:
+                return []

@@ -27,6 +27,7 @@ import os
 import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,7 +43,7 @@ from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from ..runs import reconcile, signals
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .. import interrupt
-from ..runs.progress import Progress, close_bar
+from ..runs.progress import Progress, close_bar, say
 from .setup import Backend, StudyConfig, database_place, prepare, release_storage
 from ..runs.tracking import (
     NOTE_TAG,
@@ -178,11 +179,13 @@ class SpoolLogger:
 class Session:
     """One invocation of a sampled or exhaustive study (the parent process)."""
 
-    def __init__(self, config: StudyConfig, backend: Backend | None = None):
+    def __init__(self, config: StudyConfig, backend: Backend | None = None, *, runs: bool = True):
         """Open the invocation. A signal cuts what only reads or builds aside (opening the stores, the
         TPUv4 baselines) at once and waits for the end of each group of writes; the parent run, if
-        opened, is then closed as KILLED."""
+        opened, is then closed as KILLED. `runs=False`: a start that will run nothing (the study holds
+        its total) still reconciles, but opens no parent run and records no worker count."""
         self.clock_start = time.time()
+        self.runs = runs
         interrupt.fresh_start()  # a stop request of an earlier invocation in this process is over
         self.restore_signals = signals.handle_termination()  # SIGINT, SIGTERM, SIGHUP: the stop flag
         self.tracker = NullTracker()
@@ -209,6 +212,9 @@ class Session:
             trials = self._claim_trials()
         interrupt.checkpoint_deferred()
         self._count_start(trials)
+        if not self.runs:
+            self._reconcile_only()
+            return
         with interrupt.deferred():  # the computation inside is cut at once, its storing is not
             self.baselines = self._baselines()
         interrupt.checkpoint_deferred()
@@ -260,6 +266,26 @@ class Session:
         if self.tracker.enabled:  # the spools of this study's dead invocations are logged now
             signals.clean_stale_spools(sessions=reconcile.sessions_of(self.all_trials()))
 
+    def _reconcile_only(self) -> None:
+        """MLflow made to agree with the study by a tracker with no parent run of its own."""
+        c = self.config
+        if tracking_enabled(c.tracking_uri):
+            exp_id = MlflowTracker.prepare(c.tracking_uri, self.name, storage_key=storage_key(self.url))
+            with interrupt.deferred():
+                self.tracker = MlflowTracker.attach(c.tracking_uri, exp_id, None, context=self._tracker_context(),
+                                                    background=False)
+        with interrupt.deferred():
+            self._reconcile_runs()
+
+    def release(self) -> None:
+        """The end of a start that ran nothing (`runs=False`): the tracker and the signals let go."""
+        with interrupt.deferred():
+            try:
+                self.tracker.close()
+            finally:
+                reconcile.end_session()
+                self.restore_signals()
+
     def _baselines(self) -> dict[str, Baseline]:
         stored = self.study.user_attrs.get("baselines") or {}
         if all(m in stored for m in self.config.models):
@@ -285,13 +311,7 @@ class Session:
         if not tracking_enabled(c.tracking_uri):
             return NullTracker()
         constant = constant_params(self.space)
-        context = {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
-                   "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
-                   "constant": sorted(constant),
-                   # each model's shape and features (`feature_fields`): params of the parent, tags of each
-                   # trial, so runs of different models compare by them
-                   "model_tags": {f"{'' if len(c.models) == 1 else m + '.'}model.{k}": v
-                                  for m in c.models for k, v in self.backend.describe_model(m).items()}}
+        context = self._tracker_context()
         trials = self.study.get_trials(deepcopy=False)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         run_name = f"{self.name} {stamp}" + (" (resumed)" if trials else "")
@@ -311,6 +331,17 @@ class Session:
                                       storage_key=storage_key(self.url))
         tracker.log_best_of(trials, settled_only=False)  # a resumed study's best-so-far curve, by trial number
         return tracker
+
+    def _tracker_context(self) -> dict:
+        """What every trial run of the study is logged with (`tracking.trial_record`)."""
+        c = self.config
+        return {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
+                "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
+                "constant": sorted(constant_params(self.space)),
+                # each model's shape and features (`feature_fields`): params of the parent, tags of each
+                # trial, so runs of different models compare by them
+                "model_tags": {f"{'' if len(c.models) == 1 else m + '.'}model.{k}": v
+                               for m in c.models for k, v in self.backend.describe_model(m).items()}}
 
     def _run_params(self, space_name: str, sampler: str, constant: dict) -> dict:
         """The parent run's MLflow params: the settings, the strategy's own, each model's baseline."""
@@ -466,8 +497,34 @@ def tally(trials) -> tuple[int, float | None, int]:
     return len(done), best_score(done), sum(map(is_feasible, done))
 
 
+class WorkerLost(PhazeError):
+    """A worker process died without a word (SIGKILL: the kernel's out-of-memory killer, or a user), which
+    breaks the whole pool; the others are stopped as on Ctrl-C. One line, where it was a traceback."""
+
+    def __init__(self, message: str = "a worker process died (killed: out of memory?); its trial is failed and "
+                                      "queued again by the next start: run the same command again"):
+        super().__init__(message)
+
+
+LOST_WORKER_RESTARTS = 3  # pools started again after a worker died, before the study stops in one line
+
+
+def lost_worker(session: Session, restarts: int) -> None:
+    """After a pool broke (`WorkerLost`, every worker gone): fail the trials its dead workers held as
+    interrupted and queue their points again (`reconcile.fail_zombies`, as a start does), noted in
+    the summary; a caller may then start the workers again, at most `LOST_WORKER_RESTARTS` times."""
+    failed = reconcile.fail_zombies(session.study)
+    session.zombies = [*session.zombies, *failed]
+    if restarts >= LOST_WORKER_RESTARTS:
+        raise WorkerLost(f"worker processes died {restarts + 1} times (killed: out of memory?); their trials are "
+                         "failed and queued again: run the same command again, perhaps with fewer --workers")
+    say(f"a worker process died (killed: out of memory?); trial(s) {', '.join(map(str, failed)) or 'none'} "
+        "failed and queued again; the workers start again")
+
+
 def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
-    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging."""
+    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging. A
+    worker that dies breaks the pool: `WorkerLost`, after the other workers are stopped."""
     context = multiprocessing.get_context("spawn")
 
     def drain():  # log what the workers finished, written before the spool folder goes
@@ -498,6 +555,8 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
                 if exc is not None:
                     for other in pending:
                         other.cancel()
+                    if isinstance(exc, BrokenProcessPool):  # its traceback says nothing a user can act on
+                        raise WorkerLost() from None
                     raise exc
             if not pending:
                 break

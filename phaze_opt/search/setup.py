@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -398,6 +399,10 @@ def _sqlite_wal(storage) -> None:
 
 
 IDENTITY_KEYS = ("mode", "models", "space", "system", "objectives")
+# A study this project creates gets its identity in the writes right after `create_study`; another
+# process opening it in between sees none yet, so an empty study without them is looked at again
+# for this long before it counts as another program's.
+IDENTITY_WAIT_S = 5.0
 
 
 def study_identity(config: StudyConfig, space) -> dict:
@@ -410,6 +415,21 @@ def study_identity(config: StudyConfig, space) -> dict:
     }
 
 
+def _own_attrs(study: optuna.Study, name: str, url: str) -> dict:
+    """The study's attributes, once they show it is this project's: an Optuna study of the same name
+    made by another program carries none of the identity keys and is refused, never adopted (its
+    trials would be scored, summarised and logged to MLflow as the study's)."""
+    deadline = time.monotonic() + IDENTITY_WAIT_S
+    while True:
+        attrs = study.user_attrs
+        if any(key in attrs for key in IDENTITY_KEYS):
+            return attrs
+        if study.get_trials(deepcopy=False) or time.monotonic() > deadline:
+            raise PhazeError(f"study '{name}' in {redact(url)} was not made by phaze-opt (it has none of the "
+                             f"attributes {', '.join(IDENTITY_KEYS)}); choose another --study-name")
+        time.sleep(0.1)
+
+
 def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Study, bool]:
     """Create the study, or load it when it exists with the same settings; returns (study, resumed)."""
     name = study_name(config)
@@ -420,7 +440,7 @@ def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Stu
         raise PhazeError(f"--storage {redact(storage_url(config))}: cannot read: {exc}") from None
     if name in existing:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-        attrs = study.user_attrs
+        attrs = _own_attrs(study, name, storage_url(config))
         for key in IDENTITY_KEYS:
             if key in attrs and attrs[key] != identity[key]:
                 raise PhazeError(f"study '{name}' in {redact(storage_url(config))} was run with {key} "

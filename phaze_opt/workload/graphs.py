@@ -32,7 +32,7 @@ import logging
 import time
 from pathlib import Path
 
-from ..cache import BoundedMemo, cache_root, write_atomic
+from ..cache import BoundedMemo, cache_root, signature, signed, write_atomic
 from ..configs import positive_arg
 from ..errors import PhazeError
 from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
@@ -45,7 +45,7 @@ from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memo
 MEMO_MAX = 256
 _MEMO: BoundedMemo[LayerGraph] = BoundedMemo(MEMO_MAX)
 _PACKAGE = Path(__file__).resolve().parent
-FORMAT = "phaze_opt layer graph 2"  # 2: fused attention GEMMs, per-region activation bytes
+FORMAT = "phaze_opt layer graph 3"  # 2: fused attention GEMMs, per-region activation bytes; 3: signed
 log = logging.getLogger(__name__)
 
 
@@ -226,6 +226,11 @@ def _read(path: Path, key: str) -> LayerGraph | None:
     try:
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
             raise GraphFormatError(f"not a graph of this format and key (format {FORMAT!r})")
+        # a file this cache did not write as it is (an edit of any number, e.g. bytes_read x1000 or
+        # every GEMM moved to the vector units, passes the plausibility checks): traced again
+        if not signed([key, data.get("graph")], data.get("signature")):
+            raise GraphFormatError("its signature does not match its contents (edited, or signed with another "
+                                   "cache folder's key)")
         graph = layer_graph_from_json(data.get("graph"))
     except (GraphFormatError, ValueError, TypeError, RecursionError) as exc:  # any content: a logged miss
         log.warning("graph cache %s: rejected, %s; tracing again", path, exc)
@@ -236,7 +241,11 @@ def _read(path: Path, key: str) -> LayerGraph | None:
 
 def _write(path: Path, key: str, graph: LayerGraph) -> None:
     try:
-        text = json.dumps({"format": FORMAT, "key": key, "graph": layer_graph_to_json(graph)}, allow_nan=False)
+        payload = layer_graph_to_json(graph)
+        mark = signature([key, payload])
+        if mark is None:  # no key (a read-only cache folder): a file nobody could trust is not written
+            return
+        text = json.dumps({"format": FORMAT, "key": key, "graph": payload, "signature": mark}, allow_nan=False)
     except (TypeError, ValueError) as exc:  # a value JSON cannot hold: keep the graph in memory only
         log.warning("graph cache %s: not written (%s)", path, exc)
         return
