@@ -206,7 +206,7 @@ def test_user_space_file_with_numeric_budget_and_ranges(tmp_path):
 
 
 def test_unknown_space_name_lists_choices():
-    with pytest.raises(PhazeError, match="unknown space 'nope': choose one of .*phaze.*small"):
+    with pytest.raises(PhazeError, match="unknown space 'nope'; choose one of .*phaze.*small"):
         load_space("nope")
 
 

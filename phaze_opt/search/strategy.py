@@ -14,7 +14,7 @@ from typing import Protocol
 
 import optuna
 
-from ..errors import PhazeError
+from ..errors import PhazeError, unknown_choice
 
 # `StudyConfig` in the annotations is `config.StudyConfig`, which imports this module (to name its
 # strategy), so it is not imported here.
@@ -88,7 +88,7 @@ def make_sampler(name: str, seed: int, n_objectives: int, worker: int = 0) -> op
         return optuna.samplers.GPSampler(seed=s, warn_independent_sampling=False)
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=s)
-    raise PhazeError(f"unknown sampler '{name}'; choose one of {', '.join(SAMPLERS)}")
+    raise PhazeError(unknown_choice("sampler", name, SAMPLERS))
 
 
 class Sampled:
