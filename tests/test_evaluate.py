@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -222,6 +223,7 @@ def test_a_placement_that_leaves_devices_idle_says_how_many_and_why(capsys):
 
     assert cli.main(["evaluate", "--model", "gpt2-xl", "--placement", "tp=1,pp=2,dp=4"]) == 0
     out = capsys.readouterr().out
+    assert re.search(r"area [\d.]+ mm\^2", out) and re.search(r"MFU \d+\.\d%", out), out
     idle = [line for line in out.splitlines() if line.startswith("idle devices")]
     assert idle == ["idle devices: 1016 of the system's 1024 (8 used, tp 1 x pp 2 x dp 4: the placement given; "
                     "--placement optimal, or a larger dp, uses more)"]

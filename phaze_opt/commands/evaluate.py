@@ -231,7 +231,7 @@ def render(r: dict) -> str:
         + f", {p['microbatches']} microbatches per pipeline, "
         f"bubble {p.get('bubble_fraction', 0) * 100:.1f}%",
         f"throughput {r['throughput']:.2f} sequences/s ({r['tokens_per_s']:.3e} tokens/s), "
-        f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu'] * 100:.1f}%",
+        f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu']:.1%}",
         "stages (layers, memory per device, HBM headroom):",
     ]
     if r.get("proven", True) and r.get("unproven"):

@@ -223,7 +223,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     accel = space.accelerator(point)
     accel_fields = jsonable(accel.fields())
     if not ok:
-        reason = area_reason or f"area {area:.1f} mm² is outside the space's area rule ({budget:.1f} mm² budget)"
+        reason = area_reason or f"area {area:.1f} mm^2 is outside the space's area rule ({budget:.1f} mm^2 budget)"
         values = _values(ctx.objectives, 0.0, area, math.inf)
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)

@@ -320,7 +320,7 @@ def render(summary: dict) -> str:
     else:
         lines.append(f"  best design (trial {best['trial']}): " +
                      ", ".join(f"{k}={v}" for k, v in (best["design"] or {}).items()))
-        lines.append(f"    area {_fmt(best['area_mm2'], ' mm2', 4)}")
+        lines.append(f"    area {_fmt(best['area_mm2'], ' mm^2', 4)}")
         if best.get("proven") is False:
             lines.append(f"    score {best['score']:.6g} from verified schedules not all proven optimal; "
                          f"proven bound {best['score_bound']:.6g}")
@@ -328,7 +328,8 @@ def render(summary: dict) -> str:
             p = s.get("placement") or {}
             stages = p.get("stages") or []
             lines.append(f"    {m}: {_fmt(s.get('throughput'), ' seq/s', 5)} ({_fmt(s.get('tokens_per_s'), ' tokens/s', 4)}), "
-                         f"MFU {_fmt(s.get('mfu'), '', 3)}, time/batch {_fmt(s.get('time_per_batch_s'), ' s', 4)}")
+                         f"MFU {'n/a' if s.get('mfu') is None else format(s['mfu'], '.1%')}, "
+                         f"time/batch {_fmt(s.get('time_per_batch_s'), ' s', 4)}")
             lines.append(f"      placement TP={p.get('tp')} PP={p.get('pp')} DP={p.get('dp')}, "
                          f"{p.get('microbatches')} microbatches, {len(stages)} stages")
             if s.get("proven") is False:
