@@ -20,11 +20,16 @@ else
 WANT := $(PYTHON)
 endif
 PYVER := import sys; print("%d.%d" % sys.version_info[:2])
+# A PYTHON that does not run (not on PATH, or a pyenv shim for a version not installed) says so
+# (nointerp) and leaves the venv as it is: it is not "another Python" to rebuild for, nor one too old.
+RUNS = $(1) -c 'import sys' >/dev/null 2>&1
 VENV_STATE := $(shell \
 	if [ ! -e $(VENV) ]; then echo missing; \
 	elif ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then echo broken; \
+	elif [ -n "$(WANT)" ] && ! $(call RUNS,$(WANT)); then echo nointerp; \
 	elif [ -n "$(WANT)" ] && [ "$$($(BIN)/python -c '$(PYVER)')" != "$$($(WANT) -c '$(PYVER)' 2>/dev/null)" ]; then echo other; \
 	else echo ok; fi)
+NOT_FOUND = echo "error: PYTHON=$(PYTHON) was not found (no such interpreter on PATH, or it does not run). Install it, or name one that runs: make $(or $(MAKECMDGOALS),setup) PYTHON=/path/to/python3.11-or-newer" >&2; exit 1
 
 .PHONY: setup study test postgres FORCE
 
@@ -36,9 +41,11 @@ endif
 
 $(STAMP): pyproject.toml requirements.lock
 	@case "$(VENV_STATE)" in \
+	nointerp) $(NOT_FOUND);; \
 	broken) echo "$(VENV) does not run a Python >= 3.11 (left by another Python or a failed install): rebuilding it"; rm -rf $(VENV);; \
 	other) echo "$(VENV) was built by another Python than PYTHON=$(PYTHON): rebuilding it"; rm -rf $(VENV);; \
 	esac
+	@test -x $(BIN)/python || $(call RUNS,$(PYTHON)) || { $(NOT_FOUND); }
 	@test -x $(BIN)/python || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 		echo "error: phaze_opt needs Python 3.11 or newer; PYTHON=$(PYTHON) is '$$($(PYTHON) --version 2>&1)'." >&2; \
 		echo "       Install one (e.g. apt-get install python3.12-venv) and run: make $(or $(MAKECMDGOALS),setup) PYTHON=python3.12" >&2; exit 1; }

@@ -3,7 +3,8 @@
 Each subcommand lives in `phaze_opt/commands/<name>.py` and exposes `HELP`, `add_arguments(parser)`,
 `run(args) -> dict` and optionally `render(result) -> str` for the human-readable form. The CLI
 adds `--json` to every subcommand, prints the result, and turns user mistakes (`PhazeError`) into
-one line on stderr with exit status 2.
+one line on stderr with exit status 2. Mistakes argparse catches (an unknown command or flag, a bad
+choice or number, a missing argument) are one line too, from `Parser`, never argparse's whole usage.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 from . import configs
 from . import interrupt
-from .errors import PhazeError
+from .errors import PhazeError, closest, unknown_choice
 from .jsonable import jsonable
 from .runs import Heartbeat
 
@@ -33,8 +34,52 @@ def _command_module(name: str):
         raise
 
 
+_NUMBER_TYPES = {"int": "a whole number", "float": "a number"}
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of `phaze-opt` and (argparse builds subparsers with the parent's class) of every
+    subcommand. A usage mistake is one line, `phaze-opt <cmd>: error: ...`, exit status 2, naming the
+    flag and what it allows, with "did you mean" for a misspelt command, choice or flag: argparse's
+    own error prints the whole usage first (22 lines for `evaluate`), which buries the one line that
+    says what was wrong. `--help` still prints everything."""
+
+    def error(self, message: str):
+        message = message.removeprefix("argument ").replace(" with argument ", " with ")
+        # argparse's "invalid int value: 'abc'" says what was wrong, not what is allowed
+        for kind, allowed in _NUMBER_TYPES.items():
+            message = message.replace(f"invalid {kind} value: ", f"expected {allowed}, got ")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _check_value(self, action, value):
+        # argparse's check, worded as every other unknown name here (with a suggestion). It is a
+        # private hook, but the only one that sees the action and the value together; the message
+        # argparse builds lists its choices as repr or str depending on the Python version.
+        if action.choices is None or value in action.choices:
+            return
+        if isinstance(action, argparse._SubParsersAction):
+            problem = unknown_choice("command", value, action.choices)
+        else:
+            flag = "/".join(action.option_strings) or action.dest
+            problem = f"{flag}: {unknown_choice('value', value, action.choices)}"
+        raise argparse.ArgumentError(None, problem)
+
+    def reject_extra(self, extra: list[str]):
+        """Arguments no flag of this parser took: one line naming the unknown flags (with the closest
+        known flag for each), else the stray values."""
+        flags = [a.split("=", 1)[0] for a in extra if a.startswith("-") and not a[1:2].isdigit() and a != "-"]
+        if not flags:
+            self.error(f"unexpected argument{'s' if len(extra) > 1 else ''} {' '.join(extra)}")
+        # compared without the dashes every flag shares, which would make any two flags look alike
+        known = {o.lstrip("-"): o for action in self._actions for o in action.option_strings}
+        matches = [closest(f.lstrip("-"), known) for f in flags]
+        named = [f"{f} (did you mean {known[m]}?)" if m else f for f, m in zip(flags, matches)]
+        help_hint = "" if all(matches) else f"; '{self.prog} --help' lists them"
+        self.error(f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(named)}{help_hint}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="phaze-opt",
         description="Co-design search over a training accelerator and the device placement of a large model.",
     )
@@ -72,11 +117,10 @@ def _main(argv: list[str] | None) -> int:
         args, extra = parser.parse_known_args(argv)
         if not getattr(args, "command", None):
             if extra:
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            parser.print_help()
-            return 2
-        if extra:  # reported by the subcommand's parser, so the user sees that subcommand's usage
-            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+                parser.reject_extra(extra)
+            parser.error(f"give a command, one of {', '.join(COMMANDS)}; 'phaze-opt --help' says what each does")
+        if extra:  # reported by the subcommand's parser, which knows that subcommand's flags
+            args._parser.reject_extra(extra)
         module = args._module
         configs.add_user_dirs(args.configs)
         label = getattr(module, "heartbeat", None)

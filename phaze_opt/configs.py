@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .errors import PhazeError, config_error, shown
+from .errors import PhazeError, config_error, shown, unknown_choice
 
 KINDS = ("models", "archs", "spaces", "systems", "validation")
 ENV = "PHAZE_OPT_CONFIGS"
@@ -114,8 +114,7 @@ def resolve(kind: str, name_or_path: str | os.PathLike) -> Path:
         return candidate
     path = find(kind, text)
     if path is None:
-        names = ", ".join(available(kind)) or "(none)"
-        raise PhazeError(f"unknown {noun} '{text}': choose one of {names}, or give a path to a YAML file")
+        raise PhazeError(unknown_choice(noun, text, available(kind), "or give a path to a YAML file"))
     return path
 
 

@@ -15,7 +15,7 @@ def test_unknown_name_lists_the_choices(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny.yaml").write_text("name: tiny\n")
     monkeypatch.setenv("PHAZE_OPT_CONFIGS", str(tmp_path))
-    with pytest.raises(PhazeError, match=r"unknown model .nope.: choose one of .*gpt3-175b.*tiny"):
+    with pytest.raises(PhazeError, match=r"unknown model .nope.; choose one of .*gpt3-175b.*tiny"):
         configs.load("models", "nope")
 
 

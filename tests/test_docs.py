@@ -87,3 +87,21 @@ def test_no_comment_or_page_cites_an_issue_number():
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
              if cites_an_issue(line) and p.name != "test_docs.py"]
     assert found == []
+
+
+def test_every_shipped_preset_is_in_models_md():
+    """docs/models.md names every shipped model, arch, space and system (a `megatron-gpt-*` pattern
+    counts for the names it matches), so a new preset cannot ship undocumented."""
+    import fnmatch
+
+    named = set(re.findall(r"`([^`\s]+)`", (REPO / "docs" / "models.md").read_text()))
+    missing = [f"{kind}/{path.stem}" for kind in ("models", "archs", "spaces", "systems")
+               for path in sorted((REPO / "phaze_opt" / "presets" / kind).glob("*.yaml"))
+               if not any(fnmatch.fnmatchcase(path.stem, name) for name in named)]
+    assert not missing, f"docs/models.md does not name: {', '.join(missing)}"
+
+
+def test_readme_and_operations_agree_on_how_long_make_test_takes():
+    said = {page: re.findall(r"`make test` about (\d+) min", (REPO / page).read_text())
+            for page in ("README.md", "docs/operations.md")}
+    assert all(said.values()) and len({n for found in said.values() for n in found}) == 1, said

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -216,3 +217,27 @@ def test_open_passes_that_cannot_change_the_throughput_leave_it_proven(monkeypat
         _stretch_block_backward(m, 1.0, "time_limit")
         r = evaluate("gpt2-xl", TPU, Training(2, True))
     assert r.unproven and r.proven and r.throughput_bound == r.throughput
+
+
+def test_a_placement_that_leaves_devices_idle_says_how_many_and_why(capsys):
+    """`--placement tp=1,pp=2,dp=4` on the 1024 devices of the default system runs 8; the report
+    says the other 1016 are idle and why, in one line, and the JSON carries the count."""
+    from phaze_opt import cli
+    from phaze_opt.commands.evaluate import idle_devices_line
+
+    assert cli.main(["evaluate", "--model", "gpt2-xl", "--placement", "tp=1,pp=2,dp=4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"area [\d.]+ mm\^2", out) and re.search(r"MFU \d+\.\d%", out), out
+    idle = [line for line in out.splitlines() if line.startswith("idle devices")]
+    assert idle == ["idle devices: 1016 of the system's 1024 (8 used, tp 1 x pp 2 x dp 4: the placement given; "
+                    "--placement optimal, or a larger dp, uses more)"]
+    assert cli.main(["evaluate", "--model", "gpt2-xl", "--placement", "tp=1,pp=2,dp=512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["idle_devices"] == 0
+    # the optimal placement and the model's own say whose choice it was
+    base = {"devices": 64, "idle_devices": 32, "placement": {"tp": 2, "cp": 2, "pp": 4, "dp": 2, "devices_used": 32}}
+    assert idle_devices_line({**base, "placement_spec": "optimal"}) == (
+        "idle devices: 32 of the system's 64 (32 used, tp 2 x cp 2 x pp 4 x dp 2: the optimal placement: none using "
+        "more devices is faster)")
+    assert "the model config's expert placement" in idle_devices_line({**base, "placement_spec": "expert"})
+    assert "the optimal placement" in idle_devices_line({**base, "placement_spec": "expert", "note": "no expert"})
+    assert idle_devices_line({**base, "idle_devices": 0, "placement_spec": "optimal"}) == ""

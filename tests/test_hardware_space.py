@@ -56,10 +56,10 @@ def test_area_check_reasons(phaze):
     ref = phaze.reference_point("tpuv4")
     ok, a, reason = phaze.area_check(dict(ref, num_tc=16))
     assert not ok and a > phaze.area_budget_mm2
-    assert reason == f"area {a:.1f} mm² exceeds the {phaze.area_budget_mm2:.1f} mm² budget (tpuv4)"
+    assert reason == f"area {a:.1f} mm^2 exceeds the {phaze.area_budget_mm2:.1f} mm^2 budget (tpuv4)"
     ok, a, reason = phaze.area_check(dict(ref, num_tc=2, tc_x=8, tc_y=8, glb_mib=2))
     assert not ok and a < 0.3 * phaze.area_budget_mm2
-    assert reason.startswith(f"area {a:.1f} mm² is below the {0.3 * phaze.area_budget_mm2:.1f} mm² floor (0.3 of the ")
+    assert reason.startswith(f"area {a:.1f} mm^2 is below the {0.3 * phaze.area_budget_mm2:.1f} mm^2 floor (0.3 of the ")
     assert reason.count("area") == 1
     # the same small design with one vector core is kept: the floor is waived
     ok, _, reason = phaze.area_check(dict(ref, num_tc=2, tc_x=8, tc_y=8, glb_mib=2, num_vc=1))
@@ -206,7 +206,7 @@ def test_user_space_file_with_numeric_budget_and_ranges(tmp_path):
 
 
 def test_unknown_space_name_lists_choices():
-    with pytest.raises(PhazeError, match="unknown space 'nope': choose one of .*phaze.*small"):
+    with pytest.raises(PhazeError, match="unknown space 'nope'; choose one of .*phaze.*small"):
         load_space("nope")
 
 

@@ -69,9 +69,9 @@ def test_trial_record_of_a_feasible_single_model_trial():
 
 def test_trial_record_of_infeasible_failed_and_multi_model_trials():
     rec = trial_record(frozen(values=(0.0,), constraints=(0.2, 0.0),
-                              result={"feasible": False, "reason": "area 300 mm2 over budget", "models": {}}),
+                              result={"feasible": False, "reason": "area 300 mm^2 over budget", "models": {}}),
                        study_name="s", sampler="random", models=["a"], mode="exhaustive")
-    assert rec.tags["trial_state"] == "INFEASIBLE" and rec.tags["infeasible_reason"] == "area 300 mm2 over budget"
+    assert rec.tags["trial_state"] == "INFEASIBLE" and rec.tags["infeasible_reason"] == "area 300 mm^2 over budget"
     assert rec.status == "FINISHED"
     rec = trial_record(frozen(state=TrialState.FAIL, values=None, result={"error": "ValueError: boom"}),
                        study_name="s", sampler="tpe", models=["a"], mode="sampled")
@@ -351,7 +351,7 @@ def test_an_infeasible_reason_is_one_sentence():
     outcome = evaluate_point(point, ctx)  # over the area budget: rejected before any evaluation
     area = space.area_check(point)[1]
     assert not outcome.feasible
-    assert outcome.reason == f"area {area:.1f} mm² exceeds the {space.area_budget_mm2:.1f} mm² budget (tpuv4)"
+    assert outcome.reason == f"area {area:.1f} mm^2 exceeds the {space.area_budget_mm2:.1f} mm^2 budget (tpuv4)"
 
 
 def free_port() -> int:

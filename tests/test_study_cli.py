@@ -74,13 +74,11 @@ def test_empty_user_space_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 
-def test_a_subcommand_mistake_shows_that_subcommands_usage(capsys):
+def test_a_subcommand_mistake_names_that_subcommand(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["study", "--trails", "50"])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: phaze-opt study ")
-    assert err.strip().splitlines()[-1] == "phaze-opt study: error: unrecognized arguments: --trails 50"
+    assert capsys.readouterr().err == "phaze-opt study: error: unknown flag --trails (did you mean --trials?)\n"
 
 
 @pytest.mark.parametrize("argv", [

@@ -205,7 +205,7 @@ class InterruptAfter:
 
 def check_model(name: str):
     if name not in ("m-small", "m-big"):
-        raise PhazeError(f"unknown model '{name}': choose one of m-big, m-small, or give a path to a YAML file")
+        raise PhazeError(f"unknown model '{name}'; choose one of m-big, m-small, or give a path to a YAML file")
     return name
 
 

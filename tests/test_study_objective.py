@@ -6,6 +6,7 @@ import pytest
 
 from phaze_opt.errors import PhazeError
 from phaze_opt.search.objective import (
+    NO_EXPERT_FIT,
     Baseline,
     Context,
     FatalStudyError,
@@ -13,6 +14,7 @@ from phaze_opt.search.objective import (
     evaluate_point,
     parse_objectives,
 )
+from phaze_opt.search.report import baseline_lines
 from phaze_opt.training import Training, recipe_points, recompute_mode
 from test_study_fakes import (CALLS, EVERY_RECIPE, REFERENCE, FakeSpace, RecordingEvaluator, fake_evaluate, fake_no_energy,
                               fake_throughput)
@@ -120,8 +122,31 @@ def test_baseline_is_the_best_expert_setting_and_falls_back_to_optimal():
 
     b = compute_baselines(["m-small"], expert_never_fits, REFERENCE, "default", {"mbs": [1, 2], "recompute": [False]})
     b = b["m-small"]
-    assert b.feasible and b.placement == "optimal" and b.mbs == 2
+    assert b.feasible and b.placement == "optimal" and b.mbs == 2 and b.stand_in == NO_EXPERT_FIT
     assert Baseline.from_json(b.to_json()) == b
+
+
+def test_a_summary_names_the_placement_its_baseline_ran():
+    """A model without an expert placement is measured against TPUv4 with the optimal one; the
+    summary must say so (it once read "x TPUv4 with the expert placement (...; optimal placement)")."""
+    note = "m-small has no expert_placement in its config; the optimal placement stands in"
+
+    def no_expert_placement(model, arch, training, system="default"):  # as the real evaluator does
+        r = fake_evaluate(model, arch, training.with_placement("optimal"), system=system)
+        r.note = note if training.placement == "expert" else ""
+        return r
+
+    b = compute_baselines(["m-small"], no_expert_placement, REFERENCE, "default", {"mbs": [1], "recompute": [False]})
+    b = b["m-small"]
+    assert (b.placement, b.stand_in) == ("optimal", note)
+    text = "\n".join(baseline_lines(1.045, b.to_json()))
+    assert "1.045x TPUv4 with the optimal placement" in text and "optimal placement, on system default" in text
+    assert "with the expert placement" not in text and note in text
+    expert = compute_baselines(["m-small"], fake_evaluate, REFERENCE, "default", {"mbs": [1], "recompute": [False]})
+    text = "\n".join(baseline_lines(0.9, expert["m-small"].to_json()))
+    assert text.count("\n") == 0 and "0.900x TPUv4 with the expert placement" in text and "expert placement, on" in text
+    old = {k: v for k, v in b.to_json().items() if k != "stand_in"}  # a study stored before stand_in
+    assert "the optimal placement stood in for the expert one" in "\n".join(baseline_lines(1.0, old))
 
 
 @pytest.mark.parametrize("expert_fits", [True, False])

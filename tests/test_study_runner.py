@@ -1,6 +1,7 @@
 """The sampled study: reference first, constraints, failures, resume, determinism, bad input."""
 
 import json
+import re
 
 import optuna
 import pytest
@@ -248,6 +249,8 @@ def test_summary_is_json_and_saved(tmp_path):
     from phaze_opt.search.report import render
     text = render(summary)
     assert "best design" in text and "TPUv4 with the expert placement" in text and "mlflow ui" in text
+    # one spelling per unit: area in mm^2, MFU as a percentage (the summary JSON keeps the fraction)
+    assert re.search(r"area [\d.,]+ mm\^2", text) and re.search(r"MFU \d+\.\d%", text), text
     assert saved["mlflow"]["ui"] in text and saved["mlflow"]["run_url"] in text and saved["next"]["compare"] in text
 
 

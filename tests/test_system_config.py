@@ -170,7 +170,7 @@ def test_missing_required_field(tmp_path):
 
 
 def test_unknown_system_name_lists_choices():
-    with pytest.raises(PhazeError, match=r"unknown system 'nope': choose one of .*default.*phaze"):
+    with pytest.raises(PhazeError, match=r"unknown system 'nope'; choose one of .*default.*phaze"):
         load_system("nope")
 
 

@@ -224,7 +224,7 @@ def _top(change):
     (_row_drop("source"), "rows[1].source", "missing required field"),
     (_row_drop("per_gpu_tflops"), "rows[1].per_gpu_tflops", "missing required field"),
     (_row_change({"gpus": 63}), "rows[1].tp", "must divide gpus (63)"),
-    (_row_change({"model": "gpt-9"}), "rows[1].model", "unknown model 'gpt-9'; choose one of"),
+    (_row_change({"model": "gpt-9"}), "rows[1].model", "unknown model 'gpt-9';"),
     (_row_change({"batch": 500}), "rows[1].batch", "must be a multiple of microbatch x dp"),
     (_row_change({"tp": 3}), "rows[1].tp", "must be one of megatron-gpt-3.6b's TP widths"),
     (_row_change({"heads": 30}), "rows[1].heads", "is 30 but model megatron-gpt-3.6b has 32"),
@@ -244,7 +244,7 @@ def _top(change):
     (_row_change({"account_for_loss": "yes"}), "rows[1].account_for_loss", "must be true or false"),
     (_row_change({"expert_tensor_parallel": 1}), "rows[1].expert_tensor_parallel", "has no experts; leave it out"),
     (_row_change({"expert_tensor_parallel": 0}), "rows[1].expert_tensor_parallel", "must be a positive integer"),
-    (_top({"arch": "a100-90gb"}), "arch", "unknown arch 'a100-90gb'; choose one of"),
+    (_top({"arch": "a100-90gb"}), "arch", "unknown arch 'a100-90gb'; did you mean a100-80gb? choose one of"),
     (_top({"system": "dgx-z100"}), "system", "unknown system 'dgx-z100'"),
     (_top({"metric": "speed"}), "metric", "must be one of per_gpu_tflops, iteration_time_s, layer_seconds"),
     (_top({"flops_formula": "6N"}), "flops_formula", "must be one of " + ", ".join(FLOPS_FORMULAS)),
@@ -298,7 +298,7 @@ def test_layer_suite_errors(tmp_path):
 
 
 def test_unknown_suite_lists_the_choices():
-    with pytest.raises(PhazeError, match="unknown validation suite 'nope': choose one of dgxc-h100-bf16, korthikanti-2022, layers-h100"):
+    with pytest.raises(PhazeError, match="unknown validation suite 'nope'; choose one of dgxc-h100-bf16, korthikanti-2022, layers-h100"):
         load_suite("nope")
     with pytest.raises(PhazeError, match="no such validation suite file"):
         load_suite("missing/suite.yaml")

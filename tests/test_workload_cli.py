@@ -84,6 +84,6 @@ def test_json_memory_by_mode_and_flash_attention(capsys):
     assert modes["full+sp"] == b0["checkpoint_bytes_sp"] == modes["full"] // 4
     assert modes["selective"] == modes["none"] - b0["attention_core_bytes"]
     assert b1["attention_core_bytes"] == 0 and b1["bwd_ops"]["tc+vc"] == 1 and "tc+vc" not in b0["bwd_ops"]
-    with pytest.raises(SystemExit) as exc:  # argparse rejects the choice with its usage line
+    with pytest.raises(SystemExit) as exc:  # argparse rejects the choice in one line
         run(capsys, "workload", "--model", "gpt3-175b", "--attention", "ring")
     assert exc.value.code == 2 and "--attention" in capsys.readouterr().err

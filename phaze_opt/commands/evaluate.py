@@ -150,6 +150,9 @@ def run(args) -> dict:
     result["seq"] = args.seq
     result["devices"] = system.accelerators
     result["global_batch"] = system.global_batch
+    used = (result.get("placement") or {}).get("devices_used")
+    if result.get("feasible") and used:
+        result["idle_devices"] = max(system.accelerators - used, 0)
     stages = result.get("placement", {}).get("stages", [])
     if stages:
         worst = max(stages, key=lambda s: s["memory_bytes"])
@@ -228,7 +231,7 @@ def render(r: dict) -> str:
         + f", {p['microbatches']} microbatches per pipeline, "
         f"bubble {p.get('bubble_fraction', 0) * 100:.1f}%",
         f"throughput {r['throughput']:.2f} sequences/s ({r['tokens_per_s']:.3e} tokens/s), "
-        f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu'] * 100:.1f}%",
+        f"{r['time_per_batch_s']:.3f} s per batch, MFU {r['mfu']:.1%}",
         "stages (layers, memory per device, HBM headroom):",
     ]
     if r.get("proven", True) and r.get("unproven"):
@@ -238,6 +241,9 @@ def render(r: dict) -> str:
         lines.insert(3, f"NOT proven optimal: layer schedules hit the ILP time limit ({', '.join(r['unproven'])}); "
                         f"the throughput above is reached by verified schedules, the proven bound is "
                         f"{r['throughput_bound']:.6g} sequences/s (+{(r['throughput_bound'] / r['throughput'] - 1) * 100:.3g}%)")
+    idle = idle_devices_line(r)
+    if idle:
+        lines.insert(3, idle)
     for s in p["stages"]:
         lines.append(
             f"  {s['index']:3d}  {s['first_layer']} .. {s['last_layer']}  ({len(s['layers'])} layers)  "
@@ -245,6 +251,24 @@ def render(r: dict) -> str:
         )
     lines.append(f"({work})")
     return "\n".join(lines)
+
+
+def idle_devices_line(r: dict) -> str:
+    """One line when the placement leaves some of the system's devices idle: how many, and why (the
+    throughput above is that of the devices used, which a reader would otherwise take for the system's)."""
+    idle, p = r.get("idle_devices") or 0, r["placement"]
+    if idle <= 0:
+        return ""
+    used = p["devices_used"]
+    shape = f"tp {p['tp']}" + (f" x cp {p['cp']}" if p.get("cp", 1) > 1 else "") + f" x pp {p['pp']} x dp {p['dp']}"
+    spec = r.get("placement_spec") or "optimal"
+    if spec == "optimal" or r.get("note"):  # the DP's choice (also standing in for a missing expert placement)
+        why = "the optimal placement: none using more devices is faster"
+    elif spec == "expert":
+        why = "the model config's expert placement"
+    else:
+        why = "the placement given; --placement optimal, or a larger dp, uses more"
+    return f"idle devices: {idle} of the system's {r['devices']} ({used} used, {shape}: {why})"
 
 
 def heartbeat(args) -> str:

@@ -256,11 +256,11 @@ class SearchSpace:
         if ok:
             return True, area, ""
         if too_big:
-            return False, area, f"area {area:.1f} mm² exceeds the {self.area_budget_mm2:.1f} mm² budget ({self.budget_label})"
+            return False, area, f"area {area:.1f} mm^2 exceeds the {self.area_budget_mm2:.1f} mm^2 budget ({self.budget_label})"
         floor = self.min_fraction * self.area_budget_mm2
         waiver = f"; waived only when {' or '.join(self.floor_exempt_if_one)} is 1" if self.floor_exempt_if_one else ""
-        return False, area, (f"area {area:.1f} mm² is below the {floor:.1f} mm² floor ({self.min_fraction:g} of the "
-                             f"{self.area_budget_mm2:.1f} mm² budget{waiver})")
+        return False, area, (f"area {area:.1f} mm^2 is below the {floor:.1f} mm^2 floor ({self.min_fraction:g} of the "
+                             f"{self.area_budget_mm2:.1f} mm^2 budget{waiver})")
 
     # ---- the grid -------------------------------------------------------------------------------
 

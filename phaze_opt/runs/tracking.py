@@ -58,7 +58,7 @@ TRIAL_METRICS = {
     "time_per_batch_s": "time of one global batch, seconds",
     "mfu": "model FLOPs utilisation, a fraction (0 to 1, not percent)",
     "energy_j": "energy of one global batch, joules",
-    "area_mm2": "chip area, mm²",
+    "area_mm2": "chip area, mm^2",
     "tp, pp, dp, microbatches": "the placement: tensor, pipeline and data parallel degrees, microbatches per batch",
     "graph_s, estimate_s, ilp_s, dp_s": "solver time: workload graph, latency estimates, layer schedule ILPs, "
                                         "placement DP, seconds",
@@ -272,7 +272,7 @@ def trial_note(state: str, result: Mapping) -> str:
             text += f", {p.get('microbatches')} microbatches"
         parts.append(text)
     if _finite(result.get("area_mm2")) is not None:
-        parts.append(f"area {result['area_mm2']:.1f} mm²")
+        parts.append(f"area {result['area_mm2']:.1f} mm^2")
     if result.get("proven") is False:
         parts.append("not proven optimal (see score_bound)")
     return "Feasible: " + "; ".join(parts) + "."

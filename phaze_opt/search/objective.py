@@ -88,11 +88,12 @@ class Baseline:
     tokens_per_s: float = 0.0
     mbs: Any = None
     recompute: Any = None
-    placement: str = "expert"  # expert, or optimal when the expert placement fits at no setting
+    placement: str = "expert"  # expert, or optimal when the model has none or it fits at no setting
     energy_j: float | None = None
     reason: str = ""
     recipe: dict = field(default_factory=dict)
     system: str = ""
+    stand_in: str = ""  # with placement optimal: why the optimal placement stood in for the expert one
 
     @property
     def point(self) -> dict:
@@ -222,7 +223,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     accel = space.accelerator(point)
     accel_fields = jsonable(accel.fields())
     if not ok:
-        reason = area_reason or f"area {area:.1f} mm² is outside the space's area rule ({budget:.1f} mm² budget)"
+        reason = area_reason or f"area {area:.1f} mm^2 is outside the space's area rule ({budget:.1f} mm^2 budget)"
         values = _values(ctx.objectives, 0.0, area, math.inf)
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)
@@ -305,6 +306,9 @@ def baseline_points(params: Mapping[str, Sequence], model, system, dominance: bo
     return undominated_points(points, model, system) if dominance else points
 
 
+NO_EXPERT_FIT = "the expert placement fits TPUv4 at no recipe of the space; the optimal placement stands in"
+
+
 def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arch, system: str,
                       params: Mapping[str, Sequence], dominance: bool = False) -> dict[str, Baseline]:
     """Each model on the reference chip with its expert placement, at the best recipe of the space.
@@ -337,10 +341,13 @@ def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arc
                     continue
                 if r.feasible and (best is None or r.throughput > best.throughput):
                     # a model without an expert placement is evaluated at the optimal one (r.note)
-                    used = "optimal" if getattr(r, "note", "") else placement
+                    note = getattr(r, "note", "")
+                    used = "optimal" if note else placement
+                    stand_in = note or (NO_EXPERT_FIT if used == "optimal" else "")
                     best = Baseline(model, True, float(r.throughput), float(r.tokens_per_s), point["mbs"],
                                     point["recompute"], used, r.energy_j, "",
-                                    {k: v for k, v in point.items() if k not in ("mbs", "recompute")}, str(system))
+                                    {k: v for k, v in point.items() if k not in ("mbs", "recompute")}, str(system),
+                                    stand_in)
             if best is not None:
                 break
         if best is None:

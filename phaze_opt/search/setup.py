@@ -23,7 +23,7 @@ from ..design.evaluate import check_ilp_time_limit, design_evaluator
 from ..design.protocols import BoundedEvaluator, Evaluator, GridSpace, SearchSpace
 from ..design.space import load_space
 from .. import interrupt
-from ..errors import PhazeError, shown
+from ..errors import PhazeError, shown, unknown_choice
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..system import load_system
@@ -202,7 +202,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     """Check every user-given setting; returns the config with normalised values."""
     sampler = str(config.sampler).strip().lower()
     if sampler not in (AUTO, *SAMPLERS):
-        raise PhazeError(f"--sampler: unknown sampler '{config.sampler}'; choose {AUTO} or one of {', '.join(SAMPLERS)}")
+        raise PhazeError(f"--sampler: {unknown_choice('sampler', config.sampler, (AUTO, *SAMPLERS))}")
     sampler = resolve_sampler(replace(config, objectives=parse_objectives(config.objectives),
                                       models=tuple(str(m) for m in config.models)), backend)
     objectives = parse_objectives(config.objectives)

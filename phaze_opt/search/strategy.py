@@ -16,7 +16,7 @@ from typing import Protocol
 import optuna
 
 from ..design.best_first import BoundOrder
-from ..errors import PhazeError
+from ..errors import PhazeError, unknown_choice
 from ..system import load_system
 from ..workload.models import load_model
 from .bound_sampler import EXPLORE, BoundSampler
@@ -106,7 +106,7 @@ def make_sampler(config: StudyConfig, space, worker: int = 0) -> optuna.samplers
         return optuna.samplers.GPSampler(seed=s, warn_independent_sampling=False)
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=s)
-    raise PhazeError(f"unknown sampler '{name}'; choose one of {', '.join(SAMPLERS)}")
+    raise PhazeError(unknown_choice("sampler", name, SAMPLERS))
 
 
 class Sampled:

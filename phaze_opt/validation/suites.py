@@ -102,7 +102,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import configs
-from ..errors import PhazeError, config_error
+from ..errors import PhazeError, config_error, unknown_choice
 from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, OPTIMIZER_STATES,
                         PRECISIONS, STACKS, ZERO_STAGES, Layout, Training, check_recompute_modules)
 from ..workload.models import QKV_PROJECTIONS, ModelConfig, load_model
@@ -292,7 +292,7 @@ def with_system(suite: Suite, system: str) -> Suite:
     """The suite with every training row on `system` (a name in configs/systems), its own and its
     rows' systems set aside: the same published runs priced on another network."""
     if system not in configs.available("systems"):
-        raise PhazeError(f"unknown system '{system}': choose one of {', '.join(configs.available('systems'))}")
+        raise PhazeError(unknown_choice("system", system, configs.available("systems")))
     if suite.metric not in TRAINING_METRICS:
         return suite
     return replace(suite, system=system, rows=tuple(replace(r, system=None) for r in suite.rows))
@@ -377,7 +377,7 @@ def _config_name(data: Mapping[str, Any], key: str, kind: str, file, label: str 
     name = _text(data, key, file, label)
     choices = configs.available(kind)
     if name not in choices:
-        raise config_error(file, label or key, f"unknown {kind[:-1]} '{name}'; choose one of {', '.join(choices)}")
+        raise config_error(file, label or key, unknown_choice(kind[:-1], name, choices))
     return name
 
 
@@ -422,7 +422,7 @@ def _model(name: Any, label: str, file, cache: dict[str, ModelConfig]) -> ModelC
     if name not in cache:
         choices = configs.available("models")
         if name not in choices:
-            raise config_error(file, label, f"unknown model '{name}'; choose one of {', '.join(choices)}")
+            raise config_error(file, label, unknown_choice("model", name, choices))
         cache[name] = load_model(name)
     return cache[name]
 

@@ -120,15 +120,52 @@ class IlpResult:
     stats: dict = field(default_factory=dict)
 
 
+# HiGHS's own log off: PuLP's msg=False sets output_flag only, and log_to_console keeps the console
+# quiet should anything turn output_flag back on. Both options exist in every highspy the project
+# allows (>=1.15,<2) and are set through setOptionValue, which all of them accept.
+QUIET_OPTIONS = {"output_flag": False, "log_to_console": False}
+
+
+def quiet_highs():
+    """A `highspy.Highs` that never writes HiGHS's banner ("Running HiGHS x.y.z ... Copyright") or
+    log. The banner is written by the first model-changing call while output_flag is still on, and
+    from highspy 1.16 `Highs.__init__` makes one itself (`enableCallbacks` -> `setCallback`), before
+    PuLP, or anyone holding the object, can set an option; so the options go in first, in the one
+    step the constructor takes before that call."""
+    import highspy
+
+    class _QuietHighs(highspy.Highs):
+        def enableCallbacks(self):
+            for key, value in QUIET_OPTIONS.items():
+                self.setOptionValue(key, value)
+            super().enableCallbacks()
+
+    highs = _QuietHighs()
+    for key, value in QUIET_OPTIONS.items():  # also where a later highspy stops calling enableCallbacks there
+        highs.setOptionValue(key, value)
+    return highs
+
+
 class _WarmHiGHS(pulp.HiGHS):
-    """PuLP's in-process HiGHS, handing the incumbent to the solver before it runs, and stopping it
-    when a stop is requested (Ctrl-C, SIGTERM, SIGHUP): the interpreter cannot run a signal's
-    handler while HiGHS runs, so HiGHS asks at each of its interrupt callbacks (simplex iteration,
-    IPM iteration, MIP node loop), and the run then ends with KeyboardInterrupt, never a result."""
+    """PuLP's in-process HiGHS, silent (`quiet_highs`), handing the incumbent to the solver before it
+    runs, and stopping it when a stop is requested (Ctrl-C, SIGTERM, SIGHUP): the interpreter cannot
+    run a signal's handler while HiGHS runs, so HiGHS asks at each of its interrupt callbacks (simplex
+    iteration, IPM iteration, MIP node loop), and the run then ends with KeyboardInterrupt, never a
+    result."""
 
     def __init__(self, start_values: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         self.start_values = start_values or {}
+
+    def createAndConfigureSolver(self, lp):
+        # PuLP's own builds a plain highspy.Highs(), which writes the banner before PuLP sets msg=False's
+        # output_flag; these are the options it would set (PuLP's callback hooks are not used here)
+        lp.solverModel = quiet_highs()
+        options = {"mip_rel_gap": self.gapRel, "mip_abs_gap": self.gapAbs, "threads": self.threads,
+                   "time_limit": None if self.timeLimit is None else float(self.timeLimit), **self.optionsDict}
+        for key, value in options.items():
+            if value is not None:
+                lp.solverModel.setOptionValue(key, value)
 
     def callSolver(self, lp):
         if self.start_values:
