@@ -21,6 +21,7 @@ from phaze_opt.search.objective import area_violation
 from phaze_opt.design.upper_bound import layer_lower_bounds, placement_throughput
 from phaze_opt.workload.models import load_model
 from phaze_opt.system import load_system
+from phaze_opt.training import Training
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 space = load_space("phaze"); model = load_model("gpt3-175b"); system = load_system("default")
 codec = SpaceCodec(space.params)
@@ -32,7 +33,8 @@ def proxy(key):
     a = space.accelerator(p)
     d = DesignArrays.from_accelerators([a])
     w = [layer_lower_bounds(model, d, p["mbs"], system, tp) for tp in widths_tp]
-    return placement_throughput(model, w, 0, system=system, mbs=p["mbs"], recompute=p["recompute"], hbm_bytes=a.hbm_bytes, peak_flops=a.peak_flops)
+    return placement_throughput(model, w, 0, system=system, training=Training.from_point(p), hbm_bytes=a.hbm_bytes,
+                                peak_flops=a.peak_flops)
 
 import random as _random
 GRID = None

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from optuna.trial import TrialState
 
 from phaze_opt.errors import PhazeError
-from phaze_opt.experiments.convergence import compare, curve_from_trials, load_curve, plot, resolve_study, rows_csv, table
+from phaze_opt.experiments.convergence import (compare, curve_from_trials, load_curve, plot, resolve_study, rows_csv,
+                                               rows_markdown, table, verdict)
 from phaze_opt.search.report import render
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.setup import default_study_name
@@ -292,3 +293,23 @@ def test_compare_and_export_never_create_optunas_tables_in_another_database(tmp_
     con = sqlite3.connect(db)
     assert {r[0] for r in con.execute("select name from sqlite_master where type='table'")} == {"orders"}
     con.close()
+
+
+def test_the_table_says_how_many_times_as_long_each_study_took_and_flags_unequal_workers():
+    fast = curve_from_trials("bound", "", [T(0, 60, 1.0), T(1, 100, 4.0)],
+                             {"mode": "sampled", "sampler": "bound", "workers_per_run": [1], "wall_s": 5.0})
+    slow = curve_from_trials("sweep", "", [T(0, 99.5, 10.0)],
+                             {"mode": "exhaustive", "sampler": "exhaustive", "workers_per_run": [2], "wall_s": 12.0})
+    never = curve_from_trials("tpe", "", [T(0, 80, 3.0), T(1, 87.5, 20.0)],
+                              {"mode": "sampled", "sampler": "tpe", "workers_per_run": [1], "wall_s": 21.0})
+    rows, target = table([fast, slow, never], 0.99)
+    assert [r["time_vs_fastest"] for r in rows] == [1.0, 2.5, None]
+    text = rows_markdown(rows, 0.99, target, "throughput")
+    assert "| 2.50x |" in text and "| 1.00x |" in text
+    line = verdict(rows, 0.99)
+    assert line.startswith("bound reached 99% first: 4.0 s, 2 trials (1 worker)")
+    assert "sweep took 2.50x as long (10.0 s, 1 trials, 2 workers)" in line
+    assert "tpe never did: 87.50% of the best after 2 trials and 21.0 s (1 worker)" in line
+    assert line.endswith("different worker counts, so their times are not like for like.")
+    same = verdict(table([fast, never], 0.99)[0], 0.99)
+    assert "not like for like" not in same

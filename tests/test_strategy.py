@@ -8,6 +8,7 @@ from dataclasses import replace
 import optuna
 import pytest
 
+from phaze_opt.design.space import load_space
 from phaze_opt.errors import PhazeError
 from phaze_opt.search.config import StudyConfig
 from phaze_opt.search.setup import default_study_name
@@ -29,8 +30,9 @@ def test_the_flags_name_the_strategy():
 def test_every_strategy_keeps_the_contract(strategy):
     members = [m for m in Strategy.__dict__ if not m.startswith("_")] + list(Strategy.__annotations__)
     assert all(hasattr(strategy, m) for m in members)
-    config = StudyConfig(exhaustive=strategy is not SAMPLED, prune="bound" if strategy is BRANCH_AND_BOUND else "off")
-    assert isinstance(strategy.optuna_sampler(config), optuna.samplers.BaseSampler)
+    config = StudyConfig(exhaustive=strategy is not SAMPLED, prune="bound" if strategy is BRANCH_AND_BOUND else "off",
+                         sampler="bound")
+    assert isinstance(strategy.optuna_sampler(config, load_space(config.space)), optuna.samplers.BaseSampler)
     other, words, flags = strategy.counterpart(config)
     assert strategy_for(other).mode != strategy.mode and words and other.study_name is None
     assert flags == ([] if strategy.mode == "exhaustive" else ["--exhaustive"])
@@ -41,7 +43,7 @@ def test_study_names_and_attributes_are_those_of_the_flag():
     assert default_study_name(replace(base, sampler="random", seed=3)) == "gpt2-xl-phaze-random-seed3"
     assert default_study_name(replace(base, exhaustive=True, prune="off", hysteresis=2)) == "gpt2-xl-phaze-exhaustive-area-h2"
     assert default_study_name(replace(base, exhaustive=True, prune="bound")) == "gpt2-xl-phaze-exhaustive-bound"
-    assert SAMPLED.settings(base) == {} and SAMPLED.sampler_label(base) == "tpe"
+    assert SAMPLED.settings(base) == {} and SAMPLED.sampler_label(replace(base, sampler="tpe")) == "tpe"
     sweep = replace(base, exhaustive=True, order="grid")
     assert GRID.settings(sweep) == {"order": "grid", "hysteresis": None}
     assert GRID.sampler_label(sweep) == BRANCH_AND_BOUND.sampler_label(sweep) == "exhaustive"

@@ -42,7 +42,7 @@ def test_module_entry_points_are_the_same_commands(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize("args, message", [
-    (["study", "--sampler", "annealing"], "error: --sampler: unknown sampler 'annealing'; choose one of tpe, random"),
+    (["study", "--sampler", "annealing"], "error: --sampler: unknown sampler 'annealing'; choose one of auto, bound, tpe, random"),
     (["study", "--objectives", "throughput,latency"], "error: --objectives: unknown objective 'latency'"),
     (["study", "--objectives", "area,throughput"], "error: --objectives: throughput must come first"),
     (["study", "--model", "gpt-17"], "error: unknown model 'gpt-17'"),

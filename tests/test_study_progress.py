@@ -159,7 +159,7 @@ def study_log(tmp_path, *args) -> str:
 
 def test_a_redirected_study_writes_progress_lines(tmp_path):
     text = study_log(tmp_path, "--space", "small", "--trials", "3")
-    assert re.search(r"^\[gpt2-xl-small-tpe-seed0\] 3/3 trials  feasible \d  best [\d,.]+ seq/s", text, re.M), text
+    assert re.search(r"^\[gpt2-xl-small-bound-seed0\] 3/3 trials  feasible \d  best [\d,.]+ seq/s", text, re.M), text
     again = study_log(tmp_path, "--space", "small", "--trials", "3", "--no-progress")  # resumed: nothing to run
     assert "already holds 3 finished trials" in again and "3/3 trials" not in again
     assert "Warning" not in again  # said in one line, without the storage's warnings

@@ -80,7 +80,7 @@ def test_a_short_study_runs_from_outside_the_clone(installed):
                     "--tracking-uri", "off", "--no-progress", "--json")
     assert run.returncode == 0, run.stderr
     _, _, work = installed
-    assert (work / "studies" / "gpt2-xl-small-tpe-seed0.db").is_file()
+    assert (work / "studies" / "gpt2-xl-small-bound-seed0.db").is_file()
 
 
 def test_validate_runs_a_shipped_suite_from_outside_the_clone(installed):

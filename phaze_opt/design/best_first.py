@@ -14,8 +14,10 @@ best-first branch and bound, Land and Doig 1960), each level no larger than the 
    bandwidth rises, so this bounds every HBM choice), the largest over microbatches; computed for a
    batch of architectures at a time when the first of them reaches the top;
 3. a cell's level 0 (its own HBM and microbatch);
-4. a point's level 1 (`recipe_bounds`: the placement DP on lower-bound layer times, its own
-   recipe), for the recipes no other recipe of the cell provably matches or beats
+4. a group of recipes' level 1 (`upper_bound.group_placement_throughput`: one placement DP on a
+   relaxation valid for every recipe that differs only in recompute, SP and kernel);
+5. a point's level 1 (`upper_bound.placement_throughput`: the placement DP on lower-bound layer
+   times, its own recipe), for the recipes no other recipe of the cell provably matches or beats
    (`design.dominance`); dominated recipes are never offered.
 
 `BoundOrder.next_point` pops the tree until the best item is a point; ties (designs with equal
@@ -27,6 +29,7 @@ that share a study walk the same sequence and agree on it point by point.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -39,7 +42,7 @@ from .evaluate import tp_widths
 from .upper_bound import (WidthBounds, group_placement_throughput, ideal_throughput, layer_lower_bounds,
                           pipeline_throughput, placement_throughput, relaxed_recipe)
 
-ROOFLINE, ARCH, CELL, POINT = range(4)
+ROOFLINE, ARCH, CELL, GROUP, POINT = range(5)
 # Items of one level bounded together (one vectorised call instead of hundreds): architectures by
 # their roofline, and architectures whose other HBM choices are bounded.
 BATCH = {ROOFLINE: 256, ARCH: 32}
@@ -131,6 +134,8 @@ class BoundOrder:
         self.heap = [(-float(b), (int(self.tie[a]), -1, -1, -1), ROOFLINE, a) for a, b in enumerate(roof)]
         heapq.heapify(self.heap)
         self.points: list = []  # bounded points, best first
+        self._open: dict[tuple, int] = {}  # (arch, hbm, mbs) -> recipe groups not yet bounded one by one
+        self.work = 0  # placement DPs run and vectorised batches bounded: what a caller's budget counts
         self.expanded = 0  # cells expanded since a point was last popped
         self.popped = 0  # points handed out or passed over: how far down the order this process is
 
@@ -147,14 +152,17 @@ class BoundOrder:
         """The best bound not yet handed out: no point still in the order can beat it."""
         return max(self._top(self.heap), self._top(self.points))
 
-    def next_point(self, incumbent: float, taken: Callable[[dict], bool],
-                   peek: bool = False) -> tuple[dict, float] | None:
+    def next_point(self, incumbent: float, taken: Callable[[dict], bool], peek: bool = False,
+                   budget: float = math.inf) -> tuple[dict, float] | None:
         """The next point whose bound is above `incumbent` and that `taken` does not claim, with its
-        level-1 bound; None when every point left is bounded at or below `incumbent`. With `peek`
-        the point stays first in the order (the points passed over on the way are gone either way).
+        level-1 bound; None when every point left is bounded at or below `incumbent`, or when going
+        on would take the work done so far (`work`: placement DPs and vectorised batches) past
+        `budget`. With `peek` the point stays first in the order (the points passed over on the way
+        are gone either way).
 
-        What is popped next never depends on `incumbent` or `taken` (they only decide whether a popped
-        point is returned or passed over), so every caller walks the same sequence."""
+        What is popped next never depends on `incumbent`, `taken` or `budget` (they only decide
+        whether a popped point is returned or where this call stops), so every caller walks the same
+        sequence."""
         while True:
             best = max(self._top(self.heap), self._top(self.points))
             if best <= incumbent:
@@ -171,16 +179,18 @@ class BoundOrder:
                         self.expanded, self.popped = expanded, self.popped - 1
                     return point, -neg
                 continue
-            _, _, level, item = self.heap[0]
-            if level == CELL:
-                heapq.heappop(self.heap)
-                self._bound_points(*item)
+            if self.work >= budget:
+                return None
+            _, _, level, item = heapq.heappop(self.heap)
+            if level in (CELL, GROUP):
+                (self._bound_groups if level == CELL else self._bound_members)(*item)
                 self.expanded += 1
                 continue
-            batch = [heapq.heappop(self.heap)[3]]  # bounded together: one vectorised call
+            batch = [item]  # bounded together: one vectorised call
             while self.heap and self.heap[0][2] == level and len(batch) < BATCH[level]:
                 batch.append(heapq.heappop(self.heap)[3])
             (self._bound_archs if level == ROOFLINE else self._bound_cells)(batch)
+            self.work += 1
 
     @staticmethod
     def _top(heap: list) -> float:
@@ -226,14 +236,52 @@ class BoundOrder:
             self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r]
         return self._canon[m]
 
-    def _bound_points(self, a: int, h: int, m: int) -> None:
+    def _bound_groups(self, a: int, h: int, m: int) -> None:
+        """A cell's recipe groups: each bounded at once where it has several members, else its one
+        recipe bounded as a point."""
         acc = self.accelerator(a, h)
-        canon = self.canonical(m)
-        bounds = recipe_bounds(self.model, self.system, self._widths.pop((a, h, m)), self.mbss[m],
-                               float(acc.hbm_bytes), float(acc.peak_flops), [self.rcs[r] for r in canon], self.attns)
-        for r, b in zip(canon, bounds):
-            if b > 0:  # 0: no placement fits the HBM at any time, so the point is infeasible
-                heapq.heappush(self.points, (-float(b), (int(self.tie[a]), h, m, r), POINT, (a, h, m, r)))
+        widths = self._widths[(a, h, m)]
+        groups: dict = {}
+        for r in self.canonical(m):
+            groups.setdefault(relaxed_recipe(self._recipe(m, r)), []).append(r)
+        self._open[(a, h, m)] = len(groups)
+        for members in groups.values():
+            if len(members) == 1:
+                self._bound_members(a, h, m, tuple(members), math.inf)
+                continue
+            kernels = {self._recipe(m, r).attention: widths[self.attns.index(self.rcs[r].get("attention"))]
+                       for r in members}
+            bound = group_placement_throughput(self.model, kernels, 0, system=self.system,
+                                               recipes=[self._recipe(m, r) for r in members],
+                                               hbm_bytes=float(acc.hbm_bytes), peak_flops=float(acc.peak_flops))
+            self.work += 1
+            if bound > 0:  # 0: no placement of any member fits the HBM
+                heapq.heappush(self.heap, (-float(bound), (int(self.tie[a]), h, m, members[0]), GROUP,
+                                           (a, h, m, tuple(members), float(bound))))
+            else:
+                self._close(a, h, m)
+
+    def _bound_members(self, a: int, h: int, m: int, members: tuple, group_bound: float) -> None:
+        acc = self.accelerator(a, h)
+        widths = self._widths[(a, h, m)]
+        for r in members:
+            recipe = self._recipe(m, r)
+            bound = min(group_bound, placement_throughput(
+                self.model, widths[self.attns.index(self.rcs[r].get("attention"))], 0, system=self.system,
+                training=recipe, hbm_bytes=float(acc.hbm_bytes), peak_flops=float(acc.peak_flops)))
+            self.work += 1
+            if bound > 0:  # 0: no placement fits the HBM at any time, so the point is infeasible
+                heapq.heappush(self.points, (-float(bound), (int(self.tie[a]), h, m, r), POINT, (a, h, m, r)))
+        self._close(a, h, m)
+
+    def _close(self, a: int, h: int, m: int) -> None:
+        """One group of the cell is bounded; the cell's layer bounds go with its last."""
+        self._open[(a, h, m)] -= 1
+        if not self._open[(a, h, m)]:
+            del self._open[(a, h, m)], self._widths[(a, h, m)]
+
+    def _recipe(self, m: int, r: int) -> Training:
+        return Training.from_point({"mbs": self.mbss[m], **self.rcs[r]})
 
     def cell_bound(self, point: Mapping) -> float:
         """Level 0 of one point's cell (its architecture, HBM and microbatch), whatever its recipe."""

@@ -218,7 +218,39 @@ def table(curves: Sequence[Curve], threshold: float = 0.99) -> tuple[list[dict],
             "trials_to_target": reach[1] if reach else None,
             "time_to_target_s": reach[0] if reach else None,
         })
+    times = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
+    fastest = min(times) if times else None
+    for r in rows:  # how many times the fastest study's time to the target each one took
+        t = r["time_to_target_s"]
+        r["time_vs_fastest"] = t / fastest if t is not None and fastest else (1.0 if t is not None else None)
     return rows, target
+
+
+def verdict(rows: list[dict], threshold: float) -> str:
+    """The answer in one sentence: which study reached the target first, how many times as long
+    each other took (or how far it got), and whether their worker counts differ."""
+    pct = f"{threshold * 100:g}%"
+    reached = sorted((r for r in rows if r["time_to_target_s"] is not None), key=lambda r: r["time_to_target_s"])
+    if not reached:
+        return f"No study reached {pct} of the best score found."
+    first = reached[0]
+    parts = [f"{first['study']} reached {pct} first: {first['time_to_target_s']:.1f} s, "
+             f"{first['trials_to_target']} trials ({first['workers']} worker{'' if first['workers'] == '1' else 's'})"]
+    for r in rows:
+        if r is first:
+            continue
+        workers = f"{r['workers']} worker{'' if r['workers'] == '1' else 's'}"
+        if r["time_to_target_s"] is not None:
+            parts.append(f"{r['study']} took {r['time_vs_fastest']:.2f}x as long ({r['time_to_target_s']:.1f} s, "
+                         f"{r['trials_to_target']} trials, {workers})")
+        else:
+            share = "n/a" if r["best_vs_overall"] is None else f"{r['best_vs_overall'] * 100:.2f}%"
+            parts.append(f"{r['study']} never did: {share} of the best after {r['trials']} trials and "
+                         f"{r['wall_s']:.1f} s ({workers})")
+    line = "; ".join(parts) + "."
+    if len({r["workers"] for r in rows}) > 1:
+        line += " The studies ran with different worker counts, so their times are not like for like."
+    return line
 
 
 def _pct(threshold: float) -> str:
@@ -228,14 +260,14 @@ def _pct(threshold: float) -> str:
 def rows_csv(rows: list[dict], threshold: float) -> str:
     pct = _pct(threshold)
     cols = ["study", "mode", "sampler", "workers", "best_score", "best_trial", "best_vs_overall", "trials", "wall_s",
-            f"trials_to_{pct}", f"time_to_{pct}_s"]
+            f"trials_to_{pct}", f"time_to_{pct}_s", "time_vs_fastest"]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(cols)
     for r in rows:
         w.writerow([r["study"], r["mode"], r["sampler"], r["workers"], _num(r["best_score"]), _num(r["best_trial"]),
                     _num(r["best_vs_overall"]), r["trials"], _num(r["wall_s"]), _num(r["trials_to_target"]),
-                    _num(r["time_to_target_s"])])
+                    _num(r["time_to_target_s"]), _num(r["time_vs_fastest"])])
     return buf.getvalue()
 
 
@@ -250,7 +282,7 @@ def _num(v) -> str:
 def rows_markdown(rows: list[dict], threshold: float, target: float | None, objective: str) -> str:
     pct = f"{threshold * 100:g}%"
     head = ["study", "mode", "workers", "best " + objective, "vs best overall", "trials", "wall (s)",
-            f"trials to {pct}", f"time to {pct} (s)"]
+            f"trials to {pct}", f"time to {pct} (s)", "time vs fastest"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["study"], r["kind"], r["workers"],
@@ -258,10 +290,11 @@ def rows_markdown(rows: list[dict], threshold: float, target: float | None, obje
                  "n/a" if r["best_vs_overall"] is None else f"{r['best_vs_overall'] * 100:.2f}%",
                  str(r["trials"]), f"{r['wall_s']:.1f}",
                  "not reached" if r["trials_to_target"] is None else str(r["trials_to_target"]),
-                 "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"]
+                 "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
+                 "not reached" if r.get("time_vs_fastest") is None else f"{r['time_vs_fastest']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
-    tail = (f"\nTarget: {pct} of the best score any study found" + (f" = {target:.6g}." if target else " (none feasible).")
-            + f"\n{WALL_NOTE}\n{WORKERS_NOTE}")
+    tail = (f"\n{verdict(rows, threshold)}\n\nTarget: {pct} of the best score any study found"
+            + (f" = {target:.6g}." if target else " (none feasible).") + f"\n{WALL_NOTE}\n{WORKERS_NOTE}")
     return "\n".join(lines) + "\n" + tail + "\n"
 
 
@@ -361,7 +394,8 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
         metrics = {}
         for r in rows:
             key = clean_name(r["study"])[:150]
-            for k in ("best_score", "trials", "wall_s", "trials_to_target", "time_to_target_s", "best_vs_overall"):
+            for k in ("best_score", "trials", "wall_s", "trials_to_target", "time_to_target_s", "best_vs_overall",
+                      "time_vs_fastest"):
                 if isinstance(r[k], (int, float)):
                     metrics[f"{key}.{k}"] = r[k]
         tracker.log_parent(metrics=metrics)

@@ -10,7 +10,8 @@ that the exhaustive sweep proves. This sampler uses the structure instead:
   (running, waiting or finished), so no trial is spent over the budget or on a repeat.
 - Most trials take the next point of `design.best_first.BoundOrder`: the highest level-1 bound not
   yet proposed, found lazily (A*-style) without bounding the whole grid, and only while that bound
-  is above the best throughput found so far (a point bounded below the incumbent cannot win).
+  is above the best throughput found so far (a point bounded below the incumbent cannot win). Each
+  trial may add a fixed amount of bounding work (`WORK_PER_TRIAL`); one that runs out explores.
   Recipes another recipe of the same design provably matches or beats are never proposed.
 - A seeded share of the trials (`explore`), and every trial once no bounded point can beat the
   incumbent, mutates the best design found (one or two parameters one step along their ordered
@@ -46,7 +47,14 @@ from ..design.best_first import BoundOrder
 from .encoding import SpaceCodec
 
 EXPLORE = 0.1  # share of the trials that explore around the best design instead of following the bounds
-MUTATION_TRIES = 24  # mutants drawn per exploring trial; the first whose bound beats the incumbent wins
+MUTATION_TRIES = 8  # mutants drawn per exploring trial; the first whose bound beats the incumbent wins
+# Bounding work a trial may add to the order (`BoundOrder.work`: placement DPs on lower-bound layer
+# times, 10-50 ms each, and vectorised batches of architectures), so a trial never waits long on
+# bounds: a trial that runs out explores instead, and the order goes on at the next.
+WORK_PER_TRIAL = 16
+# ...and the allowance of the first proposals: the architectures' level 0 and the first cells
+# (about 150 units on `phaze`) come before any point, so the order's best points are not delayed.
+WORK_AT_START = 256
 WAIT_S = 120.0  # how long a trial waits for earlier ones before proposing anyway (a dead worker's trial)
 POLL_S = 0.05
 
@@ -83,7 +91,7 @@ class BoundSampler(optuna.samplers.BaseSampler):
     traces the model and bounds architectures: seconds), so opening a study costs nothing."""
 
     def __init__(self, space, order: Callable[[], BoundOrder], seed: int = 0, workers: int = 1,
-                 explore: float = EXPLORE, wait_s: float = WAIT_S):
+                 explore: float = EXPLORE, wait_s: float = WAIT_S, work_per_trial: float = WORK_PER_TRIAL):
         self._space = space
         self._codec = SpaceCodec(space.params)
         self._make_order = order
@@ -92,6 +100,7 @@ class BoundSampler(optuna.samplers.BaseSampler):
         self._lag = max(1, int(workers)) - 1
         self._explore = float(explore)
         self._wait_s = float(wait_s)
+        self._work_per_trial = float(work_per_trial)
         self.last_kind = ""  # how the last proposal was chosen: "bound", "explore" or "random"
 
     @property
@@ -117,7 +126,7 @@ class BoundSampler(optuna.samplers.BaseSampler):
 
         point = None
         if rng.random() >= self._explore:
-            found = self.order.next_point(incumbent, taken)
+            found = self.order.next_point(incumbent, taken, budget=self._budget(trial.number))
             if found is not None:
                 point, self.last_kind = found[0], "bound"
         if point is None and best is not None:
@@ -130,13 +139,25 @@ class BoundSampler(optuna.samplers.BaseSampler):
 
     def exhausted(self, study) -> bool:
         """Whether no point outside the study's trials has a bound above its best throughput: then
-        no further trial can improve on it (given the trials' own scores; see `settled_note`)."""
+        no further trial can improve on it (given the trials' own scores; see `settled_note`).
+
+        It looks exactly as the next proposal will (the same incumbent, held points and budget), so
+        the points it passes over are those the next proposal would pass over."""
         trials = study.get_trials(deepcopy=False)
-        held = held_keys(trials)
-        incumbent, _ = incumbent_of(trials)
+        number = 1 + max([t.number for t in trials], default=-1)
+        incumbent, _ = incumbent_of([t for t in trials if t.number < number - self._lag])
         if incumbent <= 0:
             return False
-        return self.order.next_point(incumbent, lambda p: _key(self._codec.encode(p)) in held, peek=True) is None
+        held = held_keys(trials)
+        found = self.order.next_point(incumbent, lambda p: _key(self._codec.encode(p)) in held, peek=True,
+                                      budget=self._budget(number))
+        return found is None and self.order.top_bound() <= incumbent
+
+    def _budget(self, number: int) -> float:
+        """The bounding work (`BoundOrder.work`) the proposals up to trial `number` may have done in
+        all: a trial's share is fixed, so no proposal waits long on bounding, and where the order
+        stops is a function of the trial number (the same in every process)."""
+        return WORK_AT_START + self._work_per_trial * (number + 1)
 
     def sample_independent(self, study, trial, param_name, param_distribution):
         # Only for a parameter outside the space (none in a study of ours): a draw seeded by the trial.

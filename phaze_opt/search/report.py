@@ -165,6 +165,21 @@ def next_steps(session) -> dict:
             "compare": shlex.join([exe, "compare", session.name, name] + flags)}
 
 
+def known_optimum(config, sweep: str) -> dict | None:
+    """The optimum the exhaustive sweep of the same models, space and objectives proved, when its
+    summary sits beside this study's; None otherwise (not run, not proven, or several objectives)."""
+    path = Path(config.output_dir) / f"{sweep}-summary.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    status = data.get("exhaustive") or {}
+    best = data.get("best") or {}
+    if not status.get("optimum_proven") or not isinstance(best.get("score"), (int, float)) or best["score"] <= 0:
+        return None
+    return {"study": sweep, "score": float(best["score"])}
+
+
 def own_trials(session, done) -> int:
     """This invocation's finished trials (not another process's on the same storage, see `reconcile`)."""
     session_id = getattr(session, "session_id", None)
@@ -238,6 +253,12 @@ def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> 
     out = Path(config.output_dir) / f"{session.name}-summary.json"
     summary["summary_file"] = str(out)
     summary["next"] = next_steps(session)
+    optimum = known_optimum(config, summary["next"]["other_study"])
+    if config.mode == "sampled" and optimum is not None and summary["best"] is not None:
+        fraction = summary["best"]["score"] / optimum["score"]
+        summary["optimum"] = {**optimum, "fraction": fraction}
+        summary["notes"].append(f"{fraction * 100:.2f}% of the proven optimum {optimum['score']:.6g} "
+                                f"(exhaustive sweep {optimum['study']})")
     if tracker.enabled:
         summary["mlflow"] = {"tracking_uri": redact(config.tracking_uri),
                              "experiment": getattr(tracker, "experiment_name", None) or session.name,
