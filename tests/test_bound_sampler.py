@@ -178,8 +178,9 @@ def _ask_tell(space, samplers, pattern, n):
 
 
 def _sampler(space, workers, seed=3, explore=0.3):
+    # a tiny bounding budget, so trials also take the best point bounded so far instead of waiting
     return BoundSampler(space, lambda: BoundOrder(MODEL, SYSTEM, space, seed=seed), seed=seed, workers=workers,
-                        explore=explore, wait_s=0.0)
+                        explore=explore, wait_s=0.0, work_per_trial=2, work_at_start=4)
 
 
 def test_several_processes_propose_what_one_would_whatever_finishes_first():

@@ -21,9 +21,9 @@ best-first branch and bound, Land and Doig 1960), each level no larger than the 
    (`design.dominance`); dominated recipes are never offered.
 
 `BoundOrder.next_point` pops the tree until the best item is a point; ties (designs with equal
-bounds) are broken by a permutation drawn from the seed. The sequence of popped items depends only
-on the model, system, space and seed, never on what a caller did with earlier points, so processes
-that share a study walk the same sequence and agree on it point by point.
+bounds) are broken by a permutation drawn from the seed. Given the same calls (incumbent, points
+taken, work budget) in the same order, every instance walks the same sequence: the sampler replays
+each trial's call in every process, so processes that share a study agree point by point.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class BoundOrder:
                                    system.accelerators, flops_per_sequence(model, system, self.attns))
         self.heap = [(-float(b), (int(self.tie[a]), -1, -1, -1), ROOFLINE, a) for a, b in enumerate(roof)]
         heapq.heapify(self.heap)
-        self.points: list = []  # bounded points, best first
+        self.points: list = []  # bounded points and recipe groups, best first
         self._open: dict[tuple, int] = {}  # (arch, hbm, mbs) -> recipe groups not yet bounded one by one
         self.work = 0  # placement DPs run and vectorised batches bounded: what a caller's budget counts
         self.expanded = 0  # cells expanded since a point was last popped
@@ -148,42 +148,26 @@ class BoundOrder:
     def point(self, a: int, h: int, m: int, r: int) -> dict:
         return {**self.archs[a], "hbm_gib": self.hbms[h], "mbs": self.mbss[m], **self.rcs[r]}
 
-    def top_bound(self) -> float:
-        """The best bound not yet handed out: no point still in the order can beat it."""
-        return max(self._top(self.heap), self._top(self.points))
 
-    def next_point(self, incumbent: float, taken: Callable[[dict], bool], peek: bool = False,
+    def next_point(self, incumbent: float, taken: Callable[[dict], bool],
                    budget: float = math.inf) -> tuple[dict, float] | None:
         """The next point whose bound is above `incumbent` and that `taken` does not claim, with its
-        level-1 bound; None when every point left is bounded at or below `incumbent`, or when going
-        on would take the work done so far (`work`: placement DPs and vectorised batches) past
-        `budget`. With `peek` the point stays first in the order (the points passed over on the way
-        are gone either way).
-
-        What is popped next never depends on `incumbent`, `taken` or `budget` (they only decide
-        whether a popped point is returned or where this call stops), so every caller walks the same
-        sequence."""
+        level-1 bound; None when every point left is bounded at or below `incumbent` (`exhausted`),
+        or when going on would take the work done so far (`work`: placement DPs and vectorised
+        batches) past `budget`."""
         while True:
-            best = max(self._top(self.heap), self._top(self.points))
-            if best <= incumbent:
+            if self.exhausted(incumbent):
                 return None
             if self.points and (self._top(self.points) >= self._top(self.heap) or self.expanded >= DIVE_AFTER):
-                entry = heapq.heappop(self.points)
-                neg, item, expanded = entry[0], entry[3], self.expanded
-                self.expanded = 0
-                self.popped += 1
-                point = self.point(*item)
-                if -neg > incumbent and not taken(point):
-                    if peek:  # put back exactly as it was: the sequence is unchanged
-                        heapq.heappush(self.points, entry)
-                        self.expanded, self.popped = expanded, self.popped - 1
-                    return point, -neg
+                found = self._pop_point(incumbent, taken)
+                if found is not None:
+                    return found
                 continue
             if self.work >= budget:
                 return None
             _, _, level, item = heapq.heappop(self.heap)
-            if level in (CELL, GROUP):
-                (self._bound_groups if level == CELL else self._bound_members)(*item)
+            if level == CELL:
+                self._bound_groups(*item)
                 self.expanded += 1
                 continue
             batch = [item]  # bounded together: one vectorised call
@@ -191,6 +175,36 @@ class BoundOrder:
                 batch.append(heapq.heappop(self.heap)[3])
             (self._bound_archs if level == ROOFLINE else self._bound_cells)(batch)
             self.work += 1
+
+    def best_point(self, incumbent: float, taken: Callable[[dict], bool]) -> tuple[dict, float] | None:
+        """The best point already bounded that beats `incumbent` and is not taken, bounding nothing
+        more (what a caller out of budget proposes instead of waiting); None when there is none."""
+        while self.points and self._top(self.points) > incumbent:
+            found = self._pop_point(incumbent, taken)
+            if found is not None:
+                return found
+        return None
+
+    def exhausted(self, incumbent: float) -> bool:
+        """Whether no point left in the order has a bound above `incumbent`."""
+        return max(self._top(self.heap), self._top(self.points)) <= incumbent
+
+    def _pop_point(self, incumbent: float, taken) -> tuple[dict, float] | None:
+        """The best of the bounded points and recipe groups: a group is bounded recipe by recipe
+        (its points join the others), a point handed out unless it cannot win or is taken."""
+        neg, _, level, item = heapq.heappop(self.points)
+        if level == GROUP:
+            if -neg > incumbent:  # a group bounded at or below the incumbent holds no point that can win
+                self._bound_members(*item)
+            else:
+                self._close(*item[:3])
+            return None
+        self.expanded = 0
+        self.popped += 1
+        point = self.point(*item)
+        if -neg > incumbent and not taken(point):
+            return point, -neg
+        return None
 
     @staticmethod
     def _top(heap: list) -> float:
@@ -256,8 +270,9 @@ class BoundOrder:
                                                hbm_bytes=float(acc.hbm_bytes), peak_flops=float(acc.peak_flops))
             self.work += 1
             if bound > 0:  # 0: no placement of any member fits the HBM
-                heapq.heappush(self.heap, (-float(bound), (int(self.tie[a]), h, m, members[0]), GROUP,
-                                           (a, h, m, tuple(members), float(bound))))
+                # with the points: a group waits to be taken (bounded recipe by recipe) as a point would
+                heapq.heappush(self.points, (-float(bound), (int(self.tie[a]), h, m, members[0]), GROUP,
+                                             (a, h, m, tuple(members), float(bound))))
             else:
                 self._close(a, h, m)
 

@@ -11,7 +11,8 @@ that the exhaustive sweep proves. This sampler uses the structure instead:
 - Most trials take the next point of `design.best_first.BoundOrder`: the highest level-1 bound not
   yet proposed, found lazily (A*-style) without bounding the whole grid, and only while that bound
   is above the best throughput found so far (a point bounded below the incumbent cannot win). Each
-  trial may add a fixed amount of bounding work (`WORK_PER_TRIAL`); one that runs out explores.
+  trial may add a fixed amount of bounding work (`WORK_PER_TRIAL`); one that runs out takes the best
+  point bounded so far instead.
   Recipes another recipe of the same design provably matches or beats are never proposed.
 - A seeded share of the trials (`explore`), and every trial once no bounded point can beat the
   incumbent, mutates the best design found (one or two parameters one step along their ordered
@@ -25,7 +26,9 @@ Deterministic: the proposal for trial k depends only on the seed, the study's tr
 below k, and the results of those numbered below k - (workers - 1). Before proposing, a trial waits
 (`wait_s` at most) until those trials have finished and every earlier trial has its parameters, so
 a study with a given seed and worker count proposes the same designs in the same order on a quiet
-and on a loaded machine. Every random draw comes from a generator seeded by (seed, trial number).
+and on a loaded machine. Every random draw comes from a generator seeded by (seed, trial number),
+and each process replays, in trial order, the proposal step of every trial another process
+proposed, so its `BoundOrder` is where a single process's would be.
 
 It is an ordinary `optuna.samplers.BaseSampler`: it works with every Optuna storage, in several
 processes, and beside enqueued trials (it proposes nothing for a trial whose parameters are fixed).
@@ -50,8 +53,8 @@ EXPLORE = 0.1  # share of the trials that explore around the best design instead
 MUTATION_TRIES = 8  # mutants drawn per exploring trial; the first whose bound beats the incumbent wins
 # Bounding work a trial may add to the order (`BoundOrder.work`: placement DPs on lower-bound layer
 # times, 10-50 ms each, and vectorised batches of architectures), so a trial never waits long on
-# bounds: a trial that runs out explores instead, and the order goes on at the next.
-WORK_PER_TRIAL = 16
+# bounds: a trial that runs out takes the best point bounded so far, and the order goes on at the next.
+WORK_PER_TRIAL = 64
 # ...and the allowance of the first proposals: the architectures' level 0 and the first cells
 # (about 150 units on `phaze`) come before any point, so the order's best points are not delayed.
 WORK_AT_START = 256
@@ -91,7 +94,8 @@ class BoundSampler(optuna.samplers.BaseSampler):
     traces the model and bounds architectures: seconds), so opening a study costs nothing."""
 
     def __init__(self, space, order: Callable[[], BoundOrder], seed: int = 0, workers: int = 1,
-                 explore: float = EXPLORE, wait_s: float = WAIT_S, work_per_trial: float = WORK_PER_TRIAL):
+                 explore: float = EXPLORE, wait_s: float = WAIT_S, work_per_trial: float = WORK_PER_TRIAL,
+                 work_at_start: float = WORK_AT_START):
         self._space = space
         self._codec = SpaceCodec(space.params)
         self._make_order = order
@@ -101,6 +105,9 @@ class BoundSampler(optuna.samplers.BaseSampler):
         self._explore = float(explore)
         self._wait_s = float(wait_s)
         self._work_per_trial = float(work_per_trial)
+        self._work_at_start = float(work_at_start)
+        self._cursor = 0  # trials (by position) whose proposals this process's order has replayed
+        self.settled_at: int | None = None  # the first trial that found no point left above its incumbent
         self.last_kind = ""  # how the last proposal was chosen: "bound", "explore" or "random"
 
     @property
@@ -115,49 +122,49 @@ class BoundSampler(optuna.samplers.BaseSampler):
     def sample_relative(self, study, trial: FrozenTrial, search_space) -> dict[str, Any]:
         if not search_space or "fixed_params" in trial.system_attrs:
             return {}  # an enqueued point: Optuna uses its fixed parameters
-        earlier = self._wait_for_earlier(study, trial.number)
-        held = held_keys(earlier)
-        known = [t for t in earlier if t.number < trial.number - self._lag]
-        incumbent, best = incumbent_of(known)
-        rng = np.random.default_rng([self._seed, trial.number])
+        earlier = sorted(self._wait_for_earlier(study, trial.number), key=lambda t: t.number)
+        for t in earlier[self._cursor:]:  # what the trials this process did not propose did to the order
+            if not t.system_attrs.get("fixed_params"):
+                self._step(t.number, earlier, propose=False)
+        point = self._step(trial.number, earlier)
+        self._cursor = trial.number + 1
+        return self._codec.encode(point) if point is not None else {}
+
+    def _step(self, number: int, earlier: list[FrozenTrial], propose: bool = True) -> dict | None:
+        """The proposal for trial `number` given the trials before it (`earlier`: trials 0, 1, ...);
+        every process takes this step for every proposed trial, in order, so their orders stay in
+        step (`propose=False`: only what the step does to the order)."""
+        before = earlier[:number]
+        held = held_keys(before)
+        incumbent, best = incumbent_of([t for t in before if t.number < number - self._lag])
+        rng = np.random.default_rng([self._seed, number])
 
         def taken(point: dict) -> bool:
             return _key(self._codec.encode(point)) in held
 
+        order = self.order
         point = None
         if rng.random() >= self._explore:
-            found = self.order.next_point(incumbent, taken, budget=self._budget(trial.number))
+            found = order.next_point(incumbent, taken, budget=self._budget(number))
+            if found is None and not order.exhausted(incumbent):  # out of budget: the best bounded point
+                found = order.best_point(incumbent, taken)
             if found is not None:
                 point, self.last_kind = found[0], "bound"
+            elif incumbent > 0 and order.exhausted(incumbent) and self.settled_at is None:
+                self.settled_at = number
+        if not propose:
+            return point
         if point is None and best is not None:
-            point = self._mutant(best, incumbent, taken, rng)
-            self.last_kind = "explore"
+            point, self.last_kind = self._mutant(best, incumbent, taken, rng), "explore"
         if point is None:
-            point = self._random_point(taken, rng)
-            self.last_kind = "random"
-        return self._codec.encode(point) if point is not None else {}
-
-    def exhausted(self, study) -> bool:
-        """Whether no point outside the study's trials has a bound above its best throughput: then
-        no further trial can improve on it (given the trials' own scores; see `settled_note`).
-
-        It looks exactly as the next proposal will (the same incumbent, held points and budget), so
-        the points it passes over are those the next proposal would pass over."""
-        trials = study.get_trials(deepcopy=False)
-        number = 1 + max([t.number for t in trials], default=-1)
-        incumbent, _ = incumbent_of([t for t in trials if t.number < number - self._lag])
-        if incumbent <= 0:
-            return False
-        held = held_keys(trials)
-        found = self.order.next_point(incumbent, lambda p: _key(self._codec.encode(p)) in held, peek=True,
-                                      budget=self._budget(number))
-        return found is None and self.order.top_bound() <= incumbent
+            point, self.last_kind = self._random_point(taken, rng), "random"
+        return point
 
     def _budget(self, number: int) -> float:
         """The bounding work (`BoundOrder.work`) the proposals up to trial `number` may have done in
         all: a trial's share is fixed, so no proposal waits long on bounding, and where the order
         stops is a function of the trial number (the same in every process)."""
-        return WORK_AT_START + self._work_per_trial * (number + 1)
+        return self._work_at_start + self._work_per_trial * (number + 1)
 
     def sample_independent(self, study, trial, param_name, param_distribution):
         # Only for a parameter outside the space (none in a study of ours): a draw seeded by the trial.
@@ -221,12 +228,12 @@ SETTLED_ATTR = "bound_settled"
 
 
 def stop_when_settled(study, frozen) -> None:
-    """An Optuna callback: stop the study once its bound-guided sampler has nothing left that could
-    beat the best trial (`BoundSampler.exhausted`), recording when in the study's attributes."""
+    """An Optuna callback: stop the study once its bound-guided sampler found no point left whose
+    bound beats the best trial (`BoundSampler.settled_at`), recording when in the study's attributes."""
     sampler = study.sampler
-    if isinstance(sampler, BoundSampler) and sampler.exhausted(study):
+    if isinstance(sampler, BoundSampler) and sampler.settled_at is not None:
         if SETTLED_ATTR not in study.user_attrs:
-            study.set_user_attr(SETTLED_ATTR, {"trial": frozen.number, "best": incumbent_of(study.get_trials(
+            study.set_user_attr(SETTLED_ATTR, {"trial": sampler.settled_at, "best": incumbent_of(study.get_trials(
                 deepcopy=False))[0]})
         study.stop()
 

@@ -164,30 +164,33 @@ def _worker_entry(spec: WorkerSpec, quota: int, index: int) -> dict:
             return {"interrupted": True}
 
 
-def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[str, str, int]:
+def held_trials(config: StudyConfig, backend: Backend | None = None) -> tuple[str, str, int, dict | None]:
     """(study name, storage URL, finished trials it holds; 0 when it does not exist yet or was run
-    with other settings, which opening it refuses), without creating the study or touching it."""
+    with other settings, which opening it refuses; and when its sampler settled the space, when it
+    did), without creating the study or touching it."""
     quiet_optuna()
     backend = backend or Backend()
     config, name, url = locate(config, backend)
     db = sqlite_path(url)
     if db is not None and not db.is_file():
-        return name, url, 0
+        return name, url, 0, None
     storage = make_storage(url)
     try:
         if name not in optuna.study.get_all_study_names(storage):
-            return name, url, 0
+            return name, url, 0, None
         study = optuna.load_study(study_name=name, storage=storage)
         identity = study_identity(config, backend.resolved(config).space)
         if any(study.user_attrs.get(k, v) != v for k, v in identity.items()):
-            return name, url, 0
-        return name, url, len(finished_trials(study.get_trials(deepcopy=False)))
+            return name, url, 0, None
+        return name, url, len(finished_trials(study.get_trials(deepcopy=False))), study.user_attrs.get(SETTLED_ATTR)
     finally:
         release_storage(storage)
 
 
-def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend: Backend | None = None) -> dict:
-    """A study that already holds `--trials` (its total) finished trials: reconciled as every start is
+def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend: Backend | None = None,
+                   settled: dict | None = None) -> dict:
+    """A study that already holds `--trials` (its total) finished trials, or whose sampler settled
+    the space (no point left can beat its best): reconciled as every start is
     (a parent killed once the last trial finished leaves runs missing and its own run RUNNING), then
     said at once; no parent run, study attribute or wall time is added for an invocation that runs
     nothing."""
@@ -198,8 +201,13 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
         session.release()
     for note in notes:
         say(note)
-    say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
-        f"nothing to run (no MLflow run started); give --trials above {held} to add trials")
+    if settled and held < config.trials:
+        say(f"study {name} was settled by its sampler after trial {settled.get('trial')}: no point left has a "
+            f"proven bound above its best ({settled.get('best', 0):.6g}), so more trials cannot improve it: "
+            "nothing to run (no MLflow run started)")
+    else:
+        say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
+            f"nothing to run (no MLflow run started); give --trials above {held} to add trials")
     held_note = {"nothing_to_run": True, "held": held, "requested": config.trials, "reconciled": notes}
     path = Path(config.output_dir) / f"{name}-summary.json"
     try:  # the summary of the run that finished it, so callers (`published --resume`) read the same fields
@@ -211,9 +219,9 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
 
 def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     """Run (or resume) a sampled study."""
-    name, url, held = held_trials(config, backend)
-    if held >= config.trials:
-        return nothing_to_run(config, name, url, held, backend)
+    name, url, held, settled = held_trials(config, backend)
+    if held >= config.trials or settled:
+        return nothing_to_run(config, name, url, held, backend, settled)
     session = Session(config, backend)
     with session.running():
         session.enqueue_references()
