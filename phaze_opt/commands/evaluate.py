@@ -7,6 +7,10 @@ import argparse
 from ..training import CP_COMMS, EXPERT_WEIGHTS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
+# What runs when neither the flag nor the model's file names a chip or a system (models.DEFAULT_FIELDS).
+GENERIC_ARCH = "tpuv4"
+GENERIC_SYSTEM = "default"
+
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
 DESCRIPTION = (
     "Run workload graphs -> per-operator latencies -> exact per-layer schedules -> exact placement DP "
@@ -16,7 +20,8 @@ DESCRIPTION = (
 
 def add_arguments(p):
     p.add_argument("--model", default="gpt3-175b", help="model config name or path to a YAML file (default gpt3-175b)")
-    p.add_argument("--arch", default="tpuv4", help="architecture config name or path (default tpuv4)")
+    p.add_argument("--arch", default=None,
+                   help=f"architecture config name or path (default: the model's default_arch, else {GENERIC_ARCH})")
     add_mbs(p)
     p.add_argument("--recompute", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
                    help="activation recompute: none, selective (the attention core) or full (each layer's "
@@ -61,7 +66,8 @@ def add_arguments(p):
                    help="the software stack's kernel fusion: megatron-lm (pointwise chains fused), eager (one kernel "
                         "per PyTorch operator) or megatron-te (Transformer Engine: norms, RoPE and FP8 casts fused "
                         "too) (default megatron-lm)")
-    p.add_argument("--system", default="default", help="system config name or path (default: default)")
+    p.add_argument("--system", default=None,
+                   help=f"system config name or path (default: the model's default_system, else {GENERIC_SYSTEM})")
     p.add_argument("--devices", type=int, default=None, metavar="N", help="override the system's accelerator count")
     p.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="override the system's global batch (sequences per optimizer step)")
@@ -112,8 +118,15 @@ def run(args) -> dict:
     from ..system import load_system
     from ..training import Training
 
-    arch = load_arch(args.arch)
-    system = load_system(args.system)
+    from ..workload.models import load_model
+
+    model = load_model(args.model)
+    # Each of chip, system and ILP limit: the flag, else the model's default, else the command's.
+    arch_name, arch_from = _choose(args.arch, model.default_arch, GENERIC_ARCH)
+    system_name, system_from = _choose(args.system, model.default_system, GENERIC_SYSTEM)
+    ilp_limit, ilp_from = _choose(args.ilp_time_limit, model.default_ilp_time_limit or None, None)
+    arch = load_arch(arch_name)
+    system = load_system(system_name)
     for flag, field, value in (("--devices", "accelerators", args.devices), ("--global-batch", "global_batch", args.global_batch)):
         if value is not None:
             if value < 1:
@@ -131,19 +144,22 @@ def run(args) -> dict:
                       moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
                       recompute_modules=args.recompute_modules, cp_comm=args.cp_comm,
                       expert_weights=args.expert_weights, overlap_p2p_comm=args.overlap_p2p_comm)
-    model = args.model
     if args.seq is not None:
         from ..configs import positive_arg
-        from ..workload.models import LIMITS, load_model
+        from ..workload.models import LIMITS
 
         positive_arg(args.seq, "--seq", LIMITS["seq"])
-        model = load_model(args.model)
         if model.position == "learned" and args.seq > model.positions:
             raise PhazeError(f"--seq {args.seq}: {model.name} has {model.positions} learned positions")
         model = replace(model, seq=args.seq)
-    evaluate = design_evaluator(args.ilp_time_limit)
+    evaluate = design_evaluator(ilp_limit)
     result = evaluate(model, arch, recipe, system).to_json()
-    result["arch"] = arch.name or args.arch
+    result["arch"] = arch.name or arch_name
+    result["system"] = system.name or system_name
+    result["chosen_by"] = {"arch": arch_from, "system": system_from, "ilp_time_limit": ilp_from}
+    result["ilp_time_limit_s"] = evaluate.ilp_time_limit_s
+    if not result["feasible"] and "command" in (arch_from, system_from):
+        result["hint"] = _generic_defaults_hint(model.name, arch_from, system_from)
     spec = recipe.recipe()
     spec["placement_spec"] = spec.pop("placement")
     result.update(spec)
@@ -159,6 +175,35 @@ def run(args) -> dict:
         result["memory_per_device"] = dict(worst.get("memory_split", {}), total=worst["memory_bytes"],
                                            headroom=worst["headroom_bytes"], stage=worst["index"])
     return result
+
+
+def _choose(flag, model_default, generic):
+    """(value, who chose it): the flag, else the model file's default, else the command's."""
+    if flag is not None:
+        return flag, "flag"
+    if model_default:
+        return model_default, "model"
+    return generic, "command"
+
+
+def _generic_defaults_hint(model: str, arch_from: str, system_from: str) -> str:
+    """What to pass when the command's generic chip or system (chosen for no model) does not fit:
+    the shipped chip with the most HBM and the shipped systems, by name."""
+    from .. import configs
+    from ..hardware.arch import load_arch
+
+    archs = configs.available("archs")
+    roomiest = max(archs, key=lambda a: load_arch(a).hbm_bytes)
+    generic = [f"--{flag} {name}" for flag, name, who in (("arch", GENERIC_ARCH, arch_from),
+                                                          ("system", GENERIC_SYSTEM, system_from)) if who == "command"]
+    return (f"{' and '.join(generic)} are the command's generic defaults and {model}'s file names no "
+            f"default_arch/default_system; pass --arch and --system for a chip and system it fits, e.g. "
+            f"--arch {roomiest} (the most HBM of the shipped chips, {load_arch(roomiest).hbm_bytes / 2**30:.0f} GiB) "
+            f"with one of the systems {', '.join(configs.available('systems'))}")
+
+
+def _chosen_by_model(r: dict, what: str) -> str:
+    return " (the model's default)" if (r.get("chosen_by") or {}).get(what) == "model" else ""
 
 
 def render(r: dict) -> str:
@@ -207,6 +252,11 @@ def render(r: dict) -> str:
     if r.get("load_imbalance", 1.0) != 1.0:
         extras.append(f"load imbalance {r['load_imbalance']:g}")
     head = f"{r['model']} on {r['arch']}  mbs {r['mbs']}  {', '.join(extras)}  area {r['area_mm2']:.1f} mm^2"
+    if r.get("system"):
+        head += (f"\nchip {r['arch']}{_chosen_by_model(r, 'arch')}, system {r['system']}{_chosen_by_model(r, 'system')}"
+                 f": {r['devices']} devices, global batch {r['global_batch']}")
+        if _chosen_by_model(r, "ilp_time_limit"):
+            head += f", ILP time limit {r['ilp_time_limit_s']:g} s per layer pass (the model's default)"
     mem = r.get("memory_per_device")
     if mem:
         gib = 2.0**30
@@ -222,7 +272,8 @@ def render(r: dict) -> str:
     t = r["timings"]
     work = f"graph {t['graph_s']:.3f} s, estimate {t['estimate_s']:.3f} s, ILP {t['ilp_s']:.3f} s, DP {t['dp_s'] * 1e3:.1f} ms"
     if not r["feasible"]:
-        return f"{head}\ninfeasible: {r['reason']}\n({work})"
+        hint = f"\nhint: {r['hint']}" if r.get("hint") else ""
+        return f"{head}\ninfeasible: {r['reason']}{hint}\n({work})"
     p = r["placement"]
     lines = [
         head,
@@ -273,4 +324,4 @@ def idle_devices_line(r: dict) -> str:
 
 def heartbeat(args) -> str:
     """The label of the line `phaze-opt` prints every 10 s while this runs (a large model takes minutes)."""
-    return f"evaluate {args.model} on {args.arch}"
+    return f"evaluate {args.model}" + (f" on {args.arch}" if args.arch else "")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import configs
-from ..errors import PhazeError, config_error
+from ..errors import PhazeError, config_error, unknown_choice
 from ..system import LIMITS as SYSTEM_LIMITS
 from ..training import Layout
 
@@ -56,8 +56,14 @@ LIMITS["type_vocab"] = LIMITS["vocab"]
 # The hand-tuned placement's degrees each use at most every accelerator a system may have.
 EXPERT_LIMIT = SYSTEM_LIMITS["accelerators"]
 
+# How `phaze-opt evaluate` runs the model when the command names no chip, system or ILP time limit
+# (see `ModelConfig.default_arch`); they change no graph, so they are not part of the identity.
+DEFAULT_FIELDS = ("default_arch", "default_system", "default_ilp_time_limit")
+# A per-pass schedule limit beyond an hour buys nothing: the MIP phases of a pass stop long before.
+ILP_LIMIT = configs.Limit(3600, "an hour per layer pass; the solver's phases stop far sooner")
+
 OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "type_vocab", "norm_eps", "attention",
-            "expert_placement",
+            "expert_placement", *DEFAULT_FIELDS,
             *("head_dim", "qk_norm", "window", "global_every", "parallel_block", "mtp_layers", "qkv_projection",
               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
@@ -176,6 +182,14 @@ class ModelConfig:
     router_groups: int = 0
     router_group_topk: int = 0
     source: str = field(default="", compare=False)  # the file it came from; not part of its identity
+    # The chip and system `phaze-opt evaluate` uses when none is named (a preset name each; "": the
+    # command's own defaults), and its per-pass schedule limit in seconds (0: the command's). A model
+    # of 10^11 parameters does not fit the command's generic defaults (a 32 GiB TPUv4 die), so a new
+    # user's first command would otherwise be an infeasible one. None changes a graph or a cost, so
+    # none is part of the identity (or of any cache key).
+    default_arch: str = field(default="", compare=False)
+    default_system: str = field(default="", compare=False)
+    default_ilp_time_limit: float = field(default=0.0, compare=False)
 
     @property
     def head_dim(self) -> int:
@@ -235,6 +249,8 @@ class ModelConfig:
         """Everything that changes the graphs (the file it came from does not)."""
         d = asdict(self)
         d.pop("source")
+        for key in DEFAULT_FIELDS:
+            d.pop(key)
         if d["attention"] == "unfused":  # the default leaves the identity (and cache keys) as they were
             d.pop("attention")
         if not self.moe:  # a dense model hashes as it did before MoE fields existed
@@ -396,7 +412,28 @@ def parse_model(data: dict, file: str | Path = "<model>") -> ModelConfig:
         expert_placement=_expert_placement(data, file, tp_widths, graph_layers),
         positions=positions, dropout=float(dropout), bias=bias, dtype=dtype, type_vocab=type_vocab,
         norm_eps=norm_eps, attention=attention, source=str(file), head_size=head_size, **moe, **modern, **mla,
+        **_default_fields(data, file),
     )
+
+
+def _default_fields(data: dict, file) -> dict:
+    """`default_arch`, `default_system` (preset names, checked to exist now, so that a misspelt one is
+    reported against this file rather than as an unknown --arch the user never typed) and
+    `default_ilp_time_limit` (seconds)."""
+    out = {}
+    for key, kind, noun in (("default_arch", "archs", "an arch"), ("default_system", "systems", "a system")):
+        value = data.get(key, "")
+        if key not in data:
+            out[key] = ""
+            continue
+        if not isinstance(value, str) or not value.strip():
+            raise config_error(file, key, f"must be the name of {noun} preset, got {value!r}")
+        if configs.find(kind, value.strip()) is None:
+            raise config_error(file, key, unknown_choice(kind[:-1], value, configs.available(kind)))
+        out[key] = value.strip()
+    out["default_ilp_time_limit"] = (configs.positive_number(data, "default_ilp_time_limit", file, limit=ILP_LIMIT)
+                                     if "default_ilp_time_limit" in data else 0.0)
+    return out
 
 
 def _expert_placement(data: dict, file, tp_widths: tuple[int, ...], graph_layers: int) -> Layout | None:
