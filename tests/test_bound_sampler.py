@@ -28,30 +28,10 @@ from phaze_opt.search.session import is_feasible
 from phaze_opt.system import load_system
 from phaze_opt.training import recipe_choices
 from phaze_opt.workload.models import load_model
+from test_upper_bound import TINY_SPACE as TINY
 
 MODEL, SYSTEM = load_model("gpt2-xl"), load_system("default")
 
-TINY = """
-name: tiny
-params:
-  num_tc: [4, 16]
-  num_vc: [8]
-  tc_x: [64, 128]
-  tc_y: [128]
-  glb_mib: [32]
-  hbm_gib: [32, 80]
-  mbs: [1, 2]
-  recompute: [false, true]
-tied:
-  vc_width: tc_x
-fixed:
-  clock_ghz: 1.05
-hbm_bw_gbps: {32: 1200, 80: 2048}
-area:
-  budget: tpuv4
-  min_fraction: 0.05
-  floor_exempt_if_one: [num_tc, num_vc]
-"""
 
 
 def _space(params: dict):

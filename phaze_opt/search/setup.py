@@ -289,16 +289,11 @@ def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
         raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
     if prune == "off" or not config.strategy.can_prune:
         return "off"
-    why = None
     if config.hysteresis is not None:
         why = "--hysteresis stops by area order; bound pruning visits best-first (use --hysteresis off)"
     else:
         why = bound_obstacle(config, backend)
-    if why is None:
-        return "bound"
-    if prune == "bound":
-        raise PhazeError(f"--prune bound: {why}")
-    return "off"
+    return _where_bounds_apply(prune, why, "--prune", "bound", "off")
 
 
 def resolve_sampler(config: StudyConfig, backend: Backend | None) -> str:
@@ -307,12 +302,18 @@ def resolve_sampler(config: StudyConfig, backend: Backend | None) -> str:
     sampler = str(config.sampler).strip().lower()
     if sampler not in (AUTO, "bound") or config.exhaustive:
         return sampler
-    why = bound_obstacle(config, backend)
+    return _where_bounds_apply(sampler, bound_obstacle(config, backend), "--sampler", "bound", "tpe",
+                               f"; choose another sampler ({', '.join(SAMPLERS[1:])})")
+
+
+def _where_bounds_apply(asked: str, why: str | None, flag: str, bounded: str, otherwise: str, hint: str = "") -> str:
+    """`bounded` where the bounds apply (`why` is None); else `otherwise`, or, when `bounded` itself
+    was asked for, the one-line reason it cannot be."""
     if why is None:
-        return "bound"
-    if sampler == "bound":
-        raise PhazeError(f"--sampler bound: {why}; choose another sampler ({', '.join(SAMPLERS[1:])})")
-    return "tpe"
+        return bounded
+    if asked == bounded:
+        raise PhazeError(f"{flag} {bounded}: {why}{hint}")
+    return otherwise
 
 
 def _check_model(name: str):
