@@ -13,6 +13,9 @@ DESCRIPTION = (
 )
 
 
+heartbeat = None  # a server that waits for Ctrl-C: its addresses are its output, not "still working" lines
+
+
 def add_arguments(p) -> None:
     p.add_argument("--study", default=None, metavar="NAME",
                    help="the study (its MLflow experiment) to open; default the only one, else the experiments list")

@@ -43,6 +43,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .. import interrupt
+from ..activity import phase
 from ..design.best_first import BoundOrder
 from .encoding import SpaceCodec
 
@@ -126,7 +127,8 @@ class BoundSampler(optuna.samplers.BaseSampler):
 
         point = None
         if rng.random() >= self._explore:
-            found = self.order.next_point(incumbent, taken, budget=self._budget(trial.number))
+            with phase(f"bounding the designs for trial {trial.number}"):  # the first one traces and bounds
+                found = self.order.next_point(incumbent, taken, budget=self._budget(trial.number))
             if found is not None:
                 point, self.last_kind = found[0], "bound"
         if point is None and best is not None:
@@ -149,8 +151,9 @@ class BoundSampler(optuna.samplers.BaseSampler):
         if incumbent <= 0:
             return False
         held = held_keys(trials)
-        found = self.order.next_point(incumbent, lambda p: _key(self._codec.encode(p)) in held, peek=True,
-                                      budget=self._budget(number))
+        with phase("bounding the designs left"):
+            found = self.order.next_point(incumbent, lambda p: _key(self._codec.encode(p)) in held, peek=True,
+                                          budget=self._budget(number))
         return found is None and self.order.top_bound() <= incumbent
 
     def _budget(self, number: int) -> float:
