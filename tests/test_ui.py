@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -98,3 +99,58 @@ def test_ui_serves_the_store_and_prints_the_trials_page(store):
     port = urlsplit(base).port
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+@pytest.fixture
+def tiny_study(tmp_path, monkeypatch):
+    """A finished six-trial study (the fake evaluator: seconds) alone in studies/, as a study leaves it."""
+    pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is not installed (make setup installs it)")
+    from phaze_opt.search.runner import run_study
+    from test_study_fakes import backend, config
+
+    monkeypatch.chdir(tmp_path)
+    run_study(config(tmp_path, trials=6, study_name="tiny", storage=f"sqlite:///{tmp_path}/studies/tiny.db"),
+              backend())
+    return tmp_path
+
+
+def test_optuna_dashboard_serves_the_study_and_stops_on_ctrl_c(tiny_study):
+    here = str(Path(phaze_opt.__file__).resolve().parents[1])  # this checkout, not another install
+    env = {**os.environ, "DISPLAY": "", "WAYLAND_DISPLAY": "",
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    # no --study: the only storage in studies/ and the only study in it
+    proc = subprocess.Popen([sys.executable, "-m", "phaze_opt", "ui", "--optuna"], cwd=tiny_study, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("Optuna dashboard at http://127.0.0.1:"), first + proc.stderr.read()
+        base = first.split()[3]
+        name, page = proc.stdout.readline().split()[:2]
+        assert name == "tiny:" and page.startswith(f"{base}/dashboard/studies/")
+        with urllib.request.urlopen(page, timeout=30) as r:  # the page a browser opens: the dashboard's app
+            assert r.status == 200 and "<title>Optuna Dashboard</title>" in r.read().decode()
+        study_id = page.rsplit("/", 1)[1]
+        with urllib.request.urlopen(f"{base}/api/studies/{study_id}", timeout=60) as r:  # what the page shows
+            study = json.load(r)
+        assert study["name"] == "tiny" and len(study["trials"]) >= 6 and study["directions"] == ["maximize"]
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        status = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert status == 0 and err == "", err  # no traceback, no server log, no library warning
+    with pytest.raises(OSError):  # the dashboard's server went with it
+        urllib.request.urlopen(f"{base}/api/meta", timeout=5)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--study", "nope"], ["no Optuna storage at studies/nope.db"]),
+    (["--storage", "sqlite:///studies/tiny.db", "--study", "nope"], ["--study nope: no such study", "tiny"]),
+    ([], None),
+])
+def test_optuna_dashboard_mistakes_are_one_line(tiny_study, capsys, argv, words):
+    if words is None:  # a second storage: which one is no longer clear
+        (tiny_study / "studies" / "other.db").write_bytes((tiny_study / "studies" / "tiny.db").read_bytes())
+        words = ["2 study storages", "other, tiny"]
+    assert cli.main(["ui", "--optuna", "--no-browser", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
