@@ -133,6 +133,7 @@ def test_optuna_dashboard_serves_the_study_and_stops_on_ctrl_c(tiny_study):
         with urllib.request.urlopen(f"{base}/api/studies/{study_id}", timeout=60) as r:  # what the page shows
             study = json.load(r)
         assert study["name"] == "tiny" and len(study["trials"]) >= 6 and study["directions"] == ["maximize"]
+        assert study["objective_names"] == ["throughput (seq/s)"]  # not "Objective 0"
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         status = proc.wait(timeout=60)
