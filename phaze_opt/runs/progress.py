@@ -252,3 +252,4 @@ class Heartbeat:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        _PROGRESS["lines"] = None  # a progress an error left open is not the next command's
