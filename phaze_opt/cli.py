@@ -103,6 +103,18 @@ def dumps(result) -> str:
     return json.dumps(jsonable(result), indent=2)
 
 
+def heartbeat_label(module, args) -> str | None:
+    """What the command's "still working" lines are titled: its module's `heartbeat(args)` (None for
+    no lines: a server, or `--no-progress`), else the command and its model, if it takes one."""
+    label = getattr(module, "heartbeat", _default_label)
+    return label(args) if label is not None else None
+
+
+def _default_label(args) -> str:
+    model = getattr(args, "model", None)
+    return args.command if not model or not isinstance(model, str) else f"{args.command} {model}"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     interrupt.install()  # SIGTERM and SIGHUP stop a command as Ctrl-C does: exit 130, one line
@@ -123,11 +135,11 @@ def _main(argv: list[str] | None) -> int:
             args._parser.reject_extra(extra)
         module = args._module
         configs.add_user_dirs(args.configs)
-        label = getattr(module, "heartbeat", None)
+        label = heartbeat_label(module, args)
         if label is None:
             result = module.run(args)
-        else:  # a command that may work for minutes says so every 10 s
-            with Heartbeat(label(args)):
+        else:  # any command may work for minutes on a large model: it never stays silent for 10 s
+            with Heartbeat(label):
                 result = module.run(args)
         if isinstance(result, int):
             return result

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent / "phaze_opt"
 
 # Lowest first. Keep in step with docs/architecture.md.
 LAYERS = (
-    ("errors", "interrupt", "jsonable", "cache", "configs", "training", "torus", "system", "figures"),
+    ("errors", "activity", "interrupt", "jsonable", "cache", "configs", "training", "torus", "system", "figures"),
     ("workload", "hardware"),
     ("solve",),
     ("design",),

@@ -51,6 +51,37 @@ def test_the_long_commands_have_a_heartbeat():
         assert args._module.heartbeat(args), name
 
 
+def test_every_command_but_the_ui_server_has_a_heartbeat_and_no_progress_silences_a_study():
+    parser = cli.build_parser()
+    assert cli.heartbeat_label(*_module_args(parser, ["workload", "--model", "gpt2-xl"])) == "workload gpt2-xl"
+    assert cli.heartbeat_label(*_module_args(parser, ["export", "some-study"])) == "export"
+    assert cli.heartbeat_label(*_module_args(parser, ["study", "--model", "gpt2-xl"])) == "study gpt2-xl"
+    assert cli.heartbeat_label(*_module_args(parser, ["study", "--no-progress"])) is None
+    assert cli.heartbeat_label(*_module_args(parser, ["ui"])) is None
+
+
+def _module_args(parser, argv):
+    args = parser.parse_args(argv)
+    return args._module, args
+
+
+def test_a_line_shown_by_the_command_restarts_the_heartbeats_wait():
+    from phaze_opt.activity import phase
+    from phaze_opt.runs import progress
+
+    lines = []
+    with Heartbeat("work", every_s=2.0, out=lines.append):
+        for _ in range(8):  # the command itself speaks every 0.1 s: the heartbeat stays quiet
+            progress.spoke()
+            time.sleep(0.1)
+        assert lines == []
+        with phase("tracing the graphs"):
+            deadline = time.monotonic() + 30
+            while not lines and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert lines and lines[0].startswith("[work] still tracing the graphs, ")
+
+
 def test_a_study_asked_for_fewer_trials_than_it_holds_runs_nothing(tmp_path, capsys):
     uri = mlflow_uri(tmp_path)
     run_study(config(tmp_path, trials=6, tracking_uri=uri), backend())

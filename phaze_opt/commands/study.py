@@ -60,6 +60,14 @@ def add_arguments(p) -> None:
                    help="system the TPUv4 baseline runs on (default tpuv4-pod, the TPU v4 pod's torus)")
 
 
+def heartbeat(args) -> str | None:
+    """The label of the "still ..." lines while the study sets up, bounds, runs a long trial or flushes;
+    none with --no-progress, which asks for silence."""
+    if args.progress is False:
+        return None
+    return "study " + "+".join(args.model or ("gpt3-175b",))
+
+
 def config_from_args(args) -> StudyConfig:
     return StudyConfig(
         models=tuple(args.model or ("gpt3-175b",)),

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from ..activity import phase
 from ..cache import BoundedMemo
 from ..errors import PhazeError
 from ..hardware.accelerator import Accelerator
@@ -194,9 +195,10 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         for pass_name in PASSES:
             op_graph = graph.op_graphs[kind][pass_name]
             t0 = time.perf_counter()
-            lat = estimate(op_graph, [arch], interconnect=link)
-            t1 = time.perf_counter()
-            sched = schedule_graph(op_graph, lat.single[0], lat.split[0], arch, time_limit_s=ilp_time_limit_s)
+            with phase(f"solving {model.name}'s {kind}/{pass_name} schedule (tp {tp})"):
+                lat = estimate(op_graph, [arch], interconnect=link)
+                t1 = time.perf_counter()
+                sched = schedule_graph(op_graph, lat.single[0], lat.split[0], arch, time_limit_s=ilp_time_limit_s)
             t2 = time.perf_counter()
             timings["estimate_s"] += t1 - t0
             timings["ilp_s"] += t2 - t1

@@ -11,7 +11,7 @@ from .locks import OPTUNA_TABLES, check_sqlite_storage, probe_database
 from .progress import Heartbeat, say
 from .tracking import (DEFAULT_TRACKING_URI, MlflowTracker, design_fields, driver_url, redact, sqlite_path,
                        tracking_enabled, trial_record)
-from .ui_server import serve
+from .ui_server import serve, serve_optuna
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -25,6 +25,7 @@ __all__ = [
     "redact",
     "say",
     "serve",
+    "serve_optuna",
     "sqlite_path",
     "tracking_enabled",
     "trial_record",

@@ -14,14 +14,25 @@ injectable so tests can drive the pace without sleeping.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from typing import Callable, TextIO
 
-EVERY_S = 10.0  # seconds of wall time between two plain progress lines
+from ..activity import current
+
+EVERY_S = 10.0  # seconds of wall time between two plain progress lines; the most a command stays silent
 BAR_EVERY_S = 0.5  # the most often `due` asks a caller for fresh counts while a bar is drawn
 
-_PROGRESS = {"bar": None}  # the live tqdm bar, so messages print above it instead of through it
+# The live tqdm bar (messages print above it instead of through it), the plain-line progress being
+# shown, and when anything was last shown (`spoke`), which the heartbeat reads.
+_PROGRESS: dict = {"bar": None, "lines": None, "spoke": 0.0, "beating": False}
+
+
+def spoke() -> None:
+    """Something was shown just now: the heartbeat waits another interval."""
+    _PROGRESS["spoke"] = time.monotonic()
 
 
 def say(text: str) -> None:
@@ -31,6 +42,7 @@ def say(text: str) -> None:
         bar.write(text, file=sys.stderr)
     else:
         print(text, file=sys.stderr, flush=True)
+    spoke()
 
 
 def close_bar() -> None:
@@ -79,8 +91,10 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, desc=f"{label} {phase}".strip(), unit=unit,
                             dynamic_ncols=True, file=self.stream)
             _PROGRESS["bar"] = self.bar
+            spoke()
         elif enabled is None:
             self.lines = True
+            _PROGRESS["lines"] = self
 
     def update(self, n: int = 1, best: float | None = None, feasible: int = 0) -> None:
         """`n` more done, `feasible` of them feasible; `best` a score reached (kept if it is the best)."""
@@ -98,6 +112,7 @@ class Progress:
             self.bar.set_postfix_str("  ".join(self._fields()), refresh=False)
             self.bar.update(max(0, done - self.bar.n))
             self.last_shown = self.clock()
+            spoke()
         elif self.due():
             self._print_line()
 
@@ -126,9 +141,10 @@ class Progress:
             out.append(f"best {self.fmt(self.best)}")
         return out
 
-    def _print_line(self) -> None:
-        print(self.line(), file=self.stream, flush=True)
+    def _print_line(self, suffix: str = "") -> None:
+        print(self.line() + suffix, file=self.stream, flush=True)
         self.last_shown = self.clock()
+        spoke()
 
     def close(self) -> None:
         """End the bar, or print the final line."""
@@ -140,6 +156,8 @@ class Progress:
         elif self.lines:
             self._print_line()
             self.lines = False
+        if _PROGRESS["lines"] is self:
+            _PROGRESS["lines"] = None
 
 
 def _isatty(stream) -> bool:
@@ -149,38 +167,89 @@ def _isatty(stream) -> bool:
         return False
 
 
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), so the first heartbeat counts the
+    interpreter's start and imports too; 0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 class Heartbeat:
-    """A line on stderr at least every `every_s` seconds while a long command works, so a log or a
-    terminal never sits silent for minutes (an evaluate that schedules a large model, `published`,
-    `validate`, `measure`):
+    """A line on stderr whenever a command has shown nothing for most of `every_s` seconds (default
+    `EVERY_S`, read when it starts, so a test can lower it), so a log or a terminal never sits silent
+    for longer, whatever phase the command is in (tracing, baselines, solves, bounding, flushing):
 
         [evaluate mixtral-8x7b on tpuv4] still working, 40s
+        [study gpt2-xl] still computing the TPUv4 baselines, 20s
+        [gpt2-xl-small-bound] 1/4 trials  feasible 1  best 27.1 seq/s  still running a trial, 30s
 
-    A command that finishes within `every_s` prints nothing. The lines come from a daemon thread,
-    which only reads the clock and prints; the work itself is untouched.
+    The words are the innermost `phase` (else "working"), the time is the phase's (else the
+    command's); while plain progress lines are shown, the heartbeat prints the progress line with
+    that phase after it, and while a bar is drawn it redraws the bar (its clock moves) instead of
+    printing. Any line shown (`say`, progress) restarts the wait, so a command that speaks on its
+    own, or finishes within the interval, gets no extra lines. The lines come from a daemon thread,
+    which only reads the clock and the shared state and prints; the work itself is untouched.
     """
 
-    def __init__(self, label: str, every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic,
-                 out: Callable[[str], None] = say):
-        import threading
+    QUIET_SHARE = 0.8  # speak after this share of the interval in silence, so waking late stays within it
+    POLLS = 20  # wake-ups per interval
 
+    def __init__(self, label: str, every_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 out: Callable[[str], None] = say):
         self.label, self.every_s, self.clock, self.out = label, every_s, clock, out
         self.start = clock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phaze-opt-heartbeat", daemon=True)
 
+    def interval(self) -> float:
+        return EVERY_S if self.every_s is None else self.every_s
+
+    def doing(self) -> tuple[str, float]:
+        """(what is being done, since when on `clock`): the innermost phase, else the whole command."""
+        now = current() if self.clock is time.monotonic else None
+        return now if now is not None else ("working", self.start)
+
     def line(self) -> str:
-        return f"[{self.label}] still working, {duration(self.clock() - self.start)}"
+        words, since = self.doing()
+        return f"[{self.label}] still {words}, {duration(self.clock() - since)}"
+
+    def beat(self) -> None:
+        """Show that the command is alive: the bar redrawn, or one line."""
+        bar, lines = _PROGRESS["bar"], _PROGRESS["lines"]
+        if bar is not None:
+            bar.refresh()
+            spoke()
+        elif lines is not None and lines.lines:
+            words, since = self.doing()
+            suffix = "" if words == "working" else f"  still {words}, {duration(self.clock() - since)}"
+            lines._print_line(suffix)
+        else:
+            self.out(self.line())
+            spoke()  # an `out` other than `say` (tests) counts as shown too
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.out(self.line())
+        every = self.interval()
+        while not self._stop.wait(every / self.POLLS):
+            last = _PROGRESS["spoke"]
+            if time.monotonic() - last >= every * self.QUIET_SHARE:
+                self.beat()
 
     def __enter__(self) -> "Heartbeat":
         self.start = self.clock()
+        # the first command of a process counts its wait from the process's start (interpreter, imports)
+        first = not _PROGRESS.get("beating")
+        _PROGRESS["beating"] = True
+        _PROGRESS["spoke"] = time.monotonic() - (process_age() if first else 0.0)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        _PROGRESS["lines"] = None  # a progress an error left open is not the next command's

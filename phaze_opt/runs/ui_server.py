@@ -9,6 +9,10 @@ switch, kept in localStorage as `mlflow.workflowType_v1`), GenAI at first. The e
 is consulted). No experiment tag or server setting changes it, so every address printed or opened
 here carries `workflowType=machine_learning`; the experiments list's own links do not keep it, and a
 click there opens the runs table once the browser has been switched to "Model training".
+
+`phaze-opt ui --optuna` starts Optuna's own dashboard (the `optuna-dashboard` package) on a study's
+storage instead, on the same terms (127.0.0.1, a free port, Ctrl-C stops it), and prints the
+study's page: its optimization history, Pareto front, parameter importances and trials.
 """
 
 from __future__ import annotations
@@ -76,19 +80,20 @@ def server_command(tracking_uri: str, host: str, port: int) -> list[str]:
             "--host", host, "--port", str(port), "--workers", "1"]
 
 
-def wait_until_up(proc: subprocess.Popen, host: str, port: int, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until MLflow answers its health check; its exit or the time limit is a one-line error."""
+def wait_until_up(proc: subprocess.Popen, host: str, port: int, timeout_s: float = START_TIMEOUT_S,
+                  path: str = "/health", what: str = "the MLflow server") -> None:
+    """Until the server answers `path` (its health check); its exit or the time limit is a one-line error."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise PhazeError(f"the MLflow server stopped at start (exit status {proc.returncode}); its messages are above")
+            raise PhazeError(f"{what} stopped at start (exit status {proc.returncode}); its messages are above")
         try:
-            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             time.sleep(0.5)
-    raise PhazeError(f"the MLflow server did not answer on {host}:{port} within {timeout_s:.0f} s")
+    raise PhazeError(f"{what} did not answer on {host}:{port} within {timeout_s:.0f} s")
 
 
 def has_desktop() -> bool:
@@ -111,15 +116,23 @@ def serve(tracking_uri: str, study: str | None, *, port: int | None = None, open
     target = find_study(tracking_uri, study)
     host = UI_HOST
     port = port or free_port(host)
-    # MLflow's log goes to stderr, so stdout carries only the addresses (for a script to read)
+    page = trials_url(target.study[1], host, port) if target.study else experiments_url(host, port)
+    return _run_server(server_command(tracking_uri, host, port), {"MLFLOW_DISABLE_TELEMETRY": "true"},
+                       lambda proc: wait_until_up(proc, host, port), page_lines(target, host, port), page,
+                       open_browser, out)
+
+
+def _run_server(command: list[str], env: dict, wait, lines: list[str], page: str, open_browser: bool | None,
+                out) -> int:
+    """Start a UI server, wait until it answers, print `lines`, open `page` (on a desktop, or as told),
+    serve until Ctrl-C or a kill, then stop the server and all it started."""
+    # the server's log goes to stderr, so stdout carries only the addresses (for a script to read)
     # its own process group: MLflow runs uvicorn as a child, and stopping the UI stops both
-    proc = subprocess.Popen(server_command(tracking_uri, host, port), stdout=sys.stderr, start_new_session=True,
-                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    proc = subprocess.Popen(command, stdout=sys.stderr, start_new_session=True, env={**os.environ, **env})
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        wait_until_up(proc, host, port)
-        print("\n".join(page_lines(target, host, port)), file=out, flush=True)
-        page = trials_url(target.study[1], host, port) if target.study else experiments_url(host, port)
+        wait(proc)
+        print("\n".join(lines), file=out, flush=True)
         if has_desktop() if open_browser is None else open_browser:
             import webbrowser
 
@@ -130,6 +143,93 @@ def serve(tracking_uri: str, study: str | None, *, port: int | None = None, open
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop(proc)
+
+
+# -- Optuna's dashboard ---------------------------------------------------------------------------
+
+STORAGE_ENV = "PHAZE_OPT_DASHBOARD_STORAGE"  # the storage URL reaches the server here, not on its command
+# line, where `ps` would show a database password to every user of the machine
+
+# The dashboard's own server (`optuna_dashboard.run_server`, bottle's) prints a banner and a line per
+# request; this one serves the same WSGI app (`optuna_dashboard.wsgi`) in threads, quietly.
+DASHBOARD_PROGRAM = """
+import os, sys, warnings
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+import optuna
+import optuna_dashboard
+
+class Handler(WSGIRequestHandler):
+    def log_message(self, *args):
+        pass
+
+class Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+warnings.simplefilter("ignore")  # the importance estimators warn on small studies, on the UI's stderr
+app = optuna_dashboard.wsgi(os.environ.pop(%r))
+server = make_server(sys.argv[1], int(sys.argv[2]), app, server_class=Server, handler_class=Handler)
+try:
+    server.serve_forever()
+except KeyboardInterrupt:
+    pass
+""" % STORAGE_ENV
+
+
+def dashboard_command(host: str, port: int) -> list[str]:
+    return [sys.executable, "-c", DASHBOARD_PROGRAM, host, str(port)]
+
+
+def dashboard_url(host: str, port: int, study_id: int) -> str:
+    return f"http://{host}:{port}/dashboard/studies/{study_id}"
+
+
+def optuna_study(storage_url: str, study: str | None) -> tuple[str, int]:
+    """(name, the storage's id for it) of `study`, or of the only study in the storage. A missing
+    SQLite file, study or choice is a one-line error naming what there is."""
+    db = sqlite_path(storage_url)
+    if db is not None and not db.is_file():  # opening it would create an empty database
+        raise PhazeError(f"no Optuna storage at {db} (from {os.getcwd()}): run the study first, from this folder, "
+                         "or give --storage")
+    try:
+        import optuna_dashboard  # noqa: F401  # said here, before a server starts without it
+    except ImportError:
+        raise PhazeError("the Optuna dashboard needs the optuna-dashboard package (a dependency of phaze-opt): "
+                         "make setup, or pip install optuna-dashboard") from None
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.get_storage(driver_url(storage_url))
+    try:
+        names = [s.study_name for s in storage.get_all_studies()]
+        if study is None:
+            if len(names) != 1:
+                raise PhazeError(f"{redact(storage_url)} holds {len(names)} studies; give --study, one of: "
+                                 f"{', '.join(sorted(names)) or '(none)'}")
+            study = names[0]
+        if study not in names:
+            raise PhazeError(f"--study {study}: no such study in {redact(storage_url)}; there are: "
+                             f"{', '.join(sorted(names)) or '(none)'}")
+        return study, storage.get_study_id_from_name(study)
+    finally:
+        engine = getattr(storage, "engine", None)
+        if engine is not None:
+            engine.dispose()
+
+
+def serve_optuna(storage_url: str, study: str | None, *, port: int | None = None, open_browser: bool | None = None,
+                 out=sys.stdout) -> int:
+    """Start Optuna's dashboard on the study's storage, print the study's page, open it, wait for Ctrl-C."""
+    name, study_id = optuna_study(storage_url, study)
+    host = UI_HOST
+    port = port or free_port(host)
+    page = dashboard_url(host, port, study_id)
+    lines = [f"Optuna dashboard at http://{host}:{port} (Ctrl-C stops it)",
+             f"  {name}: {page}  (history, Pareto front, parameter importances, trials)"]
+    return _run_server(dashboard_command(host, port), {STORAGE_ENV: driver_url(storage_url)},
+                       lambda proc: wait_until_up(proc, host, port, path="/api/meta", what="the Optuna dashboard"),
+                       lines, page, open_browser, out)
 
 
 def _interrupt(signum, frame):

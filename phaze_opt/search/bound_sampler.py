@@ -46,6 +46,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .. import interrupt
+from ..activity import phase
 from ..design.best_first import BoundOrder
 from .encoding import SpaceCodec
 
@@ -113,7 +114,8 @@ class BoundSampler(optuna.samplers.BaseSampler):
     @property
     def order(self) -> BoundOrder:
         if self._order is None:
-            self._order = self._make_order()
+            with phase("tracing the model and bounding the architectures"):
+                self._order = self._make_order()
         return self._order
 
     def infer_relative_search_space(self, study, trial) -> dict[str, BaseDistribution]:
@@ -145,9 +147,10 @@ class BoundSampler(optuna.samplers.BaseSampler):
         order = self.order
         point = None
         if rng.random() >= self._explore:
-            found = order.next_point(incumbent, taken, budget=self._budget(number))
-            if found is None and not order.exhausted(incumbent):  # out of budget: the best bounded point
-                found = order.best_point(incumbent, taken)
+            with phase(f"bounding the designs for trial {number}"):  # the first one traces and bounds
+                found = order.next_point(incumbent, taken, budget=self._budget(number))
+                if found is None and not order.exhausted(incumbent):  # out of budget: the best bounded point
+                    found = order.best_point(incumbent, taken)
             if found is not None:
                 point, self.last_kind = found[0], "bound"
             elif incumbent > 0 and order.exhausted(incumbent) and self.settled_at is None:

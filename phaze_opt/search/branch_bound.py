@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..activity import phase
 from ..design.dominance import model_dominators
 from ..design.evaluate import tp_widths
 from ..design.best_first import level0_throughput, recipe_bounds
@@ -273,7 +274,8 @@ def run_branch_bound(session) -> dict:
     pool = _executor(config.workers, (model_name, config.system, session.context()))
     try:
         t0 = time.perf_counter()
-        ub0, widths = _bound_level0(session, grid, pool)  # [n_m, n_rows], per microbatch per TP width
+        with phase("bounding the designs"):
+            ub0, widths = _bound_level0(session, grid, pool)  # [n_m, n_rows], per microbatch per TP width
         stats["level0_s"] = time.perf_counter() - t0
         model, system = load_model(model_name), load_system(config.system)
         dom = recipe_dominators(grid, model, system)

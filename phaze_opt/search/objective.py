@@ -72,6 +72,17 @@ def directions(objectives: Sequence[str]) -> list[str]:
     return [OBJECTIVES[o] for o in objectives]
 
 
+def metric_names(objectives: Sequence[str], n_models: int) -> list[str]:
+    """Each objective's name with its unit, as Optuna's dashboard labels its axes and columns
+    (`Study.set_metric_names`; without them it shows "Objective 0"). With several models the
+    throughput and energy are means of ratios to each model's TPUv4 expert baseline (`_score`, `_energy`)."""
+    one = n_models == 1
+    names = {"throughput": "throughput (seq/s)" if one else "throughput (x TPUv4 expert, mean)",
+             "area": "area (mm^2)",
+             "energy": "energy per batch (J)" if one else "energy (x TPUv4 expert, mean)"}
+    return [names[o] for o in objectives]
+
+
 @dataclass(frozen=True)
 class Baseline:
     """A model's TPUv4 reference: the denominator of the ratios every report shows.

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..activity import phase
 from ..figures import pyplot, write_figure
 from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
@@ -207,6 +208,11 @@ def crash_notes(session, done) -> list[str]:
 
 def finish(session, worker_stats: Sequence[dict], extra: dict | None = None) -> dict:
     """Build the summary, save the Pareto plot and summary.json, log them to the parent run."""
+    with phase("writing the summary and flushing MLflow"):
+        return _summary(session, worker_stats, extra)
+
+
+def _summary(session, worker_stats: Sequence[dict], extra: dict | None) -> dict:
     config = session.config
     trials = session.all_trials()
     done = finished_trials(trials)

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 from ..runs import reconcile, signals
 from ..runs.disk import DiskFull
 from .. import interrupt
+from ..activity import phase
 from .bound_sampler import SETTLED_ATTR, settled_note, stop_when_settled
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
@@ -90,8 +91,8 @@ def run_worker(spec: WorkerSpec, quota: int, index: int = 0, on_trial: Callable 
         mark_design(study, trial, point)
         outcome = None
         try:
-            with interrupt.interruptible():  # only the evaluation is cut by a signal, never Optuna's writes
-                outcome = evaluate_point(point, ctx)
+            with interrupt.interruptible(), phase(f"evaluating trial {trial.number}"):  # only the evaluation is cut
+                outcome = evaluate_point(point, ctx)  # by a signal, never Optuna's writes
         except FatalStudyError:
             trial.set_user_attr("interrupted", True)  # a set-up problem, not this design's: do not count it
             raise

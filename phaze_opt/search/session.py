@@ -43,6 +43,7 @@ from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from ..runs import reconcile, signals
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .. import interrupt
+from ..activity import phase
 from ..runs.progress import Progress, close_bar, say
 from .setup import Backend, StudyConfig, database_place, prepare, release_storage
 from ..runs.tracking import (
@@ -207,23 +208,26 @@ class Session:
     def _open(self, config: StudyConfig, backend: Backend | None) -> None:
         """The set-up, one job a step; the config is read here and by the steps, never passed on."""
         quiet_optuna()
-        self._adopt(prepare(config, backend))
-        with interrupt.deferred():
-            trials = self._claim_trials()
+        with phase("opening the study"):
+            self._adopt(prepare(config, backend))
+            with interrupt.deferred():
+                trials = self._claim_trials()
         interrupt.checkpoint_deferred()
         self._count_start(trials)
         if not self.runs:
-            self._reconcile_only()
+            with phase("reconciling MLflow with the study"):
+                self._reconcile_only()
             return
-        with interrupt.deferred():  # the computation inside is cut at once, its storing is not
+        with interrupt.deferred(), phase("computing the TPUv4 baselines"):  # cut at once, its storing is not
             self.baselines = self._baselines()
         interrupt.checkpoint_deferred()
-        if tracking_enabled(self.config.tracking_uri):  # the slow part (imports, database), cut at once
-            MlflowTracker.prepare(self.config.tracking_uri, self.name, storage_key=storage_key(self.url))
-        with interrupt.deferred():
-            self.tracker = self._start_tracker()
-            self._reconcile_runs()
-            self._count_workers()  # last: only a start that succeeded counts
+        with phase("starting the MLflow run"):
+            if tracking_enabled(self.config.tracking_uri):  # the slow part (imports, database), cut at once
+                MlflowTracker.prepare(self.config.tracking_uri, self.name, storage_key=storage_key(self.url))
+            with interrupt.deferred():
+                self.tracker = self._start_tracker()
+                self._reconcile_runs()
+                self._count_workers()  # last: only a start that succeeded counts
         interrupt.checkpoint_deferred()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -450,7 +454,8 @@ class Session:
             except Exception:  # noqa: BLE001 - the storage may be what failed; keep the real error
                 pass
         close_bar()
-        self.close(status)
+        with phase("flushing the trial runs to MLflow"):
+            self.close(status)
         reconcile.end_session()
 
 

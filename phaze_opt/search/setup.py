@@ -38,7 +38,7 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     StudyConfig,
 )
 from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_tracking_uri
-from .objective import parse_objectives
+from .objective import metric_names, parse_objectives
 from .strategy import AUTO
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
 from ..runs.tracking import driver_url, redact, sqlite_path, tracking_enabled
@@ -431,6 +431,12 @@ def _own_attrs(study: optuna.Study, name: str, url: str) -> dict:
         time.sleep(0.1)
 
 
+def _name_metrics(study: optuna.Study, config: StudyConfig) -> None:
+    names = metric_names(config.objectives, len(config.models))
+    if study.metric_names != names:
+        study.set_metric_names(names)
+
+
 def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Study, bool]:
     """Create the study, or load it when it exists with the same settings; returns (study, resumed)."""
     name = study_name(config)
@@ -448,9 +454,11 @@ def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Stu
                                  f"{attrs[key]}, not {identity[key]}; choose another --study-name")
         if list(study.directions) != [optuna.study.StudyDirection[d.upper()] for d in config.directions]:
             raise PhazeError(f"study '{name}' has other objective directions; choose another --study-name")
+        _name_metrics(study, config)  # a study made before the names were set gets them
         return study, True
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                 directions=config.directions, load_if_exists=True)
+    _name_metrics(study, config)
     for key, value in identity.items():
         study.set_user_attr(key, value)
     study.set_user_attr("sampler", config.strategy.sampler_label(config))

@@ -32,6 +32,7 @@ import logging
 import time
 from pathlib import Path
 
+from ..activity import phase
 from ..cache import BoundedMemo, cache_root, signature, signed, write_atomic
 from ..configs import positive_arg
 from ..errors import PhazeError
@@ -316,7 +317,8 @@ def active_params(model: ModelConfig) -> int:
 def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, cache: bool,
              expert_weights: str) -> LayerGraph:
     start = time.perf_counter()
-    traces = trace_kinds(model, tp, mbs, seq, fuse, expert_weights)
+    with phase(f"tracing {model.name}'s layer graphs (tp {tp}, mbs {mbs})"):
+        traces = trace_kinds(model, tp, mbs, seq, fuse, expert_weights)
     from .layers import layer_sequence
 
     names, kinds = (list(x) for x in zip(*layer_sequence(model)))
