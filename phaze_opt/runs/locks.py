@@ -79,6 +79,32 @@ def file_lock(path: str | os.PathLike, timeout_s: float = 600.0):
         os.close(fd)  # closing releases the lock
 
 
+@contextmanager
+def study_lock(url: str, storage, study: str, purpose: str):
+    """Held by one process at a time for `purpose` on the study `study` in the storage `url`: a file
+    lock (the processes of this machine) and, on PostgreSQL, an advisory lock on a connection of the
+    storage's own engine (the processes of every machine). A read-then-write such as Optuna's
+    `enqueue_trial(skip_if_exists=True)` is only atomic under it: processes starting together each
+    read "absent" and each inserted. Both locks go with their process when it dies."""
+    digest = hashlib.sha1(f"phaze_opt:{purpose}:{study}".encode()).digest()
+    with file_lock(lock_path_for(url, f"{purpose}-{digest.hex()[:12]}")):
+        engine = getattr(storage, "engine", None)
+        if engine is None or engine.dialect.name != "postgresql":
+            yield
+            return
+        from sqlalchemy import text
+
+        key = int.from_bytes(digest[:8], "big", signed=True)  # PostgreSQL's advisory keys are bigint
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            conn.commit()
+            try:
+                yield
+            finally:  # a session-level lock outlives the transaction: released before the pool keeps the connection
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                conn.commit()
+
+
 def is_race(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}".lower()
     return any(m in text for m in RACE_MARKERS)
