@@ -688,3 +688,25 @@ def test_a_stop_cuts_the_wait_for_a_dead_tracking_store(tmp_path, monkeypatch, c
     finally:
         interrupt.reset()
         hung.set()
+
+
+def test_a_port_that_answers_but_is_no_database_server_is_one_line_within_seconds(tmp_path):
+    """Another program on the database's port takes the connection and never answers the driver:
+    it waited minutes (123 s), for the storage and the tracking URI alike."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(8)], daemon=True).start()
+    url = f"postgresql://u@127.0.0.1:{listener.getsockname()[1]}/db"
+    try:
+        for option in ("storage", "tracking_uri"):
+            start = time.monotonic()
+            with pytest.raises(PhazeError, match=f"--{option.replace('_', '-')} .*(did not log in|timeout expired)"):
+                run_study(config(tmp_path, trials=3, **{option: url}), backend())
+            assert time.monotonic() - start < 10
+    finally:
+        listener.close()
