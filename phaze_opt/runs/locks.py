@@ -324,6 +324,30 @@ def _probe_login(text: str, timeout_s: float, option: str) -> None:
 OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}
 
 
+def sqlite_read_uri(path: str | os.PathLike) -> str:
+    """An SQLite URI (`file:...`) that reads the database at `path` and never writes it: `mode=ro`,
+    or `immutable=1` where that cannot open it. A WAL database opened read-only needs its `-shm`
+    file, which SQLite cannot create in a read-only folder (read-only media, another user's
+    studies), so `mode=ro` fails there with "unable to open database file". Immutable skips the
+    shared memory and the locks; what it misses is a `-wal` not yet folded back, which a
+    read-only folder cannot be given anyway."""
+    import sqlite3
+
+    path = Path(path).resolve()
+    for query in ("mode=ro", "immutable=1"):
+        uri = f"file:{path}?{query}"
+        try:
+            con = sqlite3.connect(uri, uri=True, timeout=30)
+            try:
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return uri
+            finally:
+                con.close()
+        except sqlite3.OperationalError:
+            continue
+    return f"file:{path}?mode=ro"  # the error, if any, is the caller's to report
+
+
 def check_sqlite_storage(url: str) -> None:
     """Refuse a SQLite file that holds another program's tables (an MLflow database, say): Optuna would
     add its tables to it or fail with a misleading version error. A missing or empty file passes."""
@@ -336,7 +360,7 @@ def check_sqlite_storage(url: str) -> None:
     import sqlite3
 
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = sqlite3.connect(sqlite_read_uri(path), uri=True, timeout=30)
         try:
             tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
