@@ -710,3 +710,35 @@ def test_a_port_that_answers_but_is_no_database_server_is_one_line_within_second
             assert time.monotonic() - start < 10
     finally:
         listener.close()
+
+
+def test_a_signal_inside_the_unraisable_hook_is_not_printed_and_still_stops():
+    """A signal that lands while the interpreter reports an error it cannot raise (a finaliser's)
+    raised its KeyboardInterrupt inside our hook: "Exception ignored in sys.unraisablehook" and a
+    7-line traceback on a stop (1 of 40). It is delivered again once the hook has returned."""
+    code = """
+import os, signal, sys, time
+from phaze_opt import interrupt
+def reporting(unraisable):  # the interpreter's report, with a signal arriving while it runs
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100000):
+        pass
+    print("reported", unraisable.exc_type.__name__, file=sys.stderr)
+sys.unraisablehook = reporting
+interrupt.install()
+class Finalised:
+    def __del__(self):
+        raise ValueError("in a finaliser")
+Finalised()
+try:
+    time.sleep(10)
+    print("not stopped")
+except KeyboardInterrupt:
+    print("stopped")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "unraisablehook" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "reported ValueError" in out.stderr and out.stdout.strip() == "stopped", (out.stdout, out.stderr)
+    assert time.monotonic() - start < 60
