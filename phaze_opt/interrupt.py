@@ -44,11 +44,22 @@ def _signals() -> list:
     return [getattr(signal, n) for n in SIGNALS if hasattr(signal, n)]
 
 
-def _on_signal(signum, _frame) -> None:
+def _on_signal(signum, frame) -> None:
     request_stop(signal.Signals(signum).name)
     if _raising():
         _start_resender(signum)
+        if _in_unraisable_hook(frame):  # raised there, it is printed as "Exception ignored in sys.unraisablehook"
+            return  # the resender delivers it again once the hook has returned
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _in_unraisable_hook(frame) -> bool:
+    """Whether `frame` runs inside our `sys.unraisablehook` (`_unraisable`), at any depth."""
+    while frame is not None:
+        if frame.f_code is _HOOK_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _raising() -> bool:
@@ -100,6 +111,9 @@ def _unraisable(hook):
 
     quiet.phaze_quiet = True
     return quiet
+
+
+_HOOK_CODE = _unraisable(print).__code__  # the code of every hook `_unraisable` makes
 
 
 def _quiet_record(record) -> bool:

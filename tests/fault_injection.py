@@ -7,7 +7,10 @@ process group and kills it with SIGKILL: the first round while the Optuna schema
 the second while the MLflow database is being built (aside), the rest after a random delay (from
 start-up to a little into the trials; each round asks for a few more trials, so each has work); odd rounds kill
 the parent alone (its workers must then exit by themselves, and are waited for), even rounds the
-whole process group. A last round runs to the end. Then it checks:
+whole process group. Every fifth round from the fourth kills one worker instead (as the kernel's
+out-of-memory killer would): the study must go on and end by itself (exit 0, no traceback); every
+fifth from the fifth kills the parent the moment the round's trials are all finished (before it
+logs them), which the next start must reconcile. A last round runs to the end. Then it checks:
 
 - every trial finished exactly once: no trial RUNNING or WAITING, `--trials` finished trials (at most
   one more, in flight in the other worker), and each queued reference design finished once;
@@ -81,6 +84,60 @@ def _run_to_end(work: Path, trials: int, workers: int, timeout: float = 1800) ->
     return json.loads(out.stdout)
 
 
+def _workers_of(pid: int) -> list[int]:
+    """The worker processes of the study whose parent is `pid` (spawned: `multiprocessing.spawn` in
+    their command line; not the resource tracker)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _finished(db: Path) -> int:
+    """Finished trials in the Optuna SQLite storage `db`, read without writing it."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return con.execute("SELECT count(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return 0
+
+
+def _kill_a_worker(proc, workers: int, rng, problems: list, where: str, err_path: Path) -> bool:
+    """SIGKILL one worker of the running study `proc` (once it has `workers` of them), then let the
+    study end by itself: it must exit 0 within its trials' time, with no traceback."""
+    if not _wait_for(lambda: len(_workers_of(proc.pid)) >= workers, 120, proc):
+        return False
+    _wait_for(lambda: False, rng.uniform(0.0, 1.0), proc)
+    alive = _workers_of(proc.pid)
+    if not alive or proc.poll() is not None:
+        return False
+    os.kill(rng.choice(alive), signal.SIGKILL)
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        problems.append(f"{where}: still running 600 s after a worker was killed")
+        return True
+    stderr = err_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        problems.append(f"{where}: exit {proc.returncode} after a worker was killed: {stderr[-500:]}")
+    if "Traceback" in stderr:
+        problems.append(f"{where}: a traceback after a worker was killed: {stderr[-1500:]}")
+    return True
+
+
 def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, work: Path | None = None) -> dict:
     import tempfile
 
@@ -94,7 +151,8 @@ def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, wor
     startup = max(0.5, time.monotonic() - t0 - trials * TRIAL_S / workers)
     counts = {"kills": 0, "kills_during_mlflow_db_creation": 0, "kills_during_optuna_schema_creation": 0,
               "kills_parent_only": 0, "kills_process_group": 0, "runs_finished_before_kill": 0,
-              "max_orphan_s": 0.0, "orphans_over_limit": 0}
+              "max_orphan_s": 0.0, "orphans_over_limit": 0, "kills_of_a_worker": 0, "kills_at_the_end": 0}
+    problems: list[str] = []
     mlflow_db = dir_ / "mlruns" / "mlflow.db"
     optuna_db = dir_ / "studies" / "fault.db"
     step = max(1, trials // (kills + 1))
@@ -103,9 +161,22 @@ def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, wor
             break
         # each round asks for a few more trials than the last, so every round has work to cut
         target = min(trials, step * (i + 1))
-        proc = subprocess.Popen(_command(dir_, target, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        if i == 0 and not optuna_db.exists():
+        err_path = dir_ / f"stderr-{i}.txt"
+        dir_.mkdir(parents=True, exist_ok=True)
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(_command(dir_, target, workers), env=_env(dir_), stdout=subprocess.DEVNULL,
+                                    stderr=err, start_new_session=True)
+        if i % 5 == 3 and workers > 1:  # a worker killed as the OOM killer would: the study goes on
+            if _kill_a_worker(proc, workers, rng, problems, f"round {i}", err_path):
+                counts["kills"] += 1
+                counts["kills_of_a_worker"] += 1
+            else:
+                proc.wait()
+                counts["runs_finished_before_kill"] += 1
+            continue
+        if i % 5 == 4:  # the parent, as the round's last trial finishes: the next start reconciles
+            _wait_for(lambda: _finished(optuna_db) >= target, 600, proc)
+        elif i == 0 and not optuna_db.exists():
             hit = _wait_for(lambda: optuna_db.exists() or any(optuna_db.parent.glob(".fault.db.building-*")), 60, proc)
             counts["kills_during_optuna_schema_creation"] += hit
         elif i == 1 and not mlflow_db.exists():  # while MLflow migrates its new database, aside
@@ -116,8 +187,9 @@ def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, wor
         if proc.poll() is not None:
             counts["runs_finished_before_kill"] += 1
             continue
-        parent_only = i % 2 == 1
+        parent_only = i % 2 == 1 or i % 5 == 4
         counts["kills"] += 1
+        counts["kills_at_the_end"] += i % 5 == 4
         if parent_only:
             counts["kills_parent_only"] += 1
             os.kill(proc.pid, signal.SIGKILL)
@@ -134,6 +206,7 @@ def run(kills: int = 20, trials: int = 100, workers: int = 2, seed: int = 0, wor
             os.killpg(proc.pid, signal.SIGKILL)
     final = _run_to_end(dir_, trials, workers)
     counts.update(check(dir_, trials, workers, final, reference))
+    counts["problems"][:0] = problems
     if counts["orphans_over_limit"]:
         counts["problems"].append(f"{counts['orphans_over_limit']} times workers outlived their parent by "
                                   f"{ORPHAN_LIMIT_S:.0f} s")

@@ -631,3 +631,114 @@ def test_a_start_that_fails_late_changes_nothing(tmp_path, monkeypatch, where):
     assert len(after.get_trials()) == before_trials
     assert after.user_attrs["workers_per_run"] == before_workers == [1]
     assert sorted(r.info.run_id for r in client.search_runs([exp_id], max_results=1000)) == before_runs
+
+
+def _stalled_tracker(tmp_path, monkeypatch, limit_s):
+    """A tracker whose store never answers the write in flight (an HTTP server that died: MLflow's
+    client retries each request for minutes)."""
+    import threading
+
+    from phaze_opt.runs import tracking
+
+    tracker = tracking.MlflowTracker(mlflow_uri(tmp_path), "0", "run", context={})
+    monkeypatch.setattr(tracking, "FLUSH_LIMIT_S", limit_s)
+    hung = threading.Event()
+    tracker._submit(lambda: hung.wait(120))
+    return tracker, hung
+
+
+def _returns_within(fn, seconds):
+    import threading
+
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (fn(), done.set()), daemon=True)
+    start = time.monotonic()
+    thread.start()
+    assert done.wait(seconds), f"still waiting after {seconds} s"
+    return time.monotonic() - start
+
+
+def test_every_flush_of_a_dead_tracking_store_is_bounded_and_warns_once(tmp_path, monkeypatch, capsys):
+    """The pool's last drain and the summary flush without a timeout: a tracking server killed
+    mid-study held the study after its trials for good. Each wait is bounded; after the first runs
+    out the store is given up, so the writes that follow and the close neither wait nor block."""
+    tracker, hung = _stalled_tracker(tmp_path, monkeypatch, 0.5)
+    try:
+        assert _returns_within(tracker.flush, 20) < 10
+        tracker.log_parent(metrics={"trials": 3})  # the summary's writes, after the store was given up
+        assert _returns_within(tracker.flush, 5) < 1
+        assert _returns_within(lambda: tracker.close("FINISHED"), 5) < 1
+        assert capsys.readouterr().err.count("took no writes") == 1
+    finally:
+        hung.set()
+
+
+def test_a_stop_cuts_the_wait_for_a_dead_tracking_store(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the end waits for a dead tracking server is answered within seconds, not after
+    the full wait."""
+    from phaze_opt import interrupt
+    from phaze_opt.runs import tracking
+
+    tracker, hung = _stalled_tracker(tmp_path, monkeypatch, 600)
+    monkeypatch.setattr(tracking, "STOP_FLUSH_S", 0.5, raising=False)
+    interrupt.request_stop("SIGINT")
+    try:
+        assert _returns_within(tracker.flush, 20) < 10
+        assert "took no writes" in capsys.readouterr().err
+    finally:
+        interrupt.reset()
+        hung.set()
+
+
+def test_a_port_that_answers_but_is_no_database_server_is_one_line_within_seconds(tmp_path):
+    """Another program on the database's port takes the connection and never answers the driver:
+    it waited minutes (123 s), for the storage and the tracking URI alike."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(8)], daemon=True).start()
+    url = f"postgresql://u@127.0.0.1:{listener.getsockname()[1]}/db"
+    try:
+        for option in ("storage", "tracking_uri"):
+            start = time.monotonic()
+            with pytest.raises(PhazeError, match=f"--{option.replace('_', '-')} .*(did not log in|timeout expired)"):
+                run_study(config(tmp_path, trials=3, **{option: url}), backend())
+            assert time.monotonic() - start < 10
+    finally:
+        listener.close()
+
+
+def test_a_signal_inside_the_unraisable_hook_is_not_printed_and_still_stops():
+    """A signal that lands while the interpreter reports an error it cannot raise (a finaliser's)
+    raised its KeyboardInterrupt inside our hook: "Exception ignored in sys.unraisablehook" and a
+    7-line traceback on a stop (1 of 40). It is delivered again once the hook has returned."""
+    code = """
+import os, signal, sys, time
+from phaze_opt import interrupt
+def reporting(unraisable):  # the interpreter's report, with a signal arriving while it runs
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100000):
+        pass
+    print("reported", unraisable.exc_type.__name__, file=sys.stderr)
+sys.unraisablehook = reporting
+interrupt.install()
+class Finalised:
+    def __del__(self):
+        raise ValueError("in a finaliser")
+Finalised()
+try:
+    time.sleep(10)
+    print("not stopped")
+except KeyboardInterrupt:
+    print("stopped")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "unraisablehook" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "reported ValueError" in out.stderr and out.stdout.strip() == "stopped", (out.stdout, out.stderr)
+    assert time.monotonic() - start < 60

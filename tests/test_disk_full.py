@@ -164,3 +164,28 @@ def test_a_full_tracking_store_at_start_is_one_line(tmp_path, monkeypatch, capsy
     assert rc == 1 and "Traceback" not in err and len(_errors(err)) == 1, err
     assert str(tracking.sqlite_path(uri)) in _errors(err)[0]
     assert leftovers(tmp_path) == []
+
+
+def test_a_file_size_limit_hit_mid_study_is_one_line_and_the_study_resumes(tmp_path):
+    """`ulimit -f`: Python ignores SIGXFSZ, so SQLite's write to its log fails (EFBIG, "disk I/O
+    error") in a worker: 117 lines and 6 tracebacks ending in Optuna's "exceeding max length"."""
+    import resource
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    cmd = [sys.executable, str(here / "fault_study.py"), "--model", "m-small", "--space", "fake", "--trials", "200",
+           "--workers", "2", "--study-name", "capped", "--output-dir", str(tmp_path / "studies"),
+           "--tracking-uri", "off", "--no-progress"]
+    env = {**os.environ, "FAULT_TRIAL_S": "0.02", "PYTHONPATH": os.pathsep.join(
+        [str(here.parent), os.environ.get("PYTHONPATH", "")])}
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400 * 1024, resource.RLIM_INFINITY))
+
+    proc = subprocess.run(cmd, env=env, preexec_fn=capped, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("trial ")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and "file-size limit (ulimit -f" in lines[0] and "capped.db" in lines[0], proc.stderr[-3000:]
+    again = subprocess.run([*cmd[:7], "3", *cmd[8:]], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -94,3 +94,54 @@ def test_the_storage_opens_with_optunas_public_api_as_optuna_dashboard_reads_it(
     assert [s.study_name for s in summaries] == [name]
     frame = optuna.load_study(study_name=name, storage=storage).trials_dataframe()
     assert "user_attrs_design.num_tc" in frame.columns and frame["user_attrs_design.num_tc"].notna().all()
+
+
+def test_export_and_compare_read_a_study_on_a_read_only_folder(tmp_path):
+    """A WAL database opened read-only needs its -shm file, which SQLite cannot create in a read-only
+    folder: export and compare said "not an Optuna database" of a sound study on read-only media."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="phaze-ro-"))  # outside the 0700 pytest folder, for `nobody`
+    try:
+        for name in ("first", "second"):
+            cfg = config(root, trials=4, sampler="random", models=("m-big",), tracking_uri="off", study_name=name)
+            run_study(cfg, backend(small_space()))
+        import sqlite3
+
+        made = next(Path(cfg.output_dir).glob("*.db"))
+        con = sqlite3.connect(made)
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.close()
+        db = root / "media" / made.name  # the database alone, still in WAL mode, as copied to read-only media
+        db.parent.mkdir()
+        shutil.copyfile(made, db)
+        out = root / "out"
+        out.mkdir()
+        for d in (root, out):
+            d.chmod(0o777)
+        os.chmod(db.parent, 0o555)
+        os.chmod(db, 0o444)
+        # root writes through permissions: the folder is then mounted read-only in a mount namespace of its own
+        as_user = (["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" '
+                    '&& exec "$@"', str(db.parent)] if os.geteuid() == 0 else [])
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": repo, "MLFLOW_DISABLE_TELEMETRY": "true", "HOME": str(out)}
+        url = f"sqlite:///{db}"
+        for args in (["export", "first", "--storage", url, "--out", str(out / "t.csv")],
+                     ["compare", "first", "second", "--storage", url, "--tracking-uri", "off", "--output-dir", str(out)]):
+            proc = subprocess.run([*as_user, sys.executable, "-m", "phaze_opt", *args], env=env, cwd=str(out),
+                                  capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 0, (args[0], proc.stderr[-2000:])
+        assert len(pd.read_csv(out / "t.csv")) == 4
+        assert sorted(p.name for p in db.parent.iterdir()) == [db.name]  # nothing written beside it
+    finally:
+        os.chmod(root, 0o755)
+        for p in root.rglob("*"):
+            if p.is_dir():
+                p.chmod(0o755)
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,6 +1,6 @@
-"""The fault-injection run (tests/fault_injection.py) at a small size: a 2-worker study SIGKILLed at 4
-moments (Optuna schema creation, MLflow database creation, then random; parent alone or the whole
-process group), resumed each time, then checked; and a short signal storm. `python
+"""The fault-injection run (tests/fault_injection.py) at a small size: a 2-worker study SIGKILLed at 5
+moments (Optuna schema creation, MLflow database creation, random, one worker, the parent as its
+last trial finishes; parent alone or the whole process group), resumed each time, then checked; and a short signal storm. `python
 tests/fault_injection.py --kills 20` (or `--storm 50`) is the full run, and PHAZE_OPT_LONG_FAULTS=1
 runs the long storm here."""
 
@@ -11,8 +11,11 @@ from fault_injection import run, storm
 
 
 def test_a_killed_and_resumed_study_is_consistent(tmp_path):
-    counts = run(kills=4, trials=24, workers=2, seed=1, work=tmp_path)
+    """With a worker killed as the OOM killer would (round 3: the study goes on by itself) and the
+    parent killed as its round's last trial finishes (round 4: the next start reconciles)."""
+    counts = run(kills=5, trials=24, workers=2, seed=1, work=tmp_path)
     assert counts["problems"] == [], counts
+    assert counts["kills_of_a_worker"] == 1 and counts["kills_at_the_end"] == 1, counts
     assert counts["runs_without_placement"] == 0  # the orphans' spools were logged at the next start
     assert counts["open_trials"] == 0 and counts["running_runs"] == 0
     assert counts["mlflow_trial_runs"] == counts["finished_trials"]

@@ -11,7 +11,9 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import time
 from collections import Counter
 
 import optuna
@@ -174,3 +176,72 @@ def test_compare_and_export_leave_another_programs_postgres_database_unwritten(t
     assert cli.main(["export", "x", "--storage", url, "--out", str(tmp_path / "x.csv")]) != 0
     assert "not an Optuna storage" in capsys.readouterr().err
     assert tables() == {"orders"}
+
+
+_ENQUEUER = r"""
+import sys, time
+from types import SimpleNamespace
+
+import optuna
+
+from phaze_opt.search.encoding import SpaceCodec
+from phaze_opt.search.session import Session
+from phaze_opt.search.setup import make_storage
+from test_study_fakes import small_space
+
+url, name, start_at = sys.argv[1], sys.argv[2], float(sys.argv[3])
+if sys.argv[4] == "hosts":  # processes of several machines: no file lock reaches across them
+    import contextlib
+
+    from phaze_opt.runs import locks
+
+    locks.file_lock = lambda *a, **k: contextlib.nullcontext()
+storage = make_storage(url)
+study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
+read = optuna.Study._should_skip_enqueue
+
+
+def slow_read(self, params):  # the gap between Optuna's read and its insert, widened
+    found = read(self, params)
+    time.sleep(0.3)
+    return found
+
+
+optuna.Study._should_skip_enqueue = slow_read
+space = small_space()
+session = SimpleNamespace(space=space, codec=SpaceCodec(space.params), config=SimpleNamespace(reference_arch="tpuv4"),
+                          baselines={}, notes=[], study=study, url=url, storage=storage, name=name)
+time.sleep(max(0.0, start_at - time.time()))  # every process past its imports, then all at once
+print(Session.enqueue_references(session))
+"""
+
+
+@pytest.mark.parametrize("where", ["one-host", "hosts"])
+def test_processes_starting_together_enqueue_the_reference_designs_once(postgres, where):
+    """Optuna's `enqueue_trial(skip_if_exists=True)` reads, then inserts: processes starting together
+    on PostgreSQL each found the references absent and each queued them (6-8 evaluations, not 4)."""
+    url, name = postgres["optuna"], f"references-race-{where}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    start_at = time.time() + 25  # past the imports of every process on a loaded machine
+    procs = [subprocess.Popen([sys.executable, "-c", _ENQUEUER, url, name, str(start_at), where], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    trials = optuna.load_study(study_name=name, storage=driver_url(url)).get_trials()
+    codec = SpaceCodec(small_space().params)
+    refs = Counter(tuple(sorted(codec.decode(t.system_attrs["fixed_params"]).items()))
+                   for t in trials if t.user_attrs.get("reference"))
+    assert len(refs) == 4 and set(refs.values()) == {1}, refs
+
+
+@pytest.mark.parametrize("option", ["storage", "tracking_uri"])
+def test_a_missing_database_is_one_line_within_seconds(tmp_path, postgres, option):
+    """A server that answers with no such database: MLflow retried its engine for two minutes (114 s)."""
+    from phaze_opt.errors import PhazeError
+
+    url = postgres["optuna"].rsplit("/", 1)[0] + "/nosuchdb"
+    start = time.monotonic()
+    with pytest.raises(PhazeError, match=f"--{option.replace('_', '-')} .*nosuchdb.*does not exist"):
+        run_study(config(tmp_path, trials=3, **{option: url}), backend())
+    assert time.monotonic() - start < 10

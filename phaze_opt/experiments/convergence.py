@@ -32,7 +32,7 @@ import optuna
 from ..errors import PhazeError
 from ..figures import pyplot, write_figure
 from ..runs import (OPTUNA_TABLES, MlflowTracker, check_sqlite_storage, driver_url, probe_database, redact, sqlite_path,
-                    tracking_enabled)
+                    sqlite_read_uri, tracking_enabled)
 from ..search import best_trial as first_best, clean_name, default_storage, finished_trials, is_feasible, quiet_optuna, study_wall_s
 
 
@@ -105,7 +105,7 @@ def read_storage(url: str):
                          "only read a study, they never create one")
     if path is None:
         return optuna.storages.RDBStorage(driver_url(url))
-    return optuna.storages.RDBStorage(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
+    return optuna.storages.RDBStorage(f"sqlite:///{sqlite_read_uri(path)}&uri=true")
 
 
 def _tables(url: str) -> set[str]:
@@ -114,7 +114,7 @@ def _tables(url: str) -> set[str]:
     if path is not None:
         import sqlite3
 
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = sqlite3.connect(sqlite_read_uri(path), uri=True, timeout=30)
         try:
             return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:

@@ -7,7 +7,7 @@ search strategy, so `search/` sits above it. Packages above `search/` import the
 the modules.
 """
 
-from .locks import OPTUNA_TABLES, check_sqlite_storage, probe_database
+from .locks import OPTUNA_TABLES, check_sqlite_storage, probe_database, sqlite_read_uri
 from .progress import Heartbeat, say
 from .tracking import (DEFAULT_TRACKING_URI, MlflowTracker, design_fields, driver_url, redact, sqlite_path,
                        tracking_enabled, trial_record)
@@ -27,6 +27,7 @@ __all__ = [
     "serve",
     "serve_optuna",
     "sqlite_path",
+    "sqlite_read_uri",
     "tracking_enabled",
     "trial_record",
 ]

@@ -24,11 +24,24 @@ from ..errors import PhazeError
 # sqlite.org/wal.html "Automatic Checkpoint") of 4096 bytes (the default page size,
 # sqlite.org/pragma.html#pragma_page_size): room for that log, and as much for the database to grow.
 DATABASE_HEADROOM_BYTES = 2 * 1000 * 4096
-FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}  # EFBIG: the file-size limit
 # The drivers' words for it: SQLite's SQLITE_FULL, PostgreSQL's disk_full (53100, "could not extend
 # file ... No space left on device"), MySQL's "The table is full" / errno 28.
 FULL_MARKERS = ("database or disk is full", "no space left on device", "could not extend file",
-                "disk quota exceeded", "errno 28", "table is full")
+                "disk quota exceeded", "errno 28", "table is full", "file too large")
+# What SQLite says when a write meets the file-size limit (`ulimit -f`; Python ignores SIGXFSZ, so the
+# write fails with EFBIG and SQLite reports SQLITE_IOERR_WRITE): read as the limit only under one.
+LIMIT_MARKERS = ("disk i/o error",)
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (`ulimit -f`), or None when there is none."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
@@ -60,6 +73,12 @@ class DiskFull(PhazeError):
     def __init__(self, path: str | os.PathLike, needed: int, free: int | None = None):
         self.path, self.needed = str(path), int(needed)
         self.free = free_bytes(path) if free is None else free
+        limit = file_size_limit()
+        if limit is not None and (self.free is None or self.free >= self.needed):  # room, but a capped file
+            super().__init__(f"a write to {self.path} exceeds this process's file-size limit (ulimit -f: "
+                             f"{_size(limit)}); raise it and run the same command again (a study resumes "
+                             "where it stopped)")
+            return
         super().__init__(f"no space left on the device of {self.path}: it needs about {_size(self.needed)} free, "
                          f"{_size(self.free)} is; free some space and run the same command again (a study "
                          "resumes where it stopped)")
@@ -83,6 +102,8 @@ def is_full(exc: BaseException | None) -> bool:
             return True
         text = str(e).lower()
         if any(m in text for m in FULL_MARKERS):
+            return True
+        if any(m in text for m in LIMIT_MARKERS) and file_size_limit() is not None:
             return True
         stack += [e.__cause__, e.__context__, getattr(e, "orig", None)]
     return False

@@ -79,6 +79,32 @@ def file_lock(path: str | os.PathLike, timeout_s: float = 600.0):
         os.close(fd)  # closing releases the lock
 
 
+@contextmanager
+def study_lock(url: str, storage, study: str, purpose: str):
+    """Held by one process at a time for `purpose` on the study `study` in the storage `url`: a file
+    lock (the processes of this machine) and, on PostgreSQL, an advisory lock on a connection of the
+    storage's own engine (the processes of every machine). A read-then-write such as Optuna's
+    `enqueue_trial(skip_if_exists=True)` is only atomic under it: processes starting together each
+    read "absent" and each inserted. Both locks go with their process when it dies."""
+    digest = hashlib.sha1(f"phaze_opt:{purpose}:{study}".encode()).digest()
+    with file_lock(lock_path_for(url, f"{purpose}-{digest.hex()[:12]}")):
+        engine = getattr(storage, "engine", None)
+        if engine is None or engine.dialect.name != "postgresql":
+            yield
+            return
+        from sqlalchemy import text
+
+        key = int.from_bytes(digest[:8], "big", signed=True)  # PostgreSQL's advisory keys are bigint
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            conn.commit()
+            try:
+                yield
+            finally:  # a session-level lock outlives the transaction: released before the pool keeps the connection
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                conn.commit()
+
+
 def is_race(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}".lower()
     return any(m in text for m in RACE_MARKERS)
@@ -231,28 +257,95 @@ DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306}
 
 
 def probe_database(text: str, timeout_s: float = PROBE_TIMEOUT_S, option: str = "--tracking-uri") -> None:
-    """A database server's port must accept a connection within `timeout_s` (MLflow's own client
-    retries a refused or unreachable server for minutes); `option` is the flag that named it."""
+    """A database server must accept a connection to its port and then a login to the URL's database
+    (`SELECT 1`), all within about `timeout_s`; else a PhazeError, one line naming `option`, the flag
+    that gave the URL. Without it the drivers took minutes: MLflow retries a failing engine for two
+    minutes (a missing database: 114 s), and a port that answers but is not the database's server
+    (another program) leaves the driver waiting for a reply that never comes (123 s)."""
     import socket
     from urllib.parse import urlparse
 
+    start = time.monotonic()
     parsed = urlparse(text)
     scheme = parsed.scheme.split("+", 1)[0]
     try:
         host, port = parsed.hostname, parsed.port or DEFAULT_PORTS.get(scheme)
     except ValueError:
         raise PhazeError(f"{option} {redact(text)}: not a valid database URL") from None
-    if not host or not port:
-        return  # a local socket or a driver's own default: left to the driver
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        off = ", or use --tracking-uri off" if option == "--tracking-uri" else ""
-        raise PhazeError(f"{option} {redact(text)}: no database server answers at {host}:{port} "
-                         f"({exc.strerror or exc}); start it{off}") from None
+    off = ", or use --tracking-uri off" if option == "--tracking-uri" else ""
+    if host and port:  # else a local socket or a driver's own default: the login below still bounds it
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            raise PhazeError(f"{option} {redact(text)}: no database server answers at {host}:{port} "
+                             f"({exc.strerror or exc}); start it{off}") from None
+    _probe_login(text, max(2.0, timeout_s - (time.monotonic() - start)), option)
+
+
+def _probe_login(text: str, timeout_s: float, option: str) -> None:
+    """Log in to the database of `text` and run `SELECT 1`, on a daemon thread given `timeout_s`
+    (the drivers' own `connect_timeout` as well, for those that honour it)."""
+    import threading
+
+    from .tracking import driver_url
+
+    outcome: list = []
+
+    def login() -> None:
+        try:
+            import sqlalchemy
+            from sqlalchemy.pool import NullPool
+
+            url = driver_url(text)
+            known = url.split(":", 1)[0].split("+", 1)[0] in DEFAULT_PORTS  # drivers that take connect_timeout
+            engine = sqlalchemy.create_engine(url, poolclass=NullPool,
+                                              connect_args={"connect_timeout": max(2, int(timeout_s))} if known else {})
+            try:
+                with engine.connect() as conn:
+                    conn.execute(sqlalchemy.text("SELECT 1"))
+            finally:
+                engine.dispose()
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported in one line below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=login, name="database-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if not outcome:
+        raise PhazeError(f"{option} {redact(text)}: the server at that address did not log in within "
+                         f"{timeout_s:.0f} s (not a database server of that kind?)")
+    exc = outcome[0]
+    if exc is not None:
+        lines = [line.strip() for line in str(getattr(exc, "orig", None) or exc).splitlines() if line.strip()]
+        raise PhazeError(f"{option} {redact(text)}: cannot log in: {' '.join(lines)[:300] or type(exc).__name__}")
 
 
 OPTUNA_TABLES = {"studies", "study_directions", "trials", "version_info"}
+
+
+def sqlite_read_uri(path: str | os.PathLike) -> str:
+    """An SQLite URI (`file:...`) that reads the database at `path` and never writes it: `mode=ro`,
+    or `immutable=1` where that cannot open it. A WAL database opened read-only needs its `-shm`
+    file, which SQLite cannot create in a read-only folder (read-only media, another user's
+    studies), so `mode=ro` fails there with "unable to open database file". Immutable skips the
+    shared memory and the locks; what it misses is a `-wal` not yet folded back, which a
+    read-only folder cannot be given anyway."""
+    import sqlite3
+
+    path = Path(path).resolve()
+    for query in ("mode=ro", "immutable=1"):
+        uri = f"file:{path}?{query}"
+        try:
+            con = sqlite3.connect(uri, uri=True, timeout=30)
+            try:
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return uri
+            finally:
+                con.close()
+        except sqlite3.OperationalError:
+            continue
+    return f"file:{path}?mode=ro"  # the error, if any, is the caller's to report
 
 
 def check_sqlite_storage(url: str) -> None:
@@ -267,7 +360,7 @@ def check_sqlite_storage(url: str) -> None:
     import sqlite3
 
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = sqlite3.connect(sqlite_read_uri(path), uri=True, timeout=30)
         try:
             tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:

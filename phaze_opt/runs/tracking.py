@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 from urllib.parse import unquote, urlparse
 
+from .. import interrupt
 from ..errors import PhazeError
 from ..jsonable import jsonable
 from ..training import Training
@@ -84,6 +85,7 @@ TRIALS_VIEW = "trials"  # the shared view `trials_view` of the runs table
 VIEW_TAG = "mlflow.sharedViewState."
 UI_HOST, UI_PORT = "127.0.0.1", 5000
 FLUSH_LIMIT_S = 60.0  # the end of a study waits this long at most for the tracking store's last writes
+STOP_FLUSH_S = 5.0  # and this long once a stop (Ctrl-C, SIGTERM) is requested
 
 
 def tracking_enabled(uri: str | None) -> bool:
@@ -357,6 +359,8 @@ class MlflowTracker:
         self._best_cursor = -1  # trials up to this number were scanned by `log_best_of`
         self._queue: queue.Queue | None = None
         self._thread = None
+        self._given_up = False  # the store stopped answering (`flush`); later writes are dropped
+        self._dropped = 0
         if background:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._drain, name="mlflow-logger", daemon=True)
@@ -550,7 +554,9 @@ class MlflowTracker:
         write_whole(local / (artifact_path or "") / Path(path).name, Path(path).read_bytes())
 
     def _submit(self, op: Callable) -> None:
-        if self._queue is None:
+        if self._given_up:  # the store stopped answering: what is left is the next start's to log
+            self._dropped += 1
+        elif self._queue is None:
             self._run(op)
         else:
             self._queue.put(op)
@@ -575,16 +581,40 @@ class MlflowTracker:
                 q.task_done()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for the pending writes (at most `timeout_s`); whether they are all done."""
+        """Wait for the pending writes; whether they are all done.
+
+        Every wait is bounded: `timeout_s`, by default `FLUSH_LIMIT_S`, and at most `STOP_FLUSH_S`
+        once a stop is requested. An HTTP tracking server that dies mid-study costs minutes a write
+        (MLflow's client retries each request with back-off), so an unbounded wait held the study's
+        end for good and left Ctrl-C unanswered. A wait that runs out gives the store up for the rest
+        of the invocation (`_give_up`): one warning, and later writes are dropped, never waited for.
+        """
+        if self._given_up:
+            return False
         if self._queue is None:
             return True
-        if timeout_s is None:
-            self._queue.join()
-            return True
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+        start = time.monotonic()
+        deadline = start + (FLUSH_LIMIT_S if timeout_s is None else timeout_s)
+        stopping = False
+        while self._queue.unfinished_tasks:
+            now = time.monotonic()
+            if not stopping and interrupt.stop_requested():
+                stopping = True
+                deadline = min(deadline, now + STOP_FLUSH_S)
+            if now >= deadline:
+                self._give_up(now - start)
+                return False
             time.sleep(0.05)
-        return not self._queue.unfinished_tasks
+        return True
+
+    def _give_up(self, waited_s: float) -> None:
+        """The store took no writes for `waited_s`: warn once and stop waiting for it. The writes in
+        flight stay with the daemon thread, which the process abandons at its exit."""
+        left = self._queue.unfinished_tasks if self._queue is not None else 0
+        print(f"warning: MLflow at {redact(self.tracking_uri)} took no writes for {waited_s:.0f} s; "
+              f"{left} left unwritten (the study is intact; its next start logs them)", file=sys.stderr, flush=True)
+        self._given_up = True
+        self._queue = None
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush pending writes and end the parent run (only the process that started it calls this).
@@ -602,18 +632,11 @@ class MlflowTracker:
         self._end()
 
     def _end(self) -> None:
-        if not self.flush(FLUSH_LIMIT_S):
-            left = self._queue.unfinished_tasks if self._queue is not None else 0
-            print(f"warning: MLflow at {redact(self.tracking_uri)} took no writes for {FLUSH_LIMIT_S:.0f} s; "
-                  f"{left} left unwritten (the study is intact; its next start logs them)", file=sys.stderr)
-            self._queue = None  # the daemon thread is abandoned with the process
-            return
         self.stop()
 
     def stop(self) -> None:
-        """Flush and stop the background thread, leaving the parent run open (workers)."""
-        self.flush()
-        if self._queue is not None and self._thread is not None:
+        """Flush (bounded, `flush`) and stop the background thread, leaving the parent run open (workers)."""
+        if self.flush() and self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._queue = None

@@ -40,7 +40,7 @@ from ..design.protocols import BoundedEvaluator
 from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
-from ..runs import reconcile, signals
+from ..runs import locks, reconcile, signals
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .. import interrupt
 from ..activity import phase
@@ -398,16 +398,18 @@ class Session:
                 if b.point not in recipes:
                     recipes.append(b.point)
         n = 0
-        for recipe in recipes:
-            try:
-                point = self.space.reference_point(arch=self.config.reference_arch, recipe=recipe)
-                params = self.codec.encode(point)
-            except (PhazeError, ValueError) as exc:
-                self.notes.append(f"reference design not enqueued: {exc}")
-                return n
-            self.study.enqueue_trial(params, user_attrs={"reference": self.config.reference_arch},
-                                     skip_if_exists=True)
-            n += 1
+        # Optuna's skip_if_exists reads, then inserts: processes starting together each enqueued them
+        with locks.study_lock(self.url, self.storage, self.name, "references"):
+            for recipe in recipes:
+                try:
+                    point = self.space.reference_point(arch=self.config.reference_arch, recipe=recipe)
+                    params = self.codec.encode(point)
+                except (PhazeError, ValueError) as exc:
+                    self.notes.append(f"reference design not enqueued: {exc}")
+                    return n
+                self.study.enqueue_trial(params, user_attrs={"reference": self.config.reference_arch},
+                                         skip_if_exists=True)
+                n += 1
         return n
 
     def close(self, status: str = "FINISHED") -> None:

@@ -37,7 +37,7 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
     SINGLE_OBJECTIVE_SAMPLERS,
     StudyConfig,
 )
-from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_tracking_uri
+from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_database, probe_tracking_uri
 from .objective import metric_names, parse_objectives
 from .strategy import AUTO
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
@@ -336,6 +336,8 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     """An RDB storage with heartbeats, so trials of a killed process are failed and retried on resume."""
     kwargs: dict[str, Any] = {}
     check_sqlite_storage(url)
+    if not url.startswith("sqlite:"):  # a server: one line within seconds, not the driver's minutes
+        probe_database(url, option="--storage")
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):].split("?", 1)[0])
         path.parent.mkdir(parents=True, exist_ok=True)
