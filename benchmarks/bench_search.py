@@ -69,7 +69,7 @@ def curve(trials, optimum: float) -> dict:
     for elapsed, number, value in rows:
         best = max(best, value)
         if hit is None and best >= 0.99 * optimum:
-            hit = {"trial": number, "trials": 1 + sum(1 for t in trials if t.number <= number), "elapsed_s": elapsed}
+            hit = {"trial": number, "trials": sum(1 for t in trials if t.number <= number), "elapsed_s": elapsed}
     return {"best": best, "fraction": best / optimum if optimum else None, "to_99": hit,
             "wall_s": max([r[0] for r in rows], default=0.0)}
 

@@ -38,6 +38,21 @@ RACE_MARKERS = ("already exists", "uniqueviolation", "duplicate", "unique constr
                 "pg_type_typname_nsp_index")
 
 
+
+def driver_url(url: str) -> str:
+    """`postgresql://` with the driver that is installed.
+
+    SQLAlchemy 2.1 maps a bare `postgresql://` to psycopg 3; we ship psycopg2, so name it unless
+    psycopg 3 is there. Other URLs pass unchanged.
+    """
+    text = str(url)
+    if text.startswith(("postgresql://", "postgres://")):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + text.split("://", 1)[1]
+    return text
+
 def lock_path_for(url: str, purpose: str) -> Path:
     """Where the lock of `purpose` ("schema", "mlflow", "reconcile") on the database `url` lives: beside
     a SQLite file, else in the temporary directory under a hash of the URL."""
@@ -286,8 +301,6 @@ def _probe_login(text: str, timeout_s: float, option: str) -> None:
     """Log in to the database of `text` and run `SELECT 1`, on a daemon thread given `timeout_s`
     (the drivers' own `connect_timeout` as well, for those that honour it)."""
     import threading
-
-    from .tracking import driver_url
 
     outcome: list = []
 

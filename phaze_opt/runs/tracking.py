@@ -34,6 +34,7 @@ from ..errors import PhazeError
 from ..jsonable import jsonable
 from ..training import Training
 from . import locks
+from .locks import driver_url  # noqa: F401  (where the runs' other modules have always read it)
 from .disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
 from .urls import redact
 
@@ -90,21 +91,6 @@ STOP_FLUSH_S = 5.0  # and this long once a stop (Ctrl-C, SIGTERM) is requested
 
 def tracking_enabled(uri: str | None) -> bool:
     return uri is not None and str(uri).strip().lower() not in OFF
-
-
-def driver_url(url: str) -> str:
-    """`postgresql://` with the driver that is installed.
-
-    SQLAlchemy 2.1 maps a bare `postgresql://` to psycopg 3; we ship psycopg2, so name it unless
-    psycopg 3 is there. Other URLs pass unchanged.
-    """
-    text = str(url)
-    if text.startswith(("postgresql://", "postgres://")):
-        import importlib.util
-
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + text.split("://", 1)[1]
-    return text
 
 
 def sqlite_path(uri: str) -> Path | None:
