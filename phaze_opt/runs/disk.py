@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from ..errors import PhazeError
@@ -133,3 +134,20 @@ def write_whole(path: str | os.PathLike, data: bytes | str) -> Path:
             except OSError:
                 pass
     return path
+
+
+def quiet_full_threads() -> None:
+    """Drop the traceback of a library's background thread (Optuna's heartbeat) that met a full disk
+    or the file-size limit: the process's own next write meets it too and says so in one line, which
+    the thread's traceback would only bury. Other errors in threads print as before."""
+    hook = threading.excepthook
+    if getattr(hook, "phaze_full_quiet", False):
+        return
+
+    def quiet(args) -> None:
+        if is_full(args.exc_value):
+            return
+        hook(args)
+
+    quiet.phaze_full_quiet = True
+    threading.excepthook = quiet

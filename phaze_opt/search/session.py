@@ -41,7 +41,7 @@ from ..errors import PhazeError
 from .encoding import SpaceCodec
 from .objective import Baseline, Context, FatalStudyError, compute_baselines
 from ..runs import locks, reconcile, signals
-from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, write_whole
+from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, quiet_full_threads, write_whole
 from .. import interrupt
 from ..activity import phase
 from ..runs.progress import Progress, close_bar, say
@@ -63,6 +63,7 @@ from ..runs.tracking import (
 
 def quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
+    quiet_full_threads()  # Optuna's heartbeat thread on a full disk: the study's own line says it
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     # Said once in the summary's notes instead of at every trial: CMA-ES learns from the 0 throughput.
     warnings.filterwarnings("ignore", message="Constraints have been set, but CmaEsSampler")
