@@ -137,10 +137,6 @@ class BoundOrder:
         self._open: dict[tuple, int] = {}  # (arch, hbm, mbs) -> recipe groups not yet bounded one by one
         self.work = 0  # placement DPs run and vectorised batches bounded: what a caller's budget counts
         self.expanded = 0  # cells expanded since a point was last popped
-        self.popped = 0  # points handed out or passed over: how far down the order this process is
-
-    def __len__(self) -> int:
-        return len(self.archs) * len(self.hbms) * len(self.mbss) * len(self.rcs)
 
     def accelerator(self, a: int, h: int):
         return self.space.accelerator(self.point(a, h, 0, 0))
@@ -200,7 +196,6 @@ class BoundOrder:
                 self._close(*item[:3])
             return None
         self.expanded = 0
-        self.popped += 1
         point = self.point(*item)
         if -neg > incumbent and not taken(point):
             return point, -neg

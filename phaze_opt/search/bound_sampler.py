@@ -109,7 +109,6 @@ class BoundSampler(optuna.samplers.BaseSampler):
         self._work_at_start = float(work_at_start)
         self._cursor = 0  # trials (by position) whose proposals this process's order has replayed
         self.settled_at: int | None = None  # the first trial that found no point left above its incumbent
-        self.last_kind = ""  # how the last proposal was chosen: "bound", "explore" or "random"
 
     @property
     def order(self) -> BoundOrder:
@@ -152,15 +151,15 @@ class BoundSampler(optuna.samplers.BaseSampler):
                 if found is None and not order.exhausted(incumbent):  # out of budget: the best bounded point
                     found = order.best_point(incumbent, taken)
             if found is not None:
-                point, self.last_kind = found[0], "bound"
+                point = found[0]
             elif incumbent > 0 and order.exhausted(incumbent) and self.settled_at is None:
                 self.settled_at = number
         if not propose:
             return point
         if point is None and best is not None:
-            point, self.last_kind = self._mutant(best, incumbent, taken, rng), "explore"
+            point = self._mutant(best, incumbent, taken, rng)
         if point is None:
-            point, self.last_kind = self._random_point(taken, rng), "random"
+            point = self._random_point(taken, rng)
         return point
 
     def _budget(self, number: int) -> float:
