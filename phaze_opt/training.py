@@ -1,232 +1,139 @@
-"""How a model is trained on a design: the training recipe, validated once.
+"""How a model is trained on a design: the training recipe, declared once as a tree of small configs.
 
 `Training` is the noun every layer that needs the recipe takes, whole: an evaluator
-(`design.protocols.Evaluator`), the placement problem (`PlacementProblem.training`, no copies of its
-fields), the level-1 bounds, the study's baseline and the published comparison. A space's or a
-suite's values become a recipe in one place (`Training.from_point`); `recipe_points` lists every
-recipe a space offers, so a reference can be given each one a trial may get. It sits at the bottom
-of the package stack (it imports only `errors`), so every layer can take it without importing upward.
+(`design.protocols.Evaluator`), the placement problem (`PlacementProblem.training`), the level-1
+bounds, the study's baseline and the published comparison. It sits at the bottom of the package
+stack (it imports only `errors`), so every layer can take it without importing upward.
 
-It holds
+The recipe is a microbatch, a placement (`Optimal | Expert | Fixed(Layout)`) and six frozen configs
+by concern: `Parallelism`, `Memory` (recompute and optimizer state), `Overlap` (communication beside
+compute), `Numerics`, `Kernels` and `Experts` (mixture of experts). Each field is declared once, with
+`knob`: its type (a `Literal` lists the choices), default, one-line doc, unit, whether it changes a
+layer's traced graph, and whether the sweep's proven bounds hold for every value. Everything else
+reads that declaration (`FIELDS`) and names no field:
 
-- `mbs`: sequences per microbatch (a positive integer);
-- `recompute`: the activation recompute mode, `none | selective | full` (Korthikanti et al. 2022);
-  a bool is accepted for the old on/off recipe (True -> "full", False -> "none");
-- `placement`: "optimal" (the placement DP chooses TP/PP/DP and the stages), "expert" (the
-  model config's own TP/PP/DP, layers split evenly) or a fixed "tp=T,pp=P,dp=D";
-- `sequence_parallel`: Megatron's sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): the
-  norm and dropout regions sharded over the TP group;
-- `virtual_stages`: v model chunks per pipeline device, interleaved 1F1B (Narayanan et al., SC'21);
-- `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
-  optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer
-  state and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec.
-  5.2; PyTorch FSDP `SHARD_GRAD_OP`, FSDP2 `reshard_after_forward=False`; Llama 3 405B: "Our use
-  of FSDP for Llama 3 shards optimizer states and gradients, but for model shards we do not
-  reshard after forward computation", Llama Team, arXiv 2407.21783, Sec. 3.3.2). A sharded
-  gradient cannot wait for the last microbatch, so each microbatch's backward reduce-scatters the
-  stage's gradients (DeepSpeed ZeRO-2 reduces after every backward: "each rank retains only the
-  accumulated gradients of its partition", deepspeedai/DeepSpeed issue 2252; FSDP reduce-scatters
-  after each backward unless `no_sync`, which keeps whole gradients); the updated weights are
-  all-gathered once per iteration after the optimizer step (`solve.placement.evaluate`);
-- `overlap_grad_reduce`: the data-parallel gradient reduction runs beside the backward pass
-  (Megatron `--overlap-grad-reduce`, PyTorch DDP buckets);
-- `attention`: the attention kernel, `unfused | flash` (Dao et al. 2022, 2023); None keeps the
-  model config's own choice;
-- `capacity_factor`: a mixture of experts' expert buffers hold capacity_factor x the mean tokens
-  per expert (Fedus et al. 2022, Switch Transformer, eq. 3); the traced expert GEMMs and the
-  all-to-all bytes carry the padded buffers (default 1.0, balanced);
-- `load_imbalance`: tokens received by the busiest expert-parallel rank over the mean (>= 1); the
-  synchronous all-to-all and the experts' compute wait for that rank (default 1.0, balanced).
-- `account_for_embedding`, `account_for_loss`: the pipeline split counts the embedding (the loss)
-  as one more decoder layer (Megatron-Core `--account-for-embedding-in-pipeline-split`,
-  `--account-for-loss-in-pipeline-split`), which is what lets interleaving split a layer count
-  that p x v does not divide (Llama 3 405B: 126 + 2 = 128 layers at PP 16 x VP 8); they change
-  which (pp, v) interleave (`interleave_split_ok`), not any time or byte (the embedding and the
-  loss are already nodes of the layer graph, priced in their stages). Default off.
-- `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
-  gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
-  fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20,
-  Sec. 3.1, K = 12); `bf16-moments` an fp32 master weight and BF16 moments, 8 B (Megatron-Core's
-  precision-aware optimizer, `--use-precision-aware-optimizer --exp-avg-dtype bf16
-  --exp-avg-sq-dtype bf16`); `bf16-adamw` BF16 moments and no master copy, 4 B (pure BF16 AdamW,
-  8 B per parameter in all; Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the
-  state each device holds (sharded as ZeRO says) and the bytes the optimizer step streams.
-- `precision`: the number format of the transformer blocks' linear-layer GEMMs, `bf16` (default,
-  every GEMM in BF16), `fp8` (Transformer Engine's per-tensor delayed scaling, E4M3 forward / E5M2
-  gradients, Megatron-Core `--fp8-format hybrid --fp8-recipe delayed`), `mxfp8` (OCP MX blocks of
-  32 elements with an E8M0 scale, `--fp8-recipe mxfp8`) or `nvfp4` (blocks of 16 with an E4M3
-  scale). What runs in the format, the casts and the FP8 weight copies: `workload/precision.py`;
-  a chip whose tensor cores lack the format makes the design infeasible (`Accelerator.mac_rate`).
+- the checks: `parse_value` by type, then `RULES` across fields, each error a `RecipeError` naming
+  the field (so a suite row or a space says `file: rows[3].zero: ...`);
+- the CLI flags of every command that takes a recipe (`add_recipe_arguments`, `recipe_from_args`);
+- the YAML of suites and spaces (`recipe_from_mapping`, `check_recipe_value`), so any field is a
+  space axis by naming it;
+- `recipe()` and `layer_key()`, which omit a default-valued field by one rule (`Knob.listed`);
+- docs/recipe.md (`recipe_reference`, regenerated by `python -m phaze_opt.training > docs/recipe.md`).
 
-- `fp8_param_gather`: the model's parameters are held in the recipe's low-precision format
-  instead of BF16 (Megatron-Core `--fp8-param-gather`, Transformer Engine's `fp8_model_init`;
-  Megatron-Bridge sets it in its FP8 and MXFP8 mixed-precision recipes,
-  training/mixed_precision.py): no 16-bit weight, the FP8 (MXFP8) weight is itself the row-wise
-  copy (the column-wise one stays where the chip needs it), and the distributed optimizer's
-  all-gather and a ZeRO-3 gather move 1-byte weights; the FP32 master stays in the optimizer
-  state (`solve/placement/types.py` `state_split`, `weight_copies`). Needs precision fp8 or
-  mxfp8. Default off.
-- `overlap_param_gather`: under ZeRO-1 (the distributed optimizer) the all-gather of the updated
-  weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which
-  needs `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that
-  use it, so what it cannot hide is the part longer than the stage's forward of the first
-  microbatch; ZeRO-2's once-per-iteration gather of the weights hides the same way (FSDP with
-  `SHARD_GRAD_OP` gathers them layer by layer in the first forward, prefetched); with ZeRO-0
-  there is no such gather and with ZeRO-3 the gathers are per layer already, so it changes
-  nothing there. Default off.
-- `overlap_p2p_comm`: the interleaved schedule's pipeline sends and receives run beside compute
-  (Megatron-LM's default with interleaving, `--no-overlap-p2p-communication` turns it off; NeMo and
-  Megatron-Bridge set it whenever the virtual pipeline size is above 1): each step posts its
-  transfers asynchronously and waits for them only before the step that needs them, so in the
-  steady state a stage's messages hide under its compute; in the warm-up and flush (without
-  `--overlap-p2p-communication-warmup-flush`) they do not (`solve/placement/evaluate.py`). No
-  effect without interleaving (virtual_stages 1), where Megatron-LM turns it off. Not sampled by a
-  space. None (the default): the stack's own default (`overlaps_p2p`: on under `megatron-te`, whose
-  Megatron-Core, NeMo and Megatron-Bridge turn it on with interleaving; off under `megatron-lm`, the
-  2021-22 Megatron-LM whose schedule sent in batches, and `eager`).
-- `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers
-  run beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split
-  each collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al.,
-  "Overlap Communication with Dependent Computation via Decomposition", ASPLOS 2023): a layer pass
-  of time T with TP collectives C takes max(T - C + x C, C), the part of C longer than the rest of
-  the pass exposed, and x C for what the overlap costs itself: a pipelined reduce-scatter's last
-  chunk runs after its GEMM and the collective kernels take SMs from the GEMMs beside them (x from
-  the userbuffers plan NVIDIA ships for H100: 0.20 forward, 0.06 backward; `design.evaluate.UB_EXPOSED`,
-  `layer_costs`). Without SP the all-reduces stay exposed (the
-  overlap needs SP). Not sampled by a space: the sweep's level-0 bounds take layer times as they
-  are. Default off.
-- `stack`: the software stack's kernel fusion, which sets how many kernels a layer launches and
-  the bytes they move (`workload/stack.py`, each fusion with its source): `eager` (one kernel per
-  PyTorch operator, as the `layers-h100` truth ran), `megatron-lm` (default: chains of pointwise
-  operators fused, Megatron-LM's fused bias+GeLU, bias+dropout+add and scale+mask+softmax;
-  Narayanan et al., SC'21, Sec. 4.2) or `megatron-te` (Megatron-Core with Transformer Engine:
-  also LayerNorm/RMSNorm and RoPE as one kernel each, FP8 casts inside the kernel that produces
-  the operand). Not sampled by a space, like `tp_comm_overlap`.
-
-- `expert_tensor_parallel`: the MoE layers' own tensor-parallel width ETP, with MoE parallel
-  folding (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings for
-  Efficient Large-Scale MoE Model Training with Megatron Core", arXiv 2504.14960; Megatron-Core
-  `--expert-tensor-parallel-size`, whose default is the TP size, and its MoE README, "MoE Parallel
-  Folding"): the attention layers keep the TP x CP x DP x PP grid, the MoE layers take ETP x EP x
-  EDP x PP over the same ranks (ETP x EP x EDP = TP x CP x DP, ranks ordered etp, ep, edp), so the
-  EP group may span TP and CP ranks, not only DP replicas. EP x ETP must divide TP x CP x DP; the
-  all-to-all runs over EP ranks ETP apart, the expert GEMMs shard by ETP, expert gradients reduce
-  over EDP (`expert_replicas`). None (default): the unfolded layout of today, ETP = TP and EP
-  a sub-group of the DP replicas (EP divides DP, ranks tp, cp, ep/dp, pp). Not sampled by a space.
-
-- `moe_a2a_overlap`: Megatron-Core v0.14's batch-level EP all-to-all overlap
-  (`--overlap-moe-expert-parallel-comm --delay-wgrad-compute`; Megatron-LM
-  megatron/core/transformer/moe/README.md, "EP A2A Overlap: overlaps All-to-All with computation
-  by merging FWD-BWD passes of adjacent microbatches"; the same idea as DeepSeek-V3's DualPipe,
-  arXiv 2412.19437 Sec. 3.2.1): in the steady 1F1B phase the forward of one microbatch runs
-  merged with the backward of another, each of the four all-to-alls under one compute phase of the
-  other microbatch (Megatron-Core's `schedule_layer_1f1b`), so an MoE layer's paired forward +
-  backward takes the sum over phases of max(phase compute, all-to-all): at least max(compute,
-  all-to-alls), at most their sum; the warm-up forwards and cool-down backwards run unpaired,
-  exposed (`placement.evaluate`).
-  Megatron-Core refuses it with full recompute and, when PP > 1, without interleaving
-  (`TransformerConfig.__post_init__`: "virtual_pipeline_model_parallel_size must be specified when
-  pipeline_model_parallel_size > 1"; "disable full recomputation"): the first is refused here,
-  the second makes such a placement infeasible. No effect at EP = 1. Not sampled by a space.
-  Default off.
-- `moe_dispatcher`: how the EP all-to-all moves tokens: `alltoall` (default, Megatron-Core's
-  `--moe-token-dispatcher-type alltoall`: every token copy to its expert's rank) or `deepep`
-  (`--moe-token-dispatcher-type flex --moe-enable-deepep`, DeepSeek's DeepEP: a token crosses
-  the inter-node network once per destination node and is forwarded to its experts there over
-  NVLink; DeepSeek-V3 tech report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`;
-  inside one node the two are the same. Not sampled by a space.
-- `recompute_modules`: Megatron-Core's module-level selective recompute (`--recompute-granularity
-  selective --recompute-modules ...`, Megatron-Core v0.13, "Fine-grained recomputation";
-  `TransformerConfig.recompute_modules` and the MoE README, "Fine-grained Recomputation"), a tuple
-  of module names, only with `recompute = "selective"`. None (default) is Megatron's default
-  `["core_attn"]`, today's `selective`. `core_attn` recomputes the attention core (standard
-  checkpointing); `layernorm` the blocks' input and pre-MLP norms (output-discarding: their outputs
-  and statistics are dropped after their consumers ran and rebuilt before those consumers'
-  backward); `moe_act` the routed experts' activation (output-discarding: the SwiGLU product that
-  FC2 reads); `mlp` a dense block's MLP, `moe` a MoE layer, `shared_experts` its shared experts
-  (standard checkpointing: the module keeps only its input); `mla_up_proj` multi-head latent
-  attention's up-projections and RoPE (output-discarding: the Q, K and V the core attention reads,
-  MLASelfAttention `qkv_up_proj_and_rope_apply`). Which saved tensors each drops and the ops it
-  reruns are read off the trace (`workload/trace.py`, "Module-level recompute"). A module a layer
-  lacks changes nothing in that layer,
-  as in Megatron-Core, where each flag acts only inside its module: one recipe serves a model
-  that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
-  rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
-- `expert_weights`: where a MoE layer applies its router's gate weights: `combine` (each expert
-  output row scaled as it is added back to its token: GShard, Switch Transformer, Megatron-Core
-  before 0.13, whose unpermute keeps the second linear's output for the weights' gradient) or
-  `activation` (the expert MLP scales its activation's output before the second linear:
-  Megatron-Core from 0.13, TEGroupedMLP's fused `weighted_bias_swiglu`, which keeps only its input
-  and the weights). None (default): the stack's (`workload/stack.py`; `activation` under
-  `megatron-te`, else `combine`). Changes a MoE layer's saved bytes and its element-wise work; no
-  effect on a dense model.
-- `cp_comm`: how context parallelism moves K and V (Megatron-Core `--cp-comm-type`): `p2p`
-  (default: ring attention, each of the c - 1 K/V blocks passed to the ring neighbour while the
-  attention core of the block before runs; Liu et al. 2023) or `all_gather` (Megatron-Core /
-  Transformer Engine `AttnFuncWithCPAndKVAllGather`, whose docstring says the "KV all-gather
-  between CP ranks is exposed": the whole sequence's K and V are all-gathered over the CP group
-  before the attention and dK, dV reduce-scattered after its backward, neither under compute).
-  Meta trains Llama 3 405B's long-context stage so: "we first all-gather the key (K) and value
-  (V) tensors, and then compute attention output for the local query (Q) tensor chunk ...
-  Although the all-gather communication latency is exposed in the critical path ... the
-  communicated K and V tensors are much smaller than Q tensor due to the use of GQA" (Llama Team,
-  arXiv 2407.21783, Sec. 3.3.2, "Context parallelism"). Priced in `solve.placement.evaluate`;
-  Megatron-Core's `a2a` and `a2a+p2p` are not modelled. No effect at CP 1. Not sampled by a space.
-
-A new field gets a default that means today's behaviour (so every caller and stored study keeps
-working), its check in `__post_init__`, and, when a search space may sample it, its name in
-`SAMPLED_FIELDS`.
+A new field is one `knob` in its config (a default that means the behaviour without it) plus the
+code that prices it. Flat access stays: `training.zero` is `training.memory.zero`, and
+`Training(mbs=2, zero=1)` or `dataclasses.replace(training, zero=1)` routes the field to its config.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+import sys
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Callable, Literal, Mapping, Sequence, Union, get_args, get_origin
 
 import numpy as np
 
 from .errors import PhazeError
 
-# Training fields a search space samples (a space must list each; a one-item list fixes it).
-SAMPLED_FIELDS = ("mbs", "recompute")
-# Recipe fields a space may also sample (each optional in a space; absent means the default below).
-OPTIONAL_FIELDS = ("sequence_parallel", "virtual_stages", "zero", "overlap_grad_reduce", "attention",
-                   "optimizer_state", "precision", "overlap_param_gather")
-# Every recipe field a space can sample, in the order a point lists them.
-RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
-RECOMPUTE_MODES = ("none", "selective", "full")
-# Megatron-Core's `--recompute-modules` names (TransformerConfig.recompute_modules); the default
-# list is Megatron's own, the attention core.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj")
-DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
-ZERO_STAGES = (0, 1, 2, 3)
+Recompute = Literal["none", "selective", "full"]
+# Megatron-Core's `--recompute-modules` names (TransformerConfig.recompute_modules).
+RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj"]
+ZeroStage = Literal[0, 1, 2, 3]
+OptimizerState = Literal["fp32-adam", "bf16-moments", "bf16-adamw"]
+Attention = Literal["unfused", "flash"]
+# GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
+Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
+# Software stacks by kernel fusion (workload/stack.py); the first is the default.
+Stack = Literal["megatron-lm", "eager", "megatron-te"]
+# EP token dispatchers (`System.alltoall_s`); the first is the default all-to-all.
+MoeDispatcher = Literal["alltoall", "deepep"]
+# Where a MoE layer applies its router's gate weights (workload/layers.py MoE).
+ExpertWeights = Literal["combine", "activation"]
+# Context-parallel K/V exchanges (Megatron-Core `--cp-comm-type`, of which a2a and a2a+p2p are not
+# modelled); the first is the default ring.
+CpComm = Literal["p2p", "all_gather"]
+
+RECOMPUTE_MODES = get_args(Recompute)
+RECOMPUTE_MODULES = get_args(RecomputeModule)
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron's default list: the attention core
+ZERO_STAGES = get_args(ZeroStage)
+# Optimizer-state bytes per parameter beyond the weight and gradient, by layout (`Memory.optimizer_state`).
+OPTIMIZER_STATES = dict(zip(get_args(OptimizerState), (12, 8, 4)))
+ATTENTIONS = get_args(Attention)
+PRECISIONS = get_args(Precision)
+# Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
+LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
+STACKS = get_args(Stack)
+MOE_DISPATCHERS = get_args(MoeDispatcher)
+EXPERT_WEIGHTS = get_args(ExpertWeights)
+CP_COMMS = get_args(CpComm)
 # Stacks whose interleaved schedule overlaps its pipeline sends unless told not to: Megatron-Core
 # (Megatron-LM's `--no-overlap-p2p-communication` is a store_false flag, megatron/training/
 # arguments.py), NeMo and Megatron-Bridge (CommOverlapConfig: on wherever VP > 1).
 P2P_OVERLAP_STACKS = ("megatron-te",)
-# Optimizer-state bytes per parameter beyond the weight and gradient, by layout (module docstring).
-OPTIMIZER_STATES = {"fp32-adam": 12, "bf16-moments": 8, "bf16-adamw": 4}
-ATTENTIONS = ("unfused", "flash")
-# GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
-PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
-# Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
-LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
-PLACEMENTS = ("optimal", "expert")
-# Software stacks by kernel fusion (workload/stack.py); the first is the default, today's graph.
-STACKS = ("megatron-lm", "eager", "megatron-te")
-# EP token dispatchers (`System.alltoall_s`); the first is the default, today's all-to-all.
-MOE_DISPATCHERS = ("alltoall", "deepep")
-# Where a MoE layer applies its router's gate weights (`expert_weights`, workload/layers.py MoE).
-EXPERT_WEIGHTS = ("combine", "activation")
-# Context-parallel K/V exchanges (Megatron-Core `--cp-comm-type`, of which a2a and a2a+p2p are not
-# modelled); the first is the default, today's ring.
-CP_COMMS = ("p2p", "all_gather")
 # Model chunks per pipeline device: published interleaved schedules use 2-8 (Narayanan et al.,
 # SC'21); 64 is far beyond any, so only a typo reaches it.
 MAX_VIRTUAL_STAGES = 64
-MOE_FACTOR_LIMIT = 64.0  # capacity factor / load imbalance: at most every token on one of 64 experts  # besides a fixed "tp=T,pp=P,dp=D"
+MOE_FACTOR_LIMIT = 64.0  # capacity factor / load imbalance: at most every token on one of 64 experts
+MBS_LIMIT = 1 << 20  # sequences per microbatch: far beyond any real run, so only a typo reaches it
+
+# How the sweep's proven throughput bounds (design/upper_bound.py) treat a field. SOUND: they hold
+# for every value (level 0 leaves the field's cost out or it only adds time or memory; level 1 runs
+# the point's own value). AT_DEFAULT: they hold only at the default, because another value can make
+# a layer faster than the traced graph the bounds are built on; a space that samples another value
+# is swept by evaluating every point (`bound_obstacles`), never pruned on a wrong bound.
+SOUND, AT_DEFAULT = "sound", "at-default"
+
+
+class RecipeError(PhazeError):
+    """A recipe field's value or a rule across fields is broken: `field` names it, `detail` says what
+    is allowed, so a caller can prefix its own location (`suite.yaml: rows[3].zero: ...`)."""
+
+    def __init__(self, field_name: str, detail: str):
+        super().__init__(f"{field_name} {detail}")
+        self.field = field_name
+        self.detail = detail
+
+
+def knob(default: Any, doc: str, *, says: str | Callable[[Any], str] = "", short: str = "", quiet: tuple = (),
+         unit: str = "",
+         listed: str = "changed", layer: bool = False, bound: str = SOUND, why: str = "", low: float | None = None,
+         high: float | None = None, low_open: bool = False, cli: Mapping[str, Any] | None = None,
+         parse: Callable | None = None):
+    """A recipe field's declaration: the dataclass default plus what the rest of the package reads.
+
+    listed: "always" when `recipe()` names the field even at its default (the recipe's first fields,
+    which every stored study's keys hold), else "changed" (named only when not the default, so a new
+    field leaves every earlier key as it was). layer: the field changes a layer's traced graph, times
+    or memory, so it keys the layer memo (`layer_key`). bound / why: how the sweep's bounds treat it
+    (SOUND, AT_DEFAULT) and why. low / high: a number's range (low excluded where `low_open`). cli:
+    argparse keywords beyond the generated ones. parse: a reader for values the type alone does not
+    accept (the old on/off recompute). says: how a report names a non-default value (a format with
+    `{}` for the value, or a function of it; a switch's words when on). short: the report's column
+    name where shorter than the field's. quiet: values a validation report leaves out besides the
+    default (a setting every published suite runs)."""
+    return field(default=default, metadata={"doc": doc, "says": says, "short": short, "quiet": quiet, "unit": unit,
+                                            "listed": listed, "layer": layer,
+                                            "bound": bound, "why": why, "low": low, "high": high,
+                                            "low_open": low_open, "cli": dict(cli or {}), "parse": parse})
+
+
+def bool_flag(value: Any, name: str) -> bool:
+    """A yes/no recipe field: a bool, 0/1 or on/off/true/false/yes/no."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("off", "false", "no", "0"):
+        return False
+    if isinstance(value, (int, float, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise RecipeError(name, f"must be on/off (a boolean), got {value!r}")
 
 
 def is_mbs(value: Any) -> bool:
@@ -250,41 +157,10 @@ def recompute_mode(value: Any) -> str:
     try:
         return "full" if bool_flag(value, "recompute") else "none"
     except PhazeError:
-        raise ValueError(f"recompute value {value!r} is not one of {', '.join(RECOMPUTE_MODES)} or on/off") from None
+        raise RecipeError("recompute", f"must be one of {', '.join(RECOMPUTE_MODES)} or on/off, got {value!r}") from None
 
 
-def check_recompute_modules(value: Any, recompute: str) -> tuple[str, ...] | None:
-    """`recompute_modules` as a sorted tuple of distinct known names (None: Megatron's default), or
-    a one-line PhazeError: a list (or "a,b" text) of RECOMPUTE_MODULES, only with selective recompute."""
-    if value is None:
-        return None
-    names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise PhazeError(f"recompute_modules must be a list of module names ({', '.join(RECOMPUTE_MODULES)}), "
-                         f"got {value!r}")
-    names = [n.strip().lower() for n in names if n.strip()]
-    if not names:
-        raise PhazeError(f"recompute_modules must name at least one of {', '.join(RECOMPUTE_MODULES)}")
-    for n in names:
-        if n not in RECOMPUTE_MODULES:
-            raise PhazeError(f"recompute_modules: unknown module {n!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
-    if recompute != "selective":
-        raise PhazeError(f"recompute_modules needs recompute selective (Megatron's --recompute-granularity "
-                         f"selective), got recompute {recompute}")
-    return tuple(sorted(set(names), key=RECOMPUTE_MODULES.index))
-
-
-def bool_flag(value: Any, name: str) -> bool:
-    """A yes/no recipe field: a bool, 0/1 or on/off/true/false/yes/no."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("on", "true", "yes", "1"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("off", "false", "no", "0"):
-        return False
-    if isinstance(value, (int, float, np.integer)) and value in (0, 1):
-        return bool(value)
-    raise PhazeError(f"{name} must be on/off (a boolean), got {value!r}")
+# -- the placement option ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -340,129 +216,563 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
 
-def recipe_names(params: Mapping[str, Sequence]) -> list[str]:
-    """The recipe fields beyond the microbatch that `params` (a space's choices) sample, in grid order."""
-    return ["recompute"] + [f for f in OPTIONAL_FIELDS if f in params]
+@dataclass(frozen=True)
+class Optimal:
+    """The placement DP chooses TP, PP, DP (and EP, CP) and the stages."""
 
-
-def recipe_choices(params: Mapping[str, Sequence]) -> list[dict]:
-    """Every combination of the space's choices of recompute and of each further recipe field it
-    samples, as the space's own values (so a point built from one is a point of the space): the
-    product in `recipe_names` order, the first field slowest. A field the space does not sample is
-    absent, meaning its `Training` default, as for a trial."""
-    names = recipe_names(params)
-    return [dict(zip(names, values)) for values in itertools.product(*(params[n] for n in names))]
-
-
-def recipe_points(params: Mapping[str, Sequence]) -> list[dict]:
-    """Every recipe a study over `params` can run (microbatch x `recipe_choices`), as point values.
-
-    What a fair reference is searched over: anything a trial may choose, the reference may too."""
-    return [{"mbs": mbs, **choice} for mbs in params["mbs"] for choice in recipe_choices(params)]
-
-
-def check_recipe_value(name: str, value: Any) -> Any:
-    """`value` as a recipe field `name` may hold, checked by `Training` itself (so a space, a suite
-    and the CLI accept exactly what a recipe accepts); a PhazeError naming the field otherwise."""
-    if name not in RECIPE_FIELDS:
-        raise PhazeError(f"{name} is not a recipe field; recipe fields are {', '.join(RECIPE_FIELDS)}")
-    recipe = Training(**{name: value})
-    return value if name == "recompute" else getattr(recipe, name)
+    def spec(self) -> str:
+        return "optimal"
 
 
 @dataclass(frozen=True)
-class Training:
-    """The recipe for running a model on a design (see the module docstring); immutable, hashable."""
+class Expert:
+    """The model config's own hand-tuned layout (`ModelConfig.expert_placement`), layers split evenly."""
 
-    mbs: int = 1
-    recompute: str = "none"
-    placement: str = "optimal"
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    zero: int = 0
-    overlap_grad_reduce: bool = False
-    attention: str | None = None
-    capacity_factor: float = 1.0
-    load_imbalance: float = 1.0
-    account_for_embedding: bool = False
-    account_for_loss: bool = False
-    optimizer_state: str | None = None
-    precision: str = "bf16"
-    overlap_param_gather: bool = False
-    tp_comm_overlap: bool = False
-    expert_tensor_parallel: int | None = None
-    stack: str = "megatron-lm"
-    fp8_param_gather: bool = False
-    moe_a2a_overlap: bool = False
-    moe_dispatcher: str = "alltoall"
-    recompute_modules: tuple[str, ...] | None = None
-    cp_comm: str = CP_COMMS[0]
-    expert_weights: str | None = None
-    overlap_p2p_comm: bool | None = None
-    # "expert", or the Layout of a fixed placement; None for "optimal"
-    fixed: "str | Layout | None" = field(default=None, init=False, repr=False, compare=False, hash=False)
+    def spec(self) -> str:
+        return "expert"
 
-    def __post_init__(self):
-        object.__setattr__(self, "mbs", check_mbs(self.mbs))
+
+@dataclass(frozen=True)
+class Fixed:
+    """A layout the user or a published run fixes, layers split evenly."""
+
+    layout: Layout
+
+    def spec(self) -> str:
+        return self.layout.spec()
+
+
+PlacementOption = Union[Optimal, Expert, Fixed]
+OPTIMAL, EXPERT = Optimal(), Expert()
+
+
+def placement_option(value: Any) -> PlacementOption:
+    """A placement option from what a user or a file writes: the option itself, a `Layout`, or the
+    text `optimal`, `expert` or `tp=T,pp=P,dp=D[,ep=E,cp=C]`."""
+    if isinstance(value, (Optimal, Expert, Fixed)):
+        return value
+    if isinstance(value, Layout):
+        return Fixed(value)
+    text = str(value).strip()
+    if text.lower() in ("optimal", "expert"):
+        return OPTIMAL if text.lower() == "optimal" else EXPERT
+    return Fixed(Layout.from_spec(text))
+
+
+# -- the recipe tree -----------------------------------------------------------------------------------
+
+
+class _Config:
+    """What every config of the tree does on construction: each field read by its declaration."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, parse_value(FIELDS[f.name], getattr(self, f.name)))
+
+
+
+@dataclass(frozen=True)
+class Parallelism(_Config):
+    """How each pipeline stage and sequence is split beyond the TP x PP x DP the placement chooses."""
+
+    # `sequence_parallel`: Megatron's sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): the norm
+    # and dropout regions sharded over the TP group;
+    sequence_parallel: bool = knob(False, "Megatron sequence parallelism: norm and dropout regions sharded over "
+                                          "the TP group", listed="always", layer=True, says='sequence parallel')
+    # `virtual_stages`: v model chunks per pipeline device, interleaved 1F1B (Narayanan et al., SC'21);
+    virtual_stages: int = knob(1, "interleaved 1F1B with this many model chunks per pipeline device",
+                               unit="chunks", listed="always", low=1, high=MAX_VIRTUAL_STAGES, says='{} virtual stages')
+    # `account_for_embedding`, `account_for_loss`: the pipeline split counts the embedding (the loss) as
+    # one more decoder layer (Megatron-Core `--account-for-embedding-in-pipeline-split`, `--account-for-
+    # loss-in-pipeline-split`), which is what lets interleaving split a layer count that p x v does not
+    # divide (Llama 3 405B: 126 + 2 = 128 layers at PP 16 x VP 8); they change which (pp, v) interleave
+    # (`interleave_split_ok`), not any time or byte (the embedding and the loss are already nodes of the
+    # layer graph, priced in their stages). Default off.
+    account_for_embedding: bool = knob(False, "count the embedding as a layer in the pipeline split (Megatron-Core "
+                                              "--account-for-embedding-in-pipeline-split)", says='embedding counted in the pipeline split')
+    account_for_loss: bool = knob(False, "count the loss as a layer in the pipeline split (Megatron-Core "
+                                         "--account-for-loss-in-pipeline-split)", says='loss counted in the pipeline split')
+    # `cp_comm`: how context parallelism moves K and V (Megatron-Core `--cp-comm-type`): `p2p` (default:
+    # ring attention, each of the c - 1 K/V blocks passed to the ring neighbour while the attention core
+    # of the block before runs; Liu et al. 2023) or `all_gather` (Megatron-Core / Transformer Engine
+    # `AttnFuncWithCPAndKVAllGather`, whose docstring says the "KV all-gather between CP ranks is
+    # exposed": the whole sequence's K and V are all-gathered over the CP group before the attention and
+    # dK, dV reduce-scattered after its backward, neither under compute). Meta trains Llama 3 405B's long-
+    # context stage so: "we first all-gather the key (K) and value (V) tensors, and then compute attention
+    # output for the local query (Q) tensor chunk ... Although the all-gather communication latency is
+    # exposed in the critical path ... the communicated K and V tensors are much smaller than Q tensor due
+    # to the use of GQA" (Llama Team, arXiv 2407.21783, Sec. 3.3.2, "Context parallelism"). Priced in
+    # `solve.placement.evaluate`; Megatron-Core's `a2a` and `a2a+p2p` are not modelled. No effect at CP 1.
+    #
+    cp_comm: CpComm = knob(CP_COMMS[0], "how context parallelism moves K and V: p2p (ring attention, each hop "
+                                        "under a block's attention) or all_gather (exposed; Llama 3's CP)", says='{} context parallelism')
+
+
+@dataclass(frozen=True)
+class Memory(_Config):
+    """What each device keeps: activations (recompute) and optimizer state (ZeRO, its layout)."""
+
+    # `recompute`: the activation recompute mode, `none | selective | full` (Korthikanti et al. 2022); a
+    # bool is accepted for the old on/off recipe (True -> "full", False -> "none");
+    recompute: Recompute = knob("none", "activation recompute: none, selective (the attention core, or "
+                                        "the recompute modules) or full (each layer from its input)",
+                                listed="always", parse=recompute_mode, cli={"nargs": "?", "const": "full"}, says='recompute {}')
+    # `recompute_modules`: Megatron-Core's module-level selective recompute (`--recompute-granularity
+    # selective --recompute-modules ...`, Megatron-Core v0.13, "Fine-grained recomputation";
+    # `TransformerConfig.recompute_modules` and the MoE README, "Fine-grained Recomputation"), a tuple of
+    # module names, only with `recompute = "selective"`. None (default) is Megatron's default
+    # `["core_attn"]`, plain `selective`. `core_attn` recomputes the attention core (standard
+    # checkpointing); `layernorm` the blocks' input and pre-MLP norms (output-discarding: their outputs
+    # and statistics are dropped after their consumers ran and rebuilt before those consumers' backward);
+    # `moe_act` the routed experts' activation (output-discarding: the SwiGLU product that FC2 reads);
+    # `mlp` a dense block's MLP, `moe` a MoE layer, `shared_experts` its shared experts (standard
+    # checkpointing: the module keeps only its input); `mla_up_proj` multi-head latent attention's up-
+    # projections and RoPE (output-discarding: the Q, K and V the core attention reads, MLASelfAttention
+    # `qkv_up_proj_and_rope_apply`). Which saved tensors each drops and the ops it reruns are read off the
+    # trace (`workload/trace.py`, "Module-level recompute"). A module a layer lacks changes nothing in
+    # that layer, as in Megatron-Core, where each flag acts only inside its module: one recipe serves a
+    # model that mixes dense and MoE blocks (DeepSeek-V3's first blocks: `mlp` acts there, `moe` on the
+    # rest), so a module the whole model lacks (`moe_act` on a dense model) is accepted as a no-op.
+    recompute_modules: tuple[RecomputeModule, ...] | None = knob(
+        None, "with recompute selective: the modules recomputed (Megatron-Core --recompute-modules); "
+              "default core_attn", layer=True, says=lambda v: "recomputing " + "+".join(v))
+    # `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
+    # optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer state
+    # and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec. 5.2;
+    # PyTorch FSDP `SHARD_GRAD_OP`, FSDP2 `reshard_after_forward=False`; Llama 3 405B: "Our use of FSDP
+    # for Llama 3 shards optimizer states and gradients, but for model shards we do not reshard after
+    # forward computation", Llama Team, arXiv 2407.21783, Sec. 3.3.2). A sharded gradient cannot wait for
+    # the last microbatch, so each microbatch's backward reduce-scatters the stage's gradients (DeepSpeed
+    # ZeRO-2 reduces after every backward: "each rank retains only the accumulated gradients of its
+    # partition", deepspeedai/DeepSpeed issue 2252; FSDP reduce-scatters after each backward unless
+    # `no_sync`, which keeps whole gradients); the updated weights are all-gathered once per iteration
+    # after the optimizer step (`solve.placement.evaluate`);
+    zero: ZeroStage = knob(0, "optimizer sharding over data parallelism: 0, 1 (distributed optimizer), 2 "
+                              "(gradients too; FSDP without resharding) or 3 (FSDP)", listed="always", says='ZeRO-{}', quiet=(1,))
+    # `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
+    # gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
+    # fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20, Sec. 3.1,
+    # K = 12); `bf16-moments` an fp32 master weight and BF16 moments, 8 B (Megatron-Core's precision-aware
+    # optimizer, `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`);
+    # `bf16-adamw` BF16 moments and no master copy, 4 B (pure BF16 AdamW, 8 B per parameter in all;
+    # Zamirai et al. 2020, "Revisiting BFloat16 Training"). It sets the state each device holds (sharded
+    # as ZeRO says) and the bytes the optimizer step streams.
+    optimizer_state: OptimizerState | None = knob(
+        None, "optimizer-state layout beyond weight and gradient: fp32-adam (12 B/param), bf16-moments "
+              "(8 B) or bf16-adamw (4 B); default: the system's accounting", says='{} optimizer state')
+
+
+@dataclass(frozen=True)
+class Numerics(_Config):
+    """Number formats."""
+
+    # `precision`: the number format of the transformer blocks' linear-layer GEMMs, `bf16` (default, every
+    # GEMM in BF16), `fp8` (Transformer Engine's per-tensor delayed scaling, E4M3 forward / E5M2
+    # gradients, Megatron-Core `--fp8-format hybrid --fp8-recipe delayed`), `mxfp8` (OCP MX blocks of 32
+    # elements with an E8M0 scale, `--fp8-recipe mxfp8`) or `nvfp4` (blocks of 16 with an E4M3 scale).
+    # What runs in the format, the casts and the FP8 weight copies: `workload/precision.py`; a chip whose
+    # tensor cores lack the format makes the design infeasible (`Accelerator.mac_rate`).
+    precision: Precision = knob("bf16", "number format of the transformer blocks' linear-layer GEMMs; the "
+                                        "chip's tensor cores must support it", layer=True, bound=AT_DEFAULT,
+                                why="the bounds price BF16 GEMMs, which a lower precision undercuts", says=lambda v: f"{v.upper()} GEMMs")
+    # `fp8_param_gather`: the model's parameters are held in the recipe's low-precision format instead of
+    # BF16 (Megatron-Core `--fp8-param-gather`, Transformer Engine's `fp8_model_init`; Megatron-Bridge
+    # sets it in its FP8 and MXFP8 mixed-precision recipes, training/mixed_precision.py): no 16-bit
+    # weight, the FP8 (MXFP8) weight is itself the row-wise copy (the column-wise one stays where the chip
+    # needs it), and the distributed optimizer's all-gather and a ZeRO-3 gather move 1-byte weights; the
+    # FP32 master stays in the optimizer state (`solve/placement/types.py` `state_split`,
+    # `weight_copies`). Needs precision fp8 or mxfp8. Default off.
+    fp8_param_gather: bool = knob(False, "with precision fp8 or mxfp8: parameters held in that format, no "
+                                         "BF16 weight (Megatron-Core --fp8-param-gather)", bound=AT_DEFAULT,
+                                  why="it needs a lower precision, which the bounds do not price", says='low-precision parameters')
+
+
+@dataclass(frozen=True)
+class Overlap(_Config):
+    """Communication run beside compute."""
+
+    # `overlap_grad_reduce`: the data-parallel gradient reduction runs beside the backward pass (Megatron
+    # `--overlap-grad-reduce`, PyTorch DDP buckets);
+    overlap_grad_reduce: bool = knob(False, "the data-parallel gradient reduction beside the backward pass",
+                                     listed="always", says='overlapped grad reduce')
+    # `overlap_param_gather`: under ZeRO-1 (the distributed optimizer) the all-gather of the updated
+    # weights runs under the next iteration's forward pass (Megatron `--overlap-param-gather`, which needs
+    # `--use-distributed-optimizer`): each bucket's gather is issued ahead of the layers that use it, so
+    # what it cannot hide is the part longer than the stage's forward of the first microbatch; ZeRO-2's
+    # once-per-iteration gather of the weights hides the same way (FSDP with `SHARD_GRAD_OP` gathers them
+    # layer by layer in the first forward, prefetched); with ZeRO-0 there is no such gather and with
+    # ZeRO-3 the gathers are per layer already, so it changes nothing there. Default off.
+    overlap_param_gather: bool = knob(False, "with zero 1 or 2: the weights' all-gather under the next "
+                                             "iteration's forward", says='overlapped param gather')
+    # `overlap_p2p_comm`: the interleaved schedule's pipeline sends and receives run beside compute
+    # (Megatron-LM's default with interleaving, `--no-overlap-p2p-communication` turns it off; NeMo and
+    # Megatron-Bridge set it whenever the virtual pipeline size is above 1): each step posts its transfers
+    # asynchronously and waits for them only before the step that needs them, so in the steady state a
+    # stage's messages hide under its compute; in the warm-up and flush (without
+    # `--overlap-p2p-communication-warmup-flush`) they do not (`solve/placement/evaluate.py`). No effect
+    # without interleaving (virtual_stages 1), where Megatron-LM turns it off.
+    # None (the default): the stack's own default (`overlaps_p2p`: on under `megatron-te`, whose Megatron-
+    # Core, NeMo and Megatron-Bridge turn it on with interleaving; off under `megatron-lm`, the 2021-22
+    # Megatron-LM whose schedule sent in batches, and `eager`).
+    overlap_p2p_comm: bool | None = knob(
+        None, "with virtual stages > 1: pipeline sends beside compute but in warm-up and flush (default: "
+              "the stack's, on under megatron-te)", bound=AT_DEFAULT,
+        why="a send hidden under compute is not a term the level-1 bound was proven against", says=lambda v: f"pipeline p2p {'overlapped' if v else 'exposed'}")
+    # `tp_comm_overlap`: with sequence parallelism, each layer's TP reduce-scatters and all-gathers run
+    # beside its GEMMs (Megatron-Core `--tp-comm-overlap`: Transformer Engine's userbuffers split each
+    # collective into chunks pipelined with the GEMM that produces or consumes them; Wang et al., "Overlap
+    # Communication with Dependent Computation via Decomposition", ASPLOS 2023): a layer pass of time T
+    # with TP collectives C takes max(T - C + x C, C), the part of C longer than the rest of the pass
+    # exposed, and x C for what the overlap costs itself: a pipelined reduce-scatter's last chunk runs
+    # after its GEMM and the collective kernels take SMs from the GEMMs beside them (x from the
+    # userbuffers plan NVIDIA ships for H100: 0.20 forward, 0.06 backward; `design.evaluate.UB_EXPOSED`,
+    # `layer_costs`). Without SP the all-reduces stay exposed (the overlap needs SP).
+    # (The sweep's bounds hold only at its default: `bound`.) Default off.
+    tp_comm_overlap: bool = knob(False, "with sequence parallelism: TP reduce-scatters and all-gathers "
+                                        "pipelined with the GEMMs", layer=True, bound=AT_DEFAULT,
+                                 why="it shortens a layer pass below the traced graph the bounds are built on", says='TP comm overlapped')
+
+
+@dataclass(frozen=True)
+class Kernels(_Config):
+    """Which kernels run a layer."""
+
+    # `attention`: the attention kernel, `unfused | flash` (Dao et al. 2022, 2023); None keeps the model
+    # config's own choice;
+    attention: Attention | None = knob(None, "attention kernel: unfused or flash (default: the model config's)",
+                                       listed="always", layer=True, says='{} attention')
+    # `stack`: the software stack's kernel fusion, which sets how many kernels a layer launches and the
+    # bytes they move (`workload/stack.py`, each fusion with its source): `eager` (one kernel per PyTorch
+    # operator, as the `layers-h100` truth ran), `megatron-lm` (default: chains of pointwise operators
+    # fused, Megatron-LM's fused bias+GeLU, bias+dropout+add and scale+mask+softmax; Narayanan et al.,
+    # SC'21, Sec. 4.2) or `megatron-te` (Megatron-Core with Transformer Engine: also LayerNorm/RMSNorm and
+    # RoPE as one kernel each, FP8 casts inside the kernel that produces the operand).
+    stack: Stack = knob(STACKS[0], "the software stack's kernel fusion: megatron-lm (pointwise chains fused), "
+                                   "eager (one kernel per operator) or megatron-te (norms, RoPE, FP8 casts "
+                                   "fused too)", layer=True, bound=AT_DEFAULT,
+                        why="a fusing stack moves fewer bytes than the graph the bounds are traced on", says='{} kernels')
+
+
+@dataclass(frozen=True)
+class Experts(_Config):
+    """Mixture-of-experts layers: routing, folding and the all-to-all."""
+
+    # `capacity_factor`: a mixture of experts' expert buffers hold capacity_factor x the mean tokens per
+    # expert (Fedus et al. 2022, Switch Transformer, eq. 3); the traced expert GEMMs and the all-to-all
+    # bytes carry the padded buffers (default 1.0, balanced);
+    capacity_factor: float = knob(1.0, "MoE expert buffers hold this many times the mean tokens per expert",
+                                  unit="x mean tokens", low=0.0, low_open=True, high=MOE_FACTOR_LIMIT,
+                                  bound=AT_DEFAULT, why="a factor under 1 drops work the traced graph holds", says='capacity factor {:g}')
+    # `load_imbalance`: tokens received by the busiest expert-parallel rank over the mean (>= 1); the
+    # synchronous all-to-all and the experts' compute wait for that rank (default 1.0, balanced).
+    load_imbalance: float = knob(1.0, "MoE tokens at the busiest expert-parallel rank over the mean",
+                                 unit="x mean tokens", low=1.0, high=MOE_FACTOR_LIMIT, says='load imbalance {:g}')
+    # `expert_tensor_parallel`: the MoE layers' own tensor-parallel width ETP, with MoE parallel folding
+    # (Liu et al. 2025, "MoE Parallel Folding: Heterogeneous Parallelism Mappings for Efficient Large-
+    # Scale MoE Model Training with Megatron Core", arXiv 2504.14960; Megatron-Core `--expert-tensor-
+    # parallel-size`, whose default is the TP size, and its MoE README, "MoE Parallel Folding"): the
+    # attention layers keep the TP x CP x DP x PP grid, the MoE layers take ETP x EP x EDP x PP over the
+    # same ranks (ETP x EP x EDP = TP x CP x DP, ranks ordered etp, ep, edp), so the EP group may span TP
+    # and CP ranks, not only DP replicas. EP x ETP must divide TP x CP x DP; the all-to-all runs over EP
+    # ranks ETP apart, the expert GEMMs shard by ETP, expert gradients reduce over EDP
+    # (`expert_replicas`). None (default): the unfolded layout, ETP = TP and EP a sub-group of
+    # the DP replicas (EP divides DP, ranks tp, cp, ep/dp, pp).
+    expert_tensor_parallel: int | None = knob(
+        None, "MoE parallel folding: the MoE layers' own TP width (ep x ETP divides tp x cp x dp); default: "
+              "unfolded", unit="devices", low=1, bound=AT_DEFAULT,
+        why="folded experts run at another width than the layers the bounds are traced at", says='experts folded at expert TP {}', short="etp")
+    # `moe_dispatcher`: how the EP all-to-all moves tokens: `alltoall` (default, Megatron-Core's `--moe-
+    # token-dispatcher-type alltoall`: every token copy to its expert's rank) or `deepep` (`--moe-token-
+    # dispatcher-type flex --moe-enable-deepep`, DeepSeek's DeepEP: a token crosses the inter-node network
+    # once per destination node and is forwarded to its experts there over NVLink; DeepSeek-V3 tech
+    # report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`; inside one node the two are
+    # the same.
+    moe_dispatcher: MoeDispatcher = knob(MOE_DISPATCHERS[0], "MoE token dispatcher: alltoall, or deepep (each "
+                                                             "token once per destination node, then NVLink)", says='{} dispatcher')
+    # `moe_a2a_overlap`: Megatron-Core v0.14's batch-level EP all-to-all overlap (`--overlap-moe-expert-
+    # parallel-comm --delay-wgrad-compute`; Megatron-LM megatron/core/transformer/moe/README.md, "EP A2A
+    # Overlap: overlaps All-to-All with computation by merging FWD-BWD passes of adjacent microbatches";
+    # the same idea as DeepSeek-V3's DualPipe, arXiv 2412.19437 Sec. 3.2.1): in the steady 1F1B phase the
+    # forward of one microbatch runs merged with the backward of another, each of the four all-to-alls
+    # under one compute phase of the other microbatch (Megatron-Core's `schedule_layer_1f1b`), so an MoE
+    # layer's paired forward + backward takes the sum over phases of max(phase compute, all-to-all): at
+    # least max(compute, all-to-alls), at most their sum; the warm-up forwards and cool-down backwards run
+    # unpaired, exposed (`placement.evaluate`). Megatron-Core refuses it with full recompute and, when PP
+    # > 1, without interleaving (`TransformerConfig.__post_init__`: "virtual_pipeline_model_parallel_size
+    # must be specified when pipeline_model_parallel_size > 1"; "disable full recomputation"): the first
+    # is refused here, the second makes such a placement infeasible. No effect at EP = 1. Default off.
+    moe_a2a_overlap: bool = knob(False, "the EP all-to-alls of one microbatch under another's compute in "
+                                        "steady 1F1B (not with full recompute)", bound=AT_DEFAULT,
+                                 why="an all-to-all hidden under compute is not a term the level-1 bound was "
+                                     "proven against", says='EP all-to-all overlapped')
+    # `expert_weights`: where a MoE layer applies its router's gate weights: `combine` (each expert output
+    # row scaled as it is added back to its token: GShard, Switch Transformer, Megatron-Core before 0.13,
+    # whose unpermute keeps the second linear's output for the weights' gradient) or `activation` (the
+    # expert MLP scales its activation's output before the second linear: Megatron-Core from 0.13,
+    # TEGroupedMLP's fused `weighted_bias_swiglu`, which keeps only its input and the weights). None
+    # (default): the stack's (`workload/stack.py`; `activation` under `megatron-te`, else `combine`).
+    # Changes a MoE layer's saved bytes and its element-wise work; no effect on a dense model.
+    expert_weights: ExpertWeights | None = knob(
+        None, "where MoE layers apply the router's weights: combine or activation (default: the stack's)",
+        layer=True, bound=AT_DEFAULT, why="it changes a MoE layer's element-wise work in the traced graph", says='expert weights at the {}')
+
+
+# The configs in the order a grid and a recipe list their fields (after the always-listed ones).
+GROUPS: dict[str, type] = {"parallelism": Parallelism, "memory": Memory, "numerics": Numerics,
+                           "overlap": Overlap, "kernels": Kernels, "experts": Experts}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One recipe field as the declaration gives it (`FIELDS`)."""
+
+    name: str
+    group: str  # the config that holds it ("" for the microbatch and the placement)
+    kind: str  # bool | int | float | choice | choices (a tuple of choices) | placement
+    choices: tuple  # for choice and choices
+    optional: bool  # None allowed (meaning: the model's, the stack's or the system's own)
+    default: Any
+    doc: str
+    says: str | Callable[[Any], str] = ""
+    short: str = ""
+    quiet: tuple = ()
+    unit: str = ""
+    listed: str = "changed"
+    layer: bool = False
+    bound: str = SOUND
+    why: str = ""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    cli: Mapping[str, Any] = field(default_factory=dict)
+    parse: Callable | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def takes_text(self) -> bool:
+        """Whether a file may give the value as text (a choice's name); a yes/no or a number may not."""
+        return self.kind in ("choice", "choices", "placement") or self.parse is not None
+
+
+def _kind(hint) -> tuple[str, tuple, bool]:
+    """(kind, choices, optional) of a field's type annotation."""
+    optional = False
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        optional, hint = len(args) < len(get_args(hint)), args[0]
+    if get_origin(hint) is Literal:
+        return "choice", get_args(hint), optional
+    if get_origin(hint) is tuple:
+        return "choices", get_args(get_args(hint)[0]), optional
+    return {bool: "bool", int: "int", float: "float"}[hint], (), optional
+
+
+def _declare() -> dict[str, Knob]:
+    out = {"mbs": Knob("mbs", "", "int", (), False, 1, "microbatch size in sequences", "mbs {}", unit="sequences",
+                       listed="always", layer=True, low=1, high=MBS_LIMIT),
+           "placement": Knob("placement", "", "placement", (), False, OPTIMAL,
+                             "optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D[,ep=E,cp=C] "
+                             "(layers split evenly)", "{} placement", listed="always")}
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind, choices, optional = _kind(hints[f.name])
+            m = f.metadata
+            out[f.name] = Knob(f.name, group, kind, choices, optional, f.default, m["doc"], m["says"], m["short"],
+                               m["quiet"], m["unit"], m["listed"],
+                               m["layer"], m["bound"], m["why"], m["low"], m["high"], m["low_open"], m["cli"],
+                               m["parse"])
+    return out
+
+
+def parse_value(knob_: Knob, value: Any) -> Any:
+    """`value` as field `knob_` holds it (normalised), or a RecipeError saying what is allowed."""
+    name = knob_.name
+    if value is None and knob_.optional:
+        return None
+    if knob_.parse is not None:
+        return knob_.parse(value)
+    if knob_.kind == "bool":
+        return bool_flag(value, name)
+    if knob_.kind == "choice":
+        return _choice(name, value, knob_.choices)
+    if knob_.kind == "choices":
+        return _choices(name, value, knob_.choices)
+    if knob_.kind == "placement":
+        return placement_option(value)
+    return _number(knob_, value)
+
+
+def _choice(name: str, value: Any, choices: tuple) -> Any:
+    if all(isinstance(c, int) for c in choices):  # a stage number: 2, or the text "2"
+        number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else value
+        if isinstance(number, bool) or not isinstance(number, (int, np.integer)) or int(number) not in choices:
+            raise RecipeError(name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return int(number)
+    chosen = str(value).strip().lower()
+    if chosen not in choices:
+        raise RecipeError(name, f"must be one of {', '.join(choices)}, got {value!r}")
+    return chosen
+
+
+def _choices(name: str, value: Any, choices: tuple) -> tuple:
+    """A set of choices as a tuple in declaration order, each once: a list or "a,b" text."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise RecipeError(name, f"must be a list of names ({', '.join(choices)}), got {value!r}")
+    names = [n.strip().lower() for n in names if n.strip()]
+    if not names:
+        raise RecipeError(name, f"must name at least one of {', '.join(choices)}")
+    noun = name.rsplit("_", 1)[-1].removesuffix("s")  # recompute_modules -> module
+    for n in names:
+        if n not in choices:
+            raise RecipeError(name, f"unknown {noun} {n!r}; allowed: {', '.join(choices)}")
+    return tuple(sorted(set(names), key=choices.index))
+
+
+def _number(knob_: Knob, value: Any) -> Any:
+    name, low, high = knob_.name, knob_.low, knob_.high
+    if knob_.kind == "int":
+        if not is_mbs(value) or (high is not None and value > high):
+            raise RecipeError(name, f"must be a positive integer{f' at most {high:,}' if high else ''}, got {value!r}")
+        return int(value)
+    number = value
+    if isinstance(value, str):
         try:
-            object.__setattr__(self, "recompute", recompute_mode(self.recompute))
-        except ValueError as exc:
-            raise PhazeError(str(exc)) from None
-        object.__setattr__(self, "sequence_parallel", bool_flag(self.sequence_parallel, "sequence_parallel"))
-        object.__setattr__(self, "overlap_grad_reduce", bool_flag(self.overlap_grad_reduce, "overlap_grad_reduce"))
-        for name in ("account_for_embedding", "account_for_loss", "overlap_param_gather", "tp_comm_overlap",
-                     "fp8_param_gather"):
-            object.__setattr__(self, name, bool_flag(getattr(self, name), name))
-        if self.overlap_p2p_comm is not None:
-            object.__setattr__(self, "overlap_p2p_comm", bool_flag(self.overlap_p2p_comm, "overlap_p2p_comm"))
-        self._choose("optimizer_state", OPTIMIZER_STATES, optional=True)
-        precision = self._choose("precision", PRECISIONS)
-        if self.fp8_param_gather and precision not in LOW_PRECISION_PARAMS:
-            raise PhazeError(f"fp8_param_gather needs precision {' or '.join(LOW_PRECISION_PARAMS)} "
-                             f"(1-byte parameters), got precision {precision}")
-        if self.expert_tensor_parallel is not None:
-            object.__setattr__(self, "expert_tensor_parallel",
-                               check_mbs(self.expert_tensor_parallel, "expert_tensor_parallel"))
-        self._choose("stack", STACKS)
-        object.__setattr__(self, "moe_a2a_overlap", bool_flag(self.moe_a2a_overlap, "moe_a2a_overlap"))
-        self._choose("moe_dispatcher", MOE_DISPATCHERS)
-        self._choose("cp_comm", CP_COMMS)
-        self._choose("expert_weights", EXPERT_WEIGHTS, optional=True)
-        object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
-        object.__setattr__(self, "virtual_stages", check_mbs(self.virtual_stages, "virtual_stages"))
-        if self.virtual_stages > MAX_VIRTUAL_STAGES:
-            raise PhazeError(f"virtual_stages must be at most {MAX_VIRTUAL_STAGES}, got {self.virtual_stages}")
-        zero = self.zero
-        if isinstance(zero, str) and zero.strip().isdigit():
-            zero = int(zero.strip())
-        if isinstance(zero, bool) or not isinstance(zero, (int, np.integer)) or int(zero) not in ZERO_STAGES:
-            raise PhazeError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
-        object.__setattr__(self, "zero", int(zero))
-        self._choose("attention", ATTENTIONS, optional=True)
-        for name, low in (("capacity_factor", 0.0), ("load_imbalance", 1.0)):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                    or not (value > low or (low == 1.0 and value == 1.0)) or not value <= MOE_FACTOR_LIMIT:
-                need = "a number in (0, 64]" if low == 0.0 else "a number in [1, 64]"
-                raise PhazeError(f"{name} must be {need}, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, float(value))
-        if self.moe_a2a_overlap and self.recompute == "full":  # Megatron-Core's TransformerConfig refuses it
-            raise PhazeError("moe_a2a_overlap cannot run with full recompute (Megatron-Core: disable full "
-                             "recomputation when enabling overlap_moe_expert_parallel_comm)")
-        placement = str(self.placement)
-        object.__setattr__(self, "placement", placement)
-        if placement == "expert":
-            object.__setattr__(self, "fixed", "expert")
-        elif placement != "optimal":
-            object.__setattr__(self, "fixed", Layout.from_spec(placement))
+            number = float(value)
+        except ValueError:
+            pass
+    numeric = not isinstance(number, bool) and isinstance(number, (int, float, np.integer, np.floating))
+    if not numeric or not (number > low if knob_.low_open else number >= low) or not number <= high:
+        raise RecipeError(name, f"must be a number in {'(' if knob_.low_open else '['}{low:g}, {high:g}], got {value!r}")
+    return float(number)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check across fields: `holds(training, ...)` or the error names `field` and says `detail`
+    (a format string over the recipe's flat fields, or a function of what `holds` takes)."""
+
+    field: str
+    holds: Callable[..., bool]
+    detail: str | Callable[..., str]
+
+
+def _layout(training: "Training") -> Layout | None:
+    return training.placement.layout if isinstance(training.placement, Fixed) else None
+
+
+# Rules across fields: a recipe that breaks one is no recipe.
+RULES = (
+    Rule("fp8_param_gather", lambda t: not t.fp8_param_gather or t.precision in LOW_PRECISION_PARAMS,
+         "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
+    Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
+         "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
+    # Megatron-Core's TransformerConfig refuses it: "disable full recomputation when enabling
+    # overlap_moe_expert_parallel_comm".
+    Rule("moe_a2a_overlap", lambda t: not (t.moe_a2a_overlap and t.recompute == "full"),
+         "cannot run with full recompute (Megatron-Core refuses full recomputation with the overlap)"),
+)
+
+
+def _interleave_detail(t: "Training", model, batch) -> str:
+    pp, v = _layout(t).pp, t.virtual_stages
+    counted = model.layers + int(t.account_for_embedding) + int(t.account_for_loss)
+    need = (f"must divide the {counted} layers counted in the split (embedding/loss included)"
+            if counted != model.layers else
+            f"needs the model's {model.layers} layers divisible by virtual_stages and at least pp x "
+            f"virtual_stages (or account_for_embedding / account_for_loss)")
+    return f"pp x virtual_stages ({pp} x {v}) {need}"
+
+
+def _microbatches(t: "Training", batch) -> int:
+    layout = _layout(t)
+    return batch // (t.mbs * layout.dp)
+
+
+# Rules against the model a recipe trains and, for a fixed layout, the global batch (`check_for`). Those
+# on a fixed layout hold where a published run's layout is given: a setting that cannot act there is a
+# typo in the row, not a no-op (an evaluation at such a layout runs it as the no-op it is).
+MODEL_RULES = (
+    Rule("moe_a2a_overlap", lambda t, m, b: not t.moe_a2a_overlap or _layout(t) is None or _layout(t).ep > 1,
+         lambda t, m, b: "needs ep > 1 (no all-to-all to overlap)"),
+    Rule("cp_comm", lambda t, m, b: t.cp_comm == CP_COMMS[0] or _layout(t) is None or _layout(t).cp > 1,
+         lambda t, m, b: "needs cp > 1 (no context-parallel group to gather over)"),
+    Rule("overlap_p2p_comm", lambda t, m, b: not t.overlap_p2p_comm or _layout(t) is None or t.virtual_stages > 1,
+         lambda t, m, b: "needs virtual_stages > 1 (Megatron-LM overlaps p2p only in the interleaved schedule)"),
+    # Megatron refuses it too: the interleaved schedule needs a pipeline.
+    Rule("virtual_stages", lambda t, m, b: t.virtual_stages == 1 or _layout(t) is None or _layout(t).pp > 1,
+         lambda t, m, b: "needs pp > 1 (no pipeline to interleave at pp 1)"),
+    Rule("sequence_parallel", lambda t, m, b: not t.sequence_parallel or _layout(t) is None or _layout(t).tp > 1,
+         lambda t, m, b: "needs tp > 1 (it splits the sequence across the tensor-parallel group)"),
+    Rule("expert_tensor_parallel",
+         lambda t, m, b: t.expert_tensor_parallel is None or (m.moe and t.expert_tensor_parallel in m.tp_widths),
+         lambda t, m, b: (f"must be one of {m.name}'s TP widths ({', '.join(map(str, m.tp_widths))}), got "
+                          f"{t.expert_tensor_parallel}") if m.moe else f"{m.name} has no experts; leave it out"),
+    Rule("expert_weights", lambda t, m, b: t.expert_weights is None or m.moe,
+         lambda t, m, b: f"{m.name} has no experts; leave it out"),
+    Rule("virtual_stages", lambda t, m, b: _layout(t) is None or t.interleave_split_ok(m.layers, _layout(t).pp),
+         _interleave_detail),
+    Rule("virtual_stages", lambda t, m, b: _layout(t) is None or b is None or t.virtual_stages == 1
+         or _microbatches(t, b) % _layout(t).pp == 0,
+         lambda t, m, b: f"the interleaved schedule needs microbatches per pipeline ({_microbatches(t, b)}) to be "
+                         f"a multiple of pp ({_layout(t).pp})"),
+)
+
+
+def check_for(training: "Training", model, batch: int | None = None) -> None:
+    """The recipe's rules against `model` (its experts, TP widths, layers) and, where the layout is
+    fixed and `batch` given, the global batch; a RecipeError naming the field otherwise."""
+    for rule in MODEL_RULES:
+        if not rule.holds(training, model, batch):
+            raise RecipeError(rule.field, rule.detail(training, model, batch))
+
+
+@dataclass(frozen=True, init=False)
+class Training:
+    """The recipe for running a model on a design (see the module docstring); immutable, hashable.
+
+    `Training(mbs, recompute, placement, **fields)`: any field by its own name (it goes to its
+    config), or whole configs (`memory=Memory(...)`), the named fields applied on top."""
+
+    mbs: int
+    placement: PlacementOption
+    parallelism: Parallelism
+    memory: Memory
+    overlap: Overlap
+    numerics: Numerics
+    kernels: Kernels
+    experts: Experts
+
+    def __init__(self, mbs: int = 1, recompute: Any = None, placement: Any = OPTIMAL, **given):
+        if recompute is not None:
+            given["recompute"] = recompute
+        configs = {g: given.pop(g, None) for g in GROUPS}
+        unknown = [k for k in given if k not in FIELDS or not FIELDS[k].group]
+        if unknown:
+            raise RecipeError(unknown[0], f"is not a recipe field; recipe fields are {', '.join(FIELDS)}")
+        for group, cls in GROUPS.items():
+            mine = {k: v for k, v in given.items() if FIELDS[k].group == group}
+            base = configs[group] if configs[group] is not None else cls()
+            object.__setattr__(self, group, replace(base, **mine) if mine else base)
+        object.__setattr__(self, "mbs", parse_value(FIELDS["mbs"], mbs))
+        object.__setattr__(self, "placement", placement_option(placement))
+        for group in GROUPS:  # the flat view: `training.zero` is `training.memory.zero`
+            for f in fields(getattr(self, group)):
+                object.__setattr__(self, f.name, getattr(getattr(self, group), f.name))
+        for rule in RULES:
+            if not rule.holds(self):
+                raise RecipeError(rule.field, rule.detail.format(**self.values()))
+
+    def values(self) -> dict:
+        """Every field by name, its value as held (the placement as its option)."""
+        return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod
-    def from_point(cls, point: Mapping[str, Any], placement: str = "optimal") -> "Training":
+    def from_point(cls, point: Mapping[str, Any], placement: Any = OPTIMAL) -> "Training":
         """The recipe of a search-space point (its sampled training fields): the one conversion from a
         space's values, lossless (a mode stays the mode, every sampled field is kept)."""
         extra = {k: point[k] for k in OPTIONAL_FIELDS if k in point and point[k] is not None}
@@ -473,54 +783,24 @@ class Training:
         """Whether any activations are recomputed."""
         return self.recompute != "none"
 
-    def _choose(self, name: str, choices, optional: bool = False):
-        """Field `name` normalised (stripped, lower case) and checked against `choices`: a one-line
-        error naming the field and what is allowed; None stays None where the field is `optional`."""
-        value = getattr(self, name)
-        if value is None and optional:
-            return None
-        chosen = str(value).strip().lower()
-        if chosen not in choices:
-            raise PhazeError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        object.__setattr__(self, name, chosen)
-        return chosen
-
     def recipe(self) -> dict:
-        """The recipe's fields as plain values (for reports and tracking)."""
-        return {"mbs": self.mbs, "recompute": self.recompute, "placement": self.placement,
-                "sequence_parallel": self.sequence_parallel, "virtual_stages": self.virtual_stages,
-                "zero": self.zero, "overlap_grad_reduce": self.overlap_grad_reduce, "attention": self.attention,
-                # the MoE fields only when set, so every earlier recipe (and resumed point key) is unchanged
-                **({"capacity_factor": self.capacity_factor} if self.capacity_factor != 1.0 else {}),
-                **({"load_imbalance": self.load_imbalance} if self.load_imbalance != 1.0 else {}),
-                **{name: True for name in ("account_for_embedding", "account_for_loss") if getattr(self, name)},
-                **({"optimizer_state": self.optimizer_state} if self.optimizer_state is not None else {}),
-                # only when not the default, so every earlier recipe (and resumed point key) is unchanged
-                **({"precision": self.precision} if self.precision != "bf16" else {}),
-                **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
-                **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
-                **({"fp8_param_gather": True} if self.fp8_param_gather else {}),
-                **({"expert_tensor_parallel": self.expert_tensor_parallel}
-                   if self.expert_tensor_parallel is not None else {}),
-                **({"stack": self.stack} if self.stack != STACKS[0] else {}),
-                **({"moe_a2a_overlap": True} if self.moe_a2a_overlap else {}),
-                **({"moe_dispatcher": self.moe_dispatcher} if self.moe_dispatcher != MOE_DISPATCHERS[0] else {}),
-                **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules is not None else {}),
-                **({"cp_comm": self.cp_comm} if self.cp_comm != CP_COMMS[0] else {}),
-                **({"expert_weights": self.expert_weights} if self.expert_weights is not None else {}),
-                **({"overlap_p2p_comm": self.overlap_p2p_comm} if self.overlap_p2p_comm is not None else {})}
+        """The recipe's fields as plain values (reports, tracking, keys): every `listed="always"` field,
+        and any other only where it is not its default, so a field added later leaves every earlier
+        recipe and key as it was."""
+        out = {}
+        for name, k in FIELDS.items():
+            value = getattr(self, name)
+            if k.listed == "always" or value != k.default:
+                out[name] = plain(value)
+        return out
 
     def layer_key(self) -> tuple:
-        """The recipe fields that change a layer's traced graph, times or memory (the microbatch, sequence
-        parallelism, the attention kernel, the GEMM format, TP communication overlap, the stack's
-        kernel fusion): what keys `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO,
-        recompute...) act later."""
-        return (self.mbs, bool(self.sequence_parallel), self.attention) + \
-            ((("precision", self.precision),) if self.precision != "bf16" else ()) + \
-            ((("tp_comm_overlap", True),) if self.tp_comm_overlap else ()) + \
-            ((("stack", self.stack),) if self.stack != STACKS[0] else ()) + \
-            ((("recompute_modules", self.recomputed_modules),) if self.recompute_modules is not None else ()) + \
-            ((("expert_weights", self.expert_weights),) if self.expert_weights is not None else ())
+        """The fields that change a layer's traced graph, times or memory (`Knob.layer`): what keys
+        `design.evaluate.layer_costs`' memo; the rest (placement, ZeRO, recompute...) act later.
+        Always-listed ones by value, the others as (name, value) where not their default."""
+        always = tuple(getattr(self, n) for n, k in FIELDS.items() if k.layer and k.listed == "always")
+        return always + tuple((n, getattr(self, n)) for n, k in FIELDS.items()
+                              if k.layer and k.listed != "always" and getattr(self, n) != k.default)
 
     @property
     def overlaps_p2p(self) -> bool:
@@ -606,5 +886,232 @@ class Training:
         need = e * self.expert_tensor_parallel
         return need // math.gcd(need, t * c)
 
-    def with_placement(self, placement: str) -> "Training":
+    def memory_rank(self) -> tuple:
+        """Orders recipes by what they keep in memory, leanest first, field by field: the smaller
+        microbatch, the more recompute, sequence parallelism on, the deeper ZeRO, fewer virtual stages
+        (more keep more microbatches in flight), flash attention (no s x s scores kept)."""
+        return (self.mbs, -RECOMPUTE_MODES.index(self.recompute), -int(self.sequence_parallel), -self.zero,
+                self.virtual_stages, self.attention != "flash")
+
+    def pipeline_steps(self, microbatches: int, stages: int) -> int:
+        """Steps of the (interleaved) 1F1B schedule a batch takes: m v + S - 1 (Narayanan et al., SC'21,
+        Sec. 2.2: v chunks per device shrink the bubble to (S - 1) / v of a microbatch's time)."""
+        return microbatches * self.virtual_stages + stages - 1
+
+    def with_placement(self, placement: Any) -> "Training":
         return replace(self, placement=placement)
+
+
+def describe(recipe: Mapping[str, Any], always: Sequence[str] = ()) -> list[str]:
+    """How a report names a recipe (a `recipe()` dict, or any mapping holding some of its fields):
+    each field whose value is not its default (or is in `always`), in declaration order, in its
+    `says` words."""
+    out = []
+    for name, k in FIELDS.items():
+        if name not in recipe or (name not in always and _same(recipe[name], k.default)):
+            continue
+        value = recipe[name]
+        if callable(k.says):
+            out.append(k.says(value))
+        elif k.kind == "bool" and not k.optional:
+            out.append(k.says)
+        else:
+            out.append(k.says.format(value))
+    return out
+
+
+def _same(value: Any, default: Any) -> bool:
+    return plain(value) == plain(default)
+
+
+def plain(value: Any) -> Any:
+    """A field's value as reports and JSON hold it: a placement as its text, a tuple as a list."""
+    if isinstance(value, (Optimal, Expert, Fixed)):
+        return value.spec()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _always_first(knobs: dict[str, Knob]) -> dict[str, Knob]:
+    """The declaration with the always-listed fields first (in declaration order), then the rest: the
+    one order of a recipe, a grid's recipe axes and a layer key, which a new field joins at the end
+    of its config and so never reorders what stored studies hold."""
+    return dict(sorted(knobs.items(), key=lambda item: item[1].listed != "always"))
+
+
+FIELDS: dict[str, Knob] = _always_first(_declare())
+# The fields every space samples (a space must list each; a one-item list fixes it).
+SAMPLED_FIELDS = ("mbs", "recompute")
+# Every other field but the placement (which the DP or the user chooses) is a space axis by naming
+# it in a space; absent, it takes its default.
+OPTIONAL_FIELDS = tuple(n for n, k in FIELDS.items() if k.group and n not in SAMPLED_FIELDS)
+RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
+
+
+def check_recompute_modules(value: Any, recompute: str) -> tuple[str, ...] | None:
+    """`recompute_modules` as the recipe holds it (None: Megatron's default), checked with its mode."""
+    return Training(recompute=recompute, recompute_modules=value).recompute_modules
+
+
+def recipe_names(params: Mapping[str, Sequence]) -> list[str]:
+    """The recipe fields beyond the microbatch that `params` (a space's choices) sample, in grid order."""
+    return ["recompute"] + [f for f in OPTIONAL_FIELDS if f in params]
+
+
+def recipe_choices(params: Mapping[str, Sequence]) -> list[dict]:
+    """Every combination of the space's choices of recompute and of each further recipe field it
+    samples, as the space's own values (so a point built from one is a point of the space): the
+    product in `recipe_names` order, the first field slowest. A field the space does not sample is
+    absent, meaning its `Training` default, as for a trial."""
+    names = recipe_names(params)
+    return [dict(zip(names, values)) for values in itertools.product(*(params[n] for n in names))]
+
+
+def recipe_points(params: Mapping[str, Sequence]) -> list[dict]:
+    """Every recipe a study over `params` can run (microbatch x `recipe_choices`), as point values.
+
+    What a fair reference is searched over: anything a trial may choose, the reference may too."""
+    return [{"mbs": mbs, **choice} for mbs in params["mbs"] for choice in recipe_choices(params)]
+
+
+def kernel_choices(params: Mapping[str, Sequence]) -> list:
+    """The attention kernels a space's recipes use (None: the model's own): each has its own layer
+    graph, so the bounds are built per kernel."""
+    return list(params.get("attention", [None]))
+
+
+def most_virtual_stages(params: Mapping[str, Sequence]) -> int:
+    """The most model chunks per device a space's recipes use: the pipeline bubble bound's v."""
+    return max([1] + [int(v) for v in params.get("virtual_stages", [1])])
+
+
+def recipe_problem(point: Mapping[str, Any]) -> str:
+    """Why a space's point names no recipe ("" when it does): a rule across the fields it samples
+    (selective-only recompute modules with recompute none, say). A grid is the product of its axes,
+    so such points exist; each is an infeasible design with this reason, never a crash."""
+    try:
+        Training.from_point(point)
+    except RecipeError as exc:
+        return f"recipe: {exc}"
+    return ""
+
+
+def check_recipe_value(name: str, value: Any) -> Any:
+    """`value` as a recipe field `name` may hold, checked by the declaration (so a space, a suite and
+    the CLI accept exactly what a recipe accepts); a RecipeError naming the field otherwise."""
+    if name not in RECIPE_FIELDS:
+        raise RecipeError(name, f"is not a recipe field; recipe fields are {', '.join(RECIPE_FIELDS)}")
+    checked = parse_value(FIELDS[name], value)
+    return value if name == "recompute" else checked
+
+
+def bound_obstacles(params: Mapping[str, Sequence]) -> list[str]:
+    """Why the sweep's proven bounds do not hold for a space's recipe choices: one line per field
+    sampled at a value other than its default whose bounds hold only there (`AT_DEFAULT`)."""
+    out = []
+    for name in OPTIONAL_FIELDS:
+        k = FIELDS[name]
+        if k.bound == AT_DEFAULT and name in params and any(
+                parse_value(k, v) != k.default for v in params[name] if v is not None):
+            out.append(f"{name} is sampled beyond {plain(k.default)} and {k.why}")
+    return out
+
+
+def file_value(name: str, value: Any) -> Any:
+    """A recipe value as a file (a suite, a space) writes it: YAML's own types, so a yes/no is
+    true/false and a number is a number (text only for a choice's name); checked as the recipe checks
+    it. A RecipeError naming the field otherwise."""
+    k = FIELDS[name]
+    if isinstance(value, str) and k.kind == "choice" and value not in k.choices:  # no on/off spellings in a file
+        raise RecipeError(name, f"must be {'true or false or ' if k.parse else ''}one of "
+                                f"{', '.join(map(str, k.choices))}, got {value!r}")
+    if k.kind == "choices" and value is not None and not isinstance(value, (list, tuple)):
+        raise RecipeError(name, f"must be a list of names ({', '.join(k.choices)}), got {value!r}")
+    if value is not None and not k.takes_text:
+        wanted = {"bool": bool, "int": int, "float": (int, float), "choice": int}[k.kind]
+        if not isinstance(value, wanted) or (k.kind != "bool" and isinstance(value, bool)):
+            raise RecipeError(name, "must be true or false" if k.kind == "bool" else
+                              f"must be {'one of ' + ', '.join(map(str, k.choices)) if k.choices else 'a number'}"
+                              + f", got {value!r}")
+    return check_recipe_value(name, value) if name in RECIPE_FIELDS else parse_value(k, value)
+
+
+def recipe_from_mapping(raw: Mapping[str, Any], **given) -> Training:
+    """A recipe from a file's mapping (a suite row: its recipe fields, each checked by `file_value`;
+    any other key is the caller's), with `given` (what the caller derived: the microbatch, the
+    layout) on top; a RecipeError naming the field otherwise."""
+    values = {k: file_value(k, v) for k, v in raw.items() if k in FIELDS and k not in given}
+    return Training(**values, **given)
+
+
+# -- the CLI and the reference, generated from the declaration ----------------------------------------
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    """One flag per recipe field (`--virtual-stages`, `--tp-comm-overlap`), its help the field's doc;
+    `skip`: fields the command declares itself. Yes/no fields with a default of off are switches;
+    ones whose default is the stack's (None) take --x / --no-x."""
+    for name, k in FIELDS.items():
+        if name in skip:
+            continue
+        kw: dict[str, Any] = {"default": k.default if k.kind != "placement" else k.default.spec(),
+                              "help": _help(k), "dest": name}
+        if k.kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if k.optional else "store_true"
+        elif k.kind == "choice":
+            kw.update(choices=k.choices, type=type(k.choices[0]))
+        elif k.kind == "choices":
+            kw.update(nargs="+", metavar=name.upper().removesuffix("S"))
+        elif k.kind in ("int", "float"):
+            kw.update(type=int if k.kind == "int" else float, metavar=k.unit.split()[-1].upper() if k.unit else "N")
+        kw.update(k.cli)
+        parser.add_argument(k.flag, **kw)
+
+
+def _help(k: Knob) -> str:
+    default = "" if k.kind == "bool" and not k.optional else f" (default {plain(k.default)})"
+    if k.optional and k.default is None:
+        default = ""
+    return k.doc + (f", in {k.unit}" if k.unit and k.kind in ("int", "float") else "") + default
+
+
+def recipe_from_args(args: argparse.Namespace, **given) -> Training:
+    """The recipe the flags of `add_recipe_arguments` name (`given` overrides, e.g. a checked microbatch);
+    a one-line error names the flag."""
+    values = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
+    values.update(given)
+    try:
+        return Training(**values)
+    except RecipeError as exc:
+        raise PhazeError(f"{FIELDS[exc.field].flag if exc.field in FIELDS else exc.field}: {exc.detail}") from None
+
+
+def recipe_reference() -> str:
+    """docs/recipe.md: every field by config, with its type, default, unit, doc and how the sweep's
+    bounds treat it."""
+    lines = ["# The training recipe", "",
+             "Generated from the declaration in `phaze_opt/training.py` by "
+             "`python -m phaze_opt.training > docs/recipe.md`; a test fails when it is stale.", "",
+             "Every field is a `phaze-opt evaluate` flag (`--name-with-dashes`), a validation-suite row key "
+             "and, but the placement, a search-space axis (name it in a space's `params` with its choices). "
+             "Bounds: *sound* means the sweep's proven bounds hold for every value; *at default* means they "
+             "hold only at the default, so a space sampling another value is swept by evaluating every point.", ""]
+    groups = {"": "Training"} | {g: cls.__name__ for g, cls in GROUPS.items()}
+    for group, title in groups.items():
+        doc = (GROUPS[group].__doc__ or "").strip() if group else "The microbatch and the placement."
+        lines += [f"## {title}", "", doc, "", "| field | values | default | unit | bounds | what |",
+                  "|---|---|---|---|---|---|"]
+        for name, k in FIELDS.items():
+            if k.group != group:
+                continue
+            values = {"bool": "on/off", "int": "integer", "float": "number", "placement": "option",
+                      "choice": " / ".join(map(str, k.choices)), "choices": "list of " + ", ".join(map(str, k.choices))}[k.kind]
+            values += " or none" if k.optional else ""
+            default = "none" if k.default is None else plain(k.default)
+            bound = "sound" if k.bound == SOUND else f"at default: {k.why}"
+            lines.append(f"| `{name}` | {values} | {default} | {k.unit} | {bound} | {k.doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(recipe_reference())

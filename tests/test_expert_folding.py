@@ -223,7 +223,7 @@ def test_evaluate_end_to_end_with_folding(monkeypatch, tmp_path, capsys):
     assert got["time_per_batch_s"] == pytest.approx(fold.time_per_batch_s) and got["expert_tensor_parallel"] == 1
     code = cli.main(["evaluate", "--model", str(path), "--expert-tensor-parallel", "0"])
     _, err = capsys.readouterr()
-    assert code == 2 and "expert_tensor_parallel must be a positive integer" in err and err.count("\n") == 1
+    assert code == 2 and "--expert-tensor-parallel: must be a positive integer" in err and err.count("\n") == 1
 
 
 def test_the_sweep_bound_does_not_claim_folded_experts():

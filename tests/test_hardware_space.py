@@ -172,7 +172,7 @@ def _with(**changes):
     ({"params__zero": [4]}, r"params.zero'.*zero must be one of 0, 1, 2, 3"),
     ({"params__virtual_stages": [65]}, r"params.virtual_stages'.*at most 64"),
     ({"params__attention": ["paged"]}, r"params.attention'.*unfused, flash"),
-    ({"params__sequence_parallel": ["on"]}, r"params.sequence_parallel'.*plain values"),
+    ({"params__sequence_parallel": ["on"]}, r"params.sequence_parallel'.*true or false"),
     ({"params__glb_mib": "big"}, r"params.glb_mib'.*list of choices"),
     ({"params__mbs": None}, r"params.mbs'.*missing"),
     ({"tied": {}}, r"field 'vc_width'.*not given"),

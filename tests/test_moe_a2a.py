@@ -223,7 +223,7 @@ def test_suite_rows_carry_the_dispatcher_and_overlap_to_the_recipe(tmp_path):
     ({"moe_dispatcher": "nccl"}, "rows[0].moe_dispatcher", "must be one of alltoall, deepep"),
     ({"moe_a2a_overlap": "yes"}, "rows[0].moe_a2a_overlap", "must be true or false"),
     ({"moe_a2a_overlap": True, "ep": 1}, "rows[0].moe_a2a_overlap", "needs ep > 1"),
-    ({"moe_a2a_overlap": True, "recompute": "full"}, "rows[0].moe_a2a_overlap", "cannot run with recompute full"),
+    ({"moe_a2a_overlap": True, "recompute": "full"}, "rows[0].moe_a2a_overlap", "cannot run with full recompute"),
 ])
 def test_suite_rows_refuse_bad_moe_fields_in_one_line(tmp_path, change, field, words):
     from phaze_opt.validation.suites import load_suite

@@ -118,7 +118,7 @@ def training_throughput(model: str, arch: Accelerator, training: Training) -> fl
     glb = arch.glb_bytes / MIB
     eff = (1.0 + 0.1 * glb) * (1.0 + 0.3 * (training.mbs - 1)) * RECOMPUTE_FACTOR[training.recompute]
     eff *= (arch.hbm_bw / 2e12) ** 0.5
-    eff *= 0.7 if training.placement == "expert" else 1.0
+    eff *= 0.7 if training.placement.spec() == "expert" else 1.0
     eff *= (1.03 if training.sequence_parallel else 1.0) * (1.0 + 0.02 * (training.virtual_stages - 1))
     eff *= ZERO_FACTOR[training.zero] * (1.04 if training.overlap_grad_reduce else 1.0)
     eff *= 1.02 if training.overlap_param_gather else 1.0
@@ -135,7 +135,7 @@ def fake_throughput(model: str, arch: Accelerator, mbs: int, recompute, placemen
 
 def fake_evaluate(model, arch, training: Training, system="default"):
     assert isinstance(training, Training), f"an evaluator takes a Training, got {training!r}"
-    mbs, placement = training.mbs, training.placement
+    mbs, placement = training.mbs, training.placement.spec()
     CALLS.append((model, arch.compute_key, arch.hbm_bytes, mbs, training.recomputes, placement, training, system))
     if arch.num_tc == 2 and mbs == 2 and placement == "optimal":
         raise ValueError("solver exploded on this design")
@@ -175,10 +175,10 @@ class RecordingEvaluator:
         assert isinstance(training, Training)
         self.seen.append((training, system))
         r = fake_evaluate(model, arch, training, system=system)
-        if training.placement == "expert" and not self.expert_fits:
+        if training.placement.spec() == "expert" and not self.expert_fits:
             r.feasible, r.reason, r.throughput = False, "expert placement needs 99 GiB", 0.0
         elif r.feasible:
-            r.throughput = self.score(training) * (0.5 if training.placement == "expert" else 1.0)
+            r.throughput = self.score(training) * (0.5 if training.placement.spec() == "expert" else 1.0)
         return r
 
 
@@ -196,7 +196,7 @@ class InterruptAfter:
         self.count = 0
 
     def __call__(self, model, arch, training, system="default"):
-        if training.placement == "optimal":
+        if training.placement.spec() == "optimal":
             self.count += 1
             if self.count == self.n:
                 raise KeyboardInterrupt
@@ -296,7 +296,7 @@ class KillOnce:
         import os
         import signal
 
-        if training.placement == "optimal" and multiprocessing.parent_process() is not None:
+        if training.placement.spec() == "optimal" and multiprocessing.parent_process() is not None:
             try:
                 fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # one worker, once
             except FileExistsError:

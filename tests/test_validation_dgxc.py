@@ -24,7 +24,7 @@ def test_step_time_times_throughput_is_the_batch_of_tokens():
         seq = row.seq or load_model(row.model).seq
         assert row.value * row.published["tokens_per_s"] == pytest.approx(row.batch * seq, rel=5e-3), row.source
         assert 40 < row.published["mfu_percent"] < 70, row.source
-        assert row.precision == "bf16" and row.source.paper in suite.papers and row.source.paper.startswith("dgxc-")
+        assert row.training.precision == "bf16" and row.source.paper in suite.papers and row.source.paper.startswith("dgxc-")
 
 
 def test_every_model_is_both_fitted_and_held_out():

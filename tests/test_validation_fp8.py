@@ -56,13 +56,13 @@ def test_iteration_time_is_the_published_throughput(name):
 @pytest.mark.parametrize("name", FP8_SUITES)
 def test_each_row_is_priced_in_its_own_precision_never_as_bf16(name):
     suite = load_suite(name)
-    assert {r.precision for r in suite.rows} <= set(ROW_PRECISIONS)
-    assert any(r.precision != "bf16" for r in suite.rows) and any(r.precision == "bf16" for r in suite.rows)
+    assert {r.training.precision for r in suite.rows} <= set(ROW_PRECISIONS)
+    assert any(r.training.precision != "bf16" for r in suite.rows) and any(r.training.precision == "bf16" for r in suite.rows)
     for row in suite.rows:
-        if row.precision in MODELLED_PRECISIONS:
+        if row.training.precision in MODELLED_PRECISIONS:
             assert row.skip == "", row.source
         else:
-            assert row.skip == f"precision {row.precision} not in the Training recipe yet (priced: " \
+            assert row.skip == f"precision {row.training.precision} not in the Training recipe yet (priced: " \
                                f"{', '.join(MODELLED_PRECISIONS)})", row.source
     calls = []
 
@@ -72,9 +72,9 @@ def test_each_row_is_priced_in_its_own_precision_never_as_bf16(name):
         return _Result(True, 10.0)
 
     result = run_suite(suite, evaluator=fake)
-    priced = [r for r in suite.rows if r.precision in MODELLED_PRECISIONS]
+    priced = [r for r in suite.rows if r.training.precision in MODELLED_PRECISIONS]
     assert len(calls) == len(priced) >= 1
-    assert calls == [r.precision for r in priced]  # no row reaches the evaluator in another datatype
+    assert calls == [r.training.precision for r in priced]  # no row reaches the evaluator in another datatype
     assert len(result.skipped) == len(suite.rows) - len(priced)
     for r in result.skipped:
         assert r.predicted is None and "precision" in r.reason and r.config["precision"] in ROW_PRECISIONS

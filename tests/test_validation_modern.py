@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from phaze_opt.training import Layout
+from phaze_opt.training import Fixed, Layout
 from phaze_opt import configs
 from phaze_opt.errors import PhazeError
 from phaze_opt.validation.calibration import fit_rows
@@ -104,10 +104,10 @@ def test_the_row_recipe_reaches_the_evaluator(tmp_path):
     row = load_suite(_suite(tmp_path, MIXTRAL, {**MIXTRAL, "tp": 2, "pp": 1, "ep": 4, "cp": 2, "seq": 8192,
                                                "virtual_stages": 1, "source": {"paper": "p", "table": "t", "row": "cp"}})).rows
     t = row[0].training
-    assert t.fixed == Layout(tp=1, pp=4, dp=16, ep=8) and t.zero == 1 and t.overlap_grad_reduce
+    assert t.placement == Fixed(Layout(tp=1, pp=4, dp=16, ep=8)) and t.zero == 1 and t.overlap_grad_reduce
     assert t.virtual_stages == 8
     t = row[1].training
-    assert t.fixed == Layout(tp=2, pp=1, dp=16, ep=4, cp=2) and row[1].seq == 8192
+    assert t.placement == Fixed(Layout(tp=2, pp=1, dp=16, ep=4, cp=2)) and row[1].seq == 8192
 
 
 def test_a_pipeline_split_counting_the_embedding_and_loss_interleaves_any_layer_count(tmp_path):
@@ -145,7 +145,7 @@ def test_a_recipe_the_project_cannot_express_is_an_infeasible_row(tmp_path):
     ({"overlap_grad_reduce": "yes"}, "rows[0].overlap_grad_reduce", "must be true or false"),
     ({"flops_formula": "6N"}, "rows[0].flops_formula", "must be one of"),
     ({"seq": 0}, "rows[0].seq", "must be a positive integer"),
-    ({"fp8_param_gather": True}, "rows[0].fp8_param_gather", "needs precision fp8 or mxfp8, got bf16"),
+    ({"fp8_param_gather": True}, "rows[0].fp8_param_gather", "needs precision fp8 or mxfp8 (1-byte parameters), got precision bf16"),
     ({"fp8_param_gather": 1}, "rows[0].fp8_param_gather", "must be true or false"),
     ({"model": "gpt-9"}, "rows[0].model", "unknown model 'gpt-9'"),  # no pending_model: a typo stays an error
 ])

@@ -228,7 +228,7 @@ def _top(change):
     (_row_change({"batch": 500}), "rows[1].batch", "must be a multiple of microbatch x dp"),
     (_row_change({"tp": 3}), "rows[1].tp", "must be one of megatron-gpt-3.6b's TP widths"),
     (_row_change({"heads": 30}), "rows[1].heads", "is 30 but model megatron-gpt-3.6b has 32"),
-    (_row_change({"recompute": "some"}), "rows[1].recompute", "must be one of none, selective, full"),
+    (_row_change({"recompute": "some"}), "rows[1].recompute", "or one of none, selective, full"),
     (_row_change({"microbatch": 0}), "rows[1].microbatch", "must be a positive integer"),
     (_row_change({"per_gpu_tflops": "fast"}), "rows[1].per_gpu_tflops", "must be a positive number"),
     (_row_change({"colour": "red"}), "rows[1].colour", "unknown field; allowed fields are"),

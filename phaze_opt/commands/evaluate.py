@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..training import CP_COMMS, EXPERT_WEIGHTS, MOE_DISPATCHERS, OPTIMIZER_STATES, PRECISIONS, RECOMPUTE_MODULES, STACKS, ZERO_STAGES
+from ..training import add_recipe_arguments, describe
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 # What runs when neither the flag nor the model's file names a chip or a system (models.DEFAULT_FIELDS).
@@ -23,88 +23,15 @@ def add_arguments(p):
     p.add_argument("--arch", default=None,
                    help=f"architecture config name or path (default: the model's default_arch, else {GENERIC_ARCH})")
     add_mbs(p)
-    p.add_argument("--recompute", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
-                   help="activation recompute: none, selective (the attention core) or full (each layer's "
-                        "forward from its checkpointed input); a bare --recompute is full")
-    p.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
-                   help=f"with --recompute selective: the modules recomputed (Megatron-Core --recompute-modules), "
-                        f"any of {', '.join(RECOMPUTE_MODULES)} (default: core_attn, the attention core)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism: norm and dropout regions sharded over the TP group")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="interleaved 1F1B with V model chunks per pipeline device (default 1)")
-    for part in ("embedding", "loss"):
-        p.add_argument(f"--account-for-{part}", action="store_true",
-                       help=f"count the {part} as a layer in the pipeline split (Megatron-Core "
-                            f"--account-for-{part}-in-pipeline-split; lets interleaving split more layer counts)")
-    p.add_argument("--optimizer-state", choices=tuple(OPTIMIZER_STATES), default=None,
-                   help="optimizer-state layout beyond weight and gradient: fp32-adam (12 B/param), bf16-moments "
-                        "(fp32 master + BF16 moments, 8 B) or bf16-adamw (BF16 moments, no master, 4 B); "
-                        "default: the system's own accounting")
-    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
-                   help="optimizer sharding over data parallelism: 0, 1 (distributed optimizer), 2 (gradients "
-                        "sharded too, weights whole: FSDP without resharding after forward) or 3 (FSDP)")
-    p.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="overlap the data-parallel gradient reduction with the backward pass")
-    p.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --zero 1 or 2: the weights' all-gather under the next iteration's forward")
-    p.add_argument("--tp-comm-overlap", action="store_true",
-                   help="with --sequence-parallel: TP reduce-scatters/all-gathers pipelined with the GEMMs")
-    p.add_argument("--overlap-p2p-comm", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --virtual-stages > 1: the pipeline sends and receives beside compute, but in the "
-                        "schedule's warm-up and flush (default: the stack's, on under megatron-te)")
-    p.add_argument("--attention", choices=("unfused", "flash"), default=None,
-                   help="attention kernel (default: the model config's)")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="number format of the transformer blocks' linear-layer GEMMs (Transformer Engine): bf16, "
-                        "fp8 (per-tensor delayed scaling), mxfp8 or nvfp4 (block scaled); the arch's tensor cores "
-                        "must support it (tc_datatypes), else the design is infeasible (default bf16)")
-    p.add_argument("--fp8-param-gather", action="store_true",
-                   help="with --precision fp8 or mxfp8: parameters held in that format, no BF16 weight "
-                        "(Megatron-Core --fp8-param-gather); the weight all-gather moves 1-byte weights")
-    p.add_argument("--stack", choices=STACKS, default=STACKS[0],
-                   help="the software stack's kernel fusion: megatron-lm (pointwise chains fused), eager (one kernel "
-                        "per PyTorch operator) or megatron-te (Transformer Engine: norms, RoPE and FP8 casts fused "
-                        "too) (default megatron-lm)")
+    # Every recipe field, from its declaration (training.py): flag, choices, default and help.
+    add_recipe_arguments(p, skip=("mbs",))
     p.add_argument("--system", default=None,
                    help=f"system config name or path (default: the model's default_system, else {GENERIC_SYSTEM})")
     p.add_argument("--devices", type=int, default=None, metavar="N", help="override the system's accelerator count")
     p.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="override the system's global batch (sequences per optimizer step)")
-    p.add_argument(
-        "--placement",
-        default="optimal",
-        help="optimal (the DP), expert (the model config's), or tp=T,pp=P,dp=D[,ep=E,cp=C] (layers split "
-             "evenly; ep: expert parallelism, dividing dp, or with --expert-tensor-parallel ep x ETP dividing "
-             "tp x cp x dp; cp: context parallelism)",
-    )
     p.add_argument("--seq", type=int, default=None, metavar="S",
                    help="override the model's sequence length (tokens per sequence)")
-    p.add_argument("--capacity-factor", type=float, default=1.0, metavar="F",
-                   help="MoE expert buffers hold F x the mean tokens per expert (default 1.0)")
-    p.add_argument("--load-imbalance", type=float, default=1.0, metavar="I",
-                   help="MoE: tokens at the busiest expert-parallel rank over the mean, >= 1 (default 1.0, balanced)")
-    p.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="ETP",
-                   help="MoE parallel folding (Megatron-Core --expert-tensor-parallel-size): the MoE layers' own TP "
-                        "width; EP then spans TP x CP x DP ranks (ep x ETP divides tp x cp x dp); default: unfolded, "
-                        "expert TP = tp and ep dividing dp")
-    p.add_argument("--moe-dispatcher", choices=MOE_DISPATCHERS, default=MOE_DISPATCHERS[0],
-                   help="MoE token dispatcher: alltoall (every token copy to its expert's rank) or deepep "
-                        "(Megatron-Core flex + DeepEP: each token once per destination node over the inter-node "
-                        "network, then NVLink) (default alltoall)")
-    p.add_argument("--moe-a2a-overlap", action="store_true",
-                   help="Megatron-Core --overlap-moe-expert-parallel-comm: the EP all-to-alls of one microbatch "
-                        "under the compute of another in the steady 1F1B phase (needs virtual stages when pp > 1; "
-                        "not with full recompute)")
-    p.add_argument("--cp-comm", choices=CP_COMMS, default=CP_COMMS[0],
-                   help="how context parallelism moves K and V (Megatron-Core --cp-comm-type): p2p (ring attention, "
-                        "each K/V hop under one block's attention) or all_gather (K/V all-gathered before the "
-                        "attention, dK/dV reduce-scattered after it, exposed; Llama 3's CP) (default p2p)")
-    p.add_argument("--expert-weights", choices=EXPERT_WEIGHTS, default=None,
-                   help="where MoE layers apply the router's weights: combine (each expert output scaled as it "
-                        "is added back; Megatron-Core before 0.13) or activation (the expert MLP scales its "
-                        "activation's output; Megatron-Core 0.13 on) (default: the stack's, activation under "
-                        "megatron-te)")
     add_ilp_time_limit(p)
 
 
@@ -116,7 +43,7 @@ def run(args) -> dict:
     from ..errors import PhazeError
     from ..hardware.arch import load_arch
     from ..system import load_system
-    from ..training import Training
+    from ..training import recipe_from_args
 
     from ..workload.models import load_model
 
@@ -132,18 +59,7 @@ def run(args) -> dict:
             if value < 1:
                 raise PhazeError(f"{flag} must be a positive integer, got {value}")
             system = replace(system, **{field: value})
-    recipe = Training(mbs=check_mbs(args), recompute=args.recompute, placement=args.placement,
-                      sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, zero=args.zero,
-                      overlap_grad_reduce=args.overlap_grad_reduce, attention=args.attention,
-                      overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                      capacity_factor=args.capacity_factor, load_imbalance=args.load_imbalance,
-                      account_for_embedding=args.account_for_embedding, account_for_loss=args.account_for_loss,
-                      optimizer_state=args.optimizer_state, precision=args.precision,
-                      expert_tensor_parallel=args.expert_tensor_parallel, stack=args.stack,
-                      fp8_param_gather=args.fp8_param_gather,
-                      moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
-                      recompute_modules=args.recompute_modules, cp_comm=args.cp_comm,
-                      expert_weights=args.expert_weights, overlap_p2p_comm=args.overlap_p2p_comm)
+    recipe = recipe_from_args(args, mbs=check_mbs(args))
     if args.seq is not None:
         from ..configs import positive_arg
         from ..workload.models import LIMITS
@@ -207,50 +123,11 @@ def _chosen_by_model(r: dict, what: str) -> str:
 
 
 def render(r: dict) -> str:
-    extras = [f"recompute {r['recompute']}"]
-    if r.get("sequence_parallel"):
-        extras.append("sequence parallel")
-    if r.get("virtual_stages", 1) > 1:
-        extras.append(f"{r['virtual_stages']} virtual stages")
-    counted = [name for name in ("embedding", "loss") if r.get(f"account_for_{name}")]
-    if counted:
-        extras.append(f"{' and '.join(counted)} counted in the pipeline split")
-    if r.get("optimizer_state"):
-        extras.append(f"{r['optimizer_state']} optimizer state")
-    if r.get("precision"):
-        extras.append(f"{r['precision'].upper()} GEMMs")
-    if r.get("zero"):
-        extras.append(f"ZeRO-{r['zero']}")
-    if r.get("overlap_grad_reduce"):
-        extras.append("overlapped grad reduce")
-    if r.get("overlap_param_gather"):
-        extras.append("overlapped param gather")
-    if r.get("tp_comm_overlap"):
-        extras.append("TP comm overlapped")
-    if r.get("overlap_p2p_comm") is not None:
-        extras.append(f"pipeline p2p {'overlapped' if r['overlap_p2p_comm'] else 'exposed'}")
-    if r.get("fp8_param_gather"):
-        extras.append("low-precision parameters")
-    if r.get("expert_tensor_parallel"):
-        extras.append(f"experts folded at expert TP {r['expert_tensor_parallel']}")
-    if r.get("moe_dispatcher"):
-        extras.append(f"{r['moe_dispatcher']} dispatcher")
-    if r.get("moe_a2a_overlap"):
-        extras.append("EP all-to-all overlapped")
-    if r.get("cp_comm"):
-        extras.append(f"{r['cp_comm']} context parallelism")
-    if r.get("expert_weights"):
-        extras.append(f"expert weights at the {r['expert_weights']}")
-    if r.get("stack"):
-        extras.append(f"{r['stack']} kernels")
-    if r.get("attention"):
-        extras.append(f"{r['attention']} attention")
+    # the recipe's non-default fields as the declaration words them (training.describe); the placement
+    # and microbatch have lines of their own
+    extras = describe({k: v for k, v in r.items() if k not in ("mbs", "placement")}, always=("recompute",))
     if r.get("seq"):
         extras.append(f"sequence {r['seq']}")
-    if r.get("capacity_factor", 1.0) != 1.0:
-        extras.append(f"capacity factor {r['capacity_factor']:g}")
-    if r.get("load_imbalance", 1.0) != 1.0:
-        extras.append(f"load imbalance {r['load_imbalance']:g}")
     head = f"{r['model']} on {r['arch']}  mbs {r['mbs']}  {', '.join(extras)}  area {r['area_mm2']:.1f} mm^2"
     if r.get("system"):
         head += (f"\nchip {r['arch']}{_chosen_by_model(r, 'arch')}, system {r['system']}{_chosen_by_model(r, 'system')}"

@@ -35,7 +35,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..hardware.latency import DesignArrays
-from ..training import Training, recipe_choices
+from ..training import Training, kernel_choices, most_virtual_stages, recipe_choices, recipe_problem
 from ..workload.graphs import build_layer_graph
 from .dominance import model_dominators
 from .evaluate import tp_widths
@@ -69,10 +69,11 @@ def recipe_bounds(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: i
     Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
     (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
     bound cannot beat `incumbent` gives all its recipes that bound; the others are bounded one by one."""
-    recipes = [Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
+    recipes = [None if recipe_problem({"mbs": mbs, **rc}) else Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
     groups: dict = {}
     for i, recipe in enumerate(recipes):
-        groups.setdefault(relaxed_recipe(recipe), []).append(i)
+        if recipe is not None:  # a point that names no recipe stays at 0: nothing can run it
+            groups.setdefault(relaxed_recipe(recipe), []).append(i)
     out = [0.0] * len(rcs)
     for members in groups.values():
         group_bound = float("inf")
@@ -121,8 +122,8 @@ class BoundOrder:
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
         self.rcs = recipe_choices(space.params)
-        self.attns = list(space.params.get("attention", [None]))
-        self.v_max = max([1] + [int(v) for v in space.params.get("virtual_stages", [1])])
+        self.attns = kernel_choices(space.params)
+        self.v_max = most_virtual_stages(space.params)
         bandwidth = [float(space.hbm_bw_table[h]) for h in self.hbms]
         self.fast_hbm = int(np.argmax(bandwidth))  # first of the fastest: bounds every HBM choice
         self._canon: dict[int, list[int]] = {}
@@ -239,10 +240,13 @@ class BoundOrder:
                                                (a, h, m)))
 
     def canonical(self, m: int) -> list[int]:
-        """The recipes of microbatch index m that no other recipe provably matches or beats."""
+        """The recipes of microbatch index m that no other recipe provably matches or beats, and
+        that are recipes at all."""
         if m not in self._canon:
             dom = model_dominators(self.rcs, self.model, self.system, self.mbss[m])
-            self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r]
+            # a point that names no recipe (`recipe_problem`) is infeasible: never offered
+            self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r
+                              and not recipe_problem({"mbs": self.mbss[m], **self.rcs[r]})]
         return self._canon[m]
 
     def _bound_groups(self, a: int, h: int, m: int) -> None:

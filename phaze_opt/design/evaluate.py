@@ -51,7 +51,7 @@ from ..solve.placement.evaluate import evaluate_placement
 from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
-from ..training import Layout, Training
+from ..training import EXPERT, OPTIMAL, Expert, Fixed, Layout, Training
 from ..workload.graphs import SP_COLLECTIVE
 from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
@@ -355,8 +355,7 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.
-    fixed = training.fixed if isinstance(training.fixed, Layout) else (
-        model.expert_placement if training.fixed == "expert" else None)
+    fixed = fixed_layout(model, training)
 
     def short_costs(short, t):
         v = layer_costs(short, arch, training, system, t, ilp_time_limit_s)
@@ -385,13 +384,27 @@ def with_iteration_overhead(result, system: System):
                    tokens_per_s=result.tokens_per_s * scale, mfu=result.mfu * scale)
 
 
+def fixed_layout(model: ModelConfig, training: Training) -> Layout | None:
+    """The layout a recipe's placement fixes: the model config's own for `Expert`, the given one for
+    `Fixed`, None for `Optimal` (the DP chooses)."""
+    match training.placement:
+        case Fixed(layout=layout):
+            return layout
+        case Expert():
+            return model.expert_placement
+    return None
+
+
+def _check_tp(layout: Layout, widths, model: ModelConfig) -> None:
+    if layout.tp not in widths:
+        raise PhazeError(f"placement tp={layout.tp}: TP width not allowed for {model.name}; "
+                         f"allowed: {', '.join(map(str, widths))}")
+
+
 def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Training):
-    layout = model.expert_placement if training.fixed == "expert" else training.fixed
+    layout = fixed_layout(model, training)
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    if tp not in problem.tp_widths:
-        raise PhazeError(
-            f"placement tp={tp}: TP width not allowed for {model.name}; allowed: {', '.join(map(str, problem.tp_widths))}"
-        )
+    _check_tp(layout, problem.tp_widths, model)
     ep, cp = layout.ep, layout.cp
     if ep not in model_ep_widths(model) and not (model.moe and model.experts % ep == 0):
         raise PhazeError(f"placement ep={ep}: must divide the {model.experts} experts of {model.name}"
@@ -410,16 +423,11 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     if arch.mac_rate(training.precision) is None:
         return unsupported_precision(model_cfg, arch, training)
     training, note = _without_missing_expert(model_cfg, training)
-    fixed = training.fixed
+    fixed = fixed_layout(model_cfg, training)
     widths = None
     if fixed is not None:
-        tp = (model_cfg.expert_placement if fixed == "expert" else fixed).tp
-        if tp not in model_cfg.tp_widths:
-            raise PhazeError(
-                f"placement tp={tp}: TP width not allowed for {model_cfg.name}; "
-                f"allowed: {', '.join(map(str, model_cfg.tp_widths))}"
-            )
-        widths = (tp,)
+        _check_tp(fixed, model_cfg.tp_widths, model_cfg)
+        widths = (fixed.tp,)
     model_cfg, system, problem, per_tp, parallel_bounds, parallel_unproven = _training_problem(
         model_cfg, arch, training, system, widths, float(ilp_time_limit_s))
     t0 = time.perf_counter()
@@ -481,7 +489,7 @@ def unsupported_precision(model: ModelConfig, arch: Accelerator, training: Train
 def _without_missing_expert(model: ModelConfig, training: Training) -> tuple[Training, str]:
     """`training`, or the same recipe with the optimal placement when it asks for the model's expert
     placement and the model config gives none (it is optional), with a note saying so."""
-    if training.fixed != "expert" or model.expert_placement is not None:
+    if training.placement != EXPERT or model.expert_placement is not None:
         return training, ""
-    return (replace(training, placement="optimal"),
+    return (replace(training, placement=OPTIMAL),
             f"{model.name} has no expert_placement in its config; the optimal placement stands in")

@@ -178,7 +178,7 @@ def _bound_of(full: LayerCosts, traced: LayerCosts, bound: LayerCosts | None) ->
 
 def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, layer_costs_fn, fixed=None) -> dict:
     """The PlacementProblem fields for EP and CP: {} for a dense model with short sequences (the
-    problem is then exactly today's). `per_tp`: {t: LayerCosts} at the full sequence;
+    problem then has no EP or CP terms). `per_tp`: {t: LayerCosts} at the full sequence;
     `layer_costs_fn(model_at_seq, t)` gives (LayerCosts, proven lower-bound LayerCosts or None) of a
     shorter sequence (CP). The result's `bounds` are the costs with proven lower-bound layer times
     (for the throughput bound), `unproven` what the CP traces left open."""

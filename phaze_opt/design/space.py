@@ -59,7 +59,7 @@ from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays, datatype_fraction
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
 from ..system import MBS_LIMIT
-from ..training import OPTIONAL_FIELDS, RECOMPUTE_MODES, SAMPLED_FIELDS, Training, check_recipe_value
+from ..training import FIELDS, OPTIONAL_FIELDS, SAMPLED_FIELDS, file_value
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
@@ -115,14 +115,9 @@ def _check_value(file, where: str, name: str, v) -> Any:
         except ValueError as exc:
             raise config_error(file, where, f"choices {exc}") from None
         return str(v)
-    if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe itself (training.check_recipe_value)
-        if name == "recompute" and not isinstance(v, bool) and v not in RECOMPUTE_MODES:
-            raise config_error(file, where, f"choices must be true or false or one of {', '.join(RECOMPUTE_MODES)}, "
-                                            f"got {shown(v)}")
-        if isinstance(v, str) and name not in ("recompute", "attention", "precision", "optimizer_state"):
-            raise config_error(file, where, f"choices must be plain values, not text, got {shown(v)}")
+    if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe's declaration (training.file_value)
         try:
-            return check_recipe_value(name, v)
+            return file_value(name, v)
         except PhazeError as exc:
             raise config_error(file, where, f"choices: {exc}") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -404,7 +399,7 @@ class SearchSpace:
                                      f"formats {own} are not among {self.params[p]}")
                 point[p] = own
             elif p in RECIPE_FIELDS:  # the Training default where the space offers it, else its first choice
-                default = getattr(Training(), p)
+                default = FIELDS[p].default
                 point[p] = default if default in self.params[p] else self.params[p][0]
             else:
                 point[p] = have[p]

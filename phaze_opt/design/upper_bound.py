@@ -47,8 +47,9 @@ prices them as the evaluation does (the same memory fits), and level 0, which le
 communication out, stands for both.
 
 MoE parallel folding (`Training.expert_tensor_parallel`) prices the experts' GEMMs at another width
-than the layers these bounds are traced at, so neither level covers it; no space samples it (it is
-not in `training.OPTIONAL_FIELDS`), and `placement_throughput` gives no bound (inf) for such a recipe.
+than the layers these bounds are traced at, so neither level covers it: its declaration says so
+(`bound=AT_DEFAULT`), a space sampling it is swept by evaluation (`training.bound_obstacles`), and
+`placement_throughput` gives no bound (inf) for such a recipe.
 
 Level 1, `placement_throughput`: the exact placement DP run on the lower-bound layer times of one
 point (its HBM capacity and recipe). The DP is exact for its costs, and its optimum can only fall

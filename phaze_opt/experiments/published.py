@@ -44,7 +44,7 @@ from ..jsonable import jsonable
 from ..design.evaluate import evaluate
 from ..design.protocols import BoundedEvaluator, Evaluator, Result
 from ..hardware.accelerator import Accelerator
-from ..training import RECIPE_FIELDS, RECOMPUTE_MODES, Training, recipe_points
+from ..training import RECIPE_FIELDS, Training, describe, recipe_points, recipe_problem
 from ..runs import say
 from ..search import (Backend, Baseline, Session, StudyConfig, baseline_points, clean_name, compute_baselines,
                       default_storage, reference_system_for, run_study)
@@ -176,12 +176,14 @@ class _Recorder:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, then handled by compute_baselines
             text = " ".join(f"{type(exc).__name__}: {exc}".split())
-            self.errors.setdefault((model, training.placement), []).append(f"{_recipe_text(training)}: {text}")
+            self.errors.setdefault((model, training.placement.spec()), []).append(f"{_recipe_text(training)}: {text}")
             raise
 
 
 def _recipe_text(training: Training) -> str:
-    return ", ".join(f"{k}={v}" for k, v in training.recipe().items() if k != "placement")
+    recipe = training.recipe()
+    del recipe["placement"]  # the row says which placement it tried
+    return ", ".join(describe(recipe, always=("mbs", "recompute")))
 
 
 def least_memory_recipe(params) -> dict:
@@ -189,12 +191,7 @@ def least_memory_recipe(params) -> dict:
     fits at no recipe is asked at this one): the smallest microbatch, the most recompute, sequence
     parallelism on, the deepest ZeRO, one virtual stage (more keep more microbatches in flight) and
     flash attention (no s x s scores kept), each where the space offers it."""
-    def keeps(point):
-        t = Training.from_point(point)
-        return (t.mbs, -RECOMPUTE_MODES.index(t.recompute), -int(t.sequence_parallel), -t.zero, t.virtual_stages,
-                t.attention != "flash")
-
-    return min(recipe_points(params), key=keeps)
+    return min((p for p in recipe_points(params) if not recipe_problem(p)), key=lambda p: Training.from_point(p).memory_rank())
 
 
 def _errors_note(errors: list, settings: int) -> str:

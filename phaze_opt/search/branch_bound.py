@@ -55,7 +55,7 @@ from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
 from ..jsonable import jsonable
 from ..system import load_system
-from ..training import recipe_choices
+from ..training import kernel_choices, most_virtual_stages, recipe_choices
 from ..workload.models import load_model
 from . import objective
 from ..runs import signals
@@ -88,7 +88,7 @@ class Grid:
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
         self.rcs = recipe_choices(space.params)
-        self.attns = list(space.params.get("attention", [None]))  # level 0 and 1 bound each kernel's graph
+        self.attns = kernel_choices(space.params)  # level 0 and 1 bound each kernel's graph
         self.n_rows = len(self.archs) * len(self.hbms)
 
     def point(self, m: int, row: int, r: int) -> dict:
@@ -140,7 +140,7 @@ def _bound_level0(session, grid: Grid, pool) -> tuple[np.ndarray, list[list[Widt
         progress.update(tasks[i][3] - tasks[i][2])
     progress.close()
     system = load_system(session.config.system)
-    v_max = max([1] + [int(v) for v in session.space.params.get("virtual_stages", [1])])
+    v_max = most_virtual_stages(session.space.params)
     widths = []
     for k in range(len(grid.mbss)):
         per_attn = []

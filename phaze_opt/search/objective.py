@@ -38,7 +38,7 @@ from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
 from ..jsonable import jsonable  # noqa: F401  (re-exported for the sweeps)
 from ..system import load_system
-from ..training import Training, recipe_points
+from ..training import Training, recipe_points, recipe_problem
 from ..workload.models import load_model
 
 OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
@@ -239,6 +239,10 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)
 
+    invalid = recipe_problem(point)
+    if invalid:  # the space's axes combine into no recipe: infeasible, with the rule it breaks
+        return Outcome(point, False, invalid, area, 0.0, _values(ctx.objectives, 0.0, area, math.inf), constraints,
+                       {}, accel_fields, time.perf_counter() - start)
     training = Training.from_point(point)
     results = {}
     for model in ctx.models:
@@ -342,6 +346,8 @@ def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arc
         errors = []
         for placement in ("expert", "optimal"):
             for point in points:
+                if recipe_problem(point):  # no recipe: nothing to run (a trial there is infeasible too)
+                    continue
                 training = Training.from_point(point, placement)
                 try:
                     r = evaluator(model, reference_arch, training, system=system)

@@ -27,7 +27,7 @@ from ..errors import PhazeError, shown, unknown_choice
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..system import load_system
-from ..training import SAMPLED_FIELDS
+from ..training import SAMPLED_FIELDS, bound_obstacles
 from ..workload.features import feature_fields
 from ..workload.models import load_model
 from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
@@ -258,7 +258,7 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
     one model, the throughput objective alone, the real evaluator and a space with HBM capacities
-    whose recipes are all BF16.
+    whose recipe choices the bounds cover (`training.bound_obstacles`).
     """
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None
@@ -275,10 +275,9 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
         return "a custom evaluator has no throughput bound"
     if space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
         return "the space has no architecture grid with HBM capacities"
-    if space is not None and any(p != "bf16" for p in getattr(space, "params", {}).get("precision", ())):
-        # its layer-time lower bounds are BF16 latencies, which a faster GEMM format undercuts
-        return "its bounds price BF16 GEMMs, and the space samples a lower precision"
-    return None
+    # A recipe field whose bounds hold only at its default (training.AT_DEFAULT), sampled beyond it.
+    obstacles = bound_obstacles(getattr(space, "params", {})) if space is not None else []
+    return f"its bounds do not cover the space's recipes: {obstacles[0]}" if obstacles else None
 
 
 def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:

@@ -94,7 +94,7 @@ def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:
 
 def schedule_steps(row) -> int:
     """Times a batch pays the fixed cost per microbatch and stage: m v + S - 1 (module docstring)."""
-    return row.microbatches * row.training.virtual_stages + row.pp - 1
+    return row.training.pipeline_steps(row.microbatches, row.pp)
 
 
 def _best_overhead(chosen, times: np.ndarray, published: np.ndarray, over: np.ndarray,

@@ -110,6 +110,12 @@ def _check(suite: Suite) -> None:
 KERNEL_FUSION = {"inductor": TRACE_FUSION["megatron-te"]}
 
 
+def layer_row_config(row: LayerRow) -> dict:
+    """A layer row's configuration as the report prints it: the block, its TP width, microbatch and
+    attention kernel."""
+    return {"model": row.model, "tp": row.tp, "mbs": row.microbatch, "attention": "flash" if row.flash else "unfused"}
+
+
 def block_pass_latencies(op_graph: OpGraph, arch: Accelerator) -> tuple[np.ndarray, np.ndarray]:
     """(single, split) latencies of a block pass on `arch` with its collectives at zero time (the
     measurement ran the TP shard alone: compute only)."""

@@ -13,6 +13,7 @@ from typing import Sequence
 from ..figures import pyplot, write_figure
 from ..hardware.efficiency import IDENTITY
 from ..jsonable import jsonable
+from ..training import describe
 from .runner import FIT_SUBSET, RowResult, SuiteResult
 
 # (display scale from SI, unit) per metric
@@ -34,10 +35,7 @@ def _config(r: RowResult, suite_system: str | None = None) -> str:
     c = r.config
     if "pp" not in c:  # a layer row
         return f"{c['model']} tp{c['tp']} mbs {c['mbs']} {c['attention']}"
-    extras = f"rc {c['recompute']}" + (f" ({'+'.join(c['recompute_modules'])})" if c.get("recompute_modules") else "") + \
-        (" sp" if c["sequence_parallel"] else "") + \
-        (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1 else "") + \
-        (f" zero{c['zero']}" if c.get("zero") else "") + \
+    extras = f"rc {c['recompute']}" + "".join(f", {words}" for words in describe({k: v for k, v in c.items() if k not in ("mbs", "recompute")})) + \
         (f" on {c['system']}" if c.get("system") and c["system"] != suite_system else "")
     parallel = "".join(f" {k}{c[k]}" for k in ("cp", "ep", "etp") if k in c) + (f" seq {c['seq']}" if "seq" in c else "")
     return (f"{c['model']} tp{c['tp']} pp{c['pp']} dp{c['dp']}{parallel} gpus {c['gpus']} batch {c['batch']} "

@@ -39,9 +39,10 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
 from ..hardware.efficiency import Efficiency
 from ..system import System, SystemEfficiency, load_system
+from ..training import FIELDS, plain
 from ..workload.models import load_model
 from .fit_operators import FIT_TP
-from .layers import compare_layers
+from .layers import compare_layers, layer_row_config
 from .suites import LAYER_METRICS, Row, Suite, iteration_flops, list_suites, load_suite
 
 # Published values are stored in the paper's units; these convert them to SI.
@@ -129,26 +130,28 @@ class SuiteResult:
                 "rows": [r.to_json() for r in self.rows]}
 
 
-# Report names of recipe fields where the report is shorter than the recipe.
-REPORT_NAMES = {"expert_tensor_parallel": "etp"}
-# Switches whose `false` overrides a stack default that is on: shown when set, off or on.
-OFF_OVER_STACK = ("overlap_p2p_comm",)
-
-
 def row_config(row: Row, suite: Suite) -> dict:
     """The row's configuration as the report prints it: its cluster and layout, then its recipe as
-    `Training.recipe()` lists it. Off switches, unset fields and ZeRO 0 or 1 (the distributed
-    optimizer every Megatron suite runs) are left out, so each configuration names what sets the
-    row apart."""
+    `Training.recipe()` lists it. Fields at their defaults or at a value every suite runs
+    (`Knob.quiet`: ZeRO 1, Megatron's distributed optimizer) are left out but the microbatch and recompute (`CORE`), so each configuration names what sets the row apart; a field is named by its
+    report name (`Knob.short`) where it has one."""
     recipe = row.training.recipe()
     del recipe["placement"]  # the layout below says it
-    core = {k: recipe.pop(k) for k in ("mbs", "recompute", "sequence_parallel", "virtual_stages")}
-    rest = {REPORT_NAMES.get(k, k): v for k, v in recipe.items()
-            if (v not in (None, False) or k in OFF_OVER_STACK) and not (k == "zero" and v <= 1)}
+    core = {k: recipe.pop(k) for k in CORE}
+    rest = {FIELDS[k].short or k: v for k, v in recipe.items()
+            if v != _plain_default(k) and v not in FIELDS[k].quiet}
     layout = {k: v for k, v in (("cp", row.cp), ("ep", row.ep), ("seq", row.seq),
                                 ("qkv_projection", row.qkv_projection)) if v not in (1, None)}
     return {"model": row.model, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
             **core, "system": row.system or suite.system, "arch": row.arch or suite.arch, **layout, **rest}
+
+
+# Recipe fields every report line shows, default or not: what a reader of a training table looks for first.
+CORE = ("mbs", "recompute")
+
+
+def _plain_default(name: str):
+    return plain(FIELDS[name].default)
 
 
 def row_system(suite: Suite, row: Row, efficiency: SystemEfficiency | None = None) -> System:
@@ -239,8 +242,7 @@ def layer_rows(suite: Suite, arch: Accelerator | None = None) -> list[RowResult]
     for i, r in enumerate(compare_layers(suite, arch, time_limit_s=LAYER_TIME_LIMIT_S)):
         row = r.row
         out.append(RowResult(suite=suite.name, index=i, label=row.source.row,
-                             config={"model": row.model, "tp": row.tp, "mbs": row.microbatch,
-                                     "attention": "flash" if row.flash else "unfused"},
+                             config=layer_row_config(row),
                              published=row.fwd_bwd_s, predicted=r.fwd_bwd_s, fitted=row.tp in FIT_TP,
                              schedule_gap=r.gap,
                              source={"paper": row.source.paper, "table": row.source.table, "row": row.source.row}))

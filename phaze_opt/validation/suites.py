@@ -103,8 +103,7 @@ from typing import Any, Callable, Mapping
 
 from .. import configs
 from ..errors import PhazeError, config_error, unknown_choice
-from ..training import (ATTENTIONS, CP_COMMS, EXPERT_WEIGHTS, LOW_PRECISION_PARAMS, MOE_DISPATCHERS, OPTIMIZER_STATES,
-                        PRECISIONS, STACKS, ZERO_STAGES, Layout, Training, check_recompute_modules)
+from ..training import FIELDS, PRECISIONS, Layout, RecipeError, Training, check_for, recipe_from_mapping
 from ..workload.models import QKV_PROJECTIONS, ModelConfig, load_model
 
 KIND = "validation"
@@ -129,15 +128,15 @@ ROW_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 MODELLED_PRECISIONS = PRECISIONS  # every format the Training recipe prices
 
 TOP_REQUIRED = ("suite", "description", "arch", "metric")
-TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source", "stack")
+# A training suite may also name recipe fields at its top: every row's default, a row's own overriding it.
+SUITE_RECIPE = tuple(f for f in FIELDS if f not in ("mbs", "placement"))
+TOP_OPTIONAL = ("system", "flops_formula", "papers", "rows", "data", "source", *SUITE_RECIPE)
 ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute", "source")
-ROW_OPTIONAL = ("heads", "hidden", "layers", "virtual_stages", "sequence_parallel", "published", "note",
-                *TRAINING_METRICS, "cp", "ep", "seq", "zero", "overlap_grad_reduce", "flops_formula", "pending_model",
-                "system", "arch", "precision", "overlap_param_gather", "tp_comm_overlap", "attention",
-                "expert_tensor_parallel", "stack", "account_for_embedding", "account_for_loss", "fp8_param_gather",
-                "moe_a2a_overlap", "moe_dispatcher",
-                "recompute_modules", "cp_comm", "expert_weights", "optimizer_state", "qkv_projection",
-                "overlap_p2p_comm")
+# Beyond the layout and the numbers, a row may name any recipe field (training.FIELDS; the microbatch is
+# `microbatch`, the placement the layout).
+ROW_OPTIONAL = ("heads", "hidden", "layers", "published", "note", *TRAINING_METRICS, "cp", "ep", "seq",
+                "flops_formula", "pending_model", "system", "arch", "qkv_projection",
+                *(f for f in FIELDS if f not in ("mbs", "placement", *ROW_REQUIRED)))
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
 LAYER_KERNELS = ("eager", "inductor")
@@ -227,7 +226,6 @@ class Row:
     skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
-    precision: str = "bf16"  # the run's GEMM datatype (ROW_PRECISIONS); the recipe's when modelled
     qkv_projection: str | None = None  # the code's QKV projection layout (ModelConfig.qkv_projection); None: the model's
 
     @property
@@ -325,7 +323,7 @@ def suite_from_mapping(data: Mapping[str, Any], file) -> Suite:
     arch = _config_name(data, "arch", "archs", file)
     training = metric in TRAINING_METRICS
     needed = ("system", "flops_formula", "papers", "rows") if training else ("papers", "data", "source")
-    banned = ("data", "source") if training else ("rows", "flops_formula", "stack")
+    banned = ("data", "source") if training else ("rows", "flops_formula", *SUITE_RECIPE)
     for key in needed:
         if key not in data:
             raise config_error(file, key, f"missing required field (metric {metric})")
@@ -336,8 +334,12 @@ def suite_from_mapping(data: Mapping[str, Any], file) -> Suite:
     formula = configs.one_of(data, "flops_formula", file, FLOPS_FORMULAS) if training else None
     papers = _papers(data, file)
     if training:
-        stack = configs.one_of(data, "stack", file, STACKS) if "stack" in data else STACKS[0]
-        rows = _training_rows(data["rows"], metric, papers, file, stack)
+        defaults = {k: data[k] for k in SUITE_RECIPE if k in data}
+        try:
+            recipe_from_mapping(defaults)
+        except RecipeError as exc:
+            raise config_error(file, exc.field, exc.detail) from None
+        rows = _training_rows(data["rows"], metric, papers, file, defaults)
         return Suite(name=name, description=description, path=str(file), arch=arch, system=system, metric=metric,
                      flops_formula=formula, papers=papers, rows=rows)
     source = _mapping(data["source"], "source", file, ("paper", "table"))
@@ -427,13 +429,13 @@ def _model(name: Any, label: str, file, cache: dict[str, ModelConfig]) -> ModelC
     return cache[name]
 
 
-def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file, stack: str = STACKS[0]) -> tuple[Row, ...]:
+def _training_rows(raw: Any, metric: str, papers: Mapping[str, str], file, defaults: Mapping[str, Any]) -> tuple[Row, ...]:
+    """The rows, each row's recipe on top of the suite's `defaults` (its top-level recipe fields)."""
     if not isinstance(raw, list) or not raw:
         raise config_error(file, "rows", f"must be a non-empty list of runs, got {raw!r}")
     models: dict[str, ModelConfig] = {}
-    rows = tuple(_training_row(r, f"rows[{i}]", metric, papers, file, models) for i, r in enumerate(raw))
-    return tuple(r if isinstance(raw[i], dict) and "stack" in raw[i] else replace(r, training=replace(r.training, stack=stack))
-                 for i, r in enumerate(rows))
+    return tuple(_training_row({**defaults, **r} if isinstance(r, dict) else r, f"rows[{i}]", metric, papers, file,
+                               models) for i, r in enumerate(raw))
 
 
 def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, names: dict) -> Row | None:
@@ -444,15 +446,26 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, nam
         return None
     if not isinstance(pending, str) or not pending.strip():
         raise config_error(file, f"{at}.pending_model", f"must say why the model may be missing, got {pending!r}")
-    ints = {k: _int(row, k, file, f"{at}.{k}", default=1 if k in ("cp", "ep", "virtual_stages") else None)
-            for k in ("tp", "pp", "gpus", "batch", "microbatch", "cp", "ep", "virtual_stages")}
-    training = Training(ints["microbatch"], _choice(row, "recompute", RECOMPUTE, file, at),
-                        sequence_parallel=bool(row.get("sequence_parallel", False)),
-                        virtual_stages=ints["virtual_stages"], zero=_zero(row, file, at))
+    ints = {k: _int(row, k, file, f"{at}.{k}", default=1 if k in ("cp", "ep") else None)
+            for k in ("tp", "pp", "gpus", "batch", "microbatch", "cp", "ep")}
+    training = _recipe(row, file, at, mbs=ints["microbatch"])
     return Row(model=name, tp=ints["tp"], pp=ints["pp"], gpus=ints["gpus"], batch=ints["batch"], training=training,
                cp=ints["cp"], ep=ints["ep"], seq=row.get("seq"),
                skip=f"model config '{name}' not in configs/models yet ({pending.strip()})",
-               precision=_precision(row, file, at), **_row_numbers(row, at, metric, papers, file), **names)
+               **_row_numbers(row, at, metric, papers, file), **names)
+
+
+def _recipe(row: Mapping[str, Any], file, at: str, model: ModelConfig | None = None, **given) -> Training:
+    """The row's recipe: every recipe field it names, read and checked by the recipe's declaration
+    (training.py), with `given` (the microbatch, the published layout) on top; the recipe's rules
+    against `model` and the row's batch too. A one-line error at `rows[i].<field>` otherwise."""
+    try:
+        training = recipe_from_mapping(row, **given)
+        if model is not None:
+            check_for(training, model, _int(row, "batch", file, f"{at}.batch"))
+    except RecipeError as exc:
+        raise config_error(file, f"{at}.{exc.field}", exc.detail) from None
+    return training
 
 
 def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
@@ -484,101 +497,17 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     if batch % (mbs * dp):
         raise config_error(file, f"{at}.batch",
                            f"must be a multiple of microbatch x dp ({mbs} x {dp} = {mbs * dp}), got {batch}")
-    chunks = _int(row, "virtual_stages", file, f"{at}.virtual_stages", default=1)
-    flags = {}
-    for name in ("overlap_param_gather", "tp_comm_overlap", "account_for_embedding", "account_for_loss",
-                 "fp8_param_gather", "moe_a2a_overlap"):
-        flags[name] = _flag(row, name, file, at)
-    split = Training(virtual_stages=chunks, account_for_embedding=flags["account_for_embedding"],
-                     account_for_loss=flags["account_for_loss"])
-    if "overlap_p2p_comm" in row:
-        flags["overlap_p2p_comm"] = _flag(row, "overlap_p2p_comm", file, at)
-        if flags["overlap_p2p_comm"] and chunks == 1:
-            raise config_error(file, f"{at}.overlap_p2p_comm",
-                               "needs virtual_stages > 1 (Megatron-LM overlaps p2p only in the interleaved schedule)")
-    if chunks > 1 and pp == 1:  # Megatron refuses it too: the interleaved schedule needs a pipeline
-        raise config_error(file, f"{at}.virtual_stages", "needs pp > 1 (no pipeline to interleave at pp 1)")
-    if chunks > 1 and not split.interleave_split_ok(model.layers, pp):
-        counted = model.layers + flags["account_for_embedding"] + flags["account_for_loss"]
-        need = (f"must divide the {counted} layers counted in the split (embedding/loss included)"
-                if counted != model.layers else
-                f"needs the model's {model.layers} layers divisible by virtual_stages and at least pp x "
-                f"virtual_stages (or account_for_embedding / account_for_loss)")
-        raise config_error(file, f"{at}.virtual_stages", f"pp x virtual_stages ({pp} x {chunks}) {need}")
-    if chunks > 1 and (batch // (mbs * dp)) % pp:
-        raise config_error(file, f"{at}.virtual_stages", f"the interleaved schedule needs microbatches per "
-                           f"pipeline ({batch // (mbs * dp)}) to be a multiple of pp ({pp})")
-    recompute = _choice(row, "recompute", RECOMPUTE, file, at)
-    sp = _sequence_parallel(row, tp, file, at)
-    zero = _zero(row, file, at)
-    overlap = _flag(row, "overlap_grad_reduce", file, at)
-    etp = _int(row, "expert_tensor_parallel", file, f"{at}.expert_tensor_parallel") \
-        if "expert_tensor_parallel" in row else None
-    if etp is not None and (not model.moe or etp not in model.tp_widths):
-        raise config_error(file, f"{at}.expert_tensor_parallel",
-                           f"must be one of {model.name}'s TP widths ({', '.join(map(str, model.tp_widths))}), got {etp}"
-                           if model.moe else f"{model.name} has no experts; leave it out")
     formula = _choice(row, "flops_formula", tuple(FLOPS_FORMULAS), file, at) if "flops_formula" in row else None
-    precision = _precision(row, file, at)
-    if flags["fp8_param_gather"] and precision not in LOW_PRECISION_PARAMS:
-        raise config_error(file, f"{at}.fp8_param_gather",
-                           f"needs precision {' or '.join(LOW_PRECISION_PARAMS)}, got {precision}")
-    attention = _choice(row, "attention", ATTENTIONS, file, at) if "attention" in row else None
-    if "stack" in row:
-        flags["stack"] = _choice(row, "stack", STACKS, file, at)
-    flags.update(_moe_flags(row, flags["moe_a2a_overlap"], ep, recompute, file, at))
-    if "recompute_modules" in row:
-        flags["recompute_modules"] = _recompute_modules(row, recompute, file, at)
-    if "cp_comm" in row:
-        flags["cp_comm"] = _choice(row, "cp_comm", CP_COMMS, file, at)
-        if cp == 1 and flags["cp_comm"] != CP_COMMS[0]:
-            raise config_error(file, f"{at}.cp_comm", "needs cp > 1 (no context-parallel group to gather over)")
-    if "expert_weights" in row:
-        if not model.moe:
-            raise config_error(file, f"{at}.expert_weights", f"{model.name} has no experts; leave it out")
-        flags["expert_weights"] = _choice(row, "expert_weights", EXPERT_WEIGHTS, file, at)
-    if "optimizer_state" in row:
-        flags["optimizer_state"] = _choice(row, "optimizer_state", tuple(OPTIMIZER_STATES), file, at)
     qkv = None
     if "qkv_projection" in row:
         if model.mla:
             raise config_error(file, f"{at}.qkv_projection",
                                f"{model.name} uses MLA, whose projections are its own; leave it out")
         qkv = _choice(row, "qkv_projection", QKV_PROJECTIONS, file, at)
-    skip = "" if precision in MODELLED_PRECISIONS else \
-        f"precision {precision} not in the Training recipe yet (priced: {', '.join(MODELLED_PRECISIONS)})"
-    try:  # the recipe whole, its placement the published layout (a row in an unmodelled format: BF16, skipped)
-        training = Training(mbs, recompute, Layout(tp, pp, dp, ep, cp).spec(), sp, chunks, zero=zero,
-                            overlap_grad_reduce=overlap, precision=precision if not skip else "bf16",
-                            attention=attention, expert_tensor_parallel=etp, **flags)
-    except PhazeError as exc:
-        raise config_error(file, at, str(exc)) from None
+    # The recipe whole, its placement the published layout.
+    training = _recipe(row, file, at, model, mbs=mbs, placement=Layout(tp, pp, dp, ep, cp))
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, training=training, cp=cp, ep=ep,
-               seq=seq if seq != model.seq else None, flops_formula=formula, precision=precision, skip=skip,
-               qkv_projection=qkv, **_row_numbers(row, at, metric, papers, file), **names)
-
-
-def _moe_flags(row: Mapping[str, Any], overlap: bool, ep: int, recompute: str, file, at: str) -> dict:
-    """The row's EP all-to-all fields: the overlap (already read as a boolean) checked against its
-    EP width and recompute, and the dispatcher where the row sets it."""
-    if overlap and ep < 2:  # Megatron-Core asserts expert_model_parallel_size > 1
-        raise config_error(file, f"{at}.moe_a2a_overlap", "needs ep > 1 (no all-to-all to overlap)")
-    if overlap and recompute == "full":  # Training refuses it, as Megatron-Core does
-        raise config_error(file, f"{at}.moe_a2a_overlap", "cannot run with recompute full (Megatron-Core "
-                                                           "refuses full recomputation with the overlap)")
-    return {"moe_dispatcher": _choice(row, "moe_dispatcher", MOE_DISPATCHERS, file, at)} if "moe_dispatcher" in row else {}
-
-
-def _recompute_modules(row: Mapping[str, Any], recompute: str, file, at: str) -> tuple[str, ...]:
-    """A row's `recompute_modules`: a list of module names, checked as the recipe checks them."""
-    value = row["recompute_modules"]
-    if not isinstance(value, list):
-        raise config_error(file, f"{at}.recompute_modules", f"must be a list of module names, got {value!r}")
-    try:
-        return check_recompute_modules(value, recompute)
-    except PhazeError as exc:
-        raise config_error(file, f"{at}.recompute_modules", str(exc).removeprefix("recompute_modules").lstrip(": ")) \
-            from None
+               seq=seq if seq != model.seq else None, flops_formula=formula, qkv_projection=qkv, **_row_numbers(row, at, metric, papers, file), **names)
 
 
 def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:
@@ -594,31 +523,20 @@ def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> 
                 published=published, note=note)
 
 
-def _precision(row: Mapping[str, Any], file, at: str) -> str:
-    return _choice(row, "precision", ROW_PRECISIONS, file, at) if "precision" in row else "bf16"
 
 
-def _zero(row: Mapping[str, Any], file, at: str) -> int:
-    zero = row.get("zero", 0)
-    if zero not in ZERO_STAGES or isinstance(zero, bool):
-        raise config_error(file, f"{at}.zero", f"must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
-    return zero
+
+
+
+
 
 
 def _flag(row: Mapping[str, Any], key: str, file, at: str) -> bool:
-    """A row's switch `key` (false when absent): true or false, else a one-line error."""
+    """A layer row's switch `key` (false when absent): true or false, else a one-line error."""
     value = row.get(key, False)
     if not isinstance(value, bool):
         raise config_error(file, f"{at}.{key}", f"must be true or false, got {value!r}")
     return value
-
-
-def _sequence_parallel(row: Mapping[str, Any], tp: int, file, at: str) -> bool:
-    sp = _flag(row, "sequence_parallel", file, at)
-    if sp and tp == 1:
-        raise config_error(file, f"{at}.sequence_parallel",
-                           "needs tp > 1 (it splits the sequence across the tensor-parallel group)")
-    return sp
 
 
 def _tp_choices(model: ModelConfig, tp: int) -> str:
