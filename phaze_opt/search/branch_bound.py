@@ -62,6 +62,8 @@ from ..runs import signals
 from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
+from .setup import Backend, StudyConfig
+from .strategy import BranchAndBound, register
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 
 # Design rows per level-0 task: a multiple of upper_bound.CHUNK, so every `estimate` call sees exactly
@@ -542,3 +544,16 @@ def _write_points(grid: Grid, cells: Cells, ub0: np.ndarray, path: Path) -> Path
     data = frame.to_csv(index=False, float_format="%.6g").encode()
     # compressed in memory, then written aside and moved into place: never half a file
     return write_whole(path, gzip.compress(data, mtime=0))
+
+
+class BranchAndBoundStrategy(BranchAndBound):
+    """The bound-pruned sweep: its rules (`strategy.BranchAndBound`) and `run_pruned` in a session."""
+
+    def run(self, config: StudyConfig, backend: Backend | None = None) -> dict:
+        session = Session(config, backend)
+        session.begin()
+        with session.running():
+            return run_pruned(session)
+
+
+BRANCH_AND_BOUND = register(BranchAndBoundStrategy())
