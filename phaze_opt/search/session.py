@@ -240,6 +240,8 @@ class Session:
         self._count_start(trials)
 
     def _start(self) -> None:
+        """`begin`'s steps, in the order a resumed study relies on: the baselines before the parent
+        run (its params carry them), MLflow reconciled under that run, the worker count last."""
         with interrupt.deferred(), phase("computing the TPUv4 baselines"):  # cut at once, its storing is not
             self.baselines = self._baselines()
         interrupt.checkpoint_deferred()
