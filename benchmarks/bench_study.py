@@ -62,7 +62,8 @@ def machinery(trials: int, repeats: int) -> None:
             for _ in range(repeats):
                 tmp = Path(tempfile.mkdtemp(prefix="bench-study-"))
                 try:
-                    cfg = StudyConfig(models=("gpt2-xl",), space="small", trials=trials, exhaustive=exhaustive,
+                    cfg = StudyConfig(models=("gpt2-xl",), space="small", trials=trials,
+                                      strategy="auto" if exhaustive else "sampled",
                                       output_dir=str(tmp / "studies"), progress=False,
                                       tracking_uri=f"sqlite:///{tmp}/mlruns/mlflow.db" if tracking else "off")
                     t0 = time.perf_counter()

@@ -207,7 +207,7 @@ def _tiny_study(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_the_sampled_study_reaches_the_exhaustive_optimum_and_stops_when_nothing_can_beat_it(tmp_path):
-    full = run_study(_tiny_study(tmp_path, exhaustive=True, prune="off", hysteresis="off"))
+    full = run_study(_tiny_study(tmp_path, strategy="grid", hysteresis="off"))
     summary = run_study(_tiny_study(tmp_path, trials=200))
     assert summary["best"]["score"] == pytest.approx(full["best"]["score"], rel=1e-12)
     study = optuna.load_study(study_name=summary["study"], storage=summary["storage"])

@@ -95,7 +95,7 @@ def two_studies(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cmp")
     uri = mlflow_uri(tmp)
     sampled = config(tmp, trials=8, storage=None, tracking_uri=uri)
-    exhaustive = config(tmp, exhaustive=True, storage=None, tracking_uri=uri)
+    exhaustive = config(tmp, strategy="auto", storage=None, tracking_uri=uri)
     run_study(sampled, backend(tiny_space()))
     run_study(exhaustive, backend(tiny_space()))
     return tmp, uri, default_study_name(sampled), default_study_name(exhaustive)

@@ -178,8 +178,8 @@ def test_study_config_time_limit_gives_a_prunable_design_evaluator():
     assert ev.design_evaluator(None) == ev.DesignEvaluator(ev.DEFAULT_ILP_TIME_LIMIT_S)
     partial = ev.design_evaluator(5)
     assert partial.ilp_time_limit_s == 5.0 and isinstance(partial, BoundedEvaluator)
-    config = validate(StudyConfig(exhaustive=True, hysteresis="off", ilp_time_limit_s=5, tracking_uri="off"))
-    assert config.prune == "bound"
+    config = validate(StudyConfig(strategy="auto", hysteresis="off", ilp_time_limit_s=5, tracking_uri="off"))
+    assert config.strategy == "branch-and-bound"
     assert Backend().resolved(config).evaluator.ilp_time_limit_s == 5.0
     with pytest.raises(PhazeError, match="--ilp-time-limit"):
         validate(StudyConfig(ilp_time_limit_s=-1.0))

@@ -286,7 +286,7 @@ def logged_sweep(tmp_path_factory):
     uri = mlflow_uri(tmp)
     space = FakeSpace(params={"num_tc": [2, 4], "tc_x": [8, 16], "glb_mib": [4], "hbm_gib": [32], "mbs": [1, 2],
                               "recompute": [False, True]})
-    cfg = config(tmp, exhaustive=True, tracking_uri=uri, storage=None)
+    cfg = config(tmp, strategy="auto", tracking_uri=uri, storage=None)
     return uri, cfg, run_study(cfg, backend(space))
 
 

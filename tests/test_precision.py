@@ -237,16 +237,16 @@ def test_space_samples_the_datatype_set():
 
 def test_bound_pruning_is_not_used_on_a_low_precision_space():
     from phaze_opt.search.config import StudyConfig
-    from phaze_opt.search.setup import resolve_prune
+    from phaze_opt.search.setup import resolve_strategy
 
     space = space_from_mapping(SPACE, "s.yaml")
     backend = type("B", (), {"evaluator": None, "space": space})()
-    config = StudyConfig(models=("megatron-gpt-1.7b",), exhaustive=True, prune="auto")
-    assert resolve_prune(config, backend) == "off"
+    config = StudyConfig(models=("megatron-gpt-1.7b",), strategy="auto")
+    assert resolve_strategy(config, backend) == "grid"
     with pytest.raises(PhazeError, match="BF16 GEMMs"):
-        resolve_prune(dataclasses.replace(config, prune="bound"), backend)
+        resolve_strategy(dataclasses.replace(config, strategy="branch-and-bound"), backend)
     bf16 = space_from_mapping({**SPACE, "params": {**SPACE["params"], "precision": ["bf16"]}}, "s.yaml")
-    assert resolve_prune(config, type("B", (), {"evaluator": None, "space": bf16})()) == "bound"
+    assert resolve_strategy(config, type("B", (), {"evaluator": None, "space": bf16})()) == "branch-and-bound"
 
 
 def test_moe_experts_run_low_and_never_slower(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ def optimal_calls():
 
 
 def exhaustive(tmp_path, name, **kw):
-    return config(tmp_path, exhaustive=True, study_name=name, **kw)
+    return config(tmp_path, strategy="auto", study_name=name, **kw)
 
 
 def bk(evaluator=None):

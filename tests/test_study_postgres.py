@@ -122,7 +122,7 @@ def test_workers_share_one_study_on_postgres(tmp_path, postgres):
 
 
 def test_exhaustive_workers_split_the_grid_on_postgres(tmp_path, postgres):
-    cfg = config(tmp_path, exhaustive=True, workers=2, storage=postgres["optuna_ex"], tracking_uri="off")
+    cfg = config(tmp_path, strategy="auto", workers=2, storage=postgres["optuna_ex"], tracking_uri="off")
     summary = run_study(cfg, backend(small_space()))
     trials = optuna.load_study(study_name=default_study_name(cfg), storage=driver_url(postgres["optuna_ex"])).get_trials()
     points = Counter(tuple(sorted(t.user_attrs["point"].items())) for t in trials)

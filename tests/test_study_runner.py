@@ -206,7 +206,7 @@ def test_energy_without_energy_model_is_one_line_error(tmp_path):
     ({"workers": 0}, "--workers"),
     ({"order": "random"}, "unknown order"),
     ({"hysteresis": "soon"}, "--hysteresis"),
-    ({"exhaustive": True, "hysteresis": 5, "order": "grid"}, "needs --order area"),
+    ({"strategy": "auto", "hysteresis": 5, "order": "grid"}, "needs --order area"),
     ({"storage": "studies/x.db"}, "database URL"),
     ({"system": "no-such-system"}, "unknown system 'no-such-system'"),
 ])
@@ -223,7 +223,7 @@ def test_empty_space_is_a_one_line_error(tmp_path):
     with pytest.raises(PhazeError, match="'num_tc' has no choices"):
         run_study(config(tmp_path), backend(space))
     with pytest.raises(PhazeError, match="no grid point"):
-        run_study(config(tmp_path, exhaustive=True), backend(FakeSpace(budget=1.0)))
+        run_study(config(tmp_path, strategy="auto"), backend(FakeSpace(budget=1.0)))
 
 
 def test_reusing_a_study_name_with_other_settings_is_refused(tmp_path):
@@ -235,7 +235,7 @@ def test_reusing_a_study_name_with_other_settings_is_refused(tmp_path):
 def test_default_names_and_quota():
     cfg = validate(StudyConfig(models=("m-small",), space="fake"), backend())
     assert default_study_name(cfg) == "m-small-fake-tpe-seed0"
-    ex = validate(StudyConfig(models=("m-small", "m-big"), space="fake", exhaustive=True, hysteresis="5",
+    ex = validate(StudyConfig(models=("m-small", "m-big"), space="fake", strategy="auto", hysteresis="5",
                               objectives="throughput,area"), backend())
     assert ex.hysteresis == 5 and default_study_name(ex) == "m-small+m-big-fake-exhaustive-area-h5-throughput+area"
     assert split_quota(10, 3) == [4, 3, 3] and sum(split_quota(7, 4)) == 7

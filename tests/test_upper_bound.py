@@ -158,10 +158,10 @@ def _full_and_pruned_sweeps(tmp_path, space_text: str, name: str, system: str = 
     (full summary, pruned summary, the points file's rows)."""
     space_file = tmp_path / name
     space_file.write_text(space_text)
-    base = dict(models=("gpt2-xl",), space=str(space_file), system=system, exhaustive=True, hysteresis="off",
+    base = dict(models=("gpt2-xl",), space=str(space_file), system=system, hysteresis="off",
                 tracking_uri="off", output_dir=str(tmp_path), progress=False)
-    full = run_study(StudyConfig(**base, prune="off"))
-    pruned = run_study(StudyConfig(**base, prune="bound"))
+    full = run_study(StudyConfig(**base, strategy="grid"))
+    pruned = run_study(StudyConfig(**base, strategy="branch-and-bound"))
     points = load_space(str(space_file)).grid_points("grid")
     ex = pruned["exhaustive"]
     assert full["exhaustive"]["evaluated"] == len(points) == ex["points"]
@@ -262,8 +262,8 @@ def test_pruned_sweep_does_not_claim_an_optimum_when_a_contender_fails(tmp_path,
         return real(point, ctx)
 
     monkeypatch.setattr(objective, "evaluate_point", flaky)
-    out = run_study(StudyConfig(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off",
-                                tracking_uri="off", output_dir=str(tmp_path), progress=False, prune="bound"))
+    out = run_study(StudyConfig(models=("gpt2-xl",), space=str(space_file), hysteresis="off",
+                                tracking_uri="off", output_dir=str(tmp_path), progress=False, strategy="branch-and-bound"))
     ex = out["exhaustive"]
     assert ex["failed"] and ex["optimum_proven"] is False
     assert all(f["bound"] > out["best"]["score"] for f in ex["failed"])
@@ -288,8 +288,8 @@ def test_pruned_sweep_with_unproven_points_proves_the_optimum_only_when_their_bo
 
     space_file = tmp_path / "tiny.yaml"
     space_file.write_text(TINY_SPACE)
-    base = dict(models=("gpt2-xl",), space=str(space_file), exhaustive=True, hysteresis="off", tracking_uri="off",
-                progress=False, prune="bound")
+    base = dict(models=("gpt2-xl",), space=str(space_file), hysteresis="off", tracking_uri="off",
+                progress=False, strategy="branch-and-bound")
     exact = run_study(StudyConfig(**base, output_dir=str(tmp_path / "exact")))
     assert exact["exhaustive"]["optimum_proven"] and not exact["exhaustive"]["unproven"]
     optimum = exact["best"]["score"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import add_ilp_time_limit
 from ..runs import DEFAULT_TRACKING_URI
-from ..search import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig, render as _render
+from ..search import PHAZE_AREA_GROUP_MM2, SAMPLERS, StudyConfig, render as _render, strategy_from_flags
 
 HELP = "search accelerator designs and placements with an Optuna study (or an exhaustive sweep), logged to MLflow"
 DESCRIPTION = (
@@ -81,10 +81,9 @@ def config_from_args(args) -> StudyConfig:
         storage=args.storage,
         tracking_uri=args.tracking_uri,
         workers=args.workers,
-        exhaustive=args.exhaustive,
+        strategy=strategy_from_flags(args.exhaustive, args.prune),
         order=args.order,
         hysteresis=args.hysteresis,
-        prune=args.prune,
         area_group_mm2=args.area_group_mm2,
         output_dir=args.output_dir,
         progress=args.progress,

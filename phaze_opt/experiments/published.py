@@ -388,6 +388,7 @@ def _run(config: StudyConfig, backend: Backend, seeds: Sequence[tuple[str, dict]
     """run_study, after queueing `seeds` (label, point) behind the TPUv4 points of a new study."""
     if seeds:
         session = Session(replace(config, tracking_uri="off"), backend)
+        session.begin()  # the references it queues include each model's baseline recipe
         try:
             if not session.resumed:
                 session.enqueue_references()

@@ -10,7 +10,7 @@ from .report import render
 from .runner import run_study
 from .session import REPEAT_ATTR, Session, best_trial, finished_trials, is_feasible, quiet_optuna, study_wall_s
 from .setup import Backend, clean_name, default_storage
-from .strategy import Strategy, strategy_for
+from .strategy import Strategy, strategy_for, strategy_from_flags
 
 __all__ = [
     "Backend",
@@ -33,5 +33,6 @@ __all__ = [
     "render",
     "run_study",
     "strategy_for",
+    "strategy_from_flags",
     "study_wall_s",
 ]

@@ -62,6 +62,8 @@ from ..runs import signals
 from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
+from .setup import Backend, StudyConfig
+from .strategy import BranchAndBound, register
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 
 # Design rows per level-0 task: a multiple of upper_bound.CHUNK, so every `estimate` call sees exactly
@@ -261,182 +263,237 @@ def recipe_dominators(grid: Grid, model, system) -> list[list[int]]:
 
 def run_branch_bound(session) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
-    config = session.config
-    model_name = config.models[0]
-    grid = Grid(session.space)
-    t_start = time.perf_counter()
-    done = existing_scores(session.study, session.codec)  # resumed points: key -> score
-    incumbent = max((s for s in done.values() if s is not None), default=0.0)
-
-    n_m, n_r = len(grid.mbss), len(grid.rcs)
-    stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0, "failed": []}
-
-    pool = _executor(config.workers, (model_name, config.system, session.context()))
+    sweep = _Sweep(session)
+    pool = _executor(sweep.config.workers, (sweep.config.models[0], sweep.config.system, session.context()))
     try:
-        t0 = time.perf_counter()
-        with phase("bounding the designs"):
-            ub0, widths = _bound_level0(session, grid, pool)  # [n_m, n_rows], per microbatch per TP width
-        stats["level0_s"] = time.perf_counter() - t0
-        model, system = load_model(model_name), load_system(config.system)
-        dom = recipe_dominators(grid, model, system)
-        canon = [[r for r in range(n_r) if d[r] == r] for d in dom]  # the recipes level 1 bounds, per microbatch
-        stats["recipes"] = n_r
-        stats["recipes_not_dominated"] = [len(c) for c in canon]
-        cells = Cells(n_r, ub0)
-        # Settled so far: evaluated, or bounded at or below the best (best-first never evaluates those).
-        progress = session.progress(grid.size, "point", phase="settled", steady=False)
-        progress.update(0, incumbent if incumbent > 0 else None)
-
-        def report():
-            settled = n_r * int(np.count_nonzero(ub0 <= incumbent))
-            evaluated = 0
-            for (m, row), (st_, b, sc) in cells.items():
-                settled -= n_r * int(ub0[m, row] <= incumbent)
-                done_here = ~np.isnan(sc) | (b <= incumbent) | (np.asarray(dom[m]) != np.arange(n_r))
-                settled += int(np.count_nonzero(done_here))
-                evaluated += int(np.count_nonzero(~np.isnan(sc)))
-            progress.set_done(settled, incumbent if incumbent > 0 else None, evaluated=evaluated)
-        order = np.argsort(-ub0, axis=None, kind="stable")
-        accels: dict[int, object] = {}
-
-        def accel(row):
-            if row not in accels:
-                accels[row] = session.space.accelerator(grid.point(0, row, 0))
-            return accels[row]
-
-        pos = 0  # next level-0 candidate in `order`
-        since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
-        heap: list = []  # (-bound, seq, m, row, {r: ub1})
-        seq = itertools.count()
-        inflight: dict[Future, tuple] = {}
-        failed_keys: set = set()
-
-        def record(cells_done, results):
-            nonlocal incumbent
-            for (m, row, r), (point, outcome, error, started, ended, trial_s) in zip(cells_done, results):
-                extra = {"elapsed_s": session.elapsed(), "trial_s": trial_s, "settled": "evaluated"}
-                value = 0.0
-                if outcome is not None and outcome.feasible:
-                    value = float(outcome.score)
-                    if value > incumbent:
-                        incumbent = value
-                        extra["new_best"] = True
-                frozen = add_trial(session.study, frozen_trial(session.codec, point, outcome, error, started, ended,
-                                                           extra, session.space))
-                session.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
-                done[point_key(session.codec, point)] = value if error is None else None
-                status, bound, score = cells.get(m, row)
-                score[r] = value
-                if error is not None or (outcome is not None and outcome.feasible and outcome.score_bound > value):
-                    cells.unsure.add((m, row, r))
-                stats["evaluated_this_run"] += 1
-                if error is not None:  # its throughput is unknown, so it may have beaten the optimum
-                    failed_keys.add(point_key(session.codec, point))
-                    stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[r]),
-                                            "error": error})
-                if extra.get("new_best"):
-                    session.tracker.log_best(incumbent, frozen.number)
-
-        while True:
-            while len(inflight) < max(config.workers, 1):
-                top0 = ub0.flat[order[pos]] if pos < order.size else -np.inf
-                top1 = -heap[0][0] if heap else -np.inf
-                if max(top0, top1) <= incumbent:
-                    break
-                evaluating = any(tag[0] == "eval" for tag in inflight.values())
-                dive = heap and not evaluating and since_eval >= DIVE_AFTER
-                if dive:  # evaluate the best bounded recipe early: an incumbent prunes cells at level 0
-                    _, _, m, row, ub1 = heapq.heappop(heap)
-                    r_best = max(ub1, key=ub1.get)
-                    rest = {r: b for r, b in ub1.items() if r != r_best}
-                    if rest:
-                        heapq.heappush(heap, (-max(rest.values()), next(seq), m, row, rest))
-                    ub1 = {r_best: ub1[r_best]}
-                    since_eval = 0
-                if dive or top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
-                    if not dive:
-                        _, _, m, row, ub1 = heapq.heappop(heap)
-                        since_eval = 0
-                    status, bound, score = cells.get(m, row)
-                    todo, todo_cells = [], []
-                    for r, b in ub1.items():
-                        if b <= incumbent:
-                            continue
-                        status[r] = EVALUATED
-                        point = grid.point(m, row, r)
-                        key = point_key(session.codec, point)
-                        if key in done:  # finished in an earlier run of this study
-                            score[r] = done[key] or 0.0
-                            stats["resumed"] += 1
-                        else:
-                            todo.append(point)
-                            todo_cells.append((m, row, r))
-                    if todo:
-                        _end_bounding(session, stats)
-                        inflight[pool.submit(_evaluate, todo)] = ("eval", todo_cells)
-                else:
-                    flat = int(order[pos])
-                    pos += 1
-                    m, row = divmod(flat, grid.n_rows)
-                    a = accel(row)
-                    rows = [[w.take([row]) for w in per_attn] for per_attn in widths[m]]
-                    inflight[pool.submit(_level1, rows, grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
-                                         [grid.rcs[r] for r in canon[m]], grid.attns, incumbent)] = ("l1", m, row)
-                    stats["level1_runs"] += len(canon[m])
-                    since_eval += 1
-            if not inflight:
-                break
-            finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
-            for f in finished:
-                tag = inflight.pop(f)
-                if tag[0] == "eval":
-                    record(tag[1], f.result())
-                    continue
-                _, m, row = tag
-                status, bound, _ = cells.get(m, row)
-                ub1 = dict(zip(canon[m], f.result()))
-                for r, b in ub1.items():
-                    status[r] = BOUND_PLACEMENT
-                    bound[r] = b
-                live = {r: b for r, b in ub1.items() if b > incumbent}
-                if live:
-                    heapq.heappush(heap, (-max(live.values()), next(seq), m, row, live))
-            if progress.due():
-                report()
-        report()
-        progress.close()
+        sweep.bound(pool)
+        sweep.settle(pool)
     finally:
         pool.shutdown(cancel_futures=True) if isinstance(pool, ProcessPoolExecutor) else pool.shutdown()
+    return sweep.conclude()
 
-    _end_bounding(session, stats)  # nothing left to evaluate in this run: it was all bounding
-    stats["wall_s"] = time.perf_counter() - t_start
-    mark_evaluated(grid, cells, session.study.get_trials(deepcopy=False))  # resumed points too
-    settle_dominated(cells, dom)
-    counts = count_settled(cells, n_m * grid.n_rows, n_r)
-    # The optimum is proven only if no point that could beat it failed to evaluate (an ILP that hit its
-    # time limit, say); resumed failures count too.
-    stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
-                        for k, v in done.items() if v is None and k not in failed_keys]
-    # Likewise a point evaluated on unproven layer schedules: its score is reached, but its proven bound
-    # may lie above the best; the optimum then lies between the best and the largest such bound.
-    stats["unproven"] = unproven_points(session.study.get_trials(deepcopy=False))
-    open_bounds = [f["bound"] for f in stats["failed"]] + [u["bound"] for u in stats["unproven"]]
-    stats["optimum_proven"] = not any(b is None or b > incumbent for b in open_bounds)
-    if not stats["optimum_proven"]:
-        stats["optimum_upper_bound"] = (None if None in open_bounds
-                                        else max([incumbent] + [b for b in open_bounds if b is not None]))
-    stats.update(points=grid.size, settled=counts, cells=n_m * grid.n_rows, cells_expanded=len(cells.cells),
-                 evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"] + counts["dominated"],
-                 optimum=incumbent)
-    path = _write_points(grid, cells, ub0, Path(config.output_dir) / f"{session.name}-points.csv.gz")
-    stats["points_file"] = str(path)
-    session.tracker.log_parent(metrics={"points": grid.size, "evaluated": counts["evaluated"],
-                                        "evaluated_by_bound": stats["evaluated_by_bound"],
-                                        "bound_ideal": counts["bound-ideal"],
-                                        "bound_placement": counts["bound-placement"],
-                                        "dominated": counts["dominated"]})
-    session.tracker.log_parent_file(path)
-    return stats
+
+class _Sweep:
+    """One invocation's best-first sweep. Its steps share the grid, the bounds, the incumbent and the
+    tasks in flight, so they are methods on this state: level 0 (`bound`), the loop that hands out
+    level-1 bounds and evaluations and takes their results (`settle`), then the accounting
+    (`conclude`)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.config = session.config
+        self.grid = Grid(session.space)
+        self.t_start = time.perf_counter()
+        self.done = existing_scores(session.study, session.codec)  # resumed points: key -> score
+        self.incumbent = max((s for s in self.done.values() if s is not None), default=0.0)
+        self.n_m, self.n_r = len(self.grid.mbss), len(self.grid.rcs)
+        self.stats = {"workers": self.config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0,
+                      "failed": []}
+        self.accels: dict[int, object] = {}
+        self.pos = 0  # next level-0 candidate in `order`
+        self.since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
+        self.heap: list = []  # (-bound, seq, m, row, {r: ub1})
+        self.seq = itertools.count()
+        self.inflight: dict[Future, tuple] = {}
+        self.failed_keys: set = set()
+
+    # -- level 0 -------------------------------------------------------------------------------------
+    def bound(self, pool) -> None:
+        """Level 0 for the whole grid, the recipes dominance leaves to level 1, the candidates' order."""
+        t0 = time.perf_counter()
+        with phase("bounding the designs"):
+            self.ub0, self.widths = _bound_level0(self.session, self.grid, pool)  # [n_m, n_rows], per TP width
+        self.stats["level0_s"] = time.perf_counter() - t0
+        model, system = load_model(self.config.models[0]), load_system(self.config.system)
+        self.dom = recipe_dominators(self.grid, model, system)
+        self.canon = [[r for r in range(self.n_r) if d[r] == r] for d in self.dom]  # what level 1 bounds, per mbs
+        self.stats["recipes"] = self.n_r
+        self.stats["recipes_not_dominated"] = [len(c) for c in self.canon]
+        self.cells = Cells(self.n_r, self.ub0)
+        # Settled so far: evaluated, or bounded at or below the best (best-first never evaluates those).
+        self.progress = self.session.progress(self.grid.size, "point", phase="settled", steady=False)
+        self.progress.update(0, self.incumbent if self.incumbent > 0 else None)
+        self.order = np.argsort(-self.ub0, axis=None, kind="stable")
+
+    # -- the best-first loop -------------------------------------------------------------------------
+    def settle(self, pool) -> None:
+        """Hand out tasks while a candidate's bound beats the incumbent; take each result as it comes."""
+        while True:
+            self._hand_out(pool)
+            if not self.inflight:
+                break
+            finished, _ = wait(list(self.inflight), return_when=FIRST_COMPLETED)
+            for f in finished:
+                self._take(f)
+            if self.progress.due():
+                self._report()
+        self._report()
+        self.progress.close()
+
+    def _hand_out(self, pool) -> None:
+        """Fill the workers: the best candidate is evaluated when its placement bound (level 1) is
+        known and not below the best level-0 bound, else the best level-0 cell is bounded at level 1."""
+        while len(self.inflight) < max(self.config.workers, 1):
+            top0 = self.ub0.flat[self.order[self.pos]] if self.pos < self.order.size else -np.inf
+            top1 = -self.heap[0][0] if self.heap else -np.inf
+            if max(top0, top1) <= self.incumbent:
+                break
+            evaluating = any(tag[0] == "eval" for tag in self.inflight.values())
+            dive = self.heap and not evaluating and self.since_eval >= DIVE_AFTER
+            if dive:  # evaluate the best bounded recipe early: an incumbent prunes cells at level 0
+                m, row, ub1 = self._dive()
+            if dive or top1 >= top0:  # a point whose placement bound is known: evaluate what can still win
+                if not dive:
+                    _, _, m, row, ub1 = heapq.heappop(self.heap)
+                    self.since_eval = 0
+                self._evaluate_cell(pool, m, row, ub1)
+            else:
+                self._bound_cell(pool)
+
+    def _dive(self) -> tuple[int, int, dict]:
+        """The best level-1 cell's best recipe alone; the cell's other recipes go back on the heap."""
+        _, _, m, row, ub1 = heapq.heappop(self.heap)
+        r_best = max(ub1, key=ub1.get)
+        rest = {r: b for r, b in ub1.items() if r != r_best}
+        if rest:
+            heapq.heappush(self.heap, (-max(rest.values()), next(self.seq), m, row, rest))
+        self.since_eval = 0
+        return m, row, {r_best: ub1[r_best]}
+
+    def _evaluate_cell(self, pool, m: int, row: int, ub1: dict) -> None:
+        """Hand out the evaluation of a cell's recipes whose bound beats the incumbent (a point an
+        earlier run of the study evaluated takes its score from there)."""
+        status, bound, score = self.cells.get(m, row)
+        todo, todo_cells = [], []
+        for r, b in ub1.items():
+            if b <= self.incumbent:
+                continue
+            status[r] = EVALUATED
+            point = self.grid.point(m, row, r)
+            key = point_key(self.session.codec, point)
+            if key in self.done:  # finished in an earlier run of this study
+                score[r] = self.done[key] or 0.0
+                self.stats["resumed"] += 1
+            else:
+                todo.append(point)
+                todo_cells.append((m, row, r))
+        if todo:
+            _end_bounding(self.session, self.stats)
+            self.inflight[pool.submit(_evaluate, todo)] = ("eval", todo_cells)
+
+    def _bound_cell(self, pool) -> None:
+        """Hand out level 1 of the next level-0 cell, for the recipes no other recipe dominates."""
+        flat = int(self.order[self.pos])
+        self.pos += 1
+        m, row = divmod(flat, self.grid.n_rows)
+        a = self._accel(row)
+        rows = [[w.take([row]) for w in per_attn] for per_attn in self.widths[m]]
+        self.inflight[pool.submit(_level1, rows, self.grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
+                                  [self.grid.rcs[r] for r in self.canon[m]], self.grid.attns,
+                                  self.incumbent)] = ("l1", m, row)
+        self.stats["level1_runs"] += len(self.canon[m])
+        self.since_eval += 1
+
+    def _accel(self, row: int):
+        if row not in self.accels:
+            self.accels[row] = self.session.space.accelerator(self.grid.point(0, row, 0))
+        return self.accels[row]
+
+    def _take(self, future: Future) -> None:
+        """A finished task: an evaluation's trials recorded, or a cell's level-1 bounds (the recipes
+        that can still beat the incumbent pushed on the heap)."""
+        tag = self.inflight.pop(future)
+        if tag[0] == "eval":
+            self._record(tag[1], future.result())
+            return
+        _, m, row = tag
+        status, bound, _ = self.cells.get(m, row)
+        ub1 = dict(zip(self.canon[m], future.result()))
+        for r, b in ub1.items():
+            status[r] = BOUND_PLACEMENT
+            bound[r] = b
+        live = {r: b for r, b in ub1.items() if b > self.incumbent}
+        if live:
+            heapq.heappush(self.heap, (-max(live.values()), next(self.seq), m, row, live))
+
+    def _record(self, cells_done, results) -> None:
+        """Each evaluated point as a trial (and MLflow run), its score in its cell, the incumbent raised."""
+        session = self.session
+        for (m, row, r), (point, outcome, error, started, ended, trial_s) in zip(cells_done, results):
+            extra = {"elapsed_s": session.elapsed(), "trial_s": trial_s, "settled": "evaluated"}
+            value = 0.0
+            if outcome is not None and outcome.feasible:
+                value = float(outcome.score)
+                if value > self.incumbent:
+                    self.incumbent = value
+                    extra["new_best"] = True
+            frozen = add_trial(session.study, frozen_trial(session.codec, point, outcome, error, started, ended,
+                                                           extra, session.space))
+            session.tracker.log_trial(frozen, outcome.artifact() if outcome is not None else None)
+            self.done[point_key(session.codec, point)] = value if error is None else None
+            status, bound, score = self.cells.get(m, row)
+            score[r] = value
+            if error is not None or (outcome is not None and outcome.feasible and outcome.score_bound > value):
+                self.cells.unsure.add((m, row, r))
+            self.stats["evaluated_this_run"] += 1
+            if error is not None:  # its throughput is unknown, so it may have beaten the optimum
+                self.failed_keys.add(point_key(session.codec, point))
+                self.stats["failed"].append({"trial": frozen.number, "point": point, "bound": float(bound[r]),
+                                             "error": error})
+            if extra.get("new_best"):
+                session.tracker.log_best(self.incumbent, frozen.number)
+
+    def _report(self) -> None:
+        """The progress line: points settled (evaluated, bounded at or below the best, or dominated)."""
+        n_r, ub0, incumbent = self.n_r, self.ub0, self.incumbent
+        settled = n_r * int(np.count_nonzero(ub0 <= incumbent))
+        evaluated = 0
+        for (m, row), (_, b, sc) in self.cells.items():
+            settled -= n_r * int(ub0[m, row] <= incumbent)
+            done_here = ~np.isnan(sc) | (b <= incumbent) | (np.asarray(self.dom[m]) != np.arange(n_r))
+            settled += int(np.count_nonzero(done_here))
+            evaluated += int(np.count_nonzero(~np.isnan(sc)))
+        self.progress.set_done(settled, incumbent if incumbent > 0 else None, evaluated=evaluated)
+
+    # -- the accounting --------------------------------------------------------------------------------
+    def conclude(self) -> dict:
+        """The sweep's statistics: how every point was settled, whether the optimum is proven, the
+        points file written and logged."""
+        session, grid, stats = self.session, self.grid, self.stats
+        _end_bounding(session, stats)  # nothing left to evaluate in this run: it was all bounding
+        stats["wall_s"] = time.perf_counter() - self.t_start
+        mark_evaluated(grid, self.cells, session.study.get_trials(deepcopy=False))  # resumed points too
+        settle_dominated(self.cells, self.dom)
+        counts = count_settled(self.cells, self.n_m * grid.n_rows, self.n_r)
+        self._prove_optimum()
+        stats.update(points=grid.size, settled=counts, cells=self.n_m * grid.n_rows,
+                     cells_expanded=len(self.cells.cells),
+                     evaluated_by_bound=counts["bound-ideal"] + counts["bound-placement"] + counts["dominated"],
+                     optimum=self.incumbent)
+        path = _write_points(grid, self.cells, self.ub0, Path(self.config.output_dir) / f"{session.name}-points.csv.gz")
+        stats["points_file"] = str(path)
+        session.tracker.log_parent(metrics={"points": grid.size, "evaluated": counts["evaluated"],
+                                            "evaluated_by_bound": stats["evaluated_by_bound"],
+                                            "bound_ideal": counts["bound-ideal"],
+                                            "bound_placement": counts["bound-placement"],
+                                            "dominated": counts["dominated"]})
+        session.tracker.log_parent_file(path)
+        return stats
+
+    def _prove_optimum(self) -> None:
+        """The optimum is proven only if no point that could beat it failed to evaluate (an ILP that
+        hit its time limit, say; resumed failures count too), nor was evaluated on unproven layer
+        schedules with a proven bound above the best (its score is reached, but the optimum then lies
+        between the best and the largest such bound)."""
+        stats, incumbent = self.stats, self.incumbent
+        stats["failed"] += [{"point": None, "bound": None, "error": "failed in an earlier run"}
+                            for k, v in self.done.items() if v is None and k not in self.failed_keys]
+        stats["unproven"] = unproven_points(self.session.study.get_trials(deepcopy=False))
+        open_bounds = [f["bound"] for f in stats["failed"]] + [u["bound"] for u in stats["unproven"]]
+        stats["optimum_proven"] = not any(b is None or b > incumbent for b in open_bounds)
+        if not stats["optimum_proven"]:
+            stats["optimum_upper_bound"] = (None if None in open_bounds
+                                            else max([incumbent] + [b for b in open_bounds if b is not None]))
 
 
 def settle_dominated(cells: Cells, dom: list[list[int]]) -> None:
@@ -542,3 +599,16 @@ def _write_points(grid: Grid, cells: Cells, ub0: np.ndarray, path: Path) -> Path
     data = frame.to_csv(index=False, float_format="%.6g").encode()
     # compressed in memory, then written aside and moved into place: never half a file
     return write_whole(path, gzip.compress(data, mtime=0))
+
+
+class BranchAndBoundStrategy(BranchAndBound):
+    """The bound-pruned sweep: its rules (`strategy.BranchAndBound`) and `run_pruned` in a session."""
+
+    def run(self, config: StudyConfig, backend: Backend | None = None) -> dict:
+        session = Session(config, backend)
+        session.begin()
+        with session.running():
+            return run_pruned(session)
+
+
+BRANCH_AND_BOUND = register(BranchAndBoundStrategy())

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 from .. import configs
 from .objective import directions
 from ..runs.tracking import DEFAULT_TRACKING_URI
-from .strategy import AUTO, SAMPLERS, SINGLE_OBJECTIVE_SAMPLERS, Strategy, strategy_for  # noqa: F401  (re-exported)
+from .strategy import (  # noqa: F401  (re-exported)
+    AUTO,
+    SAMPLED_NAME,
+    SAMPLERS,
+    SINGLE_OBJECTIVE_SAMPLERS,
+    STRATEGY_NAMES,
+    Strategy,
+    strategy_for,
+)
 
 ORDERS = ("area", "grid")
 # The published sweep groups architectures into area bins of 10,000 um^2 = 0.01 mm^2
@@ -40,10 +48,9 @@ class StudyConfig:
     storage: str | None = None  # default sqlite:///<output_dir>/<study-name>.db
     tracking_uri: str | None = DEFAULT_TRACKING_URI  # "off" disables MLflow
     workers: int = 1
-    exhaustive: bool = False  # with `prune`, names the strategy (`strategy_for`): read `strategy`, not this
+    strategy: str = SAMPLED_NAME  # one of STRATEGY_NAMES; "auto" is resolved by validation (`setup.resolve_strategy`)
     order: str = "area"
     hysteresis: int | None = None  # None: evaluate every grid point
-    prune: str = "auto"  # exhaustive: bound | off | auto (bound where it applies, see validate)
     area_group_mm2: float = PHAZE_AREA_GROUP_MM2
     output_dir: str = "studies"
     reference_arch: str = "tpuv4"
@@ -52,12 +59,13 @@ class StudyConfig:
     reference_system: str | None = None  # the baseline's cluster; None: `reference_system_for`'s choice
 
     @property
-    def strategy(self) -> Strategy:
+    def searcher(self) -> Strategy:
+        """The strategy `strategy` names: its rules and its `run`."""
         return strategy_for(self)
 
     @property
     def mode(self) -> str:
-        return self.strategy.mode
+        return self.searcher.mode
 
     @property
     def baseline_system(self) -> str:

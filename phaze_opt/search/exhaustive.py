@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Sequence
 
@@ -40,7 +41,6 @@ from .encoding import SpaceCodec
 from .objective import FatalStudyError, evaluate_point
 from ..runs import reconcile, signals
 from .. import interrupt
-from .branch_bound import run_pruned
 from ..runs.progress import say
 from .report import finish
 from .session import (
@@ -52,7 +52,8 @@ from .session import (
     quiet_optuna,
     run_pool,
 )
-from .setup import load_study, release_storage
+from .setup import Backend, StudyConfig, load_study, release_storage, validate
+from .strategy import AutoSweep, Grid, register, strategy_for
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 from ..runs.tracking import NullTracker
 
@@ -171,11 +172,11 @@ class _Sweeper:
 
 
 def run_exhaustive(config, backend=None) -> dict:
+    """Run (or resume) the grid sweep: every grid point, in area groups (with hysteresis) or grid order."""
     session = Session(config, backend)
+    session.begin()
     config = session.config
     with session.running():
-        if config.prune == "bound":
-            return run_pruned(session)
         clusters = plan(session.space, config.order, config.area_group_mm2)
         n_points = sum(len(c["points"]) for c in clusters)
         if n_points == 0:
@@ -264,3 +265,23 @@ def _exhaustive_worker(spec: WorkerSpec, index: int, workers: int) -> dict:
             if study is not None:
                 release_storage(study)  # a transaction the interrupt cut short must not keep the write lock
             return {"interrupted": True}
+
+
+class GridStrategy(Grid):
+    """The grid sweep: its rules (`strategy.Grid`) and `run_exhaustive`."""
+
+    def run(self, config: StudyConfig, backend: Backend | None = None) -> dict:
+        return run_exhaustive(config, backend)
+
+
+class AutoSweepStrategy(AutoSweep):
+    """`--exhaustive --prune auto`: the settings validated once to choose between branch and bound
+    and the grid (`setup.resolve_strategy`), then that strategy's run."""
+
+    def run(self, config: StudyConfig, backend: Backend | None = None) -> dict:
+        chosen = replace(config, strategy=validate(config, backend).strategy)
+        return strategy_for(chosen).run(chosen, backend)
+
+
+GRID = register(GridStrategy())
+AUTO_SWEEP = register(AutoSweepStrategy())

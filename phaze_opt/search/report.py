@@ -17,7 +17,7 @@ from ..figures import pyplot, write_figure
 from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
-from .setup import default_storage, default_study_name, resolve_prune, resolve_sampler
+from .setup import default_storage, default_study_name, resolve_sampler, resolve_strategy
 from ..runs.tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
@@ -150,8 +150,9 @@ def next_steps(session) -> dict:
     """The study to compare this one with, and the commands: for a sampled study the exhaustive sweep
     of the same models, space, system and objectives (what `compare` is for); for a sweep, TPE."""
     c = session.config
-    other, what, extra = c.strategy.counterpart(c)
-    other = replace(other, prune=resolve_prune(other, session.backend), sampler=resolve_sampler(other, session.backend))
+    other, what, extra = c.searcher.counterpart(c)
+    other = replace(other, strategy=resolve_strategy(other, session.backend),
+                    sampler=resolve_sampler(other, session.backend))
     name = default_study_name(other)
     exe = venv_command("phaze-opt")
     study = [exe, "study"] + [a for m in c.models for a in ("--model", str(m))] + ["--space", str(c.space)]
@@ -200,7 +201,7 @@ def crash_notes(session, done) -> list[str]:
                      f"{fixed.get('closed', 0)} runs left RUNNING closed as KILLED, "
                      f"{fixed.get('deleted', 0)} incomplete or duplicate runs deleted")
     over = len(done) - session.config.trials
-    if session.config.strategy.counts_trials and over > 0 and own_trials(session, done) > 0:
+    if session.config.searcher.counts_trials and over > 0 and own_trials(session, done) > 0:
         notes.append(f"{len(done)} finished trials, {over} over --trials {session.config.trials}: they were in "
                      "flight in other processes or workers when the study reached its total")
     return notes
@@ -228,7 +229,7 @@ def _summary(session, worker_stats: Sequence[dict], extra: dict | None) -> dict:
         "models": list(config.models),
         "space": getattr(session.space, "name", config.space),
         "system": config.system,
-        "sampler": config.strategy.sampler_label(config),
+        "sampler": config.searcher.sampler_label(config),
         "seed": config.seed,
         "objectives": list(config.objectives),
         "score": ("mean throughput / TPUv4-expert throughput over the models" if len(config.models) > 1

@@ -1,30 +1,25 @@
 """Running a study: `run_study(config, backend)`, what `python -m phaze_opt.study` calls.
 
-It picks the strategy and hands it the config; each opens a `session.Session` (validation, the
-Optuna study in its storage, the TPUv4 baselines, the MLflow parent run) and ends with
-`report.finish` (the summary):
+It hands the config to the strategy it names (`StudyConfig.strategy`, see `strategy.Strategy`),
+whose `run` opens a `session.Session`, visits its points and ends with `report.finish`:
 
-- `sampled.run_sampled`: an Optuna sampler proposes `--trials` designs (`--workers` processes);
-- `exhaustive.run_exhaustive`: every grid point of the space, by area groups (with hysteresis);
-  with `--prune bound` it hands over to `branch_bound.run_pruned`, which settles every point by
-  evaluation or by a proven throughput bound.
+- `sampled.SAMPLED`: an Optuna sampler proposes `--trials` designs (`--workers` processes);
+- `exhaustive.GRID`: every grid point of the space, by area groups (with hysteresis);
+- `branch_bound.BRANCH_AND_BOUND`: every grid point, settled by evaluation or by a proven
+  throughput bound;
+- `exhaustive.AUTO_SWEEP`: branch and bound where the proven bounds apply, else the grid.
 
-The arrows point one way: runner -> sampled, exhaustive -> branch_bound -> report, trials ->
-session -> setup, objective, encoding, tracking (docs/architecture.md).
+Each of those modules registers its strategy when imported (`strategy.register`), so this module
+imports them all. The arrows point one way: runner -> sampled, exhaustive, branch_bound -> report,
+trials -> session -> setup, objective, encoding, strategy, tracking (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from .exhaustive import run_exhaustive
-from .sampled import run_sampled
+from . import branch_bound, exhaustive, sampled  # noqa: F401  (each registers its strategy)
 from .setup import Backend, StudyConfig
 
 
 def run_study(config: StudyConfig, backend: Backend | None = None) -> dict:
-    """Run (or resume) the study by its strategy's mode: sampled, or a sweep of the whole grid
-    (`run_exhaustive` hands a branch-and-bound sweep to `branch_bound.run_pruned` once the
-    settings are validated, since `--prune auto` is resolved there)."""
-    return RUNS[config.strategy.mode](config, backend)
-
-
-RUNS = {"sampled": run_sampled, "exhaustive": run_exhaustive}
+    """Run (or resume) the study by the strategy its config names."""
+    return config.searcher.run(config, backend)

@@ -41,6 +41,7 @@ from .session import (
     split_quota,
     tally,
 )
+from .strategy import Sampled, register
 from .trials import mark_design
 from .setup import Backend, StudyConfig, load_study, locate, make_storage, release_storage, study_identity
 from ..runs.tracking import NullTracker, sqlite_path
@@ -195,7 +196,8 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
     (a parent killed once the last trial finished leaves runs missing and its own run RUNNING), then
     said at once; no parent run, study attribute or wall time is added for an invocation that runs
     nothing."""
-    session = Session(config, backend, runs=False)
+    session = Session(config, backend)
+    session.reconcile_only()
     try:
         notes = crash_notes(session, finished_trials(session.all_trials()))
     finally:
@@ -224,6 +226,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
     if held >= config.trials or settled:
         return nothing_to_run(config, name, url, held, backend, settled)
     session = Session(config, backend)
+    session.begin()
     with session.running():
         session.enqueue_references()
         done, best, feasible = tally(session.all_trials())
@@ -269,3 +272,13 @@ def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict
             remaining = session.config.trials - len(finished_trials(session.all_trials()))
             if remaining <= 0:
                 return []
+
+
+class SampledStrategy(Sampled):
+    """The sampled strategy: its rules (`strategy.Sampled`) and `run_sampled`."""
+
+    def run(self, config: StudyConfig, backend: Backend | None = None) -> dict:
+        return run_sampled(config, backend)
+
+
+SAMPLED = register(SampledStrategy())

@@ -1,10 +1,11 @@
 """One invocation of a study (`Session`), its worker spec, its process pool and its progress line.
 
-Every strategy (`sampled`, `exhaustive`, `branch_bound`) opens a `Session`: it validates the
-settings and opens (or resumes) the Optuna study in its storage, computes each model's TPUv4
-baseline once per study (kept in the study's attributes, so a resumed study normalises by the very
-same numbers), opens one MLflow parent run for this invocation and enqueues the reference design
-(TPUv4 at every microbatch/recompute choice) unless the study already has it.
+Every strategy (`sampled`, `exhaustive`, `branch_bound`) opens a `Session`, which validates the
+settings and opens (or resumes) the Optuna study in its storage, and evaluates nothing. Its
+`begin` then computes each model's TPUv4 baseline once per study (kept in the study's attributes,
+so a resumed study normalises by the very same numbers) and opens one MLflow parent run for this
+invocation; `enqueue_references` queues the reference design (TPUv4 at every microbatch/recompute
+choice) unless the study already has it.
 
 Wall-clock: every trial records `elapsed_s`, seconds since the study began summed over its
 invocations (an invocation starts at `offset` = the study's wall time so far, `study_wall_s`), so
@@ -179,25 +180,47 @@ class SpoolLogger:
 
 
 class Session:
-    """One invocation of a sampled or exhaustive study (the parent process)."""
+    """One invocation of a study (the parent process), in two steps: opening it (the constructor)
+    evaluates nothing; `begin` starts the run proper (the TPUv4 baselines, the MLflow parent run).
+    A start that will run nothing (the study holds its total) calls `reconcile_only` instead, then
+    `release`."""
 
-    def __init__(self, config: StudyConfig, backend: Backend | None = None, *, runs: bool = True):
-        """Open the invocation. A signal cuts what only reads or builds aside (opening the stores, the
-        TPUv4 baselines) at once and waits for the end of each group of writes; the parent run, if
-        opened, is then closed as KILLED. `runs=False`: a start that will run nothing (the study holds
-        its total) still reconciles, but opens no parent run and records no worker count."""
+    def __init__(self, config: StudyConfig, backend: Backend | None = None):
+        """Open the invocation: validate the settings, open (or resume) the study, take this
+        invocation's place in it. A signal cuts what only reads or builds aside (opening the stores)
+        at once and waits for the end of each group of writes."""
         self.clock_start = time.time()
-        self.runs = runs
         interrupt.fresh_start()  # a stop request of an earlier invocation in this process is over
         self.restore_signals = signals.handle_termination()  # SIGINT, SIGTERM, SIGHUP: the stop flag
         self.tracker = NullTracker()
+        self._set_up(self._open, config, backend)
+
+    def begin(self) -> None:
+        """Start the run: each model's TPUv4 baseline (evaluated once per study, then read from its
+        attributes), the MLflow parent run that records them, MLflow reconciled with the study, this
+        invocation's worker count. Kept out of the constructor so that opening a session costs no
+        evaluation; every strategy calls it before `running()`. A signal cuts the baselines at once;
+        the parent run, if opened, is then closed as KILLED."""
+        self._set_up(self._start)
+
+    def reconcile_only(self) -> None:
+        """A start that will run nothing still makes MLflow agree with the study (a parent killed once
+        the last trial finished leaves runs missing and its own run RUNNING), but opens no parent run
+        and records no worker count."""
+        with phase("reconciling MLflow with the study"):
+            self._set_up(self._reconcile_only)
+
+    def _set_up(self, step, *args) -> None:
+        """Run one set-up step; when it fails, undo this invocation's hold (signals, the reconcile
+        session) and leave no parent run: a start that failed ran nothing (nor counts as a worker
+        run, `_count_workers`)."""
         try:
-            self._open(config, backend)
+            step(*args)
         except BaseException as exc:
             with interrupt.deferred():
                 if isinstance(exc, KeyboardInterrupt):
                     self.close("KILLED")
-                else:  # a start that failed ran nothing: it leaves no run (nor a worker count, `_count_workers`)
+                else:
                     self.tracker.discard()
                 reconcile.end_session()
                 self.restore_signals()
@@ -207,7 +230,7 @@ class Session:
             raise
 
     def _open(self, config: StudyConfig, backend: Backend | None) -> None:
-        """The set-up, one job a step; the config is read here and by the steps, never passed on."""
+        """The opening, one job a step; the config is read here and by the steps, never passed on."""
         quiet_optuna()
         with phase("opening the study"):
             self._adopt(prepare(config, backend))
@@ -215,10 +238,10 @@ class Session:
                 trials = self._claim_trials()
         interrupt.checkpoint_deferred()
         self._count_start(trials)
-        if not self.runs:
-            with phase("reconciling MLflow with the study"):
-                self._reconcile_only()
-            return
+
+    def _start(self) -> None:
+        """`begin`'s steps, in the order a resumed study relies on: the baselines before the parent
+        run (its params carry them), MLflow reconciled under that run, the worker count last."""
         with interrupt.deferred(), phase("computing the TPUv4 baselines"):  # cut at once, its storing is not
             self.baselines = self._baselines()
         interrupt.checkpoint_deferred()
@@ -262,7 +285,7 @@ class Session:
         """What the study held when this invocation began (the summary counts its own trials against it)."""
         self.finished_at_start = {t.number for t in finished_trials(trials)}
         self.trials_before = len(self.finished_at_start)
-        self.notes: list[str] = list(self.config.strategy.notes(self.config))
+        self.notes: list[str] = list(self.config.searcher.notes(self.config))
 
     def _reconcile_runs(self) -> None:
         """MLflow agrees with the study before the first trial: missing runs logged, dead runs closed."""
@@ -283,7 +306,7 @@ class Session:
             self._reconcile_runs()
 
     def release(self) -> None:
-        """The end of a start that ran nothing (`runs=False`): the tracker and the signals let go."""
+        """The end of a start that ran nothing (`reconcile_only`): the tracker and the signals let go."""
         with interrupt.deferred():
             try:
                 self.tracker.close()
@@ -340,7 +363,7 @@ class Session:
     def _tracker_context(self) -> dict:
         """What every trial run of the study is logged with (`tracking.trial_record`)."""
         c = self.config
-        return {"study_name": self.name, "sampler": c.strategy.sampler_label(c),
+        return {"study_name": self.name, "sampler": c.searcher.sampler_label(c),
                 "models": list(c.models), "mode": c.mode, "objectives": list(c.objectives),
                 "constant": sorted(constant_params(self.space)),
                 # each model's shape and features (`feature_fields`): params of the parent, tags of each
@@ -354,7 +377,7 @@ class Session:
         params = {"study": self.name, "mode": c.mode, "models": ",".join(c.models), "space": space_name,
                   "system": c.system, "sampler": sampler, "seed": c.seed, "trials": c.trials,
                   "objectives": ",".join(c.objectives), "workers": c.workers, **constant}
-        params.update({key: "off" if value is None else value for key, value in c.strategy.settings(c).items()})
+        params.update({key: "off" if value is None else value for key, value in c.searcher.settings(c).items()})
         for m, b in self.baselines.items():
             prefix = "" if len(c.models) == 1 else f"{m}."
             if b.feasible:

@@ -39,7 +39,7 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
 )
 from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_database, probe_tracking_uri
 from .objective import metric_names, parse_objectives
-from .strategy import AUTO
+from .strategy import AUTO, AUTO_SWEEP_NAME, BRANCH_AND_BOUND_NAME, GRID_NAME, STRATEGY_NAMES
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
 from ..runs.tracking import driver_url, redact, sqlite_path, tracking_enabled
 
@@ -103,7 +103,7 @@ def prepare(config: StudyConfig, backend: Backend | None = None) -> Prepared:
     if tracking_enabled(config.tracking_uri):  # a tracking server that fails stops the start before any store changes
         probe_tracking_uri(config.tracking_uri)
     storage = make_storage(url)
-    sampler = config.strategy.optuna_sampler(config, backend.space)
+    sampler = config.searcher.optuna_sampler(config, backend.space)
     with interrupt.deferred():  # a study is created with its identity, whole
         study, resumed = open_study(config, storage, backend.space, sampler)
     return Prepared(config, backend, name, url, storage, study, resumed)
@@ -120,7 +120,7 @@ def load_study(config: StudyConfig, url: str, name: str, worker: int | None = No
     storage = make_storage(url)
     if worker is None:
         return optuna.load_study(study_name=name, storage=storage)
-    sampler = config.strategy.optuna_sampler(config, space, worker)
+    sampler = config.searcher.optuna_sampler(config, space, worker)
     return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
 
 
@@ -140,7 +140,7 @@ def default_study_name(config: StudyConfig) -> str:
     parts = [models, _stem(config.space)]
     if _stem(config.system) != "default":
         parts.append(_stem(config.system))
-    parts += config.strategy.name_parts(config)
+    parts += config.searcher.name_parts(config)
     if tuple(config.objectives) != ("throughput",):
         parts.append("+".join(config.objectives))
     return clean_name("-".join(parts))
@@ -199,7 +199,10 @@ def max_workers() -> int:
 
 
 def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig:
-    """Check every user-given setting; returns the config with normalised values."""
+    """Check every user-given setting; returns the config with normalised values and the strategy
+    resolved (`resolve_strategy`)."""
+    if not isinstance(config.strategy, str) or config.strategy not in STRATEGY_NAMES:
+        raise PhazeError(f"strategy: {unknown_choice('strategy', config.strategy, STRATEGY_NAMES)}")
     sampler = str(config.sampler).strip().lower()
     if sampler not in (AUTO, *SAMPLERS):
         raise PhazeError(f"--sampler: {unknown_choice('sampler', config.sampler, (AUTO, *SAMPLERS))}")
@@ -227,7 +230,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if order not in ORDERS:
         raise PhazeError(f"--order: unknown order '{config.order}'; choose area or grid")
     hysteresis = parse_hysteresis(config.hysteresis)
-    config.strategy.check(replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis))
+    config.searcher.check(replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis))
     if not (isinstance(config.area_group_mm2, (int, float)) and config.area_group_mm2 > 0):
         raise PhazeError(f"--area-group-mm2: expected a positive number, got {shown(config.area_group_mm2)}")
     if config.ilp_time_limit_s is not None:
@@ -247,10 +250,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     load_system(config.system)
     load_system(config.baseline_system)
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
-    return replace(config, prune=resolve_prune(config, backend))
-
-
-PRUNES = ("auto", "bound", "off")
+    return replace(config, strategy=resolve_strategy(config, backend))
 
 
 def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
@@ -280,26 +280,28 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
     return f"its bounds do not cover the space's recipes: {obstacles[0]}" if obstacles else None
 
 
-def resolve_prune(config: StudyConfig, backend: Backend | None) -> str:
-    """`auto` becomes `bound` where the proven throughput bounds apply (`bound_obstacle`, and no
-    hysteresis, which depends on the visiting order), else `off`."""
-    prune = str(config.prune).strip().lower()
-    if prune not in PRUNES:
-        raise PhazeError(f"--prune: unknown value '{config.prune}'; choose bound, off or auto")
-    if prune == "off" or not config.strategy.can_prune:
-        return "off"
+def resolve_strategy(config: StudyConfig, backend: Backend | None) -> str:
+    """`auto` (what `--exhaustive --prune auto` names) becomes branch and bound where the proven
+    throughput bounds apply (`bound_obstacle`, and no hysteresis, which depends on the visiting
+    order), else the grid; branch and bound asked for where they do not is refused with the reason."""
+    if config.strategy not in (AUTO_SWEEP_NAME, BRANCH_AND_BOUND_NAME):
+        return config.strategy
     if config.hysteresis is not None:
         why = "--hysteresis stops by area order; bound pruning visits best-first (use --hysteresis off)"
     else:
         why = bound_obstacle(config, backend)
-    return _where_bounds_apply(prune, why, "--prune", "bound", "off")
+    if why is None:
+        return BRANCH_AND_BOUND_NAME
+    if config.strategy == BRANCH_AND_BOUND_NAME:
+        raise PhazeError(f"--prune bound: {why}")
+    return GRID_NAME
 
 
 def resolve_sampler(config: StudyConfig, backend: Backend | None) -> str:
     """`auto` becomes the bound-guided sampler where the proven bounds apply, else TPE; `bound`
     where they do not is refused with the reason."""
     sampler = str(config.sampler).strip().lower()
-    if sampler not in (AUTO, "bound") or config.exhaustive:
+    if sampler not in (AUTO, "bound") or config.mode != "sampled":  # a sweep samples nothing
         return sampler
     return _where_bounds_apply(sampler, bound_obstacle(config, backend), "--sampler", "bound", "tpe",
                                f"; choose another sampler ({', '.join(SAMPLERS[1:])})")
@@ -462,8 +464,8 @@ def open_study(config: StudyConfig, storage, space, sampler) -> tuple[optuna.Stu
     _name_metrics(study, config)
     for key, value in identity.items():
         study.set_user_attr(key, value)
-    study.set_user_attr("sampler", config.strategy.sampler_label(config))
+    study.set_user_attr("sampler", config.searcher.sampler_label(config))
     study.set_user_attr("seed", config.seed)
-    for key, value in config.strategy.settings(config).items():
+    for key, value in config.searcher.settings(config).items():
         study.set_user_attr(key, value)
     return study, False

@@ -1,10 +1,21 @@
 """How a study chooses the designs it evaluates: the `Strategy` seam.
 
-Three strategies exist. `SAMPLED`: an Optuna sampler proposes points until the study holds
-`--trials` finished trials. `GRID`: every grid point of the space, by area groups (with optional
-hysteresis), in any number of runs. `BRANCH_AND_BOUND`: every grid point too, but settled
-best-first, by evaluation or by a proven throughput bound. `strategy_for(config)` picks one from
-the settings the CLI has always taken (`--exhaustive`, `--prune`), so the flags do not change.
+A study's `StudyConfig.strategy` names one of these, and `runner.run_study` calls its `run`:
+
+- `sampled`: an Optuna sampler proposes points until the study holds `--trials` finished trials;
+- `grid`: every grid point of the space, by area groups (with optional hysteresis), in any number
+  of runs;
+- `branch-and-bound`: every grid point too, but settled best-first, by evaluation or by a proven
+  throughput bound;
+- `auto`: the exhaustive sweep the CLI's `--exhaustive` asks for by default: branch and bound where
+  the proven bounds apply (`setup.resolve_strategy`), else the grid.
+
+This module holds each strategy's rules (pure functions of the config: names, checks, samplers);
+the module that visits a strategy's points subclasses them with its `run` and `register`s the one
+instance (`sampled.SAMPLED`, `exhaustive.GRID`, `exhaustive.AUTO_SWEEP`,
+`branch_bound.BRANCH_AND_BOUND`), since those modules open sessions and the settings below them
+read these rules. `strategy_for(config)` looks the name up. `strategy_from_flags` maps the flags
+the CLI has always taken (`--exhaustive`, `--prune`) onto a name, so the flags do not change.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ from ..system import load_system
 from ..workload.models import load_model
 from .bound_sampler import EXPLORE, BoundSampler
 
-# `StudyConfig` in the annotations is `config.StudyConfig`, which imports this module (to name its
-# strategy), so it is not imported here.
+# `StudyConfig` in the annotations is `config.StudyConfig`, which imports this module (to look its
+# strategy up), so it is not imported here.
 
 SAMPLERS = ("bound", "tpe", "random", "cmaes", "qmc", "gp", "nsga2")
 SINGLE_OBJECTIVE_SAMPLERS = ("cmaes", "bound")
@@ -31,21 +42,36 @@ SINGLE_OBJECTIVE_SAMPLERS = ("cmaes", "bound")
 AUTO = "auto"
 
 
+# The names `StudyConfig.strategy` takes. `auto` is resolved during validation (`setup.validate`), so
+# a validated config names one of the other three.
+SAMPLED_NAME, GRID_NAME, BRANCH_AND_BOUND_NAME, AUTO_SWEEP_NAME = "sampled", "grid", "branch-and-bound", "auto"
+STRATEGY_NAMES = (SAMPLED_NAME, GRID_NAME, BRANCH_AND_BOUND_NAME, AUTO_SWEEP_NAME)
+PRUNES = ("auto", "bound", "off")
+_SWEEP_OF_PRUNE = {"auto": AUTO_SWEEP_NAME, "bound": BRANCH_AND_BOUND_NAME, "off": GRID_NAME}
+
+
 class Strategy(Protocol):
     """The contract between a strategy and the study that runs it.
 
     Attributes:
-        name: what a person calls it ("sampled", "grid", "branch-and-bound").
+        name: what `StudyConfig.strategy` calls it ("sampled", "grid", "branch-and-bound", "auto").
         mode: the study's identity ("sampled" or "exhaustive"): stored with the study and checked
             on every resume, so a study is never continued by a strategy of another mode. Two
             strategies may share a mode when they visit the same points (grid and branch and bound
             both settle the whole grid, so one may resume the other).
         counts_trials: whether `--trials` is the budget it spends (a sampled study stops at that
             many finished trials; a sweep settles every point whatever the number).
-        can_prune: whether proven throughput bounds may settle its points (`setup.resolve_prune`);
-            only a strategy that visits every point can skip one by a bound and stay exact.
 
-    Methods (each pure: it reads the config, never the study or the storage):
+    Running:
+        run(config, backend): run (or resume) the study and return its summary (`report.finish`).
+            It opens a `session.Session` (which validates the config and evaluates nothing), calls
+            `Session.begin` (the TPUv4 baselines and the MLflow parent run) unless the study has
+            nothing left to do, visits its points inside `Session.running()` and ends with
+            `report.finish`. The settings it reads are the session's (validated) config, not the
+            argument's. Every point it evaluates becomes a finished Optuna trial with the attributes
+            a sampled trial has, so `compare`, the summary and MLflow treat every strategy alike.
+
+    Rules (each pure: it reads the config, never the study or the storage):
         sampler_label(config): the sampler the study and its MLflow runs record.
         optuna_sampler(config, space, worker): the Optuna sampler the study is opened with in this
             process (`worker` 0 is the parent), for the space the study searches. A strategy that
@@ -64,7 +90,6 @@ class Strategy(Protocol):
     name: str
     mode: str
     counts_trials: bool
-    can_prune: bool
 
     def sampler_label(self, config: StudyConfig) -> str: ...
 
@@ -79,6 +104,8 @@ class Strategy(Protocol):
     def notes(self, config: StudyConfig) -> list[str]: ...
 
     def counterpart(self, config: StudyConfig) -> tuple[StudyConfig, str, list[str]]: ...
+
+    def run(self, config: StudyConfig, backend=None) -> dict: ...
 
 
 def _bound_order(config: StudyConfig, space) -> BoundOrder:
@@ -110,10 +137,11 @@ def make_sampler(config: StudyConfig, space, worker: int = 0) -> optuna.samplers
 
 
 class Sampled:
-    name = "sampled"
+    """The sampled strategy's rules (`sampled.SampledStrategy` runs it)."""
+
+    name = SAMPLED_NAME
     mode = "sampled"
     counts_trials = True
-    can_prune = False
 
     def sampler_label(self, config):
         return config.sampler
@@ -141,15 +169,16 @@ class Sampled:
         return []
 
     def counterpart(self, config):
-        other = replace(config, exhaustive=True, prune="auto", hysteresis=None, order="area", study_name=None)
+        other = replace(config, strategy=AUTO_SWEEP_NAME, hysteresis=None, order="area", study_name=None)
         return other, "the exhaustive sweep", ["--exhaustive"]
 
 
 class Grid:
-    name = "grid"
+    """The grid sweep's rules (`exhaustive.GridStrategy` runs it)."""
+
+    name = GRID_NAME
     mode = "exhaustive"
     counts_trials = False
-    can_prune = True
 
     def sampler_label(self, config):
         return "exhaustive"
@@ -174,26 +203,53 @@ class Grid:
         return []
 
     def counterpart(self, config):
-        other = replace(config, exhaustive=False, sampler=AUTO, seed=0, study_name=None, prune="off")
+        other = replace(config, strategy=SAMPLED_NAME, sampler=AUTO, seed=0, study_name=None)
         return other, "the default sampled study", []
 
 
 class BranchAndBound(Grid):
     """The grid's points, settled best-first by evaluation or by a proven bound: the same mode as
-    the grid (the same points, the same optimum)."""
+    the grid (the same points, the same optimum). `branch_bound.BranchAndBoundStrategy` runs it."""
 
-    name = "branch-and-bound"
+    name = BRANCH_AND_BOUND_NAME
 
     def name_parts(self, config):
         return ["exhaustive", "bound"]
 
 
-SAMPLED, GRID, BRANCH_AND_BOUND = Sampled(), Grid(), BranchAndBound()
+class AutoSweep(Grid):
+    """`--exhaustive` with `--prune auto`: branch and bound where the proven bounds apply, else the
+    grid. Validation resolves it to one of the two (`setup.resolve_strategy`); until then its rules
+    are the grid's, which branch and bound shares but for the study's name."""
+
+    name = AUTO_SWEEP_NAME
+
+
+_REGISTERED: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make `strategy` the one `strategy_for` returns for its name (each name is registered once,
+    by the module that runs it, at its import)."""
+    if strategy.name in _REGISTERED:
+        raise ValueError(f"strategy '{strategy.name}' is registered twice")
+    _REGISTERED[strategy.name] = strategy
+    return strategy
 
 
 def strategy_for(config: StudyConfig) -> Strategy:
-    """The strategy the settings name: `--exhaustive` sweeps the grid, and with `--prune bound`
-    (after `setup.validate` resolves `auto`) by branch and bound; otherwise a sampler proposes."""
-    if not config.exhaustive:
-        return SAMPLED
-    return BRANCH_AND_BOUND if config.prune == "bound" else GRID
+    """The strategy `config.strategy` names."""
+    name = config.strategy
+    if name not in STRATEGY_NAMES:
+        raise PhazeError(unknown_choice("strategy", name, STRATEGY_NAMES))
+    return _REGISTERED[name]
+
+
+def strategy_from_flags(exhaustive: bool, prune: str) -> str:
+    """The strategy the CLI's flags name: without `--exhaustive` a sampler proposes (`--prune` only
+    shapes a sweep, but a value it does not know is refused either way); with it, `--prune bound`
+    is branch and bound, `off` the grid, `auto` the choice validation makes."""
+    choice = str(prune).strip().lower()
+    if choice not in PRUNES:
+        raise PhazeError(f"--prune: unknown value '{prune}'; choose bound, off or auto")
+    return _SWEEP_OF_PRUNE[choice] if exhaustive else SAMPLED_NAME
