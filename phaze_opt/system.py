@@ -164,9 +164,6 @@ class SystemEfficiency:
         `all_reduce_perf`, large messages; NVIDIA DGX A100 user guide and NCCL performance notes).
     inter_node_bandwidth: the same for the inter-node link: NCCL's ring over 200 Gbit/s HDR
         InfiniBand reaches about 23 of 25 GB/s per GPU on large messages (nccl-tests over IB).
-    iteration_overhead_s: seconds added once per training iteration for work the per-layer model
-        does not see: the optimizer's kernel launches and gradient-norm / loss-scale checks,
-        the data loader, the pipeline flush's synchronisation and the timers' device syncs.
     microbatch_overhead_s: seconds each pipeline stage spends per microbatch and model chunk
         beyond its layers' kernels: the schedule's Python step (Megatron's `forward_step` /
         `backward_step` with their autograd and hook bookkeeping), the point-to-point send/receive
@@ -175,12 +172,16 @@ class SystemEfficiency:
         paid once per schedule step, (m v + S - 1) times a batch
         (`solve.placement.evaluate`), so it weighs most where microbatches are many and small.
 
-    Identity: (1, 1, 0, 0), the model as it was before the parameters existed.
+    There is no flat per-iteration constant: what a step does once (the optimizer step, its
+    gradient-norm pass, zeroing the gradients) is priced from the bytes it moves
+    (`solve.placement.types.optimizer_pass_bytes`), so it scales with the parameters per device
+    and a short step is not charged a long step's cost.
+
+    Identity: (1, 1, 0), the model as it was before the parameters existed.
     """
 
     intra_node_bandwidth: float = 1.0
     inter_node_bandwidth: float = 1.0
-    iteration_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
 
     @property
@@ -190,13 +191,12 @@ class SystemEfficiency:
     def to_dict(self) -> dict:
         return {"intra_node_bandwidth": self.intra_node_bandwidth,
                 "inter_node_bandwidth": self.inter_node_bandwidth,
-                "iteration_overhead_s": self.iteration_overhead_s,
                 # only when set, so every earlier report and tracked run is unchanged
                 **({"microbatch_overhead_s": self.microbatch_overhead_s} if self.microbatch_overhead_s else {})}
 
 
 IDENTITY_EFFICIENCY = SystemEfficiency()
-EFFICIENCY_FIELDS = ("intra_node_bandwidth", "inter_node_bandwidth", "iteration_overhead", "microbatch_overhead")
+EFFICIENCY_FIELDS = ("intra_node_bandwidth", "inter_node_bandwidth", "microbatch_overhead")
 
 
 @dataclass(frozen=True)
@@ -488,24 +488,22 @@ def _efficiency(data: Mapping[str, Any], file) -> SystemEfficiency:
         raise config_error(file, "efficiency", f"expected a mapping of {', '.join(EFFICIENCY_FIELDS)}, got {shown(raw)}")
     for key in raw:
         if key not in EFFICIENCY_FIELDS:
+            # a flat per-iteration constant is not a parameter: the step's work is priced from its bytes
+            why = " (the per-iteration work is priced from the bytes it moves)" if key == "iteration_overhead" else ""
             raise config_error(file, f"efficiency.{key}",
-                               f"unknown field; allowed fields are {', '.join(EFFICIENCY_FIELDS)}")
+                               f"unknown field{why}; allowed fields are {', '.join(EFFICIENCY_FIELDS)}")
     fractions = {}
     for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
         value = raw.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise config_error(file, f"efficiency.{key}", f"must be a fraction in (0, 1], got {shown(value)}")
         fractions[key] = float(value)
-    overhead = parse_quantity(raw.get("iteration_overhead", 0.0), _TIME_UNITS, file, "efficiency.iteration_overhead",
-                              allow_zero=True)
-    if overhead > 3600:
-        raise config_error(file, "efficiency.iteration_overhead", f"must be at most 1 h per iteration, got {overhead} s")
     per_microbatch = parse_quantity(raw.get("microbatch_overhead", 0.0), _TIME_UNITS, file,
                                     "efficiency.microbatch_overhead", allow_zero=True)
     if per_microbatch > 1:  # 1 s per schedule step is 1000x a slow one (~1 ms)
         raise config_error(file, "efficiency.microbatch_overhead",
                            f"must be at most 1 s per microbatch and stage, got {per_microbatch} s")
-    return SystemEfficiency(iteration_overhead_s=overhead, microbatch_overhead_s=per_microbatch, **fractions)
+    return SystemEfficiency(microbatch_overhead_s=per_microbatch, **fractions)
 
 
 REQUIRED = ("devices_per_node", "intra_node", "inter_node")

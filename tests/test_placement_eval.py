@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -326,3 +327,21 @@ def test_overlapped_param_gather_hides_under_the_stages_forward_by_hand():
     hidden = PlacementProblem((costs,), system, 1e9, training=Training(mbs=1, zero=1, overlap_param_gather=True),
                               peak_flops=1.0, reduction_hidden=True)
     assert evaluate_placement(hidden, placement).stages[0].allreduce_s == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_optimizer_pass_by_hand_under_every_zero_stage(zero):
+    """The per-batch work after the last backward, written out from its causes (mixed-precision Adam:
+    2 B weight, 2 B gradient, 12 B state): Adam's update reads g and the state and writes the state
+    and w, the gradient norm reads g again (both over the optimizer's shard from ZeRO-1 on), and
+    zeroing the gradient buffer writes g (over the gradients' shard from ZeRO-2 on)."""
+    problem = dataclasses.replace(three_layer_problem(hbm=1e9), hbm_bandwidth=4.0,
+                                  training=Training(mbs=2, recompute=False, zero=zero))
+    r = evaluate_placement(problem, Placement(tp=2, dp=3, stages=((0, 1), (2,))))
+    first = r.stages[0]
+    params, d, w, g, o = 30, 3, 2, 2, 12
+    update_and_norm = params * (w + g + 2 * o + g) / (d if zero else 1)
+    zeroing = params * g / (d if zero >= 2 else 1)
+    assert first.optimizer_step_s == pytest.approx((update_and_norm + zeroing) / 4.0, rel=1e-12)
+    # the step grows with the stage's parameters, as its cause does: the 30-parameter stage pays it
+    assert r.stages[1].optimizer_step_s == pytest.approx(first.optimizer_step_s, rel=1e-12)

@@ -267,10 +267,10 @@ def test_the_sweep_finds_the_brute_force_optimum_on_random_recipe_axes(tmp_path_
         {"name": "drawn", "params": params, "tied": {"vc_width": "tc_x"}, "fixed": {"clock_ghz": 1.05},
          "hbm_bw_gbps": {32: 1200, 80: 2048}, "area": {"budget": "tpuv4", "min_fraction": 0.05,
                                                           "floor_exempt_if_one": ["num_tc", "num_vc"]}}))
-    base = dict(models=("gpt2-xl",), space=str(tmp / "drawn.yaml"), exhaustive=True, hysteresis="off",
+    base = dict(models=("gpt2-xl",), space=str(tmp / "drawn.yaml"), hysteresis="off",
                 tracking_uri="off", output_dir=str(tmp), progress=False)
-    brute = run_study(StudyConfig(**base, prune="off"))  # every point evaluated
-    swept = run_study(StudyConfig(**base, prune="auto"))  # bounds where they hold, else evaluation
+    brute = run_study(StudyConfig(**base, strategy="grid"))  # every point evaluated
+    swept = run_study(StudyConfig(**base, strategy="auto"))  # bounds where they hold, else evaluation
     assert swept["best"]["score"] == pytest.approx(brute["best"]["score"], rel=1e-12)
     uncovered = bound_obstacles(params)
     ex = swept["exhaustive"]

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from phaze_opt import cli
-from phaze_opt.design.evaluate import evaluate, with_iteration_overhead
+from phaze_opt.design.evaluate import evaluate
 from phaze_opt.errors import PhazeError
 from phaze_opt.hardware.arch import load_arch
 from phaze_opt.system import IDENTITY_EFFICIENCY, SystemEfficiency, load_system, system_from_dict
 from phaze_opt.training import Training
-from phaze_opt.validation.calibration import fit_system
-from phaze_opt.validation.report import SCHEMA, render_markdown, render_text, write_report
+from phaze_opt.validation.calibration import fit_system, schedule_steps
+from phaze_opt.validation.report import SCHEMA, fit_lines, render_markdown, render_text, write_report
 from phaze_opt.validation.runner import in_fit_subset, run_suite
 from phaze_opt.validation.suites import load_suite
 
@@ -45,6 +45,9 @@ def _tiny_suite(tmp_path, metric="per_gpu_tflops", values=(100.0, 120.0, 140.0, 
     return path
 
 
+TINY_STEPS = 4  # schedule steps of every tiny row: batch 64 (i + 1) over dp 4 (i + 1) at microbatch 4
+
+
 @dataclass
 class _Result:
     feasible: bool
@@ -54,13 +57,14 @@ class _Result:
 
 def _fake_evaluator(times):
     """Iteration time by the row's device count (each tiny row has its own), shifted by the system's
-    per-iteration overhead and slowed by the intra-node link's achieved fraction, as the real model is."""
+    cost per schedule step (every tiny row runs 4 microbatches on one stage: 4 steps) and slowed by the
+    intra-node link's achieved fraction, as the real model is."""
 
     def run(model, arch, training, system):
         base = times[system.accelerators]
         eff = system.efficiency
         return _Result(True, base * (0.7 + 0.3 / eff.intra_node_bandwidth) / (0.9 + 0.1 * eff.inter_node_bandwidth)
-                       / arch.efficiency.tc_fraction + eff.iteration_overhead_s)
+                       / arch.efficiency.tc_fraction + TINY_STEPS * eff.microbatch_overhead_s)
 
     return run
 
@@ -100,22 +104,23 @@ def test_declared_subset_is_odd_rows():
 # ---- the fit reads only the fit subset ------------------------------------------------------------------
 
 FRACTIONS = (0.6, 0.8, 1.0)
-OVERHEADS = tuple(0.01 * i for i in range(101))
+PER_STEP = tuple(0.005 * i for i in range(101))
 
 
 def _fit(tmp_path, values, name):
     suite = load_suite(_tiny_suite(tmp_path, metric="iteration_time_s", values=values, name=name))
     times = {4: 1.0, 8: 2.0, 12: 3.0, 16: 4.0}
     return fit_system([suite], "dgx-a100", evaluator=_fake_evaluator(times), intra_fractions=FRACTIONS,
-                      inter_fractions=FRACTIONS, overheads=OVERHEADS)
+                      inter_fractions=FRACTIONS, per_step=PER_STEP)
 
 
 def test_fit_uses_only_the_declared_subset(tmp_path):
     base = (1.5, 2.5, 3.5, 4.5)
     fit = _fit(tmp_path, base, "a.yaml")
-    # The fake model: T = base x (0.7 + 0.3 / intra) / (0.9 + 0.1 inter) + overhead; rows 1 and 3 are
-    # fitted exactly by the identity fractions with a 0.5 s overhead.
-    assert fit.efficiency == SystemEfficiency(1.0, 1.0, pytest.approx(0.5))
+    # The fake model: T = base x (0.7 + 0.3 / intra) / (0.9 + 0.1 inter) + 4 c; rows 1 and 3 are
+    # fitted exactly by the identity fractions with c = 0.125 s per schedule step.
+    assert fit.efficiency == SystemEfficiency(1.0, 1.0, pytest.approx(0.125))
+    assert TINY_STEPS == 4 and [schedule_steps(r) for r in load_suite(_tiny_suite(tmp_path)).rows] == [4] * 4
     assert fit.objective == pytest.approx(0.0, abs=1e-9) and fit.rows == 2
     moved_held_out = _fit(tmp_path, (9.0, 2.5, 0.1, 4.5), "b.yaml")
     assert moved_held_out.efficiency == fit.efficiency and moved_held_out.objective == fit.objective
@@ -129,13 +134,13 @@ def test_fit_of_the_tensor_core_fraction_uses_only_the_declared_subset(tmp_path)
     def fit(values, name):
         suite = load_suite(_tiny_suite(tmp_path, metric="iteration_time_s", values=values, name=name))
         return fit_system([suite], "dgx-a100", evaluator=_fake_evaluator(times), intra_fractions=(1.0,),
-                          inter_fractions=(1.0,), overheads=OVERHEADS, fit_tc=True)
+                          inter_fractions=(1.0,), per_step=PER_STEP, fit_tc=True)
 
-    # rows 1 and 3 as a chip at 83% of its tensor-core peak with a 0.3 s overhead would run them
-    exact = [t / 0.83 + 0.3 for t in times.values()]
+    # rows 1 and 3 as a chip at 83% of its tensor-core peak with 75 ms per schedule step would run them
+    exact = [t / 0.83 + 4 * 0.075 for t in times.values()]
     base = fit((9.0, exact[1], 9.0, exact[3]), "tc-a.yaml")
     assert base.arch_efficiency.tc_fraction == pytest.approx(0.83) and "tc_fraction" in base.fitted
-    assert base.efficiency.iteration_overhead_s == pytest.approx(0.3) and base.objective < 1e-9
+    assert base.efficiency.microbatch_overhead_s == pytest.approx(0.075) and base.objective < 1e-9
     assert fit((0.5, exact[1], 20.0, exact[3]), "tc-b.yaml").arch_efficiency == base.arch_efficiency
     assert fit((9.0, exact[1] * 1.2, 9.0, exact[3]), "tc-c.yaml").arch_efficiency != base.arch_efficiency
 
@@ -159,7 +164,7 @@ def test_presets_without_a_block_are_the_identity():
     for name in ("default", "phaze"):
         assert load_system(name).efficiency is IDENTITY_EFFICIENCY
     explicit = system_from_dict(_system_yaml(intra_node_bandwidth=1, inter_node_bandwidth=1.0,
-                                             iteration_overhead="0 s"), "x.yaml")
+                                             microbatch_overhead="0 s"), "x.yaml")
     assert explicit == system_from_dict(_system_yaml(), "x.yaml")
 
 
@@ -170,9 +175,6 @@ def test_identity_leaves_evaluate_unchanged():
     b = evaluate("megatron-gpt-1.7b", arch, training, plain.with_efficiency(SystemEfficiency(1.0, 1.0, 0.0))).to_json()
     a.pop("timings"), b.pop("timings")
     assert a == b
-    overhead = evaluate("megatron-gpt-1.7b", arch, training, plain.with_efficiency(SystemEfficiency(1.0, 1.0, 0.25)))
-    assert overhead.time_per_batch_s == pytest.approx(a["time_per_batch_s"] + 0.25, rel=1e-12)
-    assert overhead.throughput == pytest.approx(8 / overhead.time_per_batch_s, rel=1e-12)
     # dp 8 inside one node: the ring runs on the intra-node link; half its bandwidth, twice the bytes' time
     # (plus the unchanged 2 (d - 1) link latencies)
     slower = evaluate("megatron-gpt-1.7b", arch, training, plain.with_efficiency(SystemEfficiency(0.5, 1.0, 0.0)))
@@ -181,26 +183,16 @@ def test_identity_leaves_evaluate_unchanged():
                                                                       rel=1e-9)
 
 
-def test_zero_overhead_returns_the_result_itself():
-    @dataclass
-    class R:
-        feasible: bool = True
-        time_per_batch_s: float = 2.0
-        throughput: float = 4.0
-        tokens_per_s: float = 8.0
-        mfu: float = 0.5
-
-    r = R()
-    assert with_iteration_overhead(r, load_system("default")) is r
-    more = with_iteration_overhead(r, load_system("default").with_efficiency(SystemEfficiency(1, 1, 2.0)))
-    assert (more.time_per_batch_s, more.throughput, more.tokens_per_s, more.mfu) == (4.0, 2.0, 4.0, 0.25)
+def test_a_flat_per_iteration_overhead_is_refused_in_one_line():
+    with pytest.raises(PhazeError, match=r"x.yaml.*efficiency.iteration_overhead.*priced from the bytes"):
+        system_from_dict(_system_yaml(iteration_overhead="0.1 s"), "x.yaml")
 
 
 @pytest.mark.parametrize("block, field, words", [
     ({"intra_node_bandwidth": 1.5}, "efficiency.intra_node_bandwidth", "fraction in (0, 1]"),
     ({"inter_node_bandwidth": 0}, "efficiency.inter_node_bandwidth", "fraction in (0, 1]"),
-    ({"iteration_overhead": "-1 s"}, "efficiency.iteration_overhead", ""),
-    ({"iteration_overhead": "2 parsecs"}, "efficiency.iteration_overhead", "unit"),
+    ({"microbatch_overhead": "-1 s"}, "efficiency.microbatch_overhead", ""),
+    ({"microbatch_overhead": "2 parsecs"}, "efficiency.microbatch_overhead", "unit"),
     ({"launch": 1}, "efficiency.launch", "allowed fields"),
     ({"intra_node_bandwidth": 0.01}, "efficiency.intra_node_bandwidth", "below the inter-node"),
 ])
@@ -288,6 +280,16 @@ def test_text_report_names_every_row(tmp_path):
     assert Path(files["plot"]).is_file()
 
 
+def test_fit_lines_print_a_zero_cost_per_step(tmp_path):
+    """A fit that lands on no per-step cost still prints the whole block to paste into the preset."""
+    suite = load_suite(_tiny_suite(tmp_path, metric="iteration_time_s", values=(1.0, 2.0, 3.0, 4.0)))
+    fit = fit_system([suite], "dgx-a100", evaluator=_fake_evaluator({4: 1.0, 8: 2.0, 12: 3.0, 16: 4.0}),
+                     intra_fractions=(1.0,), inter_fractions=(1.0,), per_step=PER_STEP)
+    assert fit.efficiency.microbatch_overhead_s == 0.0
+    lines = fit_lines({"fits": {"dgx-a100": fit.to_json()}})
+    assert "    microbatch_overhead: 0 s" in lines and not any("iteration_overhead" in line for line in lines)
+
+
 # ---- selective recompute: the attention core at the chip's speed, not one core's ------------------------
 
 def test_selective_recompute_costs_the_attention_core_not_the_forward():
@@ -352,8 +354,8 @@ def test_tracking_uri_logs_one_mlflow_run(tmp_path, monkeypatch):
     client = MlflowClient(uri)
     run = client.get_run(result["mlflow"]["run_id"])
     assert run.data.params["suites"] == "tiny" and run.data.params["presets"] == "a100-like/dgx-a100"
-    assert float(run.data.params["efficiency.dgx-a100.iteration_overhead_s"]) == \
-        load_system("dgx-a100").efficiency.iteration_overhead_s
+    assert float(run.data.params["efficiency.dgx-a100.intra_node_bandwidth"]) == \
+        load_system("dgx-a100").efficiency.intra_node_bandwidth
     (suite,) = result["suites"]
     for part in ("fitted", "held_out", "all"):
         assert run.data.metrics[f"mape.tiny.{part}"] == pytest.approx(suite["mape"][part])
@@ -364,12 +366,14 @@ def test_tracking_uri_logs_one_mlflow_run(tmp_path, monkeypatch):
 def test_shipped_calibration_is_a_point_of_the_fit_grids():
     """The committed fitted values are answers the fit can give (the command in the preset comments
     reproduces them; it re-schedules every layer per value, minutes, so it is not run here)."""
-    from phaze_opt.validation.calibration import OVERHEADS, TC_COARSE
+    from phaze_opt.validation.calibration import MICROBATCH_OVERHEADS, TC_COARSE
 
     a100 = load_arch("a100-80gb").efficiency
     fine = {round(c + 0.01 * k, 2) for c in TC_COARSE for k in range(-4, 5)}
     assert a100.tc_fraction in fine
     dgx = load_system("dgx-a100").efficiency
-    assert any(abs(dgx.iteration_overhead_s - o) < 1e-12 for o in OVERHEADS)
+    for name in ("dgx-a100", "dgx-h100"):
+        cost = load_system(name).efficiency.microbatch_overhead_s
+        assert any(abs(cost - o) < 1e-12 for o in MICROBATCH_OVERHEADS)
     # the fractions are the NCCL figures cited in the file, not fitted
     assert (dgx.intra_node_bandwidth, dgx.inter_node_bandwidth) == (0.80, 0.96)

@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
                    help="run every training row on this system (configs/systems) instead of its suite's or its own, "
                         "e.g. the TPU v4 rows on default vs tpuv4-pod")
     p.add_argument("--fit", action="store_true",
-                   help="fit each training system's per-iteration overhead on the fit subset (odd rows), then report "
+                   help="fit each training system's fixed cost per microbatch and pipeline stage "
+                        "(efficiency.microbatch_overhead, 0-10 ms grid) on the fit subset (odd rows), then report "
                         "with the fitted value (the preset files are not changed)")
     p.add_argument("--fit-links", action="store_true",
                    help="with --fit: fit the achieved link bandwidth fractions too (0.50-1.00 grid) instead of "
@@ -32,9 +33,6 @@ def add_arguments(p) -> None:
     p.add_argument("--fit-tc", action="store_true",
                    help="with --fit: fit the arch's tensor-core fraction (efficiency.tc_fraction) too; minutes: every "
                         "value re-schedules the layers")
-    p.add_argument("--fit-microbatch", action="store_true",
-                   help="with --fit: fit the system's fixed cost per microbatch and pipeline stage "
-                        "(efficiency.microbatch_overhead, 0-10 ms grid) jointly with the per-iteration overhead")
 
 
 def command_line(args) -> str:
@@ -43,14 +41,12 @@ def command_line(args) -> str:
         parts.append(f"--suite {s}")
     if getattr(args, "system", None):
         parts.append(f"--system {args.system}")
-    if args.fit or args.fit_links or args.fit_tc or args.fit_microbatch:
+    if args.fit or args.fit_links or args.fit_tc:
         parts.append("--fit")
     if args.fit_links:
         parts.append("--fit-links")
     if args.fit_tc:
         parts.append("--fit-tc")
-    if args.fit_microbatch:
-        parts.append("--fit-microbatch")
     return " ".join(parts)
 
 
@@ -58,8 +54,7 @@ def run(args) -> dict:
     from ..validation.workflow import validate
 
     result = validate(args.suite, out=args.out, tracking_uri=args.tracking_uri,
-                      fit=args.fit or args.fit_links or args.fit_tc or args.fit_microbatch, fit_links=args.fit_links,
-                      fit_tc=args.fit_tc, fit_microbatch=args.fit_microbatch,
+                      fit=args.fit or args.fit_links or args.fit_tc, fit_links=args.fit_links, fit_tc=args.fit_tc,
                       command=command_line(args), system=getattr(args, "system", None))
     if getattr(args, "json", False):  # the SuiteResults are for the text renderer; the JSON has `suites`
         result.pop("_suites")

@@ -370,20 +370,6 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     return model, system, problem, per_tp, bounds, unproven
 
 
-def with_iteration_overhead(result, system: System):
-    """`result` with the system's fixed per-iteration overhead (`SystemEfficiency.iteration_overhead_s`)
-    added to its time per batch, and throughput and MFU rescaled. The same constant for every
-    placement, so the best placement stays the best and the placement bounds stay bounds (they
-    only get looser); zero overhead returns `result` itself."""
-    overhead = system.efficiency.iteration_overhead_s
-    if overhead <= 0 or not result.feasible:
-        return result
-    time_s = result.time_per_batch_s + overhead
-    scale = result.time_per_batch_s / time_s
-    return replace(result, time_per_batch_s=time_s, throughput=result.throughput * scale,
-                   tokens_per_s=result.tokens_per_s * scale, mfu=result.mfu * scale)
-
-
 def fixed_layout(model: ModelConfig, training: Training) -> Layout | None:
     """The layout a recipe's placement fixes: the model config's own for `Expert`, the given one for
     `Fixed`, None for `Optimal` (the DP chooses)."""
@@ -436,15 +422,14 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
     else:
         chosen_placement = _fixed_placement(problem, model_cfg, training)
         result = evaluate_placement(problem, chosen_placement)
-    result = with_iteration_overhead(result, system)
     unproven = [f"tp{t} {u}" for t, v in per_tp.items() for u in v.unproven]
     unproven += parallel_unproven
     bound = result.throughput
     if unproven and result.feasible:  # the same placement search on proven lower-bound layer times
         optimistic = replace(problem, **parallel_bounds or {
             "costs": tuple(v.bound_costs or v.costs for v in per_tp.values())})
-        bound = with_iteration_overhead(optimal_placement(optimistic) if fixed is None
-                                        else evaluate_placement(optimistic, chosen_placement), system).throughput
+        bound = (optimal_placement(optimistic) if fixed is None
+                 else evaluate_placement(optimistic, chosen_placement)).throughput
     dp_s = time.perf_counter() - t0
     timings = {"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0}
     for v in per_tp.values():

@@ -2,34 +2,33 @@
 
     fit_system(suites, system_name) -> Fit
 
-Three global physical parameters, one value each for the whole preset (no per-row, per-model or
-per-suite parameter): the achieved fractions of the intra-node and the inter-node link bandwidth, and a
-fixed per-iteration overhead in seconds (see system.SystemEfficiency for what each means physically).
+Global physical parameters, one value each for the whole preset (no per-row, per-model or per-suite
+parameter): the achieved fractions of the intra-node and the inter-node link bandwidth, and the fixed
+host cost of one schedule step, per microbatch and model chunk (`SystemEfficiency.microbatch_overhead_s`;
+see system.SystemEfficiency for what each means physically). There is no flat per-iteration constant to
+fit: the once-per-step work (the optimizer step, its gradient-norm pass, zeroing the gradients) is priced
+from the bytes it moves (`solve.placement.types.optimizer_pass_bytes`).
 
 What is fitted. The link fractions are measured quantities with a source (NCCL's achieved bus
 bandwidth, cited in the preset files), so by default they stay at the preset's values and only the
-overhead, which no microbenchmark gives, is fitted. `fit_links=True` (`phaze-opt validate --fit-links`)
-fits the fractions as well, on the grid `FRACTIONS` (0.50 to 1.00 in steps of 0.05); on the shipped
-suites (with the bare a100-80gb template) it drove the NVLink fraction to the grid's floor, far below
-anything NCCL measures, i.e. it absorbs an error that is not the link's (README, Validation), which is
-why it is not the default.
+per-step cost, which no microbenchmark here gives, is fitted. `fit_links=True` (`phaze-opt validate
+--fit-links`) fits the fractions as well, on the grid `FRACTIONS` (0.50 to 1.00 in steps of 0.05); on
+the shipped suites (with the bare a100-80gb template) it drove the NVLink fraction to the grid's floor,
+far below anything NCCL measures, i.e. it absorbs an error that is not the link's (README,
+Validation), which is why it is not the default.
 
 Only the rows of the fit subset (`runner.in_fit_subset`: odd 0-based index in each training suite)
 enter the objective; the held-out rows are never read here, so changing a held-out row's published
 number cannot move a fitted value (tested). The objective is the mean absolute relative error over
 the fit rows of every suite that runs on the preset.
 
-`fit_microbatch=True` (`--fit-microbatch`) fits the fixed cost per microbatch and pipeline stage
-(`SystemEfficiency.microbatch_overhead_s`) jointly with the per-iteration overhead. A validation row
-runs its published layout, so the cost moves its iteration time analytically too: every stage's
-time per microbatch grows by v c, the batch by c (m v + S - 1) (`solve.placement.evaluate`), with
-m microbatches per pipeline, S stages and v model chunks per stage; grid `MICROBATCH_OVERHEADS`
-(0 to 10 ms in 0.1 ms steps). The preset's own value is kept otherwise.
-
-Search. For each pair of fractions every fit row is evaluated once with no overhead, giving its
-iteration time T; an overhead o then moves each row analytically (T + o), so the best overhead is
-found on a fine 1-D grid (`OVERHEADS`, 0 to 2 s in 5 ms steps). The evaluations are the project's
-own `evaluate` (memoised per-layer schedules): one evaluation per fit row and pair of fractions.
+Search. A validation row runs its published layout, so the per-step cost moves its iteration time
+analytically: every stage's time per microbatch grows by v c, the batch by c (m v + S - 1)
+(`solve.placement.evaluate`), with m microbatches per pipeline, S stages and v model chunks per
+stage. For each pair of fractions every fit row is evaluated once with no per-step cost, giving its
+iteration time T; the best cost is then found on the grid `MICROBATCH_OVERHEADS` (0 to 10 ms in
+0.1 ms steps). The evaluations are the project's own `evaluate` (memoised per-layer schedules): one
+evaluation per fit row and pair of fractions.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from .suites import TRAINING_METRICS, Suite
 
 FRACTIONS = tuple(round(0.5 + 0.05 * i, 2) for i in range(11))  # 0.50 .. 1.00
 TC_COARSE = tuple(round(0.7 + 0.05 * i, 2) for i in range(7))  # 0.70 .. 1.00
-OVERHEADS = tuple(round(0.005 * i, 3) for i in range(401))  # 0 .. 2 s
 # 0 .. 10 ms per microbatch and stage: a schedule step's launches and p2p set-up take well under 1 ms
 # on an idle host; 10x that bounds a slow one.
 MICROBATCH_OVERHEADS = tuple(round(1e-4 * i, 4) for i in range(101))
@@ -63,7 +61,7 @@ class Fit:
     rows: int  # fit rows used
     suites: tuple[str, ...]
     grid: dict = field(default_factory=dict)  # the search grid, for the report
-    fitted: tuple[str, ...] = ("iteration_overhead_s",)  # which fields were fitted (the rest: the preset's)
+    fitted: tuple[str, ...] = ("microbatch_overhead_s",)  # which fields were fitted (the rest: the preset's)
     arch: str = ""
     arch_efficiency: Efficiency | None = None  # the arch's efficiency with the fitted tc_fraction (fit_tc)
 
@@ -84,7 +82,7 @@ def fit_rows(suites: Sequence[Suite], system_name: str) -> list[tuple[Suite, int
 
 
 def _times(chosen, eff: SystemEfficiency, arch_eff, evaluator) -> np.ndarray:
-    """Each fit row's predicted iteration time with no overhead of either kind (inf where infeasible)."""
+    """Each fit row's predicted iteration time with no per-step cost (inf where infeasible)."""
     out = []
     for s, i in chosen:
         r = evaluate_row(s, s.rows[i], i, eff, evaluator, arch_efficiency=arch_eff)
@@ -97,36 +95,35 @@ def schedule_steps(row) -> int:
     return row.training.pipeline_steps(row.microbatches, row.pp)
 
 
-def _best_overhead(chosen, times: np.ndarray, published: np.ndarray, over: np.ndarray,
-                   per_microbatch: np.ndarray) -> tuple[float, float, float]:
-    """(MAPE, overhead, per-microbatch overhead) on the grids `over` x `per_microbatch` with the least
-    MAPE over the fit rows (the smallest values on a tie). Rows the model finds infeasible have no
-    time for an overhead to move; they are left out (all infeasible: MAPE inf, no overhead)."""
+def _best_per_step(chosen, times: np.ndarray, published: np.ndarray, per_microbatch: np.ndarray) -> tuple[float, float]:
+    """(MAPE, per-microbatch cost) on the grid `per_microbatch` with the least MAPE over the fit rows
+    (the smallest value on a tie). Rows the model finds infeasible have no time for a cost to move;
+    they are left out (all infeasible: MAPE inf, the grid's first value)."""
     feasible = np.isfinite(times)
     if not feasible.any():
-        return float("inf"), float(over[0]), float(per_microbatch[0])
+        return float("inf"), float(per_microbatch[0])
     chosen = [c for c, ok in zip(chosen, feasible) if ok]
     times, published = times[feasible], published[feasible]
     steps = np.array([schedule_steps(s.rows[i]) for s, i in chosen], dtype=float)
-    t = times[None, None, :] + over[None, :, None] + per_microbatch[:, None, None] * steps[None, None, :]
+    t = times[None, :] + per_microbatch[:, None] * steps[None, :]
     # each row's metric as a function of its iteration time: a x t (seconds) or a / t (FLOP/s)
     inverse = np.array([s.metric == "per_gpu_tflops" for s, _ in chosen])
     scale = np.array([predicted_value(s, s.rows[i], 1.0) / METRIC_SI[s.metric] for s, i in chosen])
     with np.errstate(divide="ignore"):
         pred = np.where(inverse, scale / t, scale * t)
-    err = np.mean(np.abs(pred / published - 1.0), axis=2)
-    c, k = np.unravel_index(int(np.argmin(err)), err.shape)
-    return float(err[c, k]), float(over[k]), float(per_microbatch[c])
+    err = np.mean(np.abs(pred / published - 1.0), axis=1)
+    c = int(np.argmin(err))
+    return float(err[c]), float(per_microbatch[c])
 
 
 def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = evaluate, fit_links: bool = False,
                intra_fractions: Sequence[float] | None = None, inter_fractions: Sequence[float] | None = None,
-               overheads: Sequence[float] = OVERHEADS, fit_tc: bool = False, fit_microbatch: bool = False) -> Fit:
+               per_step: Sequence[float] = MICROBATCH_OVERHEADS, fit_tc: bool = False) -> Fit:
     """The efficiency block of `system_name` that minimises the MAPE over the fit rows (see the module
     docstring). Fractions not given: the preset's own (`fit_links`: the grid `FRACTIONS`). `fit_tc`
     also fits the tensor-core fraction of the suites' arch (`hardware.efficiency.Efficiency.tc_fraction`,
     coarse grid `TC_COARSE`, then 0.01 steps around the best), its other efficiencies kept. Ties go to
-    the value nearest the identity (larger fractions, smaller overhead)."""
+    the value nearest the identity (larger fractions, smaller per-step cost)."""
     chosen = fit_rows(suites, system_name)
     if not chosen:
         raise PhazeError(f"no training suite with fit rows runs on system '{system_name}'")
@@ -141,23 +138,20 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
     if inter_fractions is None:
         inter_fractions = FRACTIONS if fit_links else (preset.inter_node_bandwidth,)
     published = np.array([s.rows[i].value for s, i in chosen], dtype=float)
-    over = np.asarray(overheads, dtype=float)
-    per_mb = np.asarray(MICROBATCH_OVERHEADS if fit_microbatch else (preset.microbatch_overhead_s,), dtype=float)
+    per_mb = np.asarray(per_step, dtype=float)
     tried: dict[float, tuple] = {}
 
     def at_tc(tc: float) -> tuple:
-        """(MAPE, intra, inter, overhead, per-microbatch overhead) at the best link fractions and
-        overheads for this tc fraction."""
+        """(MAPE, intra, inter, per-microbatch cost) at the best link fractions and cost for this tc fraction."""
         if tc not in tried:
             arch_eff = replace(base_arch, tc_fraction=tc) if fit_tc else None
             best = None
             for intra in sorted(intra_fractions, reverse=True):  # larger first: ties keep the larger
                 for inter in sorted(inter_fractions, reverse=True):
                     eff = SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter)
-                    err, overhead, mb = _best_overhead(chosen, _times(chosen, eff, arch_eff, evaluator), published,
-                                                       over, per_mb)
+                    err, mb = _best_per_step(chosen, _times(chosen, eff, arch_eff, evaluator), published, per_mb)
                     if best is None or err < best[0] - 1e-12:
-                        best = (err, intra, inter, overhead, mb)
+                        best = (err, intra, inter, mb)
             tried[tc] = best
         return tried[tc]
 
@@ -167,17 +161,16 @@ def fit_system(suites: Sequence[Suite], system_name: str, evaluator: Callable = 
         tc = min(fine, key=lambda t: (at_tc(t)[0], -t))
     else:
         tc = base_arch.tc_fraction
-    objective, intra, inter, overhead, mb = at_tc(tc)
+    objective, intra, inter, mb = at_tc(tc)
     fitted = tuple(k for k, grid in (("intra_node_bandwidth", intra_fractions),
                                      ("inter_node_bandwidth", inter_fractions)) if len(grid) > 1)
     return Fit(system=system_name,
                efficiency=SystemEfficiency(intra_node_bandwidth=intra, inter_node_bandwidth=inter,
-                                           iteration_overhead_s=overhead, microbatch_overhead_s=mb),
-               objective=objective, rows=len(chosen), fitted=fitted + ("iteration_overhead_s",)
-               + (("microbatch_overhead_s",) if fit_microbatch else ()) + (("tc_fraction",) if fit_tc else ()), suites=tuple(sorted({s.name for s, _ in chosen})),
+                                           microbatch_overhead_s=mb),
+               objective=objective, rows=len(chosen),
+               fitted=fitted + ("microbatch_overhead_s",) + (("tc_fraction",) if fit_tc else ()),
+               suites=tuple(sorted({s.name for s, _ in chosen})),
                arch=archs[0], arch_efficiency=replace(base_arch, tc_fraction=tc) if fit_tc else None,
                grid={"intra_node_bandwidth": sorted(intra_fractions), "inter_node_bandwidth": sorted(inter_fractions),
-                     "overhead_s": [min(overheads), max(overheads), len(overheads)],
-                     **({"microbatch_overhead_s": [float(per_mb[0]), float(per_mb[-1]), len(per_mb)]}
-                        if fit_microbatch else {}),
+                     "microbatch_overhead_s": [float(per_mb[0]), float(per_mb[-1]), len(per_mb)],
                      **({"tc_fraction": sorted(tried)} if fit_tc else {})})

@@ -85,8 +85,8 @@ def _efficiency_line(suite: SuiteResult) -> str:
         return ""
     a = {k: v for k, v in (suite.arch_efficiency or {}).items() if v != IDENTITY.fields()[k]}
     return (f"system efficiency: intra-node bandwidth x{e['intra_node_bandwidth']:.3g}, inter-node x"
-            f"{e['inter_node_bandwidth']:.3g}, overhead {e['iteration_overhead_s']:.3g} s per iteration"
-            + (f" and {e['microbatch_overhead_s']:.3g} s per microbatch and stage" if e.get("microbatch_overhead_s") else "")
+            f"{e['inter_node_bandwidth']:.3g}"
+            + (f", {e['microbatch_overhead_s']:.3g} s per microbatch and stage" if e.get("microbatch_overhead_s") else "")
             + ("; arch efficiency: " + ", ".join(f"{k} {v:g}" for k, v in a.items()) if a else ""))
 
 
@@ -100,9 +100,7 @@ def fit_lines(result: dict) -> list[str]:
                   "  efficiency:",
                   f"    intra_node_bandwidth: {e['intra_node_bandwidth']:g}",
                   f"    inter_node_bandwidth: {e['inter_node_bandwidth']:g}",
-                  f"    iteration_overhead: {e['iteration_overhead_s']:g} s"]
-        if e.get("microbatch_overhead_s"):
-            lines.append(f"    microbatch_overhead: {e['microbatch_overhead_s']:g} s")
+                  f"    microbatch_overhead: {e.get('microbatch_overhead_s', 0.0):g} s"]
         if f.get("arch_efficiency"):
             lines += [f"  and in {f['arch']}'s arch file:", "  efficiency:"]
             lines += [f"    {k}: {v:g}" for k, v in f["arch_efficiency"].items()]

@@ -23,7 +23,7 @@ EXPERIMENT = "phaze_opt-validate"
 
 def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "reports/validation",
              tracking_uri: str | None = "off", fit: bool = False, fit_links: bool = False, fit_tc: bool = False,
-             fit_microbatch: bool = False, command: str = "phaze-opt validate",
+             command: str = "phaze-opt validate",
              system: str | None = None) -> dict:
     """Run the suites and write the report. The returned dict is what `--json` prints (its `_suites`
     entry holds the SuiteResults for the text and Markdown renderers and is dropped from the JSON).
@@ -36,8 +36,7 @@ def validate(names: Sequence[str] | None = None, *, out: str | Path | None = "re
         # a system whose rows are all held out or skipped has nothing to fit: it keeps its preset
         for system in sorted({s.system for s in suites if s.metric in TRAINING_METRICS}):
             if fit_rows(suites, system):  # a system whose fit rows are all skipped keeps its preset
-                fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc,
-                                          fit_microbatch=fit_microbatch)
+                fits[system] = fit_system(suites, system, fit_links=fit_links, fit_tc=fit_tc)
     results = [run_suite(s, fits[s.system].efficiency, arch_efficiency=fits[s.system].arch_efficiency)
                if s.system in fits and s.metric in TRAINING_METRICS else run_suite(s) for s in suites]
     result = {"command": command, "generated": datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -76,7 +76,7 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, state_split, weight_copies
+from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -173,13 +173,22 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
     )
 
 
+def step_per_param(problem: PlacementProblem, d):
+    """HBM bytes per parameter of a stage's per-batch optimizer work over d replicas with no expert
+    split (`types.optimizer_pass_bytes`: the step sharded from ZeRO-1 on, the gradient zeroing
+    from ZeRO-2 on)."""
+    step_b, zero_b = optimizer_pass_bytes(problem)
+    zero = problem.training.zero
+    return step_b / (d if zero else 1) + zero_b / (d if zero >= 2 else 1)
+
+
 def _step_rate(problem: PlacementProblem) -> float:
-    """Optimizer step seconds per gradient byte (fast path, no ZeRO): params x (w + g + 2 o) bytes
-    of HBM traffic per stage, read and written once per batch, over the HBM bandwidth."""
+    """Optimizer step seconds per gradient byte (fast path, no ZeRO): the per-batch HBM traffic of
+    every parameter of the stage (`types.optimizer_pass_bytes`, both parts whole) over the HBM bandwidth."""
     if problem.hbm_bandwidth <= 0:
         return 0.0
-    w, g, o = state_split(problem)
-    return (w + g + 2 * o) / g / problem.hbm_bandwidth
+    g = state_split(problem)[1]
+    return sum(optimizer_pass_bytes(problem)) / g / problem.hbm_bandwidth
 
 
 def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> Best:
@@ -415,7 +424,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
                 big * (g_b if problem.training.zero == 0 else w_b))
             tail_lb = half(big * g_b) + gather_lb
         if problem.hbm_bandwidth > 0:
-            tail_lb = tail_lb + big * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth
+            tail_lb = tail_lb + big * step_per_param(problem, d) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
             lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
         # Memory: the fullest stage holds at least the mean stage's state (linear bounds of the ZeRO
@@ -520,10 +529,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 reduce = reduce + _half(params0 * w_b, d, ring)
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
-            step_bytes = params0 * (w_b + g_b + 2 * o_b)
-            if problem.training.zero:
-                step_bytes = step_bytes / d
-            tail = tail + step_bytes / problem.hbm_bandwidth
+            tail = tail + params0 * step_per_param(problem, d) / problem.hbm_bandwidth
         tail = np.where(valid[sl], tail, INF)
         share = p2p_exposed_share(problem, S_only, m)
         time_g = times[h][sl] + beside if share is None else st.stage_time(links[h], v, fixed, share, sl, beside)[1]
@@ -546,7 +552,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
             elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
                 red = float(_half(p * w_b, d, ring))
-            step = p * (w_b + g_b + 2 * o_b) / (d if problem.training.zero else 1) / problem.hbm_bandwidth \
+            step = p * step_per_param(problem, d) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)
 

@@ -154,6 +154,7 @@ from .types import (
     StageResult,
     check_placement_shape,
     infeasible_result,
+    optimizer_pass_bytes,
     state_split,
     weight_copies,
 )
@@ -420,11 +421,10 @@ def evaluate_placement(
             reduce += 0.0 if problem.reduction_hidden else max(0.0, gather - forward)
         elif zero == 2:  # after the optimizer step, with nothing beside it
             reduce += gather
-        step_bytes = params * (w_b + g_b + 2 * o_b)
-        if zero and split:
-            step_bytes = (dense / ranks + experts / expert_ranks) * (w_b + g_b + 2 * o_b)
-        elif zero:
-            step_bytes = step_bytes / ranks
+        # the optimizer's pass over its shard, then the gradient buffer's zeroing (types.optimizer_pass_bytes)
+        shard = dense / ranks + experts / expert_ranks if split else params / ranks
+        step_b, zero_b = optimizer_pass_bytes(problem)
+        step_bytes = (shard if zero else params) * step_b + (shard if zero >= 2 else params) * zero_b
         step = step_bytes / problem.hbm_bandwidth if problem.hbm_bandwidth > 0 else 0.0
         stages.append(
             StageResult(

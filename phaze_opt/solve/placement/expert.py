@@ -66,7 +66,7 @@ from .kernel import (
     sweep_start,
 )
 from .evaluate import format_bytes
-from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, state_split, weight_copies
+from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -335,11 +335,9 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
                     * ring_bytes / bw)
         tail_const = np.where(split, 0.0, ring_steps * (ranks - 1) * lat)
     if problem.hbm_bandwidth > 0:
-        per = (w_b + g_b + 2 * o_b) / problem.hbm_bandwidth
-        if problem.training.zero:
-            tail_lin = tail_lin + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * per
-        else:
-            tail_lin = tail_lin + P * per
+        step_b, zero_b = optimizer_pass_bytes(problem)
+        shard = np.where(split, Pd / ranks + Pe / eranks, P / ranks)
+        tail_lin = tail_lin + ((shard if zero else P) * step_b + (shard if zero >= 2 else P) * zero_b) / problem.hbm_bandwidth
     tail_lb = (tail_const + tail_lin / S) * (1.0 - 1e-12)  # slack against rounding: a bound, never above
     with np.errstate(invalid="ignore"):
         lb = (c_lb * mult + tail_lb) * (1.0 - 1e-12)
@@ -444,14 +442,10 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     elif zero == 2:  # after the optimizer step, with nothing beside it
         reduce = reduce + gather
     tail = reduce
-    if problem.hbm_bandwidth > 0:
-        per = w_b + g_b + 2 * o_b
-        if problem.training.zero and split:
-            step = (dense0 / ranks + expert0 / expert_ranks) * per
-        elif problem.training.zero:
-            step = params0 * per / ranks
-        else:
-            step = params0 * per
+    if problem.hbm_bandwidth > 0:  # as the evaluator (types.optimizer_pass_bytes)
+        step_b, zero_b = optimizer_pass_bytes(problem)
+        shard = dense0 / ranks + expert0 / expert_ranks if split else params0 / ranks
+        step = (shard if zero else params0) * step_b + (shard if zero >= 2 else params0) * zero_b
         tail = tail + step / problem.hbm_bandwidth
     tail = np.where(ok, tail, INF)
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)

@@ -229,6 +229,24 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     return (1 if problem.training.fp8_param_gather else e), system.grad_bytes_per_param, rest
 
 
+def optimizer_pass_bytes(problem: "PlacementProblem") -> tuple[int, int]:
+    """HBM bytes per parameter of the once-per-batch work after the last backward, as two parts
+    sharded differently: (over the optimizer's shard, over the gradient buffer).
+
+    The first part is the optimizer step itself, a memory-bound pass (Adam's update reads the
+    gradient and the optimizer state and writes the state and the weight: w + g + 2 o), plus the
+    gradient-norm pass of gradient clipping, which reads the same gradients once more (Megatron-LM
+    `clip_grad_norm_fp32` / `get_grad_norm_fp32`, a `multi_tensor_l2norm` over the gradients the
+    optimizer updates; clipping is on by default, `--clip-grad 1.0`): the distributed optimizer
+    (ZeRO-1 and up) runs both over its shard only. The second part is zeroing the gradient buffer
+    for the next batch (Megatron-Core `DistributedDataParallel.zero_grad_buffer`, called by
+    `train_step` every iteration), a write of every gradient the device holds: whole under ZeRO 0
+    and 1, sharded as the gradients are under ZeRO-2 and 3. Both scale with the parameters per
+    device, as their cause does; none is a fitted constant."""
+    w, g, o = state_split(problem)
+    return w + 2 * g + 2 * o, g
+
+
 def weight_copies(problem: "PlacementProblem") -> int:
     """Bytes per parameter of a low-precision recipe's weight copies (workload/precision.py,
     `weight_copy_bytes`; 0 in BF16). They sit beside the 16-bit weight and are sharded as it is:
