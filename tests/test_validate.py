@@ -255,7 +255,7 @@ def test_json_schema_and_report(tmp_path, capsys):
     assert set(suite["mape"]) == {"fitted", "held_out", "all"} and suite["infeasible"] == 0
     assert len(suite["rows"]) == 8
     for i, row in enumerate(suite["rows"]):
-        assert {"model", "tp", "pp", "dp", "gpus", "batch", "mbs", "recompute", "sequence_parallel", "virtual_stages",
+        assert {"model", "tp", "pp", "dp", "gpus", "batch", "mbs", "recompute",
                 "published", "predicted", "error", "fitted", "feasible", "source"} <= set(row)
         assert row["fitted"] == (i % 2 == 1) and row["feasible"]
         assert row["error"] == pytest.approx(row["predicted"] / row["published"] - 1)
