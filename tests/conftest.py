@@ -29,6 +29,7 @@ LONGEST = (
     "tests/test_fault_injection.py::test_a_killed_and_resumed_study_is_consistent",
     "tests/test_workload_modern.py::test_featured_models_evaluate_and_the_bounds_hold",
     "tests/test_fault_injection.py::test_every_signal_stops_the_study_cleanly",
+    "tests/test_fault_injection.py::test_processes_sharing_a_postgres_study_survive_kills",
     "tests/test_crash_safety.py::test_two_processes_stop_at_the_total_and_count_their_own",
 )
 

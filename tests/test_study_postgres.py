@@ -5,14 +5,9 @@ The server is created in a temporary directory, listens on 127.0.0.1 only, and i
 with a hint; set PHAZE_OPT_SKIP_POSTGRES=1 to skip it on a machine that cannot have it.
 """
 
-import glob
 import os
-import pwd
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 
@@ -25,67 +20,17 @@ from phaze_opt.search.runner import run_study
 from phaze_opt.search.session import finished_trials
 from phaze_opt.search.setup import default_study_name
 from phaze_opt.runs.tracking import driver_url
+import pg_server
 from test_study_fakes import backend, best_score_series, config, expected_best_series, mlflow_uri, small_space
 
-
-def pg_binary(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-                        key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
-    return candidates[-1] if candidates else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-DATABASES = ("optuna", "optuna_ex", "mlflow", "theirs")  # theirs: another program's database
+DATABASES = ("optuna", "optuna_ex", "mlflow", "mlflow_tags", "theirs")  # theirs: another program's database
 
 
 @pytest.fixture(scope="module")
 def postgres():
-    initdb, pg_ctl = pg_binary("initdb"), pg_binary("pg_ctl")
-    if not (initdb and pg_ctl):
-        if os.environ.get("PHAZE_OPT_SKIP_POSTGRES") == "1":
-            pytest.skip("PostgreSQL is not installed and PHAZE_OPT_SKIP_POSTGRES=1")
-        pytest.fail("PostgreSQL (initdb, pg_ctl) not found: `make test` installs it (apt-get install postgresql); "
-                    "or set PHAZE_OPT_SKIP_POSTGRES=1 to skip this test")
-    root = tempfile.mkdtemp(prefix="phaze-pg-")
-    data, sock = os.path.join(root, "data"), os.path.join(root, "sock")
-    os.makedirs(sock)
-    run_as = []
-    if os.geteuid() == 0:  # the server refuses to run as root: run it as the postgres user (or nobody)
-        try:
-            user = pwd.getpwnam("postgres")
-        except KeyError:
-            user = pwd.getpwnam("nobody")
-        for d in (root, sock):
-            os.chown(d, user.pw_uid, user.pw_gid)
-        run_as = ["runuser", "-u", user.pw_name, "--"]
-    port = free_port()
-    subprocess.run(run_as + [initdb, "-D", data, "-U", "phaze", "--auth=trust", "-E", "UTF8", "--no-sync"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {sock} -c fsync=off -c max_connections=200"
-    subprocess.run(run_as + [pg_ctl, "-D", data, "-l", os.path.join(root, "server.log"), "-w", "-t", "60",
-                             "-o", options, "start"], check=True, stdout=subprocess.DEVNULL, timeout=90)
-    try:
-        import psycopg2
-
-        conn = psycopg2.connect(host="127.0.0.1", port=port, user="phaze", dbname="postgres")
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            for db in DATABASES:
-                cur.execute(f"CREATE DATABASE {db}")
-        conn.close()
-        yield {db: f"postgresql://phaze@127.0.0.1:{port}/{db}" for db in DATABASES}
-    finally:
-        subprocess.run(run_as + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
+    pg_server.required()
+    with pg_server.throwaway(DATABASES) as urls:
+        yield urls
 
 
 def test_workers_share_one_study_on_postgres(tmp_path, postgres):
@@ -145,6 +90,48 @@ def test_three_processes_create_mlflows_schema_on_a_new_postgres_database(postgr
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
     assert len({o[0].strip() for o in outs}) == 1  # one experiment, the same for all
+
+
+_TAGGER = r"""
+import sys, time
+
+import sqlalchemy.orm
+
+from phaze_opt.runs.tracking import MlflowTracker
+
+url, start_at = sys.argv[1], float(sys.argv[2])
+merge = sqlalchemy.orm.Session.merge
+
+
+def slow_merge(self, instance, *args, **kwargs):  # MLflow's upsert reads, then inserts at commit: the gap
+    found = merge(self, instance, *args, **kwargs)  # widened past the schema lock each start holds in turn
+    if type(instance).__name__ == "SqlExperimentTag":
+        time.sleep(5.0)
+    return found
+
+
+sqlalchemy.orm.Session.merge = slow_merge
+time.sleep(max(0.0, start_at - time.time()))  # every process past its imports, then all at once
+tracker = MlflowTracker.start(url, "tags-race", run_name="r", params={}, tags={}, context={}, background=False)
+print(tracker.experiment_id)
+"""
+
+
+def test_processes_starting_together_tag_the_experiment(postgres):
+    """Each start tags its experiment (the UI's kind, the saved view); MLflow sets a tag by reading,
+    then inserting, so processes starting together on PostgreSQL collided and all but one died with
+    UniqueViolation experiment_tag_pk (seen in the PostgreSQL crash storm)."""
+    url = postgres["mlflow_tags"]
+    from phaze_opt.runs.tracking import MlflowTracker
+
+    MlflowTracker.prepare(url, "tags-race")  # the experiment exists, untagged: the starts meet at its tags
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true")
+    start_at = time.time() + 25  # past the imports of every process on a loaded machine
+    procs = [subprocess.Popen([sys.executable, "-c", _TAGGER, url, str(start_at)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-1500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
 
 
 def test_compare_and_export_leave_another_programs_postgres_database_unwritten(tmp_path, postgres, capsys):

@@ -266,14 +266,20 @@ def trial_note(state: str, result: Mapping) -> str:
     return "Feasible: " + "; ".join(parts) + "."
 
 
-def retrying(op: Callable, attempts: int = 10):
+def retrying(op: Callable, attempts: int = 10, upsert: bool = False):
+    """`op()`, done again while the database reports a lock, busy or deadlock error. With `upsert`
+    (`op` writes a row that MLflow upserts by reading it, then inserting it at commit: an experiment
+    tag, `SqlAlchemyStore.set_experiment_tag`), also after a unique-key violation: another process
+    inserted the same key between the read and the insert, and done again the read finds its row."""
     delay = 0.05
     for attempt in range(attempts):
         try:
             return op()
-        except Exception as exc:  # noqa: BLE001 - only lock/busy errors are retried
+        except Exception as exc:  # noqa: BLE001 - only lock/busy errors (and upsert collisions) are retried
             text = str(exc).lower()
-            if attempt + 1 == attempts or not ("locked" in text or "busy" in text or "deadlock" in text):
+            transient = "locked" in text or "busy" in text or "deadlock" in text
+            collided = upsert and ("unique" in text or "duplicate key" in text)
+            if attempt + 1 == attempts or not (transient or collided):
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -421,7 +427,7 @@ class MlflowTracker:
         client = MlflowClient(driver_url(tracking_uri))
         exp_tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **(experiment_tags or {})}
         for k, v in exp_tags.items():
-            retrying(lambda: client.set_experiment_tag(exp_id, k, v))
+            retrying(lambda: client.set_experiment_tag(exp_id, k, v), upsert=True)  # every start tags it
         run_name = _unique_run_name(client, exp_id, run_name)
         run = retrying(lambda: client.create_run(exp_id, tags=dict(tags), run_name=run_name))
         try:
@@ -778,7 +784,7 @@ def experiment_for(client, name: str, key: str | None):
         return name, exp
     held = (exp.tags or {}).get(STORAGE_TAG)
     if held is None:
-        client.set_experiment_tag(exp.experiment_id, STORAGE_TAG, key)
+        retrying(lambda: client.set_experiment_tag(exp.experiment_id, STORAGE_TAG, key), upsert=True)
         return name, exp
     if held == key:
         return name, exp
