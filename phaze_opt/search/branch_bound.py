@@ -59,6 +59,7 @@ from ..training import recipe_choices
 from ..workload.models import load_model
 from . import objective
 from ..runs import signals
+from ..runs.cluster import ClusterExecutor
 from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
@@ -109,9 +110,16 @@ _W: dict = {}  # this process's worker state: model, system, trial context and o
 
 
 def _init_worker(model: str, system: str, ctx, parent: int | None = None, parent_start: int | None = None) -> None:
-    quiet_optuna()
     if multiprocessing.parent_process() is not None:
         signals.worker_started(parent, parent_start)  # a pool process dies with its parent
+    _load_worker(model, system, ctx)
+
+
+def _load_worker(model: str, system: str, ctx) -> None:
+    """A worker's state; a cluster's worker outlives the parent and serves other studies, so it
+    takes this part alone (no parent watch)."""
+    quiet_optuna()
+    _W.clear()  # a cluster's worker may have served another study: none of its state carries over
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
@@ -202,7 +210,11 @@ def _as_completed(pool, fn, calls: list[tuple]):
     return ((futures[f], f.result()) for f in as_completed(futures))
 
 
-def _executor(workers: int, initargs):
+def _executor(workers: int, initargs, cluster: str | None = None):
+    """Where the sweep's tasks run: a Dask cluster when one is named (`runs.cluster`), else this
+    process for one worker, else a pool of `workers` processes."""
+    if cluster:
+        return ClusterExecutor(cluster, _load_worker, initargs)
     if workers <= 1:
         return _Inline(_init_worker, initargs)
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
@@ -271,7 +283,7 @@ def run_branch_bound(session) -> dict:
     n_m, n_r = len(grid.mbss), len(grid.rcs)
     stats = {"workers": config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0, "failed": []}
 
-    pool = _executor(config.workers, (model_name, config.system, session.context()))
+    pool = _executor(config.workers, (model_name, config.system, session.context()), config.cluster)
     try:
         t0 = time.perf_counter()
         with phase("bounding the designs"):
