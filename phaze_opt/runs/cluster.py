@@ -147,7 +147,8 @@ class ClusterExecutor(Executor):
 
     def _launch(self, outer: Future, fn, args: tuple, tries: Counter) -> None:
         inputs = [self._share(self._initargs, always=True)] + [self._share(a) for a in args]
-        task = self.client.submit(_call, self._token, self._initializer, inputs[0], fn, *inputs[1:], pure=False)
+        key = f"{getattr(fn, '__name__', 'task').strip('_')}-{uuid.uuid4().hex}"  # the dashboard's task name
+        task = self.client.submit(_call, self._token, self._initializer, inputs[0], fn, *inputs[1:], key=key)
         with self._lock:
             self._live[outer] = task
             keys = {h[1].key for h in self._shared.values() if any(h[1] is x for x in inputs)}

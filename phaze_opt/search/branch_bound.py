@@ -60,6 +60,7 @@ from ..workload.models import load_model
 from . import objective
 from ..runs import signals
 from ..runs.cluster import ClusterExecutor
+from ..runs.progress import say
 from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
@@ -214,7 +215,11 @@ def _executor(workers: int, initargs, cluster: str | None = None):
     """Where the sweep's tasks run: a Dask cluster when one is named (`runs.cluster`), else this
     process for one worker, else a pool of `workers` processes."""
     if cluster:
-        return ClusterExecutor(cluster, _load_worker, initargs)
+        pool = ClusterExecutor(cluster, _load_worker, initargs)
+        if workers < pool.workers:
+            say(f"--cluster {cluster}: {pool.workers} workers, but --workers {workers} keeps only {workers} "
+                f"task(s) in flight; give --workers {pool.workers} to use them all")
+        return pool
     if workers <= 1:
         return _Inline(_init_worker, initargs)
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
