@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -196,3 +197,21 @@ def test_a_study_without_a_cluster_never_imports_the_engine():
     code = ("import sys, phaze_opt.cli, phaze_opt.search.runner, phaze_opt.search.branch_bound; "
             "sys.exit('distributed' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def _sleep(s):
+    time.sleep(s)
+
+
+def test_a_cluster_that_goes_away_is_one_line():
+    lc = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
+    pool = ClusterExecutor(lc.scheduler_address)
+    try:
+        running = pool.submit(_sleep, 60)
+        while not any(pool.client.processing().values()):  # until the worker holds the task
+            time.sleep(0.05)
+        lc.close()
+        with pytest.raises(PhazeError, match="--cluster .*: the cluster is gone"):
+            running.result(timeout=120)
+    finally:
+        pool.shutdown()

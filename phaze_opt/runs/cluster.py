@@ -100,6 +100,7 @@ class ClusterExecutor(Executor):
     once, whatever the cluster lost on the way (see the module docstring)."""
 
     def __init__(self, address: str, initializer: Callable | None = None, initargs: tuple = ()):
+        self.address = check_address(address)
         self.client = connect(address)
         self.workers = worker_count(self.client)
         self._token = uuid.uuid4().hex
@@ -170,8 +171,9 @@ class ClusterExecutor(Executor):
                 try:
                     self._launch(outer, fn, args, tries)
                     return
-                except BaseException as again:  # noqa: BLE001 - the cluster is gone: say so on the future
-                    exc = again
+                except Exception as again:  # noqa: BLE001 - the cluster is gone: one line on the future
+                    exc = PhazeError(f"{FLAG} {self.address}: the cluster is gone ({type(again).__name__}: "
+                                     f"{again}); the same command resumes the study")
             with self._lock:
                 self._live.pop(outer, None)
             if not outer.done():
