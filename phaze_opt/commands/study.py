@@ -36,6 +36,10 @@ def add_arguments(p) -> None:
                    help=f"MLflow tracking URI, or 'off' (default {DEFAULT_TRACKING_URI}, artifacts under mlruns/)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the study through its storage (Optuna's distributed mode; default 1)")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="a Dask scheduler, tcp://HOST:PORT: the pruned sweep's bounds and evaluations, or a sampled "
+                        "study's --workers loops, run as tasks on its workers (one thread each; --workers N keeps "
+                        "N tasks in flight). Default: this machine's processes")
     p.add_argument("--exhaustive", action="store_true",
                    help="evaluate every grid point of the space instead of sampling (--trials is ignored)")
     p.add_argument("--order", default="area", metavar="area|grid",
@@ -89,6 +93,7 @@ def config_from_args(args) -> StudyConfig:
         progress=args.progress,
         ilp_time_limit_s=args.ilp_time_limit,
         reference_system=args.reference_system,
+        cluster=args.cluster,
     )
 
 

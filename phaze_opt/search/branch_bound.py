@@ -59,6 +59,8 @@ from ..training import kernel_choices, most_virtual_stages, recipe_choices
 from ..workload.models import load_model
 from . import objective
 from ..runs import signals
+from ..runs.cluster import ClusterExecutor
+from ..runs.progress import say
 from ..runs.disk import write_whole
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
@@ -111,9 +113,16 @@ _W: dict = {}  # this process's worker state: model, system, trial context and o
 
 
 def _init_worker(model: str, system: str, ctx, parent: int | None = None, parent_start: int | None = None) -> None:
-    quiet_optuna()
     if multiprocessing.parent_process() is not None:
         signals.worker_started(parent, parent_start)  # a pool process dies with its parent
+    _load_worker(model, system, ctx)
+
+
+def _load_worker(model: str, system: str, ctx) -> None:
+    """A worker's state; a cluster's worker outlives the parent and serves other studies, so it
+    takes this part alone (no parent watch)."""
+    quiet_optuna()
+    _W.clear()  # a cluster's worker may have served another study: none of its state carries over
     _W.update(model=load_model(model), system=load_system(system), ctx=ctx)
 
 
@@ -204,7 +213,15 @@ def _as_completed(pool, fn, calls: list[tuple]):
     return ((futures[f], f.result()) for f in as_completed(futures))
 
 
-def _executor(workers: int, initargs):
+def _executor(workers: int, initargs, cluster: str | None = None):
+    """Where the sweep's tasks run: a Dask cluster when one is named (`runs.cluster`), else this
+    process for one worker, else a pool of `workers` processes."""
+    if cluster:
+        pool = ClusterExecutor(cluster, _load_worker, initargs)
+        if workers < pool.workers:
+            say(f"--cluster {cluster}: {pool.workers} workers, but --workers {workers} keeps only {workers} "
+                f"task(s) in flight; give --workers {pool.workers} to use them all")
+        return pool
     if workers <= 1:
         return _Inline(_init_worker, initargs)
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
@@ -264,7 +281,8 @@ def recipe_dominators(grid: Grid, model, system) -> list[list[int]]:
 def run_branch_bound(session) -> dict:
     """Settle every grid point of the session's space; returns the sweep's statistics."""
     sweep = _Sweep(session)
-    pool = _executor(sweep.config.workers, (sweep.config.models[0], sweep.config.system, session.context()))
+    pool = _executor(sweep.config.workers, (sweep.config.models[0], sweep.config.system, session.context()),
+                     sweep.config.cluster)
     try:
         sweep.bound(pool)
         sweep.settle(pool)

@@ -57,6 +57,7 @@ class StudyConfig:
     progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines; True: bar; False: none
     ilp_time_limit_s: float | None = None  # per layer-pass schedule solve; None: evaluate's default (60 s)
     reference_system: str | None = None  # the baseline's cluster; None: `reference_system_for`'s choice
+    cluster: str | None = None  # a Dask scheduler's address: the tasks run on its workers (`runs.cluster`)
 
     @property
     def searcher(self) -> Strategy:

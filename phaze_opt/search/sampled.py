@@ -19,6 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..runs import reconcile, signals
+from ..runs.cluster import ClusterExecutor
 from ..runs.disk import DiskFull
 from .. import interrupt
 from ..activity import phase
@@ -235,7 +236,7 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
                                     feasible=feasible)
         progress.update(0, best)
         worker_stats = []
-        if remaining and session.config.workers == 1:
+        if remaining and session.config.workers == 1 and not session.config.cluster:
             spec = session.worker_spec()
 
             def on_trial(frozen):
@@ -260,13 +261,16 @@ def run_sampled(config: StudyConfig, backend: Backend | None = None) -> dict:
 def _run_pool(session: Session, remaining: int, progress: Progress) -> list[dict]:
     """The workers of a study with --workers > 1; a worker that dies (the OOM killer) costs its trial,
     failed and queued again, and the pool is started again for what is left of the total."""
+    cluster = session.config.cluster
     with tempfile.TemporaryDirectory(prefix=signals.spool_prefix(session.session_id)) as spool:
-        spec = session.worker_spec(spool if session.tracker.enabled else None)
+        # a cluster's workers may not see this machine's folders: their trials are logged without artifacts
+        spec = session.worker_spec(spool if session.tracker.enabled and not cluster else None)
         logger = SpoolLogger(session, spool)
         for restarts in itertools.count():
             quotas = [q for q in split_quota(remaining, session.config.workers) if q > 0]
             try:
-                return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)])
+                return run_pool(session, progress, logger, [(_worker_entry, (spec, q, i)) for i, q in enumerate(quotas)],
+                                ClusterExecutor(cluster) if cluster else None)
             except WorkerLost:
                 lost_worker(session, restarts)
             remaining = session.config.trials - len(finished_trials(session.all_trials()))

@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import time
 import warnings
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -553,9 +553,11 @@ def lost_worker(session: Session, restarts: int) -> None:
         "failed and queued again; the workers start again")
 
 
-def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list) -> list[dict]:
-    """Run worker tasks in spawned processes, polling the storage for progress and MLflow logging. A
-    worker that dies breaks the pool: `WorkerLost`, after the other workers are stopped."""
+def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: list,
+             executor: Executor | None = None) -> list[dict]:
+    """Run worker tasks in spawned processes (or on `executor`: a cluster's), polling the storage for
+    progress and MLflow logging. A worker that dies breaks the pool: `WorkerLost`, after the other
+    workers are stopped."""
     context = multiprocessing.get_context("spawn")
 
     def drain():  # log what the workers finished, written before the spool folder goes
@@ -564,8 +566,8 @@ def run_pool(session: Session, progress: Progress, logger: SpoolLogger, tasks: l
 
     interrupt.checkpoint_deferred()  # no workers are started for a stop already requested
     with interrupt.blocked():  # multiprocessing's resource tracker starts here: SIGHUP would kill it
-        executor = ProcessPoolExecutor(max_workers=len(tasks), mp_context=context, initializer=signals.worker_started,
-                                       initargs=signals.worker_args())
+        executor = executor or ProcessPoolExecutor(max_workers=len(tasks), mp_context=context,
+                                                   initializer=signals.worker_started, initargs=signals.worker_args())
     with (interrupt.deferred(),  # a signal stops this loop at its next poll, never inside the storage
           executor as pool,
           signals.stop_workers_on_exit(pool, drain=drain)):

@@ -40,6 +40,7 @@ from .config import (  # noqa: F401  (StudyConfig and its choices: re-exported)
 from ..runs.locks import check_sqlite_storage, create_schema, prebuild_optuna_sqlite, probe_database, probe_tracking_uri
 from .objective import metric_names, parse_objectives
 from .strategy import AUTO, AUTO_SWEEP_NAME, BRANCH_AND_BOUND_NAME, GRID_NAME, STRATEGY_NAMES
+from ..runs.cluster import check_address
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full
 from ..runs.tracking import driver_url, redact, sqlite_path, tracking_enabled
 
@@ -218,7 +219,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     if isinstance(config.workers, bool) or not isinstance(config.workers, int) or config.workers <= 0:
         raise PhazeError(f"--workers: expected a positive whole number, got {shown(config.workers)}")
     most = max_workers()
-    if config.workers > most:
+    if config.workers > most and not config.cluster:  # a cluster's workers are its own machines'
         raise PhazeError(f"--workers: at most {most} on this machine ({os.cpu_count() or 1} cores, "
                          f"{_available_bytes() / 2**30:.1f} GiB of memory free, about "
                          f"{WORKER_BYTES / 2**30:.2f} GiB a worker), got {config.workers}")
@@ -250,7 +251,13 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     load_system(config.system)
     load_system(config.baseline_system)
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
-    return replace(config, strategy=resolve_strategy(config, backend))
+    config = replace(config, strategy=resolve_strategy(config, backend))
+    if config.cluster is not None:
+        check_address(config.cluster)
+        if config.strategy == GRID_NAME:
+            raise PhazeError("--cluster: runs sampled studies and the pruned sweep (--prune bound); the grid "
+                             "(--prune off) sweeps in this machine's processes")
+    return config
 
 
 def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
