@@ -17,7 +17,6 @@ from phaze_opt.jsonable import jsonable
 from phaze_opt.validation import docs
 from phaze_opt.validation.report import suite_sections, summary_table
 from phaze_opt.validation.runner import RowResult, SuiteResult
-from phaze_opt.validation.suites import list_suites, load_suite
 
 PAGE = docs.DOCS / "validation.md"
 
@@ -33,7 +32,7 @@ def test_docs_validation_md_is_the_generators_output():
 def test_the_committed_run_covers_every_shipped_suite_row_for_row():
     _, runs = docs.load_results()
     ran = {s.name: [r.label for r in s.rows] for s in runs}
-    shipped = {name: load_suite(name) for name in list_suites()}
+    shipped = {suite.name: suite for suite in docs.shipped_suites()}
     assert sorted(ran) == sorted(shipped), "run `phaze-opt validate --out docs`, then regenerate the page"
     for name, suite in shipped.items():
         assert ran[name] == [row.source.row for row in suite.rows], name
@@ -41,8 +40,10 @@ def test_the_committed_run_covers_every_shipped_suite_row_for_row():
 
 def test_the_page_lists_every_suite_with_its_rows_and_sources():
     page = PAGE.read_text()
-    for name in list_suites():
-        suite = load_suite(name)
+    suites = docs.shipped_suites()
+    assert len(suites) >= 10
+    for suite in suites:
+        name = suite.name
         assert f"| `{name}` | {suite.description} |" in page
         line = next(x for x in page.splitlines() if x.startswith(f"| `{name}` |"))
         assert line.split(" | ")[3] == str(len(suite.rows))
@@ -118,3 +119,11 @@ def test_a_results_file_that_is_not_a_run_is_one_line(tmp_path):
     with pytest.raises(PhazeError, match="not a `phaze-opt validate` validation.json") as err:
         docs.load_results(bad)
     assert "\n" not in str(err.value)
+
+
+def test_a_users_own_suites_stay_off_the_page(tmp_path, monkeypatch):
+    (tmp_path / "validation").mkdir()
+    (tmp_path / "validation" / "mine.yaml").write_text("suite: mine\n")
+    monkeypatch.setenv("PHAZE_OPT_CONFIGS", str(tmp_path))
+    assert "mine" not in [s.name for s in docs.shipped_suites()]
+    assert docs.render() == PAGE.read_text()

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..configs import shipped_dir
 from ..errors import PhazeError
 from .report import DISPLAY, preamble, suite_sections, summary_table
 from .runner import RowResult, SuiteResult, mape
-from .suites import Suite, list_suites, load_suite
+from .suites import KIND, Suite, load_suite
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 TEMPLATE = DOCS / "templates" / "validation.md"
@@ -110,6 +111,11 @@ def suites_section(suites: Sequence[Suite]) -> list[str]:
     return lines
 
 
+def shipped_suites() -> list[Suite]:
+    """The suites the package ships, whatever a user's config folders add: the page describes the project's."""
+    return [load_suite(path) for path in sorted((shipped_dir() / KIND).glob("*.yaml"), key=lambda p: p.stem)]
+
+
 def load_results(path: Path = RESULTS) -> tuple[dict, list[SuiteResult]]:
     """The saved run: its JSON and its suites as results the report renders."""
     try:
@@ -126,7 +132,7 @@ def render(template: Path = TEMPLATE, results: Path = RESULTS, suites: Sequence[
         if prose.count(marker) != 1:
             raise PhazeError(f"{template}: needs the line {marker} exactly once (found {prose.count(marker)})")
     data, runs = load_results(results)
-    suites = [load_suite(n) for n in list_suites()] if suites is None else suites
+    suites = shipped_suites() if suites is None else suites
     figures = [f"From `{data['command']}`, run {data['generated'][:10]} on the shipped presets; the plot is "
                "[validation.png](validation.png), every row [below](#the-report).", ""]
     figures += summary_table(runs) + ["", "Targets:", ""] + targets_table(runs)
