@@ -107,8 +107,8 @@ MAX_ACCELERATORS = 2**20
 LIMITS = {
     # The largest training clusters have about 10^5 accelerators; 2^20 = 1,048,576 is 10x that.
     "accelerators": Limit(MAX_ACCELERATORS, "far beyond any cluster built, ~10^5 accelerators"),
-    # A node (one fast-link domain) cannot hold more than the largest cluster; today's largest are
-    # 72-576 GPUs (NVLink) or a 8,960-chip TPU v5p pod.
+    # A node (one fast-link domain) cannot hold more than the largest cluster; the largest built (2025)
+    # are 72-576 GPUs (NVLink) or a 8,960-chip TPU v5p pod.
     "devices_per_node": Limit(MAX_ACCELERATORS, "no node is larger than the largest cluster"),
     # Sequences per optimizer step: the largest published batches are ~64k sequences (BERT with
     # LAMB) and a few thousand for LLMs; 2^24 = 16,777,216 is 256x that.
@@ -177,7 +177,7 @@ class SystemEfficiency:
     (`solve.placement.types.optimizer_pass_bytes`), so it scales with the parameters per device
     and a short step is not charged a long step's cost.
 
-    Identity: (1, 1, 0), the model as it was before the parameters existed.
+    Identity: (1, 1, 0): every link at its nominal rate and no fixed cost (the uncalibrated template).
     """
 
     intra_node_bandwidth: float = 1.0
@@ -191,7 +191,7 @@ class SystemEfficiency:
     def to_dict(self) -> dict:
         return {"intra_node_bandwidth": self.intra_node_bandwidth,
                 "inter_node_bandwidth": self.inter_node_bandwidth,
-                # only when set, so every earlier report and tracked run is unchanged
+                # only when set: an uncalibrated system's reports and tracked params name no fixed cost
                 **({"microbatch_overhead_s": self.microbatch_overhead_s} if self.microbatch_overhead_s else {})}
 
 

@@ -113,7 +113,7 @@ def knob(default: Any, doc: str, *, says: str | Callable[[Any], str] = "", short
     or memory, so it keys the layer memo (`layer_key`). bound / why: how the sweep's bounds treat it
     (SOUND, AT_DEFAULT) and why. low / high: a number's range (low excluded where `low_open`). cli:
     argparse keywords beyond the generated ones. parse: a reader for values the type alone does not
-    accept (the old on/off recompute). says: how a report names a non-default value (a format with
+    accept (recompute given as on/off). says: how a report names a non-default value (a format with
     `{}` for the value, or a function of it; a switch's words when on). short: the report's column
     name where shorter than the field's. quiet: values a validation report leaves out besides the
     default (a setting every published suite runs)."""
@@ -150,8 +150,8 @@ def check_mbs(value: Any, name: str = "microbatch size", error: type[Exception] 
 
 
 def recompute_mode(value: Any) -> str:
-    """The recompute mode of a recipe value: a mode name, or the old on/off forms (on -> "full",
-    off -> "none"). The one reading of a recompute value: "selective" stays "selective"."""
+    """The recompute mode of a recipe value: a mode name, or an on/off form (a true/false space
+    axis: on -> "full", off -> "none"). The one reading of a recompute value: "selective" stays "selective"."""
     if isinstance(value, str) and value.strip().lower() in RECOMPUTE_MODES:
         return value.strip().lower()
     try:
@@ -313,7 +313,7 @@ class Memory(_Config):
     """What each device keeps: activations (recompute) and optimizer state (ZeRO, its layout)."""
 
     # `recompute`: the activation recompute mode, `none | selective | full` (Korthikanti et al. 2022); a
-    # bool is accepted for the old on/off recipe (True -> "full", False -> "none");
+    # bool is accepted for a recipe that gives recompute as on/off (True -> "full", False -> "none");
     recompute: Recompute = knob("none", "activation recompute: none, selective (the attention core, or "
                                         "the recompute modules) or full (each layer from its input)",
                                 listed="always", parse=recompute_mode, cli={"nargs": "?", "const": "full"}, says='recompute {}')

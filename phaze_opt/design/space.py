@@ -22,7 +22,7 @@ choices, the values that are tied to another parameter or fixed, and the area ru
 
 Every accelerator field (num_tc, tc_x, tc_y, num_vc, vc_width, glb_mib, hbm_gib, clock_ghz) must be
 sampled, tied or fixed, and `mbs` and `recompute` must be sampled (a one-item list fixes them).
-`recompute` choices are true/false (full/none, as before) or none, selective, full. The further
+`recompute` choices are true/false (read as full/none) or none, selective, full. The further
 recipe fields (the rest of `Training`) may be sampled too; a space without one trains with its default:
 `sequence_parallel` [false, true], `virtual_stages` (positive integers), `zero` [0, 1, 2, 3],
 `overlap_grad_reduce` [false, true], `attention` [unfused, flash] (absent: the model's own),

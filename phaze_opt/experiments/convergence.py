@@ -122,7 +122,7 @@ def _tables(url: str) -> set[str]:
     import sqlalchemy
     from sqlalchemy.pool import NullPool
 
-    probe_database(url, option="--storage")  # an unreachable server: one line now, not the driver's minutes
+    probe_database(url, option="--storage")  # an unreachable server: one line, not minutes of retries
     try:
         engine = sqlalchemy.create_engine(driver_url(url), poolclass=NullPool)
         try:

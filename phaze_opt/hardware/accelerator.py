@@ -102,7 +102,7 @@ class Accelerator:
             del out["tc_datatypes"]
         else:
             out["tc_datatypes"] = dict(self.tc_datatypes)
-        if not self.tc_fp8_any_layout:  # the default: every earlier mapping (and key built from it) unchanged
+        if not self.tc_fp8_any_layout:  # the default stays out of the mapping (and every key built from it)
             del out["tc_fp8_any_layout"]
         return out
 

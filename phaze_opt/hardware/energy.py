@@ -92,7 +92,7 @@ class EnergyConstants:
         A PE's MAC is a multiply and an FP32 accumulate; only the multiplier shrinks with the
         format: its array grows with the significand bits squared (Horowitz, ISSCC 2014: an 8-bit
         integer multiply 0.2 pJ against 3.1 pJ for 32 bits, about (8/32)^2 of it; 16-bit FP 1.1 pJ),
-        so a format pays `mac_multiply_pj` x (its bits / BF16's 8)^2 plus the accumulate as before:
+        so a format pays `mac_multiply_pj` x (its bits / BF16's 8)^2 plus the FP32 accumulate, which no format changes:
         FP8/MXFP8 (E4M3, 4 bits) 0.275 + 0.9 = 1.175 pJ at 45 nm, 0.59x BF16's 2.0; NVFP4 (E2M1,
         2 bits) 0.97 pJ, 0.48x. Uncertainty: NVIDIA doubles the dense rate in FP8 at the same power
         (H100 SXM datasheet: BF16 989 and FP8 1979 TFLOPS, both at 700 W; B200: FP4 twice FP8), so

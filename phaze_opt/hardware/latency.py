@@ -148,7 +148,7 @@ class DesignArrays:
     hbm_bw: np.ndarray
     clock_hz: np.ndarray
     # How the software stack uses the template (hardware/efficiency.py): one per preset, so a scalar
-    # shared by every row; the identity leaves the template's latencies exactly as they were.
+    # shared by every row; the identity leaves the template's latencies exactly as the template gives them.
     efficiency: Efficiency = IDENTITY
 
     FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_bytes", "glb_bw", "hbm_bw", "clock_hz")

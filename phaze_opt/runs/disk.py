@@ -139,7 +139,7 @@ def write_whole(path: str | os.PathLike, data: bytes | str) -> Path:
 def quiet_full_threads() -> None:
     """Drop the traceback of a library's background thread (Optuna's heartbeat) that met a full disk
     or the file-size limit: the process's own next write meets it too and says so in one line, which
-    the thread's traceback would only bury. Other errors in threads print as before."""
+    the thread's traceback would only bury. Other errors in threads print as Python prints them."""
     hook = threading.excepthook
     if getattr(hook, "phaze_full_quiet", False):
         return

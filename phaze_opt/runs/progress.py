@@ -1,7 +1,7 @@
 """Progress of a study or sweep: a tqdm bar on a terminal, plain lines in a log file.
 
 A bar redraws one line with carriage returns, which a log file (`> log 2>&1`) keeps as one
-unreadable line, so tqdm turns itself off there and a three-minute study used to print nothing
+unreadable line, so tqdm turns itself off there and a three-minute study would print nothing
 until its summary. Off a terminal, progress is instead one plain, self-contained line every
 `EVERY_S` seconds of wall time and one at the end, flushed at once so `tail -f log` follows it:
 

@@ -390,7 +390,7 @@ def release_storage(study_or_storage) -> None:
 
 def _sqlite_wal(storage) -> None:
     """WAL journal and NORMAL sync: a trial's dozen small writes cost a third less, and readers
-    (the progress poll, other workers) no longer block the writer."""
+    (the progress poll, other workers) do not block the writer (WAL lets them read beside it)."""
     def pragmas(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")

@@ -30,7 +30,7 @@ subset (`fit_operators.FIT_TP`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable, Sequence
 
 from ..design.evaluate import evaluate
@@ -84,6 +84,14 @@ class RowResult:
                 "time_per_batch_s": self.time_per_batch_s, "schedule_gap": self.schedule_gap,
                 "skipped": self.skipped, "source": self.source}
 
+    @classmethod
+    def from_json(cls, d: dict) -> "RowResult":
+        """The row `to_json` wrote: a report renders from a saved run as from a live one. The
+        configuration is every key that is not a field (`to_json` spreads it into the row)."""
+        names = {f.name for f in fields(cls)} - {"config"}
+        return cls(config={k: v for k, v in d.items() if k not in names and k != "error"},
+                   **{k: d[k] for k in names})
+
 
 def mape(rows: Iterable[RowResult]) -> float | None:
     """Mean absolute relative error over the feasible rows (None when there are none)."""
@@ -128,6 +136,14 @@ class SuiteResult:
                 "arch_efficiency": self.arch_efficiency,
                 "mape": self.mape(), "infeasible": len(self.infeasible), "skipped": len(self.skipped),
                 "rows": [r.to_json() for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SuiteResult":
+        """The suite `to_json` wrote (its MAPEs and counts are recomputed from the rows)."""
+        return cls(name=d["suite"], description=d["description"], metric=d["metric"], arch=d["arch"],
+                   system=d["system"], rows=tuple(RowResult.from_json(r) for r in d["rows"]),
+                   efficiency=d["efficiency"], arch_efficiency=d["arch_efficiency"],
+                   flops_formula=d["flops_formula"])
 
 
 def row_config(row: Row, suite: Suite) -> dict:

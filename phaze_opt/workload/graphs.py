@@ -252,7 +252,7 @@ def _write(path: Path, key: str, graph: LayerGraph) -> None:
         return
     if write_atomic(path, text):
         try:
-            path.with_suffix(".pkl").unlink(missing_ok=True)  # the old format's file is never loaded
+            path.with_suffix(".pkl").unlink(missing_ok=True)  # the cache reads JSON only: a pickle is dead weight
         except OSError:
             pass
 

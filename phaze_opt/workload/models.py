@@ -69,7 +69,7 @@ OPTIONAL = ("kv_heads", "tp_widths", "positions", "dropout", "bias", "dtype", "t
             *("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
               "capacity_factor", "router_groups", "router_group_topk"))
 # Mixture-of-experts fields (see `ModelConfig`): absent means a dense model, and a dense model's
-# identity (hence every cache key) is what it was before they existed.
+# identity (hence every cache key) leaves them out, so it depends only on what a dense model has.
 MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "gate_renorm", "aux_loss_coef",
               "capacity_factor")
 # Most experts of any published MoE: 2,048 (GShard 600B); Switch-C has 2,048 too.
@@ -251,9 +251,9 @@ class ModelConfig:
         d.pop("source")
         for key in DEFAULT_FIELDS:
             d.pop(key)
-        if d["attention"] == "unfused":  # the default leaves the identity (and cache keys) as they were
+        if d["attention"] == "unfused":  # the default stays out of the identity (and cache keys)
             d.pop("attention")
-        if not self.moe:  # a dense model hashes as it did before MoE fields existed
+        if not self.moe:  # a dense model's hash holds no MoE field
             for key in MOE_FIELDS:
                 d.pop(key)
         for key, default in MODERN_DEFAULTS.items():

@@ -47,7 +47,7 @@ class Op:
     with the softmax on one vector core: `gemms` lists them, and `gemm` is the single GEMM with the
     same multiply-adds, (batch, M, sum of the K's, N), which is what models that read `gemm` alone
     (area-free energy, bounds) need. `gemms` is empty for every other op and then left out of
-    `cost_fields`, so graphs without fused attention hash as before.
+    `cost_fields`, so an empty field never enters a graph's hash (cache keys name only what prices a graph).
     """
 
     name: str
@@ -67,7 +67,7 @@ class Op:
     gemms: tuple[tuple[int, int, int, int], ...] = ()  # the GEMMs of a fused attention op, in order
     # A GEMM's operand number format when not the graph's own BF16 ("fp8", "mxfp8", "nvfp4"; set by
     # workload/precision.py, never by the tracer): left out of `cost_fields` and the cached JSON
-    # when empty, so BF16 graphs hash and store as before.
+    # when empty, so a BF16 graph's hash and cache file name only what prices it.
     datatype: str = ""
 
     def __post_init__(self):

@@ -14,7 +14,7 @@ gradient). Kept in BF16:
 - the output layer (`head`) and the embedding: Megatron-Core builds the output layer as a
   `tensor_parallel.ColumnParallelLinear`, not a TE module, so `fp8_autocast` leaves it in BF16, and
   the embedding is a lookup (Megatron-Core GPTModel);
-- softmax, norms, activations and the loss: element-wise, BF16/FP32 as before.
+- softmax, norms, activations and the loss: element-wise, in BF16/FP32 whatever the GEMM format.
 The traced `gemm` and `grouped_gemm` ops of every other layer kind (the decoder blocks, MoE
 experts and MTP modules) run in the format. A MoE router's small GEMM is a `gemm` too and is priced in the format
 (Megatron-Core keeps it in FP32 with `--moe-router-dtype fp32`; a few MFLOP per token, left as is).
