@@ -174,3 +174,17 @@ def test_sampled_study_over_system_axes_logs_the_cluster(tmp_path):
         assert p["system.devices_per_node"] == p["devices_per_node"]
         assert p["system.nic_gbps"] == p["nic_gbps"] and p["system.accelerators"] == p["accelerators"]
         assert p["system.name"].startswith("dgx-b200[")
+
+
+def test_list_choices_round_trip_through_the_codec():
+    """A list-valued recipe axis (recompute_modules) is a categorical of text labels in Optuna and
+    decodes back to the space's own choice, a JSON list too."""
+    from phaze_opt.search.encoding import coding_for
+
+    choices = load_space("frontier").params["recompute_modules"]
+    coding = coding_for("recompute_modules", choices)
+    assert all(c is None or isinstance(c, str) for c in coding.distribution().choices)
+    for c in choices:
+        assert coding.decode(coding.encode(c)) == c
+        if c is not None:
+            assert coding.decode(coding.encode(list(c))) == c

@@ -36,6 +36,12 @@ Blackwell) and their datapath counts in the area (hardware/area.py `datatype_fra
 it and `precision` sampled, a study answers whether a format is worth its area: a point asking for
 a format its chip lacks is infeasible. Absent: BF16 only.
 
+The cluster may be sampled too (design/system_axes.py; docs/frontier.md): `accelerators`,
+`devices_per_node` (the scale-up domain), `intra_node_gbps` (its bandwidth per device), `nics_per_device`
+and `nic_gbps`; a point's cluster is the study's system with them (`system(point, base)`). Absent:
+the study's system. `reference_recipes: {model: {field: value}}` (optional) names the published
+recipe each model's baseline runs, instead of the best of every recipe the space offers.
+
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
 floor is waived when any of `floor_exempt_if_one` is 1 (single-core designs are kept as baselines).

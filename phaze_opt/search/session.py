@@ -416,8 +416,9 @@ class Session:
         """The reference chip, first, once per study: at every microbatch and recompute choice (the
         other recipe fields at their defaults), then at each model's baseline recipe where that is
         none of those, so the study evaluates the very recipe its ratios divide by."""
-        recipes = [{"mbs": mbs, "recompute": rc} for mbs in self.space.params["mbs"]
-                   for rc in self.space.params["recompute"]]
+        # a space naming its published reference recipes is compared with those alone
+        recipes = [] if reference_recipes(self.space) else [{"mbs": mbs, "recompute": rc} for mbs in self.space.params["mbs"]
+                                                            for rc in self.space.params["recompute"]]
         for b in self.baselines.values():
             if b.feasible:
                 if b.point not in recipes:

@@ -140,6 +140,8 @@ def default_study_name(config: StudyConfig) -> str:
     parts = [models, _stem(config.space)]
     if _stem(config.system) != "default":
         parts.append(_stem(config.system))
+    if _stem(config.reference_arch) != "tpuv4":  # its baselines are another chip's
+        parts.append("ref-" + _stem(config.reference_arch))
     parts += config.searcher.name_parts(config)
     if tuple(config.objectives) != ("throughput",):
         parts.append("+".join(config.objectives))
