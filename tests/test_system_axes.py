@@ -188,3 +188,12 @@ def test_list_choices_round_trip_through_the_codec():
         assert coding.decode(coding.encode(c)) == c
         if c is not None:
             assert coding.decode(coding.encode(list(c))) == c
+
+
+def test_reference_point_takes_a_baseline_recipe_read_back_from_json():
+    """A stored baseline's recipe holds its module list as JSON wrote it (a list, in any order); the
+    reference point still finds the space's choice."""
+    space = load_space("frontier")
+    recipe = {**space.reference_recipes["deepseek-v3"], "recompute_modules": ["mla_up_proj", "mlp"]}
+    point = space.reference_point("b200", recipe=recipe, system="dgx-b200-16k")
+    assert point["recompute_modules"] in space.params["recompute_modules"]

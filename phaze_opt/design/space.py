@@ -145,6 +145,17 @@ def _check_value(file, where: str, name: str, v) -> Any:
     return v
 
 
+def _recipe_value(name: str, value):
+    """A recipe value as the space holds its choices (a list of modules read back from JSON is the
+    tuple the declaration makes of it); other values as they are."""
+    if name in RECIPE_FIELDS and isinstance(value, list):
+        try:
+            return file_value(name, value)
+        except PhazeError:
+            return value
+    return value
+
+
 def _check_limit(file, where: str, name: str, v) -> None:
     problem = FIELD_LIMITS[name].exceeded(v) if name in FIELD_LIMITS else None
     if problem:
@@ -407,9 +418,10 @@ class SearchSpace:
         point = {}
         for p in self.params:
             if p in recipe:
-                if recipe[p] not in self.params[p]:
+                value = _recipe_value(p, recipe[p])
+                if value not in self.params[p]:
                     raise PhazeError(f"space '{self.name}' offers no {p} {recipe[p]!r} (choices: {self.params[p]})")
-                point[p] = recipe[p]
+                point[p] = value
             elif p == "mbs":
                 point[p] = self.params["mbs"][0]
             elif p == "recompute":
