@@ -197,3 +197,30 @@ def test_reference_point_takes_a_baseline_recipe_read_back_from_json():
     recipe = {**space.reference_recipes["deepseek-v3"], "recompute_modules": ["mla_up_proj", "mlp"]}
     point = space.reference_point("b200", recipe=recipe, system="dgx-b200-16k")
     assert point["recompute_modules"] in space.params["recompute_modules"]
+
+
+def test_grid_of_a_space_with_system_axes_is_the_feasible_product():
+    """Area depends on the die alone: the grid is every product point whose die passes the area rule,
+    in file order, and size() counts it (brute force over a space with two dies and every system axis)."""
+    space = tiny(num_tc=[1, 4], tc_x=[64, 128])
+    names = list(space.params)
+    expected = [p for p in (dict(zip(names, v)) for v in itertools.product(*space.params.values()))
+                if space.area_check(p)[0]]
+    assert space.grid_points(order="grid") == expected
+    assert space.size() == len(expected) and 0 < space.count() < 4
+    by_area = space.grid_points(order="area")
+    areas = [space.area_check(p)[1] for p in by_area]
+    assert areas == sorted(areas, reverse=True) and sorted(map(repr, by_area)) == sorted(map(repr, expected))
+
+
+def test_frontier_space_builds_the_b200_it_is_referenced_to():
+    """The space's B200 point is the b200 preset in every field a trial's evaluation reads (its FP8
+    operand layout too), so trial 0 and the baseline price the same chip."""
+    from phaze_opt.hardware.arch import load_arch
+
+    space = load_space("frontier")
+    point = space.reference_point("b200", recipe=space.reference_recipes["llama3-405b"], system="dgx-b200-16k")
+    built, preset = space.accelerator(point), load_arch("b200")
+    assert built.compute_key == preset.compute_key
+    assert (built.hbm_bytes, built.hbm_bw, built.tc_fp8_any_layout) == (preset.hbm_bytes, preset.hbm_bw, True)
+    assert "tc_fp8_any_layout" in space.constant_arch_fields()

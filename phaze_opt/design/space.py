@@ -86,7 +86,8 @@ ALL_FIELDS = ARCH_FIELDS + (DATATYPE_FIELD,) + RUN_FIELDS + RECIPE_FIELDS + SYST
 # microbatch is part of one global batch, so it has the global batch's limit.
 FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
 TOP_KEYS_REQUIRED = ("params", "area")
-TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps", "reference_recipes")
+TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps", "reference_recipes",
+                     "tc_fp8_any_layout")
 AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
 MAX_GRID = 20_000_000  # points `grid_points` lists one by one (the unpruned sweep)
 # Architectures (the product of the area parameters' choices) the grid's arrays hold: a few float
@@ -209,6 +210,9 @@ class SearchSpace:
     # model -> the published recipe its baseline runs (point values of the recipe fields); a model
     # not named here is baselined at the best recipe of the space (search/objective.compute_baselines)
     reference_recipes: dict = field(default_factory=dict)
+    # the template's tensor cores read an FP8 operand in either major order (archs/b200.yaml; one
+    # FP8 weight copy, not two: workload/precision.py); the same for every design of the space
+    tc_fp8_any_layout: bool = False
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ---- single points --------------------------------------------------------------------------
@@ -242,6 +246,7 @@ class SearchSpace:
             vc_width=int(v["vc_width"]), glb_bytes=int(round(v["glb_mib"] * MIB)), glb_bw=float(glb_bw),
             hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
             **({"tc_datatypes": datatype_set(point[DATATYPE_FIELD])} if DATATYPE_FIELD in self.params else {}),
+            tc_fp8_any_layout=self.tc_fp8_any_layout,
         )
 
     @property
@@ -277,7 +282,7 @@ class SearchSpace:
         sources = {**{f: (f,) for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")},
                    "glb_bytes": ("glb_mib",), "glb_bw": glb_bw_from, "hbm_bytes": ("hbm_gib",),
                    "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS,
-                   DATATYPE_FIELD: (DATATYPE_FIELD,)}
+                   DATATYPE_FIELD: (DATATYPE_FIELD,), "tc_fp8_any_layout": ()}
         fields = self.accelerator({p: choices[0] for p, choices in self.params.items()}).fields()
         return {k: v for k, v in fields.items() if not any(varies(f) for f in sources[k])}
 
@@ -481,6 +486,9 @@ class SearchSpace:
         for f, src in self.tied.items():
             if have[f] != have[src]:
                 raise cannot(f"{f} is tied to {src} in the space, the design has {f}={have[f]}, {src}={have[src]}")
+        if acc.tc_fp8_any_layout != self.tc_fp8_any_layout:
+            raise cannot(f"its tc_fp8_any_layout is {str(acc.tc_fp8_any_layout).lower()}, the space's "
+                         f"{str(self.tc_fp8_any_layout).lower()}")
         if have["hbm_gib"] not in self.hbm_bw_table:
             raise cannot(f"the space knows no HBM bandwidth for {have['hbm_gib']} GiB (known: {sorted(self.hbm_bw_table)})")
         built = self.accelerator(point)
@@ -595,6 +603,9 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
         raise config_error(file, "area.floor_exempt_if_one", f"must be a list drawn from num_tc, num_vc, got {shown(exempt)}")
 
     references = _reference_recipes(file, data.get("reference_recipes"), params)
+    any_layout = data.get("tc_fp8_any_layout", False)
+    if not isinstance(any_layout, bool):
+        raise config_error(file, "tc_fp8_any_layout", f"must be true or false, got {shown(any_layout)}")
     name = data.get("name", default_name)
     if not isinstance(name, str):
         raise config_error(file, "name", f"must be a string, got {shown(name)}")
@@ -602,7 +613,7 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
         name=name, params=params, tied=dict(tied), fixed=fixed, hbm_bw_table=hbm_table, glb_bw_fixed=glb_bw,
         area_budget_mm2=budget, budget_label=label, min_fraction=float(min_fraction),
         floor_exempt_if_one=tuple(exempt), description=str(data.get("description", "")), path=str(file),
-        reference_recipes=references,
+        reference_recipes=references, tc_fp8_any_layout=any_layout,
     )
     if space.count() == 0:
         raise config_error(file, "area", f"no architecture passes the area rule (budget {budget:.2f} mm^2, "
