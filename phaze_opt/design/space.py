@@ -41,6 +41,8 @@ The cluster may be sampled too (design/system_axes.py; docs/frontier.md): `accel
 and `nic_gbps`; a point's cluster is the study's system with them (`system(point, base)`). Absent:
 the study's system. `reference_recipes: {model: {field: value}}` (optional) names the published
 recipe each model's baseline runs, instead of the best of every recipe the space offers.
+`tc_fp8_any_layout: true` (optional) says the template's tensor cores read an FP8 operand in either
+major order, as archs/b200.yaml's do, for every design of the space.
 
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
