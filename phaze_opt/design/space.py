@@ -396,7 +396,8 @@ class SearchSpace:
         if math.prod(shape) > MAX_GRID:  # a list of dicts this long would not fit in memory
             raise PhazeError(f"space '{self.name}': {math.prod(shape):,} grid cells is more than the {MAX_GRID:,} "
                              "this tool lists point by point (the pruned sweep enumerates architectures x recipes "
-                             "itself; use --prune bound)")
+                             "itself; use --prune bound where its bounds apply, else sample the space without "
+                             "--exhaustive)")
         area_names, area_shape, area, ok = self._grid_arrays()
         # every cell's index per parameter, in grid (C) order, and its area cell's flat index
         full = np.indices(shape, dtype=np.int32).reshape(len(names), -1) if names else np.zeros((0, 1), dtype=int)
