@@ -164,7 +164,7 @@ def _with(**changes):
 @pytest.mark.parametrize("changes, pattern", [
     ({"params__colour": [1]}, r"params.colour'.*unknown parameter"),
     ({"params__num_tc": []}, r"params.num_tc'.*no choices"),
-    ({"params__num_tc": [3, 4]}, r"params.num_tc'.*powers of two, got 3"),
+    ({"params__tc_x": [3, 4]}, r"params.tc_x'.*powers of two, got 3"),
     ({"params__tc_x": {"pow2": [3, 64]}}, r"params.tc_x'.*pow2 needs"),
     ({"params__mbs": [1, 1]}, r"params.mbs'.*repeats"),
     ({"params__mbs": [0]}, r"params.mbs'.*positive"),

@@ -83,7 +83,7 @@ def test_value_outside_the_choices_is_refused():
     ({}, "no parameters"),
     ({"mbs": []}, "'mbs' has no choices"),
     ({"mbs": [1, 2, 1]}, "repeats a choice"),
-    ({"x": [[1], [2], 3]}, "not a number, string or boolean"),
+    ({"x": [[1], [2], 3]}, "not a number, string, boolean or list of names"),
 ])
 def test_bad_spaces_are_one_line_errors(params, message):
     with pytest.raises(PhazeError, match=message) as info:

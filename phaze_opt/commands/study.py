@@ -60,8 +60,12 @@ def add_arguments(p) -> None:
                    help="always show the progress bar (default: a bar when stderr is a terminal, else a plain "
                         "progress line every 10 s and at the end)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+    p.add_argument("--reference-arch", default="tpuv4", metavar="NAME",
+                   help="the reference chip every ratio divides by, its baseline and first trials (default tpuv4, "
+                        "Phaze's; b200 for the frontier space)")
     p.add_argument("--reference-system", default=None, metavar="NAME",
-                   help="system the TPUv4 baseline runs on (default tpuv4-pod, the TPU v4 pod's torus)")
+                   help="system the reference chip's baseline runs on (default: tpuv4-pod, the TPU v4 pod's torus, "
+                        "for tpuv4; else the study's --system)")
 
 
 def heartbeat(args) -> str | None:
@@ -94,6 +98,7 @@ def config_from_args(args) -> StudyConfig:
         ilp_time_limit_s=args.ilp_time_limit,
         reference_system=args.reference_system,
         cluster=args.cluster,
+        reference_arch=args.reference_arch,
     )
 
 

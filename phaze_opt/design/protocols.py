@@ -73,6 +73,8 @@ class SearchSpace(Protocol):
 
     def grid_points(self, order: str = "area") -> list[dict]: ...
 
+    # A space that samples the cluster (`system_params`) also takes `system=`, the reference cluster
+    # (`search/objective.reference_cluster` passes it only to such a space).
     def reference_point(self, arch: str = "tpuv4", recipe: dict | None = None) -> dict: ...
 
 

@@ -36,6 +36,14 @@ Blackwell) and their datapath counts in the area (hardware/area.py `datatype_fra
 it and `precision` sampled, a study answers whether a format is worth its area: a point asking for
 a format its chip lacks is infeasible. Absent: BF16 only.
 
+The cluster may be sampled too (design/system_axes.py; docs/frontier.md): `accelerators`,
+`devices_per_node` (the scale-up domain), `intra_node_gbps` (its bandwidth per device), `nics_per_device`
+and `nic_gbps`; a point's cluster is the study's system with them (`system(point, base)`). Absent:
+the study's system. `reference_recipes: {model: {field: value}}` (optional) names the published
+recipe each model's baseline runs, instead of the best of every recipe the space offers.
+`tc_fp8_any_layout: true` (optional) says the template's tensor cores read an FP8 operand in either
+major order, as archs/b200.yaml's do, for every design of the space.
+
 The area rule is the published system's (msr-fiddle/phaze, Estimator/architecture.py,
 `check_if_acc_to_explore`): a design fits when `min_fraction * budget <= area <= budget`, and the
 floor is waived when any of `floor_exempt_if_one` is 1 (single-core designs are kept as baselines).
@@ -58,26 +66,30 @@ from ..hardware.accelerator import Accelerator
 from ..hardware.arch import GIB, LIMITS, MIB, load_arch
 from ..hardware.area import area_mm2, area_mm2_arrays, datatype_fraction
 from ..hardware.memory import HBM_BW_BY_GIB, glb_bandwidth
-from ..system import MBS_LIMIT
+from ..system import MBS_LIMIT, System, load_system
 from ..training import FIELDS, OPTIONAL_FIELDS, SAMPLED_FIELDS, file_value
+from . import system_axes
+from .system_axes import SYSTEM_FIELDS
 
 ARCH_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib", "hbm_gib", "clock_ghz")
 AREA_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "glb_mib")  # what the area depends on
 RUN_FIELDS = SAMPLED_FIELDS  # the training recipe's fields a space samples (training.py)
 RECIPE_FIELDS = OPTIONAL_FIELDS  # further recipe fields a space may sample; absent: the Training default
 INT_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width", "mbs")
-POW2_FIELDS = ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")  # the core template is power-of-two
+# Each core's array is power-of-two (Phaze's template); their counts need not be (a B200 has 148 SMs).
+POW2_FIELDS = ("tc_x", "tc_y", "vc_width")
 DATATYPE_FIELD = "tc_datatypes"  # optional, sampled: the tensor cores' number formats (module docstring)
 # MACs per PE per cycle over BF16 of each format a space's datatype set names: the published ratios
 # (H100 SXM datasheet: 1979 dense FP8 vs 989 BF16 TFLOP/s; NVIDIA Blackwell datasheet (B200): FP8
 # and MXFP8 2x, NVFP4 4x the dense BF16 rate).
 DATATYPE_RATES = {"bf16": 1.0, "fp8": 2.0, "mxfp8": 2.0, "nvfp4": 4.0}
-ALL_FIELDS = ARCH_FIELDS + (DATATYPE_FIELD,) + RUN_FIELDS + RECIPE_FIELDS
+ALL_FIELDS = ARCH_FIELDS + (DATATYPE_FIELD,) + RUN_FIELDS + RECIPE_FIELDS + SYSTEM_FIELDS
 # Every choice stays within the reference architectures' limits (hardware.arch.LIMITS); a
 # microbatch is part of one global batch, so it has the global batch's limit.
 FIELD_LIMITS = {**LIMITS, "mbs": MBS_LIMIT}
 TOP_KEYS_REQUIRED = ("params", "area")
-TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps")
+TOP_KEYS_OPTIONAL = ("name", "description", "tied", "fixed", "hbm_bw_gbps", "glb_bw_gbps", "reference_recipes",
+                     "tc_fp8_any_layout")
 AREA_TOLERANCE = 1e-9  # relative; the budget design itself must pass
 MAX_GRID = 20_000_000  # points `grid_points` lists one by one (the unpruned sweep)
 # Architectures (the product of the area parameters' choices) the grid's arrays hold: a few float
@@ -115,6 +127,11 @@ def _check_value(file, where: str, name: str, v) -> Any:
         except ValueError as exc:
             raise config_error(file, where, f"choices {exc}") from None
         return str(v)
+    if name in SYSTEM_FIELDS:  # the cluster's axes (design/system_axes.py)
+        try:
+            return system_axes.check_value(name, v)
+        except ValueError as exc:
+            raise config_error(file, where, str(exc)) from None
     if name in RECIPE_FIELDS or name == "recompute":  # checked by the recipe's declaration (training.file_value)
         try:
             return file_value(name, v)
@@ -129,6 +146,17 @@ def _check_value(file, where: str, name: str, v) -> Any:
         raise config_error(file, where, f"values must be powers of two, got {shown(v)}")
     _check_limit(file, where, name, v)
     return v
+
+
+def _recipe_value(name: str, value):
+    """A recipe value as the space holds its choices (a list of modules read back from JSON is the
+    tuple the declaration makes of it); other values as they are."""
+    if name in RECIPE_FIELDS and isinstance(value, list):
+        try:
+            return file_value(name, value)
+        except PhazeError:
+            return value
+    return value
 
 
 def _check_limit(file, where: str, name: str, v) -> None:
@@ -181,6 +209,12 @@ class SearchSpace:
     floor_exempt_if_one: tuple[str, ...]
     description: str = ""
     path: str = ""
+    # model -> the published recipe its baseline runs (point values of the recipe fields); a model
+    # not named here is baselined at the best recipe of the space (search/objective.compute_baselines)
+    reference_recipes: dict = field(default_factory=dict)
+    # the template's tensor cores read an FP8 operand in either major order (archs/b200.yaml; one
+    # FP8 weight copy, not two: workload/precision.py); the same for every design of the space
+    tc_fp8_any_layout: bool = False
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ---- single points --------------------------------------------------------------------------
@@ -214,7 +248,25 @@ class SearchSpace:
             vc_width=int(v["vc_width"]), glb_bytes=int(round(v["glb_mib"] * MIB)), glb_bw=float(glb_bw),
             hbm_bytes=int(round(hbm * GIB)), hbm_bw=float(self.hbm_bw_table[hbm]), clock_hz=clock_hz, name=label,
             **({"tc_datatypes": datatype_set(point[DATATYPE_FIELD])} if DATATYPE_FIELD in self.params else {}),
+            tc_fp8_any_layout=self.tc_fp8_any_layout,
         )
+
+    @property
+    def system_params(self) -> list[str]:
+        """The cluster's axes this space samples (design/system_axes.py); none: the study's system."""
+        return [p for p in self.params if p in SYSTEM_FIELDS]
+
+    def system(self, point: dict, base: System | str) -> System:
+        """The cluster a point trains on: `base` (the study's system) with the point's system axes.
+        A ValueError with the reason when they name no cluster (`system_problem`)."""
+        base = load_system(base)
+        return system_axes.system_for({p: point[p] for p in self.system_params}, base)
+
+    def system_problem(self, point: dict, base: System | str) -> str:
+        """Why a point's system axes over `base` name no cluster ("" when they do, or it has none)."""
+        if not self.system_params:
+            return ""
+        return system_axes.system_problem({p: point[p] for p in self.system_params}, load_system(base))
 
     def constant_arch_fields(self) -> dict:
         """The accelerator fields (`Accelerator.fields()`) every point of the space shares.
@@ -232,7 +284,7 @@ class SearchSpace:
         sources = {**{f: (f,) for f in ("num_tc", "tc_x", "tc_y", "num_vc", "vc_width")},
                    "glb_bytes": ("glb_mib",), "glb_bw": glb_bw_from, "hbm_bytes": ("hbm_gib",),
                    "hbm_bw": ("hbm_gib",), "clock_hz": ("clock_ghz",), "name": ARCH_FIELDS,
-                   DATATYPE_FIELD: (DATATYPE_FIELD,)}
+                   DATATYPE_FIELD: (DATATYPE_FIELD,), "tc_fp8_any_layout": ()}
         fields = self.accelerator({p: choices[0] for p, choices in self.params.items()}).fields()
         return {k: v for k, v in fields.items() if not any(varies(f) for f in sources[k])}
 
@@ -266,35 +318,37 @@ class SearchSpace:
         return [p for p in self.params if p in used]
 
     def _grid_arrays(self):
-        """Over the full index grid of the sampled params: area (broadcast) and the feasibility mask."""
+        """Over the index grid of the area parameters alone (one array axis each, in file order): the
+        area and the feasibility mask. The other parameters leave both unchanged, and leaving them out
+        keeps a space of many recipe and system axes within numpy's 32 array dimensions."""
         if "grid" in self._cache:
             return self._cache["grid"]
-        names = list(self.params)
+        names = self.area_params
         shape = tuple(len(self.params[n]) for n in names)
-        area_axes = {self.tied.get(f, f) for f in AREA_FIELDS if f not in self.fixed} | {DATATYPE_FIELD}
-        cells = math.prod(len(self.params[n]) for n in names if n in area_axes)
+        cells = math.prod(shape)
         if cells > MAX_AREA_CELLS:  # checked before the arrays below are allocated
-            raise PhazeError(f"space '{self.name}': its area parameters ({', '.join(n for n in names if n in area_axes)}) "
+            raise PhazeError(f"space '{self.name}': its area parameters ({', '.join(names)}) "
                              f"make {cells:,} architectures, more than the {MAX_AREA_CELLS:,} this tool holds; "
                              "give fewer choices")
+
+        def along(src, values):
+            k = names.index(src)
+            return np.array(values, dtype=float).reshape([-1 if i == k else 1 for i in range(len(names))])
 
         def axis_values(field_name):
             if field_name in self.fixed:
                 return np.array(self.fixed[field_name], dtype=float)
             src = self.tied.get(field_name, field_name)
-            k = names.index(src)
-            vals = np.array(self.params[src], dtype=float)
-            return vals.reshape([-1 if i == k else 1 for i in range(len(names))])
+            return along(src, self.params[src])
 
         v = {f: axis_values(f) for f in AREA_FIELDS}
         datatypes = 0.0
         if DATATYPE_FIELD in self.params:  # the extra PE area of each datatype set, on its own axis
-            k = names.index(DATATYPE_FIELD)
-            datatypes = np.array([datatype_fraction(datatype_set(c)) for c in self.params[DATATYPE_FIELD]])
-            datatypes = datatypes.reshape([-1 if i == k else 1 for i in range(len(names))])
+            datatypes = along(DATATYPE_FIELD, [datatype_fraction(datatype_set(c)) for c in self.params[DATATYPE_FIELD]])
         area = area_mm2_arrays(v["num_tc"], v["tc_x"], v["tc_y"], v["num_vc"], v["vc_width"], v["glb_mib"] * MIB,
                                datatypes=datatypes)
-        exempt = np.zeros(area.shape, dtype=bool)
+        area = np.broadcast_to(area, shape)
+        exempt = np.zeros(shape, dtype=bool)
         for f in self.floor_exempt_if_one:
             exempt = exempt | (axis_values(f) == 1)
         ok, _, _ = self._rule(area, exempt)
@@ -306,14 +360,8 @@ class SearchSpace:
         if "arch" in self._cache:
             return self._cache["arch"]
         names, shape, area, ok = self._grid_arrays()
-        keep = [i for i, n in enumerate(names) if n in self.area_params]
-        # area and feasibility vary only along the area axes: take one slice through the others
-        sub = tuple(slice(None) if i in keep else slice(0, 1) for i in range(len(names)))
-        kshape = tuple(shape[i] for i in keep) or (1,)
-        area_sub = np.broadcast_to(area, shape)[sub].reshape(kshape)
-        ok_sub = np.broadcast_to(ok, shape)[sub].reshape(kshape)
-        idx = np.nonzero(ok_sub)
-        result = ([names[i] for i in keep], idx, area_sub[idx])
+        idx = np.nonzero(ok.reshape(shape or (1,)))
+        result = (names, idx, area.reshape(shape or (1,))[idx])
         self._cache["arch"] = result
         return result
 
@@ -343,66 +391,95 @@ class SearchSpace:
         "grid": the product of the choices in file order; "area": by decreasing area, the published
         system's sweep order, ties in grid order.
         """
-        names, shape, area, ok = self._grid_arrays()
+        names = list(self.params)
+        shape = tuple(len(self.params[n]) for n in names)
         if math.prod(shape) > MAX_GRID:  # a list of dicts this long would not fit in memory
             raise PhazeError(f"space '{self.name}': {math.prod(shape):,} grid cells is more than the {MAX_GRID:,} "
                              "this tool lists point by point (the pruned sweep enumerates architectures x recipes "
-                             "itself; use --prune bound)")
-        ok_full = np.broadcast_to(ok, shape)
-        idx = np.nonzero(ok_full)
-        if idx[0].size == 0:
+                             "itself; use --prune bound where its bounds apply, else sample the space without "
+                             "--exhaustive)")
+        area_names, area_shape, area, ok = self._grid_arrays()
+        # every cell's index per parameter, in grid (C) order, and its area cell's flat index
+        full = np.indices(shape, dtype=np.int32).reshape(len(names), -1) if names else np.zeros((0, 1), dtype=int)
+        cell = (np.ravel_multi_index(tuple(full[names.index(n)] for n in area_names), area_shape)
+                if area_names else np.zeros(full.shape[1], dtype=int))
+        keep = np.nonzero(ok.reshape(-1)[cell])[0]
+        if keep.size == 0:
             return []
-        perm = self._order(np.broadcast_to(area, shape)[idx], order)
-        cols = [[self.params[n][j] for j in idx[k][perm]] for k, n in enumerate(names)]
+        perm = self._order(area.reshape(-1)[cell[keep]], order)
+        chosen = keep[perm]
+        cols = [[self.params[n][j] for j in full[k][chosen]] for k, n in enumerate(names)]
         return [dict(zip(names, vals)) for vals in zip(*cols)]
 
     def size(self) -> int:
         """Number of area-feasible full points (what `grid_points` returns)."""
-        names, shape, _, ok = self._grid_arrays()
         # Area depends only on the area axes: count those cells and multiply by the other axes' choices
         # (no product-sized array, so a space may list every recipe field with all its choices).
-        other = math.prod(n for name, n in zip(names, shape) if name not in self.area_params)
-        return self.count() * other
+        return self.count() * math.prod(len(c) for n, c in self.params.items() if n not in self.area_params)
 
     # ---- reference designs ----------------------------------------------------------------------
 
-    def reference_point(self, arch: str | os.PathLike = "tpuv4", recipe: Mapping[str, Any] | None = None) -> dict:
-        """The point of this space that builds `arch` (a reference design name or path), trained by
-        `recipe` (point values of the space's recipe fields, e.g. a `Baseline.recipe` with its mbs
-        and recompute); a recipe field it leaves out takes the `Training` default where the space
-        offers it, else the space's first choice (recompute: "none" or off where offered).
+    def recipe_point(self, recipe: Mapping[str, Any]) -> dict:
+        """The space's recipe fields as `recipe` sets them; a field it leaves out takes the `Training`
+        default where the space offers it, else the space's first choice (recompute: "none" or off
+        where offered). A one-line error when the space does not offer a value `recipe` names."""
+        point = {}
+        for p in self.params:
+            if p in recipe:
+                value = _recipe_value(p, recipe[p])
+                if value not in self.params[p]:
+                    raise PhazeError(f"space '{self.name}' offers no {p} {recipe[p]!r} (choices: {self.params[p]})")
+                point[p] = value
+            elif p == "mbs":
+                point[p] = self.params["mbs"][0]
+            elif p == "recompute":
+                point[p] = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
+            elif p in RECIPE_FIELDS:
+                default = FIELDS[p].default
+                point[p] = default if default in self.params[p] else self.params[p][0]
+        return point
+
+    def reference_point(self, arch: str | os.PathLike = "tpuv4", recipe: Mapping[str, Any] | None = None,
+                        system: System | str | None = None) -> dict:
+        """The point of this space that builds `arch` (a reference design name or path) in `system`
+        (the cluster; needed when the space samples system axes), trained by `recipe` (point values
+        of the space's recipe fields, e.g. a `Baseline.recipe` with its mbs and recompute); a recipe
+        field it leaves out takes the `Training` default where the space offers it, else the space's
+        first choice (recompute: "none" or off where offered).
 
         Fails with a one-line error when the space cannot express the design (a fixed or tied field,
-        or a derived bandwidth, differs) or the recipe (a value the space does not offer).
+        or a derived bandwidth, differs), the cluster, or the recipe (a value the space does not offer).
         """
         acc = load_arch(arch)
         recipe = dict(recipe or {})
+        if self.system_params and system is None:
+            raise PhazeError(f"space '{self.name}' samples the cluster ({', '.join(self.system_params)}): "
+                             "its reference point needs the reference system")
+        cluster = system_axes.base_values(load_system(system)) if self.system_params else {}
         have = {
             "num_tc": acc.num_tc, "tc_x": acc.tc_x, "tc_y": acc.tc_y, "num_vc": acc.num_vc, "vc_width": acc.vc_width,
             "glb_mib": _native(acc.glb_bytes / MIB), "hbm_gib": _native(acc.hbm_bytes / GIB),
             "clock_ghz": _native(acc.clock_hz / 1e9),
         }
-        point = {}
+        point = self.recipe_point(recipe)
         for p in self.params:
-            if p in recipe:
-                if recipe[p] not in self.params[p]:
-                    raise PhazeError(f"space '{self.name}' offers no {p} {recipe[p]!r} (choices: {self.params[p]})")
-                point[p] = recipe[p]
-            elif p == "mbs":
-                point[p] = self.params["mbs"][0]
-            elif p == "recompute":
-                point[p] = next((c for c in self.params[p] if c is False or c == "none"), self.params[p][0])
-            elif p == DATATYPE_FIELD:  # the design's own set where the space offers it
+            if p in point:
+                continue
+            if p == DATATYPE_FIELD:  # the design's own set where the space offers it
                 own = "+".join(acc.datatype_names)
                 if own not in self.params[p]:
                     raise PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': its tensor cores' "
                                      f"formats {own} are not among {self.params[p]}")
                 point[p] = own
-            elif p in RECIPE_FIELDS:  # the Training default where the space offers it, else its first choice
-                default = FIELDS[p].default
-                point[p] = default if default in self.params[p] else self.params[p][0]
+            elif p in SYSTEM_FIELDS:
+                if cluster[p] not in self.params[p]:
+                    raise PhazeError(f"space '{self.name}' cannot express system '{load_system(system).name}': its "
+                                     f"{p} {cluster[p]:g} is not among {self.params[p]}")
+                point[p] = cluster[p]
             else:
                 point[p] = have[p]
+        point = {p: point[p] for p in self.params}  # in the space's order
+
         def cannot(why):
             return PhazeError(f"space '{self.name}' cannot express arch '{acc.name}': {why}")
 
@@ -412,6 +489,9 @@ class SearchSpace:
         for f, src in self.tied.items():
             if have[f] != have[src]:
                 raise cannot(f"{f} is tied to {src} in the space, the design has {f}={have[f]}, {src}={have[src]}")
+        if acc.tc_fp8_any_layout != self.tc_fp8_any_layout:
+            raise cannot(f"its tc_fp8_any_layout is {str(acc.tc_fp8_any_layout).lower()}, the space's "
+                         f"{str(self.tc_fp8_any_layout).lower()}")
         if have["hbm_gib"] not in self.hbm_bw_table:
             raise cannot(f"the space knows no HBM bandwidth for {have['hbm_gib']} GiB (known: {sorted(self.hbm_bw_table)})")
         built = self.accelerator(point)
@@ -438,6 +518,29 @@ def _parse_budget(file, area_spec) -> tuple[float, str]:
     return float(budget), f"{budget:g} mm^2"
 
 
+def _reference_recipes(file, raw, params: dict) -> dict:
+    """The optional `reference_recipes: {model: {field: value}}`, each value one of the space's
+    choices of a recipe field it samples (a published recipe the space can express)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(m, str) and isinstance(r, dict) for m, r in raw.items()):
+        raise config_error(file, "reference_recipes", f"must map a model name to a mapping of recipe fields, got {shown(raw)}")
+    out = {}
+    for model, recipe in raw.items():
+        checked = {}
+        for f, v in recipe.items():
+            where = f"reference_recipes.{model}.{f}"
+            if f not in params or f not in RUN_FIELDS + RECIPE_FIELDS:
+                sampled = [p for p in params if p in RUN_FIELDS + RECIPE_FIELDS]
+                raise config_error(file, where, f"not a recipe field the space samples; it samples {', '.join(sampled)}")
+            value = _check_value(file, where, f, v)
+            if value not in params[f]:
+                raise config_error(file, where, f"must be one of the space's choices {params[f]}, got {shown(v)}")
+            checked[f] = value
+        out[model] = checked
+    return out
+
+
 def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     configs.check_keys(data, file, TOP_KEYS_REQUIRED, TOP_KEYS_OPTIONAL)
     raw_params = data["params"]
@@ -456,7 +559,7 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     for f, src in tied.items():
         if f not in ARCH_FIELDS:
             raise config_error(file, f"tied.{f}", f"unknown field; allowed: {', '.join(ARCH_FIELDS)}")
-        if src not in params or src in RUN_FIELDS or src in RECIPE_FIELDS:
+        if src not in params or src in RUN_FIELDS or src in RECIPE_FIELDS or src in SYSTEM_FIELDS:
             raise config_error(file, f"tied.{f}", f"must name a sampled accelerator parameter, got {shown(src)}")
     fixed = {}
     for f, v in fixed_raw.items():
@@ -502,6 +605,10 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
     if not isinstance(exempt, list) or any(e not in ("num_tc", "num_vc") for e in exempt):
         raise config_error(file, "area.floor_exempt_if_one", f"must be a list drawn from num_tc, num_vc, got {shown(exempt)}")
 
+    references = _reference_recipes(file, data.get("reference_recipes"), params)
+    any_layout = data.get("tc_fp8_any_layout", False)
+    if not isinstance(any_layout, bool):
+        raise config_error(file, "tc_fp8_any_layout", f"must be true or false, got {shown(any_layout)}")
     name = data.get("name", default_name)
     if not isinstance(name, str):
         raise config_error(file, "name", f"must be a string, got {shown(name)}")
@@ -509,6 +616,7 @@ def space_from_mapping(data: dict, file, default_name: str = "") -> SearchSpace:
         name=name, params=params, tied=dict(tied), fixed=fixed, hbm_bw_table=hbm_table, glb_bw_fixed=glb_bw,
         area_budget_mm2=budget, budget_label=label, min_fraction=float(min_fraction),
         floor_exempt_if_one=tuple(exempt), description=str(data.get("description", "")), path=str(file),
+        reference_recipes=references, tc_fp8_any_layout=any_layout,
     )
     if space.count() == 0:
         raise config_error(file, "area", f"no architecture passes the area rule (budget {budget:.2f} mm^2, "

@@ -145,8 +145,9 @@ def objective_metric(name: str, n_models: int = 1) -> str:
 
 def design_fields(trial) -> dict[str, Any]:
     """A trial's design with its values as stored: its point, its accelerator's fields as
-    `arch.<field>`, and its whole training recipe as `recipe.<field>` (the fields a space does not
-    sample at their defaults, the recompute mode by name)."""
+    `arch.<field>`, its whole training recipe as `recipe.<field>` (the fields a space does not
+    sample at their defaults, the recompute mode by name) and, where the space samples the cluster,
+    the cluster it trained on as `system.<field>`."""
     ua = trial.user_attrs
     point = ua.get("point") or {}
     fields = dict(point)
@@ -156,7 +157,9 @@ def design_fields(trial) -> dict[str, Any]:
         except (PhazeError, ValueError, TypeError):
             recipe = {}
         fields.update({f"recipe.{k}": v for k, v in recipe.items() if k not in ("mbs", "placement")})
-    fields.update({f"arch.{k}": v for k, v in ((ua.get("result") or {}).get("accelerator") or {}).items()})
+    result = ua.get("result") or {}
+    fields.update({f"arch.{k}": v for k, v in (result.get("accelerator") or {}).items()})
+    fields.update({f"system.{k}": v for k, v in (result.get("system") or {}).items()})
     return fields
 
 

@@ -8,7 +8,9 @@ GP models all treat as ordered:
 - powers of two with consecutive exponents (the published space is all of these) are sampled by
   exponent, as `log2_<name>`, so a Parzen window is as wide for 2..4 as for 1024..2048;
 - other monotone numeric lists are sampled by position, as `<name>_idx`;
-- everything else (booleans, strings, unordered lists) stays categorical under its own name;
+- everything else (booleans, strings, unordered lists) stays categorical under its own name; a
+  choice that is itself a list (a recipe's `recompute_modules`) by a text label, its names joined
+  by `+`, since Optuna's categorical choices are plain values;
 - a parameter with one choice is fixed and never sampled.
 
 The decoded point (the values the space itself uses) is what every report, MLflow run and
@@ -57,6 +59,7 @@ class ParamCoding:
     kind: str  # log2 | index | categorical | fixed
     choices: tuple
     first_exponent: int = 0  # log2 only
+    labels: tuple = ()  # categorical with list choices: each choice's text label, in Optuna's storage
 
     def distribution(self) -> BaseDistribution | None:
         if self.kind == LOG2:
@@ -64,7 +67,7 @@ class ParamCoding:
         if self.kind == INDEX:
             return IntDistribution(0, len(self.choices) - 1)
         if self.kind == CATEGORICAL:
-            return CategoricalDistribution(self.choices)
+            return CategoricalDistribution(self.labels or self.choices)
         return None
 
     def encode(self, value: Any) -> Any:
@@ -73,7 +76,7 @@ class ParamCoding:
             return self.first_exponent + position
         if self.kind == INDEX:
             return position
-        return self.choices[position]
+        return (self.labels or self.choices)[position]
 
     def decode(self, internal: Any) -> Any:
         if self.kind == LOG2:
@@ -82,6 +85,8 @@ class ParamCoding:
             return self.choices[int(internal)]
         if self.kind == FIXED:
             return self.choices[0]
+        if self.labels:
+            return self.choices[self.labels.index(internal)]
         return internal
 
     def suggest(self, trial) -> Any:
@@ -91,7 +96,7 @@ class ParamCoding:
         if self.kind == INDEX:
             return self.decode(trial.suggest_int(self.key, 0, len(self.choices) - 1))
         if self.kind == CATEGORICAL:
-            return trial.suggest_categorical(self.key, self.choices)
+            return self.decode(trial.suggest_categorical(self.key, self.labels or self.choices))
         return self.choices[0]
 
     def _position(self, value: Any) -> int:
@@ -104,6 +109,8 @@ class ParamCoding:
         for i, c in enumerate(self.choices):
             if _is_number(c) and _is_number(value) and c == value:
                 return i
+            if isinstance(c, (list, tuple)) and isinstance(value, (list, tuple)) and tuple(c) == tuple(value):
+                return i  # a list choice read back from JSON
         raise ValueError(f"value {shown(value)} of '{self.name}' is not one of its choices {list(self.choices)}")
 
 
@@ -121,8 +128,16 @@ def coding_for(name: str, choices) -> ParamCoding:
     if all(_is_number(c) for c in choices) and _monotone(choices):
         return ParamCoding(name, f"{name}_idx", INDEX, choices)
     for c in choices:
+        if isinstance(c, (list, tuple)) and all(isinstance(x, str) for x in c):
+            continue
         if not (c is None or isinstance(c, (bool, int, float, str))):
-            raise PhazeError(f"search space parameter '{name}': choice {shown(c)} is not a number, string or boolean")
+            raise PhazeError(f"search space parameter '{name}': choice {shown(c)} is not a number, string, "
+                             "boolean or list of names")
+    if any(isinstance(c, (list, tuple)) for c in choices):
+        labels = tuple("+".join(c) if isinstance(c, (list, tuple)) else c for c in choices)
+        if len(set(map(repr, labels))) != len(labels):
+            raise PhazeError(f"search space parameter '{name}': choices {list(choices)} share a label once joined by '+'")
+        return ParamCoding(name, name, CATEGORICAL, choices, labels=labels)
     return ParamCoding(name, name, CATEGORICAL, choices)
 
 

@@ -19,6 +19,10 @@ How an infeasible design is reported (so samplers learn from it and reports neve
   False. Records and reports carry both, so no unproven number passes for an optimum.
 - A design over the area budget is rejected from the space's `area_check` alone, before any
   workload graph, ILP or placement is computed.
+- A space with system axes (design/system_axes.py) trains each point on its own cluster: the study's
+  system with the point's axes (`SearchSpace.system`). Axes that name no cluster (a device's NIC
+  share above its scale-up link, say) make the point infeasible with the rule as the reason; the
+  trial records its cluster (`Outcome.system`, `system.<field>` in MLflow).
 
 With several models the design is shared ("common", as in the published system) and the
 throughput objective is the mean over models of throughput / that model's TPUv4 baseline
@@ -33,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..design import system_axes
 from ..design.dominance import model_dominators
 from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
@@ -150,6 +155,7 @@ class Outcome:
     accelerator: dict = field(default_factory=dict)
     trial_s: float = 0.0
     score_bound: float = 0.0  # proven upper bound on the score (== score when every schedule is proven)
+    system: dict = field(default_factory=dict)  # the point's cluster when the space samples one (system_axes.summary)
 
     @property
     def proven(self) -> bool:
@@ -186,6 +192,7 @@ class Outcome:
             "proven": self.proven,
             "trial_s": self.trial_s,
             "accelerator": self.accelerator,
+            **({"system": self.system} if self.system else {}),
             "models": {m: self.model_summary(m) for m in self.results},
         })
 
@@ -197,6 +204,7 @@ class Outcome:
         return jsonable({
             "design": self.point,
             "accelerator": self.accelerator,
+            **({"system": self.system} if self.system else {}),
             "feasible": self.feasible,
             "reason": self.reason,
             "area_mm2": self.area_mm2,
@@ -239,14 +247,19 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)
 
-    invalid = recipe_problem(point)
-    if invalid:  # the space's axes combine into no recipe: infeasible, with the rule it breaks
+    system, cluster = point_system(space, point, ctx.system)
+    # the space's axes combine into no recipe or no cluster: infeasible, with the rule it breaks
+    invalid = recipe_problem(point) or (space.system_problem(point, ctx.system) if cluster else "")
+    if invalid:
         return Outcome(point, False, invalid, area, 0.0, _values(ctx.objectives, 0.0, area, math.inf), constraints,
-                       {}, accel_fields, time.perf_counter() - start)
+                       {}, accel_fields, time.perf_counter() - start, system=cluster)
     training = Training.from_point(point)
+    if cluster:
+        system = space.system(point, system)
+        cluster = system_axes.summary(system)
     results = {}
     for model in ctx.models:
-        results[model] = ctx.evaluator(model, accel, training, system=ctx.system)
+        results[model] = ctx.evaluator(model, accel, training, system=system)
     infeasible = [m for m, r in results.items() if not r.feasible]
     constraints["memory"] = float(len(infeasible))
     if len(ctx.models) == 1:
@@ -259,7 +272,19 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     energy = _energy(ctx, results) if feasible and "energy" in ctx.objectives else math.inf
     values = _values(ctx.objectives, score, area, energy)
     return Outcome(point, feasible, reason, area, score, values, constraints, results, accel_fields,
-                   time.perf_counter() - start, max(score_bound, score))
+                   time.perf_counter() - start, max(score_bound, score), cluster)
+
+
+def point_system(space: SearchSpace, point: Mapping[str, Any], system):
+    """(the study's system, the point's system-axis values) for a space with system axes, which need
+    the study's system loaded as their base; (`system` as given, {}) for a space without."""
+    axes = {p: point[p] for p in getattr(space, "system_params", ())}
+    if not axes:
+        return system, {}
+    base = load_system(system)
+    if base.torus is not None:  # the set-up, not one design: every point would fail alike
+        raise FatalStudyError(system_axes.system_problem(axes, base))
+    return base, axes
 
 
 def _values(objectives, score: float, area: float, energy: float) -> list[float]:
@@ -321,11 +346,24 @@ def baseline_points(params: Mapping[str, Sequence], model, system, dominance: bo
     return undominated_points(points, model, system) if dominance else points
 
 
+def reference_recipes(space: SearchSpace) -> dict[str, dict]:
+    """A space's published recipes per model (`reference_recipes`), each completed to a whole point
+    of its recipe fields (`SearchSpace.recipe_point`); {} for a space without them."""
+    return {m: space.recipe_point(r) for m, r in (getattr(space, "reference_recipes", None) or {}).items()}
+
+
+def reference_cluster(space: SearchSpace, system) -> dict:
+    """The keyword that places a space's reference point in the reference `system`: only for a space
+    with system axes, the one kind whose `reference_point` needs it."""
+    return {"system": system} if getattr(space, "system_params", None) else {}
+
+
 NO_EXPERT_FIT = "the expert placement fits TPUv4 at no recipe of the space; the optimal placement stands in"
 
 
 def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arch, system: str,
-                      params: Mapping[str, Sequence], dominance: bool = False) -> dict[str, Baseline]:
+                      params: Mapping[str, Sequence], dominance: bool = False,
+                      references: Mapping[str, dict] | None = None) -> dict[str, Baseline]:
     """Each model on the reference chip with its expert placement, at the best recipe of the space.
 
     The model configs fix the expert TP/PP/DP but not the recipe, so the baseline gets every recipe
@@ -338,10 +376,15 @@ def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arc
     With `dominance` (only for the real evaluator, whose cost model the rules are facts of) the
     recipes another recipe provably matches or beats are not evaluated (`undominated_points`): the
     same best throughput, in a seventh of the evaluations on a space listing every recipe field.
+
+    `references` (a space's `reference_recipes`, completed by `SearchSpace.recipe_point`): the one
+    recipe a model's baseline runs, a published one, where searching every recipe of a space as
+    large as `frontier` could not end.
     """
     out = {}
     for model in models:
-        points = baseline_points(params, model, system, dominance)
+        points = ([dict(references[model])] if references and model in references
+                  else baseline_points(params, model, system, dominance))
         best = None
         errors = []
         for placement in ("expert", "optimal"):

@@ -68,14 +68,19 @@ def baseline_recipe_text(base: dict) -> str:
     return f"{text}, {base.get('placement')} placement" + (f", on system {base['system']}" if base.get("system") else "")
 
 
-def baseline_lines(ratio: float | None, base: dict) -> list[str]:
-    """What a model's best throughput was measured against: the TPUv4 baseline with the placement it
-    really ran (the optimal one stands in when the model has no expert placement or it fits at no
-    recipe, and the lines say so and why, rather than call it expert)."""
+def reference_label(reference_arch: str | None) -> str:
+    """How a summary names its reference chip: TPUv4 (Phaze's), else the design's own name."""
+    return "TPUv4" if reference_arch in (None, "tpuv4") else str(reference_arch)
+
+
+def baseline_lines(ratio: float | None, base: dict, reference: str = "TPUv4") -> list[str]:
+    """What a model's best throughput was measured against: the reference chip's baseline with the
+    placement it really ran (the optimal one stands in when the model has no expert placement or it
+    fits at no recipe, and the lines say so and why, rather than call it expert)."""
     if ratio is None:
-        return [f"      no TPUv4 expert baseline: {base.get('reason') or 'not available'}"]
+        return [f"      no {reference} expert baseline: {base.get('reason') or 'not available'}"]
     placement = base.get("placement") or "expert"
-    lines = [f"      {ratio:.3f}x TPUv4 with the {placement} placement "
+    lines = [f"      {ratio:.3f}x {reference} with the {placement} placement "
              f"({_fmt(base.get('throughput'), ' seq/s', 5)}; {baseline_recipe_text(base)})"]
     if placement != "expert":  # a study stored before stand_in existed: the reason is not known
         lines.append(f"        ({base.get('stand_in') or 'the optimal placement stood in for the expert one'})")
@@ -96,6 +101,7 @@ def describe_trial(trial, baselines: dict) -> dict:
         "trial": trial.number,
         "design": trial.user_attrs.get("point"),
         "accelerator": result.get("accelerator"),
+        **({"system": result["system"]} if result.get("system") else {}),  # a space with system axes
         "score": trial.values[0] if trial.values else None,
         "proven": result.get("proven", True),
         "score_bound": result.get("score_bound"),
@@ -158,6 +164,10 @@ def next_steps(session) -> dict:
     study = [exe, "study"] + [a for m in c.models for a in ("--model", str(m))] + ["--space", str(c.space)]
     if str(c.system) != "default":
         study += ["--system", str(c.system)]
+    if str(c.reference_arch) != "tpuv4":
+        study += ["--reference-arch", str(c.reference_arch)]
+    if c.reference_system:
+        study += ["--reference-system", str(c.reference_system)]
     if tuple(c.objectives) != ("throughput",):
         study += ["--objectives", ",".join(c.objectives)]
     flags = _study_flags(c)
@@ -229,6 +239,7 @@ def _summary(session, worker_stats: Sequence[dict], extra: dict | None) -> dict:
         "models": list(config.models),
         "space": getattr(session.space, "name", config.space),
         "system": config.system,
+        "reference_arch": config.reference_arch,
         "sampler": config.searcher.sampler_label(config),
         "seed": config.seed,
         "objectives": list(config.objectives),
@@ -349,6 +360,8 @@ def render(summary: dict) -> str:
         lines.append(f"  best design (trial {best['trial']}): " +
                      ", ".join(f"{k}={v}" for k, v in (best["design"] or {}).items()))
         lines.append(f"    area {_fmt(best['area_mm2'], ' mm^2', 4)}")
+        if best.get("system"):
+            lines.append("    system " + ", ".join(f"{k}={v}" for k, v in best["system"].items()))
         if best.get("proven") is False:
             lines.append(f"    score {best['score']:.6g} from verified schedules not all proven optimal; "
                          f"proven bound {best['score_bound']:.6g}")
@@ -363,11 +376,13 @@ def render(summary: dict) -> str:
             if s.get("proven") is False:
                 lines.append(f"      not proven: at most {_fmt(s.get('throughput_bound'), ' seq/s', 5)}; "
                              f"open layer schedules: {', '.join(s.get('unproven') or [])}")
-            lines += baseline_lines(s.get("ratio_to_tpuv4_expert"), summary["baselines"].get(m, {}))
+            lines += baseline_lines(s.get("ratio_to_tpuv4_expert"), summary["baselines"].get(m, {}),
+                                    reference_label(summary.get("reference_arch")))
         if len(best["models"]) > 1 and best.get("ratio_to_tpuv4_expert") is not None:
             used = {summary["baselines"].get(m, {}).get("placement") or "expert" for m in best["models"]}
             label = "expert placement" if used == {"expert"} else "expert placement, else the optimal one"
-            lines.append(f"    mean ratio to TPUv4 ({label}): {best['ratio_to_tpuv4_expert']:.3f}x")
+            lines.append(f"    mean ratio to {reference_label(summary.get('reference_arch'))} ({label}): "
+                         f"{best['ratio_to_tpuv4_expert']:.3f}x")
     pareto = summary.get("pareto")
     if pareto:
         lines.append(f"  Pareto front: {len(pareto['trials'])} designs; plot {pareto.get('plot')}")

@@ -40,7 +40,7 @@ from optuna.trial import TrialState
 from ..design.protocols import BoundedEvaluator
 from ..errors import PhazeError
 from .encoding import SpaceCodec
-from .objective import Baseline, Context, FatalStudyError, compute_baselines
+from .objective import Baseline, Context, FatalStudyError, compute_baselines, reference_cluster, reference_recipes
 from ..runs import locks, reconcile, signals
 from ..runs.disk import DATABASE_HEADROOM_BYTES, DiskFull, is_full, quiet_full_threads, write_whole
 from .. import interrupt
@@ -321,7 +321,8 @@ class Session:
         with interrupt.interruptible():  # evaluations: a signal cuts them (nothing is stored yet)
             baselines = compute_baselines(self.config.models, self.backend.evaluator, self.backend.reference_arch,
                                           self.config.baseline_system, self.space.params,
-                                          dominance=isinstance(self.backend.evaluator, BoundedEvaluator))
+                                          dominance=isinstance(self.backend.evaluator, BoundedEvaluator),
+                                          references=reference_recipes(self.space))
         if len(self.config.models) > 1:
             for m, b in baselines.items():
                 if not b.feasible or not b.throughput > 0:
@@ -415,8 +416,9 @@ class Session:
         """The reference chip, first, once per study: at every microbatch and recompute choice (the
         other recipe fields at their defaults), then at each model's baseline recipe where that is
         none of those, so the study evaluates the very recipe its ratios divide by."""
-        recipes = [{"mbs": mbs, "recompute": rc} for mbs in self.space.params["mbs"]
-                   for rc in self.space.params["recompute"]]
+        # a space naming its published reference recipes is compared with those alone
+        recipes = [] if reference_recipes(self.space) else [{"mbs": mbs, "recompute": rc} for mbs in self.space.params["mbs"]
+                                                            for rc in self.space.params["recompute"]]
         for b in self.baselines.values():
             if b.feasible:
                 if b.point not in recipes:
@@ -426,7 +428,8 @@ class Session:
         with locks.study_lock(self.url, self.storage, self.name, "references"):
             for recipe in recipes:
                 try:
-                    point = self.space.reference_point(arch=self.config.reference_arch, recipe=recipe)
+                    point = self.space.reference_point(arch=self.config.reference_arch, recipe=recipe,
+                                                       **reference_cluster(self.space, self.config.baseline_system))
                     params = self.codec.encode(point)
                 except (PhazeError, ValueError) as exc:
                     self.notes.append(f"reference design not enqueued: {exc}")

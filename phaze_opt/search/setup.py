@@ -141,6 +141,8 @@ def default_study_name(config: StudyConfig) -> str:
     parts = [models, _stem(config.space)]
     if _stem(config.system) != "default":
         parts.append(_stem(config.system))
+    if _stem(config.reference_arch) != "tpuv4":  # its baselines are another chip's
+        parts.append("ref-" + _stem(config.reference_arch))
     parts += config.searcher.name_parts(config)
     if tuple(config.objectives) != ("throughput",):
         parts.append("+".join(config.objectives))
@@ -264,8 +266,8 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
     """Why the proven throughput bounds do not apply to a study, or None when they do.
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
-    one model, the throughput objective alone, the real evaluator and a space with HBM capacities
-    whose recipe choices the bounds cover (`training.bound_obstacles`).
+    one model, the throughput objective alone, the real evaluator and a space with HBM capacities,
+    no system axes, and recipe choices the bounds cover (`training.bound_obstacles`).
     """
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None
@@ -282,6 +284,11 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
         return "a custom evaluator has no throughput bound"
     if space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
         return "the space has no architecture grid with HBM capacities"
+    # The bounds are built per system (its links, its device count); a space varying it would need
+    # one set per cluster, which they are not.
+    if getattr(space, "system_params", None):
+        return (f"its bounds are proven for the study's one system; the space samples the cluster "
+                f"({', '.join(space.system_params)})")
     # A recipe field whose bounds hold only at its default (training.AT_DEFAULT), sampled beyond it.
     obstacles = bound_obstacles(getattr(space, "params", {})) if space is not None else []
     return f"its bounds do not cover the space's recipes: {obstacles[0]}" if obstacles else None
