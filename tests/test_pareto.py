@@ -139,6 +139,13 @@ def test_pruned_sweep_finds_the_exact_throughput_area_front(tmp_path):
     full, pruned = _both_sweeps(tmp_path, yaml.safe_load(TINY_SPACE))
     _check_exact(full, pruned)
     assert pruned["exhaustive"]["evaluated_by_bound"] > 0  # it did prune
+    # run again on the same storage: the resumed scores enter area group by area group, so nothing is
+    # evaluated again and the front is the same
+    again = run_study(StudyConfig(models=("gpt2-xl",), space=str(tmp_path / "space.yaml"), hysteresis="off",
+                                  objectives=("throughput", "area"), tracking_uri="off", output_dir=str(tmp_path),
+                                  progress=False, strategy="auto"))
+    assert again["exhaustive"]["evaluated_this_run"] == 0
+    assert _front_set(_vectors(again)) == _front_set(_vectors(full))
     # compare measures both on the exact front: the same front, all of its hypervolume
     from phaze_opt.experiments.convergence import compare
 
