@@ -123,6 +123,7 @@ def plot(curves: Sequence[FrontCurve], base: float, path: Path, title: str, thre
         if not len(c.points):
             continue
         f = front(_minimised(c.points))
+        f = f[np.argsort(f[:, 1])]  # by area: the staircase of the best throughput at or below each area
         ax.step(f[:, 1], -f[:, 0], where="post", color=f"C{i}", marker="o", ms=3,
                 label=f"{c.name}{' (exact)' if c.exact else ''}: {len(f)} on the front")
         if base > 0:
