@@ -26,6 +26,10 @@ the whole grid, then level 1 for the best candidates). Each invocation appends t
 [start, end] in the study's elapsed seconds, to the study attribute `bounding_phases` (the
 `compare` plot shades it); the end is when the first full evaluation is handed out.
 
+With `--objectives throughput,area` the sweep settles the exact throughput-area front instead of
+the optimum: the same steps, the cells visited in groups of equal area, smallest first, and the
+incumbent the best throughput at or below the group's area (`search.pareto` says why it is exact).
+
 Every point is recorded: evaluated points as Optuna trials and MLflow runs; the rest in
 `<output>/<study>-points.csv.gz` (also an MLflow artifact of the parent run) with how each was
 settled ("evaluated", "bound-ideal" or "bound-placement") and its bound, and as counts in the

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..activity import phase
-from ..design.pareto import front, minimised
+from ..design.pareto import front as front_vectors, minimised
 from ..figures import pyplot, write_figure
 from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
@@ -35,7 +35,7 @@ def pareto_front(trials, directions: Sequence[str]) -> list:
     if not feasible:
         return []
     values = minimised([t.values for t in feasible], directions)
-    on_front = {tuple(v) for v in front(values)}
+    on_front = {tuple(v) for v in front_vectors(values)}
     return sorted((t for t, v in zip(feasible, values) if tuple(v) in on_front), key=lambda t: -t.values[0])
 
 
@@ -361,7 +361,10 @@ def render(summary: dict) -> str:
             lines.append(f"    mean ratio to TPUv4 ({label}): {best['ratio_to_tpuv4_expert']:.3f}x")
     pareto = summary.get("pareto")
     if pareto:
-        lines.append(f"  Pareto front: {len(pareto['trials'])} designs; plot {pareto.get('plot')}")
+        proven = (summary.get("exhaustive") or {}).get("front_proven")
+        exact = {True: " (exact: every point off it is matched or beaten by an evaluated design)",
+                 False: " (NOT proven: a point that failed or rests on unproven schedules could join it)"}.get(proven, "")
+        lines.append(f"  Pareto front: {len(pareto['trials'])} designs{exact}; plot {pareto.get('plot')}")
     for note in summary.get("notes", []):
         lines.append(f"  note: {note}")
     if summary.get("summary_file"):
