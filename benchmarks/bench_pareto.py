@@ -96,6 +96,38 @@ def window(args, out: Path, sweep_name: str, sampled: list[str]) -> None:
         print(f"| {name} | {len(pts)} | {hv / base * 100:.2f}% |")
 
 
+def pruned_at_least(args, known: np.ndarray) -> tuple[int, int]:
+    """(points whose level-0 bound is at or below the best known throughput of a smaller design, all
+    points): the exact sweep starts each area group with at least that incumbent (the exact front is
+    at least the known one), so it never hands such a cell out: a lower bound on its pruning."""
+    from phaze_opt.design.best_first import level0_throughput
+    from phaze_opt.design.evaluate import tp_widths
+    from phaze_opt.design.pareto import best_at_or_below
+    from phaze_opt.design.space import load_space
+    from phaze_opt.design.upper_bound import layer_lower_bounds
+    from phaze_opt.hardware.latency import DesignArrays
+    from phaze_opt.system import load_system
+    from phaze_opt.training import kernel_choices, most_virtual_stages, recipe_choices
+    from phaze_opt.workload.models import load_model
+
+    space, model, system = load_space(args.space), load_model(args.model), load_system("default")
+    params = space.params
+    archs = space.architectures(order="grid")
+    points = [{**{k: v for k, v in a.items() if k != "area_mm2"}, "hbm_gib": h, "mbs": 1, **recipe_choices(params)[0]}
+              for a in archs for h in params["hbm_gib"]]
+    designs = DesignArrays.from_accelerators([space.accelerator(p) for p in points])
+    row_area = np.repeat([a["area_mm2"] for a in archs], len(params["hbm_gib"]))
+    floor = best_at_or_below(known[:, 1], known[:, 0])(np.nextafter(row_area, -np.inf))  # strictly smaller areas
+    pruned = 0
+    for mbs in params["mbs"]:
+        widths = [[layer_lower_bounds(model, designs, int(mbs), system, tp, a) for tp in tp_widths(model, system)]
+                  for a in kernel_choices(params)]
+        ub0 = level0_throughput(widths, int(mbs), system, most_virtual_stages(params))
+        pruned += int(np.sum(ub0 <= floor))
+    n_r = len(recipe_choices(params))
+    return pruned * n_r, len(points) * len(params["mbs"]) * n_r
+
+
 def points_per_design(space: str) -> list:
     """The (HBM, microbatch, recipe) choices every design of the space is swept with."""
     from phaze_opt.design.space import load_space
@@ -129,7 +161,12 @@ def main(argv=None) -> None:
                       ["--sampler", sampler, "--seed", seed, "--trials", str(args.trials)])
             names.append(s["study"])
     if sweep is None:
-        window(args, out, f"{args.model}-{args.space}-exhaustive-bound-throughput+area", names)
+        sweep_name = f"{args.model}-{args.space}-exhaustive-bound-throughput+area"
+        window(args, out, sweep_name, names)
+        known = np.vstack([points(out, n) for n in [sweep_name, *names]])
+        pruned, total = pruned_at_least(args, known)
+        print(f"whole space: at least {pruned:,} of {total:,} points ({pruned / total * 100:.2f}%) are pruned by "
+              "level 0 alone against the front the studies found")
         return
     ex = sweep["exhaustive"]
     pruned = ex["points"] - ex["settled"]["evaluated"]
