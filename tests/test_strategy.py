@@ -74,7 +74,7 @@ def test_each_strategys_run_is_what_its_flags_run(monkeypatch, tmp_path, flags, 
 def test_auto_is_branch_and_bound_where_the_bounds_apply(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(type(BRANCH_AND_BOUND), "run", lambda self, config, backend=None: calls.append(config) or {})
-    monkeypatch.setattr(study_setup, "bound_obstacle", lambda config, backend: None)
+    monkeypatch.setattr(study_setup, "bound_obstacle", lambda config, backend, objectives=None: None)
     run_study(fake_config(tmp_path, strategy="auto", hysteresis="off"), backend())
     assert [c.strategy for c in calls] == ["branch-and-bound"]
     assert calls[0].hysteresis == "off"  # the run gets the caller's settings; its session validates them

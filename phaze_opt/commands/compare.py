@@ -10,7 +10,10 @@ DESCRIPTION = (
     "best throughput, workers, trials, wall time, and the trials and time each needed to reach 99% of the best value "
     "any of them found. Wall time is the one each study printed: its search time summed over its runs. The plot "
     "shows best-so-far curves, the target line, where each study reached it, and a bound-pruned sweep's bounding "
-    "phase. Writes <output-dir>/<name>.csv, .md and .png and logs them to MLflow."
+    "phase. When a study has several objectives, it adds each study's throughput-area hypervolume (reference point: "
+    "throughput 0, area = the space's budget) as a fraction of the exact front's where an exhaustive study proved one, "
+    "the trials and time to 95% of it, and a plot of the fronts (<name>-fronts.png). "
+    "Writes <output-dir>/<name>.csv, .md and .png and logs them to MLflow."
 )
 
 

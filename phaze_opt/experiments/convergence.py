@@ -31,6 +31,7 @@ import optuna
 
 from ..errors import PhazeError
 from ..figures import pyplot, write_figure
+from . import fronts
 from ..runs import (OPTUNA_TABLES, MlflowTracker, check_sqlite_storage, driver_url, probe_database, redact, sqlite_path,
                     sqlite_read_uri, tracking_enabled)
 from ..search import best_trial as first_best, clean_name, default_storage, finished_trials, is_feasible, quiet_optuna, study_wall_s
@@ -383,7 +384,14 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
                   ylabel, threshold)
     result = {"studies": [{"name": c.name, "storage": redact(c.storage)} for c in curves], "threshold": threshold,
               "target": target, "rows": rows, "csv": str(csv_path), "markdown": str(md_path), "plot": str(png_path),
-              "legend": legend, "mlflow": None}
+              "legend": legend, "mlflow": None, "fronts": None}
+    outputs = [csv_path, md_path, png_path]
+    front_result = compare_fronts(resolved, out / f"{stem}-fronts.png", stem)
+    if front_result is not None:
+        result["fronts"] = front_result
+        with md_path.open("a") as f:
+            f.write("\n## Throughput-area fronts\n\n" + front_result["markdown"])
+        outputs.append(Path(front_result["plot"]))
     if tracking_enabled(tracking_uri):
         tracker = MlflowTracker.start(
             tracking_uri, "phaze_opt-compare", run_name=f"{stem} {datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -392,14 +400,14 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
             context={"study_name": stem, "sampler": "", "models": curves[0].models or [], "mode": "compare"},
             background=False)
         metrics = {}
-        for r in rows:
+        for r in rows + (front_result or {}).get("rows", []):
             key = clean_name(r["study"])[:150]
             for k in ("best_score", "trials", "wall_s", "trials_to_target", "time_to_target_s", "best_vs_overall",
-                      "time_vs_fastest"):
-                if isinstance(r[k], (int, float)):
-                    metrics[f"{key}.{k}"] = r[k]
+                      "time_vs_fastest", "hypervolume", "fraction"):
+                if isinstance(r.get(k), (int, float)):
+                    metrics[f"{key}.{'front_' if 'hypervolume' in r else ''}{k}"] = r[k]
         tracker.log_parent(metrics=metrics)
-        for p in (csv_path, md_path, png_path):
+        for p in outputs:
             tracker.log_parent_file(p)
         tracker.close()
         result["mlflow"] = {"experiment": "phaze_opt-compare", "experiment_id": tracker.experiment_id,
@@ -407,10 +415,32 @@ def compare(studies: Sequence[str], *, storage: str | None = None, out_dir: str 
     return result
 
 
+def compare_fronts(resolved: Sequence[tuple[str, str]], path: Path, title: str) -> dict | None:
+    """The throughput-area fronts (`fronts`), when any compared study has several objectives or
+    proved its front; None otherwise."""
+    studies = [optuna.load_study(study_name=n, storage=read_storage(u)) for n, u in resolved]
+    if not any(len(s.user_attrs.get("objectives") or []) > 1 for s in studies):
+        return None
+    curves = []
+    for s in studies:
+        trials = s.get_trials(deepcopy=False)
+        points, times, counts = fronts.study_points(trials, _elapsed(trials))
+        exact = bool((s.user_attrs.get("exhaustive_status") or {}).get("front_proven"))
+        curves.append(fronts.FrontCurve(s.study_name, exact, points, times, counts))
+    ref = fronts.reference_point(studies[0].user_attrs.get("space"), curves)
+    curves = [fronts.with_hypervolume(c, ref) for c in curves]
+    rows, base, what = fronts.table(curves, ref)
+    fronts.plot(curves, base, path, f"throughput-area fronts and hypervolume\n{title}")
+    return {"rows": rows, "reference_hypervolume": base, "reference_front": what, "reference_point": list(ref),
+            "markdown": fronts.rows_markdown(rows, base, what, ref), "plot": str(path)}
+
+
 def render(result: dict) -> str:
     rows = result["rows"]
     lines = [rows_markdown(rows, result["threshold"], result["target"], "score").rstrip(),
              f"table: {result['csv']} and {result['markdown']}", f"plot: {result['plot']}"]
+    if result.get("fronts"):
+        lines += [result["fronts"]["markdown"].rstrip(), f"fronts: {result['fronts']['plot']}"]
     if result.get("mlflow"):
         m = result["mlflow"]
         lines.append(f"MLflow: experiment '{m['experiment']}', run {m['run_id']}")

@@ -168,6 +168,9 @@ def trial_params(trial) -> dict[str, str]:
     return {_key(k): str(v)[:MAX_PARAM] for k, v in design_fields(trial).items()}
 
 
+FRONT_TAG = "pareto_front"  # on the trial runs of a multi-objective study's Pareto front
+
+
 def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str], mode: str,
                  objectives: Sequence[str] = ("throughput",), constant: Collection[str] = (),
                  model_tags: Mapping[str, str] | None = None) -> RunRecord:
@@ -313,6 +316,9 @@ class NullTracker:
         pass
 
     def log_best_final(self, trials):
+        pass
+
+    def tag_trials(self, study_name, numbers, tags):
         pass
 
     def flush(self):
@@ -535,6 +541,26 @@ class MlflowTracker:
         if best is not None and (self.best_logged is None or best[0] > self.best_logged[1]):
             last = self.best_logged[0] if self.best_logged is not None else -1
             self.log_best(best[0], max(-best[1], last + 1))
+
+    def tag_trials(self, study_name: str, numbers: Collection[int], tags: Mapping[str, str]) -> None:
+        """Tag the trial runs of `study_name` numbered `numbers` (the study's Pareto front, at its
+        end), whichever invocation logged them; queued behind the trial runs themselves."""
+        wanted = {str(n) for n in numbers}
+        if wanted:
+            self._submit(lambda: self._tag_runs(study_name, wanted, tags))
+
+    def _tag_runs(self, study_name: str, wanted: set[str], tags: Mapping[str, str]) -> None:
+        c, token = self.client, None
+        query = f"tags.`optuna.study` = '{study_name}'"
+        while True:
+            page = retrying(lambda: c.search_runs([self.experiment_id], query, max_results=1000, page_token=token))
+            for run in page:
+                if run.data.tags.get("optuna.trial_number") in wanted:
+                    for k, v in tags.items():
+                        retrying(lambda: c.set_tag(run.info.run_id, k, v))
+            token = page.token
+            if not token:
+                return
 
     def log_parent_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         path = str(path)

@@ -26,6 +26,10 @@ the whole grid, then level 1 for the best candidates). Each invocation appends t
 [start, end] in the study's elapsed seconds, to the study attribute `bounding_phases` (the
 `compare` plot shades it); the end is when the first full evaluation is handed out.
 
+With `--objectives throughput,area` the sweep settles the exact throughput-area front instead of
+the optimum: the same steps, the cells visited in groups of equal area, smallest first, and the
+incumbent the best throughput at or below the group's area (`search.pareto` says why it is exact).
+
 Every point is recorded: evaluated points as Optuna trials and MLflow runs; the rest in
 `<output>/<study>-points.csv.gz` (also an MLflow artifact of the parent run) with how each was
 settled ("evaluated", "bound-ideal" or "bound-placement") and its bound, and as counts in the
@@ -62,6 +66,7 @@ from ..runs import signals
 from ..runs.cluster import ClusterExecutor
 from ..runs.progress import say
 from ..runs.disk import write_whole
+from .pareto import AreaOrder, front_open, resumed_points, row_areas
 from .report import finish, unproven_points
 from .session import Session, one_line, quiet_optuna
 from .setup import Backend, StudyConfig
@@ -303,7 +308,10 @@ class _Sweep:
         self.grid = Grid(session.space)
         self.t_start = time.perf_counter()
         self.done = existing_scores(session.study, session.codec)  # resumed points: key -> score
-        self.incumbent = max((s for s in self.done.values() if s is not None), default=0.0)
+        self.visit = (AreaOrder(row_areas(session.space, self.grid),
+                                resumed_points(session.space, session.study.get_trials(deepcopy=False)))
+                      if self.pareto else _BestFirst())
+        self.incumbent = self.visit.incumbent(self.done)
         self.n_m, self.n_r = len(self.grid.mbss), len(self.grid.rcs)
         self.stats = {"workers": self.config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0,
                       "failed": []}
@@ -331,10 +339,24 @@ class _Sweep:
         # Settled so far: evaluated, or bounded at or below the best (best-first never evaluates those).
         self.progress = self.session.progress(self.grid.size, "point", phase="settled", steady=False)
         self.progress.update(0, self.incumbent if self.incumbent > 0 else None)
-        self.order = np.argsort(-self.ub0, axis=None, kind="stable")
 
     # -- the best-first loop -------------------------------------------------------------------------
+    @property
+    def pareto(self) -> bool:
+        """The throughput-area front is asked for: visit by area (`search.pareto`), not best-first alone."""
+        return len(self.config.objectives) > 1
+
     def settle(self, pool) -> None:
+        """Visit the cells in the order's groups (one group for one objective), each to the end."""
+        for order, floor in self.visit.orders(self.ub0):
+            self.order, self.pos = order, 0
+            self.incumbent = max(self.incumbent, floor)
+            self.heap.clear()  # a drained group leaves only bounds at or below the incumbent
+            self._drain(pool)
+        self._report()
+        self.progress.close()
+
+    def _drain(self, pool) -> None:
         """Hand out tasks while a candidate's bound beats the incumbent; take each result as it comes."""
         while True:
             self._hand_out(pool)
@@ -345,8 +367,6 @@ class _Sweep:
                 self._take(f)
             if self.progress.due():
                 self._report()
-        self._report()
-        self.progress.close()
 
     def _hand_out(self, pool) -> None:
         """Fill the workers: the best candidate is evaluated when its placement bound (level 1) is
@@ -464,11 +484,12 @@ class _Sweep:
     def _report(self) -> None:
         """The progress line: points settled (evaluated, bounded at or below the best, or dominated)."""
         n_r, ub0, incumbent = self.n_r, self.ub0, self.incumbent
-        settled = n_r * int(np.count_nonzero(ub0 <= incumbent))
+        floor = np.broadcast_to(self.visit.floor(incumbent), ub0.shape)  # what a point must beat, per cell
+        settled = n_r * int(np.count_nonzero(ub0 <= floor))
         evaluated = 0
         for (m, row), (_, b, sc) in self.cells.items():
-            settled -= n_r * int(ub0[m, row] <= incumbent)
-            done_here = ~np.isnan(sc) | (b <= incumbent) | (np.asarray(self.dom[m]) != np.arange(n_r))
+            settled -= n_r * int(ub0[m, row] <= floor[m, row])
+            done_here = ~np.isnan(sc) | (b <= floor[m, row]) | (np.asarray(self.dom[m]) != np.arange(n_r))
             settled += int(np.count_nonzero(done_here))
             evaluated += int(np.count_nonzero(~np.isnan(sc)))
         self.progress.set_done(settled, incumbent if incumbent > 0 else None, evaluated=evaluated)
@@ -509,9 +530,28 @@ class _Sweep:
         stats["unproven"] = unproven_points(self.session.study.get_trials(deepcopy=False))
         open_bounds = [f["bound"] for f in stats["failed"]] + [u["bound"] for u in stats["unproven"]]
         stats["optimum_proven"] = not any(b is None or b > incumbent for b in open_bounds)
+        if self.pareto:
+            stats["front_proven"] = not front_open(self.session.study.get_trials(deepcopy=False),
+                                                   stats["failed"] + stats["unproven"], self.session.space)
         if not stats["optimum_proven"]:
             stats["optimum_upper_bound"] = (None if None in open_bounds
                                             else max([incumbent] + [b for b in open_bounds if b is not None]))
+
+
+class _BestFirst:
+    """One objective: every cell in one group, in decreasing level-0 bound, from the best score held."""
+
+    @staticmethod
+    def incumbent(done_scores: dict) -> float:
+        return max((s for s in done_scores.values() if s is not None), default=0.0)
+
+    @staticmethod
+    def orders(ub0: np.ndarray):
+        yield np.argsort(-ub0, axis=None, kind="stable"), 0.0
+
+    @staticmethod
+    def floor(incumbent: float) -> float:
+        return incumbent
 
 
 def settle_dominated(cells: Cells, dom: list[list[int]]) -> None:

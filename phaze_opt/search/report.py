@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..activity import phase
+from ..design.pareto import front as front_vectors, minimised
 from ..figures import pyplot, write_figure
 from ..runs.disk import write_whole
 from ..runs.reconcile import count_own
 from .session import best_trial, finished_trials, is_feasible, repeated_designs
 from .setup import default_storage, default_study_name, resolve_sampler, resolve_strategy
-from ..runs.tracking import DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
+from ..runs.tracking import FRONT_TAG, DEFAULT_TRACKING_URI, MODEL_METRICS, redact, run_url, trials_url, ui_command, venv_command
 
 
 def phaze_opt_ui(study: str, tracking_uri: str) -> str:
@@ -28,25 +29,14 @@ def phaze_opt_ui(study: str, tracking_uri: str) -> str:
 
 
 def pareto_front(trials, directions: Sequence[str]) -> list:
-    """Feasible trials no other feasible trial dominates (all objectives at least as good, one better)."""
+    """Feasible trials no other feasible trial dominates (all objectives at least as good, one better);
+    trials with the same values are all kept."""
     feasible = [t for t in trials if is_feasible(t)]
-    signs = [1.0 if d == "maximize" else -1.0 for d in directions]
-
-    def key(t):
-        return [s * v for s, v in zip(signs, t.values)]
-
-    front = []
-    for t in feasible:
-        kt = key(t)
-        dominated = False
-        for u in feasible:
-            ku = key(u)
-            if all(a >= b for a, b in zip(ku, kt)) and any(a > b for a, b in zip(ku, kt)):
-                dominated = True
-                break
-        if not dominated:
-            front.append(t)
-    return sorted(front, key=lambda t: -t.values[0])
+    if not feasible:
+        return []
+    values = minimised([t.values for t in feasible], directions)
+    on_front = {tuple(v) for v in front_vectors(values)}
+    return sorted((t for t, v in zip(feasible, values) if tuple(v) in on_front), key=lambda t: -t.values[0])
 
 
 def unproven_points(trials: Iterable) -> list[dict]:
@@ -264,6 +254,7 @@ def _summary(session, worker_stats: Sequence[dict], extra: dict | None) -> dict:
         summary["pareto"]["plot"] = str(path) if path else None
         if path:
             session.tracker.log_parent_file(path)
+        session.tracker.tag_trials(session.name, [t.number for t in front], {FRONT_TAG: "true"})
     if extra:
         summary.update(extra)
     tracker = session.tracker
@@ -385,7 +376,10 @@ def render(summary: dict) -> str:
                          f"{best['ratio_to_tpuv4_expert']:.3f}x")
     pareto = summary.get("pareto")
     if pareto:
-        lines.append(f"  Pareto front: {len(pareto['trials'])} designs; plot {pareto.get('plot')}")
+        proven = (summary.get("exhaustive") or {}).get("front_proven")
+        exact = {True: " (exact: every point off it is matched or beaten by an evaluated design)",
+                 False: " (NOT proven: a point that failed or rests on unproven schedules could join it)"}.get(proven, "")
+        lines.append(f"  Pareto front: {len(pareto['trials'])} designs{exact}; plot {pareto.get('plot')}")
     for note in summary.get("notes", []):
         lines.append(f"  note: {note}")
     if summary.get("summary_file"):

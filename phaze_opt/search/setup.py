@@ -262,12 +262,18 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     return config
 
 
-def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
+# What the bound-pruned sweep settles: the best throughput, or the throughput-area front (its area
+# is exact per design, `search.pareto`). Energy has no proven lower bound, so it is not pruned.
+SWEEP_OBJECTIVES = (("throughput",), ("throughput", "area"))
+
+
+def bound_obstacle(config: StudyConfig, backend: Backend | None, objectives=(("throughput",),)) -> str | None:
     """Why the proven throughput bounds do not apply to a study, or None when they do.
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
-    one model, the throughput objective alone, the real evaluator and a space with HBM capacities,
-    no system axes, and recipe choices the bounds cover (`training.bound_obstacles`).
+    one model, objectives among `objectives` (the bound-guided sampler: throughput alone; the sweep:
+    `SWEEP_OBJECTIVES`), the real evaluator and a space with HBM capacities, no system axes, and
+    recipe choices the bounds cover (`training.bound_obstacles`).
     """
     evaluator = backend.evaluator if backend else None
     space = backend.space if backend else None
@@ -278,8 +284,9 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None) -> str | None:
             space = None  # reported where the space is loaded
     if len(config.models) != 1:
         return "it bounds one model's throughput; a common design over several models is not bounded"
-    if tuple(config.objectives) != ("throughput",):
-        return "it bounds throughput only; other objectives need every point evaluated"
+    if tuple(config.objectives) not in objectives:
+        return ("energy has no proven lower bound; every point is evaluated" if "energy" in config.objectives
+                else "it bounds throughput only; other objectives need every point evaluated")
     if evaluator is not None and not isinstance(evaluator, BoundedEvaluator):
         return "a custom evaluator has no throughput bound"
     if space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
@@ -303,7 +310,7 @@ def resolve_strategy(config: StudyConfig, backend: Backend | None) -> str:
     if config.hysteresis is not None:
         why = "--hysteresis stops by area order; bound pruning visits best-first (use --hysteresis off)"
     else:
-        why = bound_obstacle(config, backend)
+        why = bound_obstacle(config, backend, SWEEP_OBJECTIVES)
     if why is None:
         return BRANCH_AND_BOUND_NAME
     if config.strategy == BRANCH_AND_BOUND_NAME:

@@ -1,0 +1,182 @@
+"""The exact throughput-area front against sampled fronts: points pruned, hypervolume reached.
+
+    python benchmarks/bench_pareto.py [--space phaze] [--samplers nsga2,tpe] [--seeds 0] [--trials 500]
+                                      [--workers 1] [--sweep-max-s S] [--out DIR]
+
+The exhaustive sweep (`--exhaustive --objectives throughput,area`) settles the exact front; then one
+sampled study per sampler and seed runs `--trials` trials with the same objectives. Every study runs
+as a user would run it (`python -m phaze_opt.study`, MLflow off, a cache folder of its own), and is
+reused when its summary exists (a study resumes otherwise). The numbers come from the studies'
+storages through `phaze-opt compare`: each study's hypervolume as a fraction of the exact front's
+(reference point: throughput 0, area = the space's budget), trials and seconds to 95% of it. Prints
+the sweep's counts (front size, points pruned, wall time) and the comparison table.
+
+With `--sweep-max-s` the sweep is interrupted (SIGINT) after S seconds; it visits area groups
+smallest first and drains each, so every group below the largest area it evaluated is settled
+exactly. The comparison is then made in that window (areas below it): the exact front there, the
+points of the window's designs pruned, and each sampled study's hypervolume in the window (reference
+point: throughput 0, area = the window's edge) as a fraction of the exact front's. A rerun resumes
+the sweep from its storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import optuna
+
+ROOT = Path(__file__).resolve().parent.parent
+OBJECTIVES = "throughput,area"
+
+
+def study(args, space: str, out: Path, tag: str, extra: list[str], max_s: float | None = None) -> dict | None:
+    """Run one study (or reuse its summary); returns the summary, None when it was cut at `max_s`."""
+    done = out / f"{tag}.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    cmd = [sys.executable, "-m", "phaze_opt.study", "--model", args.model, "--space", space, "--objectives", OBJECTIVES,
+           "--workers", str(args.workers), "--tracking-uri", "off", "--output-dir", str(out), "--no-progress", "--json",
+           *extra]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PHAZE_OPT_CACHE": str(out / f"cache-{tag}")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=max_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the study stops cleanly; its trials stay in its storage
+        proc.communicate()
+        return None
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {stderr.strip().splitlines()[-1:]}")
+    done.write_text(stdout)
+    return json.loads(stdout)
+
+
+def points(out: Path, name: str) -> np.ndarray:
+    """(throughput, area) of a study's feasible evaluated trials."""
+    trials = optuna.load_study(study_name=name, storage=f"sqlite:///{out / name}.db").get_trials(deepcopy=False)
+    return np.array([(t.values[0], t.user_attrs["result"]["area_mm2"]) for t in trials
+                     if t.state.name == "COMPLETE" and "point" in t.user_attrs
+                     and all(v <= 0 for v in t.constraints.values())], dtype=float).reshape(-1, 2)
+
+
+def window(args, out: Path, sweep_name: str, sampled: list[str]) -> None:
+    """The comparison inside the area window the interrupted sweep settled (module docstring)."""
+    from phaze_opt.design.pareto import front, hypervolume
+    from phaze_opt.design.space import load_space
+
+    exact = points(out, sweep_name)
+    if len(exact) == 0:
+        raise SystemExit("the sweep evaluated no design before it was cut; give a longer --sweep-max-s")
+    edge = float(exact[:, 1].max())  # the group at the edge may be unfinished: the window stops below it
+    inside = exact[exact[:, 1] < edge]
+    areas = np.array([a["area_mm2"] for a in load_space(args.space).architectures(order="grid")])
+    trials = optuna.load_study(study_name=sweep_name, storage=f"sqlite:///{out / sweep_name}.db").get_trials(
+        deepcopy=False)
+    evaluated = sum(1 for t in trials if (t.user_attrs.get("result") or {}).get("settled") == "evaluated"
+                    and t.user_attrs["result"].get("area_mm2", np.inf) < edge)
+    per_design = len(points_per_design(args.space))
+    n = int(np.sum(areas < edge)) * per_design
+    ref = np.array([0.0, edge])
+    base = hypervolume(np.column_stack([-inside[:, 0], inside[:, 1]]), ref)
+    print(f"## {args.space}, window area < {edge:.4g} mm^2 ({np.sum(areas < edge):,} of {areas.size:,} designs): "
+          f"exact front of {len(front(np.column_stack([-inside[:, 0], inside[:, 1]])))} vectors, {n:,} points, "
+          f"{evaluated:,} evaluated, {n - evaluated:,} pruned ({(n - evaluated) / n * 100:.2f}%)")
+    print("| study | points in window | hypervolume fraction |\n|---|---|---|")
+    for name in sampled:
+        pts = points(out, name)
+        pts = pts[pts[:, 1] < edge]
+        hv = hypervolume(np.column_stack([-pts[:, 0], pts[:, 1]]), ref) if len(pts) else 0.0
+        print(f"| {name} | {len(pts)} | {hv / base * 100:.2f}% |")
+
+
+def pruned_at_least(args, known: np.ndarray) -> tuple[int, int]:
+    """(points whose level-0 bound is at or below the best known throughput of a smaller design, all
+    points): the exact sweep starts each area group with at least that incumbent (the exact front is
+    at least the known one), so it never hands such a cell out: a lower bound on its pruning."""
+    from phaze_opt.design.best_first import level0_throughput
+    from phaze_opt.design.evaluate import tp_widths
+    from phaze_opt.design.pareto import best_at_or_below
+    from phaze_opt.design.space import load_space
+    from phaze_opt.design.upper_bound import layer_lower_bounds
+    from phaze_opt.hardware.latency import DesignArrays
+    from phaze_opt.system import load_system
+    from phaze_opt.training import kernel_choices, most_virtual_stages, recipe_choices
+    from phaze_opt.workload.models import load_model
+
+    space, model, system = load_space(args.space), load_model(args.model), load_system("default")
+    params = space.params
+    archs = space.architectures(order="grid")
+    points = [{**{k: v for k, v in a.items() if k != "area_mm2"}, "hbm_gib": h, "mbs": 1, **recipe_choices(params)[0]}
+              for a in archs for h in params["hbm_gib"]]
+    designs = DesignArrays.from_accelerators([space.accelerator(p) for p in points])
+    row_area = np.repeat([a["area_mm2"] for a in archs], len(params["hbm_gib"]))
+    floor = best_at_or_below(known[:, 1], known[:, 0])(np.nextafter(row_area, -np.inf))  # strictly smaller areas
+    pruned = 0
+    for mbs in params["mbs"]:
+        widths = [[layer_lower_bounds(model, designs, int(mbs), system, tp, a) for tp in tp_widths(model, system)]
+                  for a in kernel_choices(params)]
+        ub0 = level0_throughput(widths, int(mbs), system, most_virtual_stages(params))
+        pruned += int(np.sum(ub0 <= floor))
+    n_r = len(recipe_choices(params))
+    return pruned * n_r, len(points) * len(params["mbs"]) * n_r
+
+
+def points_per_design(space: str) -> list:
+    """The (HBM, microbatch, recipe) choices every design of the space is swept with."""
+    from phaze_opt.design.space import load_space
+    from phaze_opt.training import recipe_choices
+
+    params = load_space(space).params
+    return [(h, m, r) for h in params["hbm_gib"] for m in params["mbs"] for r in recipe_choices(params)]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt3-175b")
+    p.add_argument("--space", default="phaze")
+    p.add_argument("--samplers", default="nsga2,tpe")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--trials", type=int, default=500)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--sweep-max-s", type=float, default=None, help="interrupt the sweep after this many seconds")
+    p.add_argument("--out", default="benchmarks/results/pareto")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from phaze_opt.experiments.convergence import compare
+
+    out = Path(args.out) / args.space
+    out.mkdir(parents=True, exist_ok=True)
+    sweep = study(args, args.space, out, "sweep", ["--exhaustive"], args.sweep_max_s)
+    names = []
+    for sampler in args.samplers.split(","):
+        for seed in args.seeds.split(","):
+            s = study(args, args.space, out, f"{sampler}-{seed}",
+                      ["--sampler", sampler, "--seed", seed, "--trials", str(args.trials)])
+            names.append(s["study"])
+    if sweep is None:
+        sweep_name = f"{args.model}-{args.space}-exhaustive-bound-throughput+area"
+        window(args, out, sweep_name, names)
+        known = np.vstack([points(out, n) for n in [sweep_name, *names]])
+        pruned, total = pruned_at_least(args, known)
+        print(f"whole space: at least {pruned:,} of {total:,} points ({pruned / total * 100:.2f}%) are pruned by "
+              "level 0 alone against the front the studies found")
+        return
+    ex = sweep["exhaustive"]
+    pruned = ex["points"] - ex["settled"]["evaluated"]
+    print(f"## {args.space}: exact front of {len(sweep['pareto']['trials'])} designs; {ex['points']:,} points, "
+          f"{ex['settled']['evaluated']:,} evaluated, {pruned:,} pruned ({pruned / ex['points'] * 100:.2f}%), "
+          f"front proven: {ex.get('front_proven')}, wall {sweep['wall_s']:.1f} s")
+    result = compare([sweep["study"], *names], out_dir=str(out), tracking_uri="off", name=f"pareto-{args.space}")
+    print(result["fronts"]["markdown"])
+    print(f"plot: {result['fronts']['plot']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Pareto fronts and their hypervolume, in one convention: every objective minimised.
+
+A caller turns a maximised objective (throughput) into a minimised one by negating it (`minimised`).
+The front is a set of objective vectors: two designs with the same vector are one front member, and
+a point that some other point weakly dominates (no worse anywhere) adds nothing to it. That is what
+the exhaustive sweep's pruning preserves (a point is skipped only when an evaluated point is at
+least as good in every objective), so the sweep's front and a brute-force front compare as sets.
+
+The hypervolume (Zitzler and Thiele, "Multiobjective optimization using evolutionary algorithms: a
+comparative case study", PPSN 1998) is the measure of the region the front dominates, bounded by a
+reference point that every counted point must beat in every objective. Two and three objectives are
+computed exactly: the 2-D staircase sum, and 3-D as slabs along the third objective, each slab the
+2-D hypervolume of the points at or below it (the "hypervolume by slicing objectives" idea, While,
+Hingston, Barone and Huband, IEEE TEC 10(1), 2006). Optuna's own (`optuna._hypervolume`) is private,
+so it is not used.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def minimised(values, directions: Sequence[str]) -> np.ndarray:
+    """Rows of objective values -> the same rows with every maximised column negated."""
+    signs = np.array([-1.0 if d == "maximize" else 1.0 for d in directions])
+    return np.asarray(values, dtype=float).reshape(-1, len(signs)) * signs
+
+
+def front_mask(points) -> np.ndarray:
+    """Which rows (minimised) are on the front: no other row weakly dominates them; of equal rows,
+    the first is kept. O(n log n + n * front) by sorting on the objectives first."""
+    pts = np.asarray(points, dtype=float)
+    n = len(pts)
+    keep = np.zeros(n, dtype=bool)
+    if n == 0:
+        return keep
+    order = np.lexsort(pts.T[::-1])  # lexicographic: a row can only be weakly dominated by one before it
+    kept: list[np.ndarray] = []
+    for i in order:
+        p = pts[i]
+        if kept and np.any(np.all(np.stack(kept) <= p, axis=1)):
+            continue
+        kept.append(p)
+        keep[i] = True
+    return keep
+
+
+def front(points) -> np.ndarray:
+    """The front's distinct rows (minimised), sorted on the first objective."""
+    pts = np.asarray(points, dtype=float)
+    f = pts[front_mask(pts)] if len(pts) else pts.reshape(0, pts.shape[-1] if pts.ndim == 2 else 0)
+    return f[np.lexsort(f.T[::-1])] if len(f) else f
+
+
+def hypervolume(points, reference) -> float:
+    """The exact hypervolume (minimised objectives) of `points` against `reference`; a point not
+    strictly better than the reference in every objective counts nothing. Two or three objectives."""
+    ref = np.asarray(reference, dtype=float)
+    pts = np.asarray(points, dtype=float).reshape(-1, ref.size)
+    pts = pts[np.all(pts < ref, axis=1)]
+    if len(pts) == 0:
+        return 0.0
+    if ref.size == 2:
+        return _hv2(front(pts), ref)
+    if ref.size == 3:
+        return _hv3(front(pts), ref)
+    raise ValueError(f"hypervolume: {ref.size} objectives; two or three are supported")
+
+
+def _hv2(f: np.ndarray, ref: np.ndarray) -> float:
+    """A 2-D front sorted on x (so y falls): the union of boxes is a staircase of strips."""
+    xs = np.append(f[:, 0], ref[0])
+    return float(np.sum((xs[1:] - xs[:-1]) * (ref[1] - f[:, 1])))
+
+
+def _hv3(f: np.ndarray, ref: np.ndarray) -> float:
+    """Slabs between successive values of the third objective, each the 2-D hypervolume of the
+    points at or below its lower face."""
+    zs = np.unique(f[:, 2])
+    bounds = np.append(zs, ref[2])
+    total = 0.0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        below = f[f[:, 2] <= lo][:, :2]
+        total += _hv2(front(below), ref[:2]) * (hi - lo)
+    return total
+
+
+def best_at_or_below(areas: np.ndarray, scores: np.ndarray):
+    """The staircase T(a) = the best score among designs of area <= a, as a function of an array of
+    areas (the throughput a design of area a must beat to join the throughput-area front)."""
+    order = np.argsort(areas, kind="stable")
+    xs, best = np.asarray(areas, dtype=float)[order], np.maximum.accumulate(np.asarray(scores, dtype=float)[order])
+
+    def at(a) -> np.ndarray:
+        i = np.searchsorted(xs, np.asarray(a, dtype=float), side="right") - 1
+        return np.where(i >= 0, best[np.maximum(i, 0)] if len(best) else 0.0, 0.0)
+
+    return at
