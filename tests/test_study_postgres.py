@@ -196,7 +196,7 @@ def slow_read(self, params):  # the gap between Optuna's read and its insert, wi
 
 optuna.Study._should_skip_enqueue = slow_read
 space = small_space()
-session = SimpleNamespace(space=space, codec=SpaceCodec(space.params), config=SimpleNamespace(reference_arch="tpuv4"),
+session = SimpleNamespace(space=space, codec=SpaceCodec(space.params), config=SimpleNamespace(reference_arch="tpuv4", baseline_system="default"),
                           baselines={}, notes=[], study=study, url=url, storage=storage, name=name)
 time.sleep(max(0.0, start_at - time.time()))  # every process past its imports, then all at once
 print(Session.enqueue_references(session))
