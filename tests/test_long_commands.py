@@ -105,6 +105,20 @@ def test_a_study_asked_for_fewer_trials_than_it_holds_runs_nothing(tmp_path, cap
     assert len(study.get_trials()) == 6
 
 
+def test_a_study_whose_last_run_left_no_summary_still_reports_its_best(tmp_path):
+    """The parent that finished the study was killed before writing its summary: a start that runs
+    nothing still says the study's best (read from its trials), not nothing."""
+    import glob
+    import os
+
+    first = run_study(config(tmp_path, trials=6, tracking_uri="off"), backend())
+    for path in glob.glob(str(tmp_path / "**" / "*-summary.json"), recursive=True):
+        os.remove(path)
+    result = run_study(config(tmp_path, trials=6, tracking_uri="off"), backend())
+    assert result["nothing_to_run"] and result["summary_file"] is None
+    assert result["best"]["trial"] == first["best"]["trial"] and result["best"]["score"] == first["best"]["score"]
+
+
 def test_a_study_at_its_total_still_reconciles_on_start(tmp_path, capsys):
     """A parent killed as its last trial finished: trials without an MLflow run, its own run left
     RUNNING. The same command again runs nothing, but logs the missing runs and closes the dead run

@@ -26,13 +26,14 @@ from ..activity import phase
 from .bound_sampler import SETTLED_ATTR, settled_note, stop_when_settled
 from .encoding import SpaceCodec
 from .objective import FatalStudyError, accelerator_fields, evaluate_point, jsonable
-from .report import crash_notes, finish
+from .report import crash_notes, describe_trial, finish
 from ..runs.progress import Progress, say
 from .session import (
     Session,
     SpoolLogger,
     WorkerLost,
     WorkerSpec,
+    best_trial,
     finished_trials,
     is_feasible,
     lost_worker,
@@ -200,7 +201,10 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
     session = Session(config, backend)
     session.reconcile_only()
     try:
-        notes = crash_notes(session, finished_trials(session.all_trials()))
+        done = finished_trials(session.all_trials())
+        notes = crash_notes(session, done)
+        best = best_trial(done)  # the study's own, for when no run lived to write its summary
+        best = describe_trial(best, {}) if best is not None else None  # no baselines: this start evaluates none
     finally:
         session.release()
     for note in notes:
@@ -216,8 +220,8 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
     path = Path(config.output_dir) / f"{name}-summary.json"
     try:  # the summary of the run that finished it, so callers (`published --resume`) read the same fields
         saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"study": name, "storage": redact(url), "summary_file": None, **held_note}
+    except (OSError, ValueError):  # the run that finished the study was stopped before its summary
+        return {"study": name, "storage": redact(url), "summary_file": None, "best": best, **held_note}
     return {**saved, **held_note}
 
 
