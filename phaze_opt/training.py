@@ -33,7 +33,7 @@ import math
 import sys
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Mapping, Sequence, Union, get_args, get_origin
 
 import numpy as np
@@ -947,11 +947,6 @@ OPTIONAL_FIELDS = tuple(n for n, k in FIELDS.items() if k.group and n not in SAM
 RECIPE_FIELDS = SAMPLED_FIELDS + OPTIONAL_FIELDS
 
 
-def check_recompute_modules(value: Any, recompute: str) -> tuple[str, ...] | None:
-    """`recompute_modules` as the recipe holds it (None: Megatron's default), checked with its mode."""
-    return Training(recompute=recompute, recompute_modules=value).recompute_modules
-
-
 def recipe_names(params: Mapping[str, Sequence]) -> list[str]:
     """The recipe fields beyond the microbatch that `params` (a space's choices) sample, in grid order."""
     return ["recompute"] + [f for f in OPTIONAL_FIELDS if f in params]
@@ -984,15 +979,20 @@ def most_virtual_stages(params: Mapping[str, Sequence]) -> int:
     return max([1] + [int(v) for v in params.get("virtual_stages", [1])])
 
 
-def recipe_problem(point: Mapping[str, Any]) -> str:
-    """Why a space's point names no recipe ("" when it does): a rule across the fields it samples
-    (selective-only recompute modules with recompute none, say). A grid is the product of its axes,
-    so such points exist; each is an infeasible design with this reason, never a crash."""
+def point_recipe(point: Mapping[str, Any], placement: Any = OPTIMAL) -> tuple[Training | None, str]:
+    """(the recipe of a space's point, "") or (None, why the point names none): a rule across the
+    fields it samples (selective-only recompute modules with recompute none, say). A grid is the
+    product of its axes, so such points exist; each is an infeasible design with this reason, never
+    a crash."""
     try:
-        Training.from_point(point)
+        return Training.from_point(point, placement), ""
     except RecipeError as exc:
-        return f"recipe: {exc}"
-    return ""
+        return None, f"recipe: {exc}"
+
+
+def recipe_problem(point: Mapping[str, Any]) -> str:
+    """Why a space's point names no recipe ("" when it does; `point_recipe`)."""
+    return point_recipe(point)[1]
 
 
 def check_recipe_value(name: str, value: Any) -> Any:

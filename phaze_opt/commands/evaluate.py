@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from ..training import add_recipe_arguments, describe
 from . import add_ilp_time_limit, add_mbs, check_mbs
 

@@ -35,7 +35,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..hardware.latency import DesignArrays
-from ..training import Training, kernel_choices, most_virtual_stages, recipe_choices, recipe_problem
+from ..training import Training, kernel_choices, most_virtual_stages, point_recipe, recipe_choices
 from ..workload.graphs import build_layer_graph
 from .dominance import model_dominators
 from .evaluate import tp_widths
@@ -69,7 +69,7 @@ def recipe_bounds(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: i
     Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
     (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
     bound cannot beat `incumbent` gives all its recipes that bound; the others are bounded one by one."""
-    recipes = [None if recipe_problem({"mbs": mbs, **rc}) else Training.from_point({"mbs": mbs, **rc}) for rc in rcs]
+    recipes = [point_recipe({"mbs": mbs, **rc})[0] for rc in rcs]
     groups: dict = {}
     for i, recipe in enumerate(recipes):
         if recipe is not None:  # a point that names no recipe stays at 0: nothing can run it
@@ -127,6 +127,7 @@ class BoundOrder:
         bandwidth = [float(space.hbm_bw_table[h]) for h in self.hbms]
         self.fast_hbm = int(np.argmax(bandwidth))  # first of the fastest: bounds every HBM choice
         self._canon: dict[int, list[int]] = {}
+        self._recipes: dict[tuple[int, int], Training | None] = {}
         self._widths: dict[tuple, list] = {}  # (arch, hbm, mbs) -> [kernel][tp width] bounds of that one design
         self._cell_bounds: dict[tuple, float] = {}  # (arch, hbm, mbs) -> level 0
         self.tie = np.random.default_rng(seed).permutation(len(self.archs))
@@ -244,9 +245,8 @@ class BoundOrder:
         that are recipes at all."""
         if m not in self._canon:
             dom = model_dominators(self.rcs, self.model, self.system, self.mbss[m])
-            # a point that names no recipe (`recipe_problem`) is infeasible: never offered
-            self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r
-                              and not recipe_problem({"mbs": self.mbss[m], **self.rcs[r]})]
+            # a point that names no recipe (`point_recipe`) is infeasible: never offered
+            self._canon[m] = [r for r in range(len(self.rcs)) if dom[r] == r and self._recipe(m, r) is not None]
         return self._canon[m]
 
     def _bound_groups(self, a: int, h: int, m: int) -> None:
@@ -294,8 +294,12 @@ class BoundOrder:
         if not self._open[(a, h, m)]:
             del self._open[(a, h, m)], self._widths[(a, h, m)]
 
-    def _recipe(self, m: int, r: int) -> Training:
-        return Training.from_point({"mbs": self.mbss[m], **self.rcs[r]})
+    def _recipe(self, m: int, r: int) -> Training | None:
+        """Recipe r at microbatch index m (None where the point names no recipe), built once: every
+        group and member bound of every cell asks for it again."""
+        if (m, r) not in self._recipes:
+            self._recipes[(m, r)] = point_recipe({"mbs": self.mbss[m], **self.rcs[r]})[0]
+        return self._recipes[(m, r)]
 
     def cell_bound(self, point: Mapping) -> float:
         """Level 0 of one point's cell (its architecture, HBM and microbatch), whatever its recipe."""

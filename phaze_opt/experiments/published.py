@@ -44,7 +44,7 @@ from ..jsonable import jsonable
 from ..design.evaluate import evaluate
 from ..design.protocols import BoundedEvaluator, Evaluator, Result
 from ..hardware.accelerator import Accelerator
-from ..training import RECIPE_FIELDS, Training, describe, recipe_points, recipe_problem
+from ..training import RECIPE_FIELDS, Training, describe, point_recipe, recipe_points
 from ..runs import say
 from ..search import (Backend, Baseline, Session, StudyConfig, baseline_points, clean_name, compute_baselines,
                       default_storage, reference_system_for, run_study)
@@ -191,7 +191,8 @@ def least_memory_recipe(params) -> dict:
     fits at no recipe is asked at this one): the smallest microbatch, the most recompute, sequence
     parallelism on, the deepest ZeRO, one virtual stage (more keep more microbatches in flight) and
     flash attention (no s x s scores kept), each where the space offers it."""
-    return min((p for p in recipe_points(params) if not recipe_problem(p)), key=lambda p: Training.from_point(p).memory_rank())
+    recipes = [(point, recipe) for point in recipe_points(params) if (recipe := point_recipe(point)[0]) is not None]
+    return min(recipes, key=lambda pair: pair[1].memory_rank())[0]
 
 
 def _errors_note(errors: list, settings: int) -> str:

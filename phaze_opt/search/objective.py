@@ -43,7 +43,7 @@ from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
 from ..jsonable import jsonable  # noqa: F401  (re-exported for the sweeps)
 from ..system import load_system
-from ..training import Training, recipe_points, recipe_problem
+from ..training import Training, point_recipe, recipe_points
 from ..workload.models import load_model
 
 OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
@@ -249,11 +249,11 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
 
     system, cluster = point_system(space, point, ctx.system)
     # the space's axes combine into no recipe or no cluster: infeasible, with the rule it breaks
-    invalid = recipe_problem(point) or (space.system_problem(point, ctx.system) if cluster else "")
+    training, invalid = point_recipe(point)
+    invalid = invalid or (space.system_problem(point, ctx.system) if cluster else "")
     if invalid:
         return Outcome(point, False, invalid, area, 0.0, _values(ctx.objectives, 0.0, area, math.inf), constraints,
                        {}, accel_fields, time.perf_counter() - start, system=cluster)
-    training = Training.from_point(point)
     if cluster:
         system = space.system(point, system)
         cluster = system_axes.summary(system)
@@ -389,9 +389,9 @@ def compute_baselines(models: Sequence[str], evaluator: Evaluator, reference_arc
         errors = []
         for placement in ("expert", "optimal"):
             for point in points:
-                if recipe_problem(point):  # no recipe: nothing to run (a trial there is infeasible too)
+                training, invalid = point_recipe(point, placement)
+                if invalid:  # no recipe: nothing to run (a trial there is infeasible too)
                     continue
-                training = Training.from_point(point, placement)
                 try:
                     r = evaluator(model, reference_arch, training, system=system)
                 except PhazeError:

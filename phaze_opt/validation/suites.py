@@ -455,14 +455,15 @@ def _pending_row(row: Mapping[str, Any], at: str, metric: str, papers, file, nam
                **_row_numbers(row, at, metric, papers, file), **names)
 
 
-def _recipe(row: Mapping[str, Any], file, at: str, model: ModelConfig | None = None, **given) -> Training:
+def _recipe(row: Mapping[str, Any], file, at: str, model: ModelConfig | None = None, batch: int | None = None,
+            **given) -> Training:
     """The row's recipe: every recipe field it names, read and checked by the recipe's declaration
     (training.py), with `given` (the microbatch, the published layout) on top; the recipe's rules
     against `model` and the row's batch too. A one-line error at `rows[i].<field>` otherwise."""
     try:
         training = recipe_from_mapping(row, **given)
         if model is not None:
-            check_for(training, model, _int(row, "batch", file, f"{at}.batch"))
+            check_for(training, model, batch)
     except RecipeError as exc:
         raise config_error(file, f"{at}.{exc.field}", exc.detail) from None
     return training
@@ -505,7 +506,7 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
                                f"{model.name} uses MLA, whose projections are its own; leave it out")
         qkv = _choice(row, "qkv_projection", QKV_PROJECTIONS, file, at)
     # The recipe whole, its placement the published layout.
-    training = _recipe(row, file, at, model, mbs=mbs, placement=Layout(tp, pp, dp, ep, cp))
+    training = _recipe(row, file, at, model, batch, mbs=mbs, placement=Layout(tp, pp, dp, ep, cp))
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, training=training, cp=cp, ep=ep,
                seq=seq if seq != model.seq else None, flops_formula=formula, qkv_projection=qkv, **_row_numbers(row, at, metric, papers, file), **names)
 
