@@ -1,7 +1,7 @@
 """Sampled search against the proven optimum: fraction reached, trials and wall time to 99%.
 
     python benchmarks/bench_search.py [--space phaze --space phaze-recipes] [--seeds 0-4] [--trials 500]
-                                      [--workers 1] [--sampler auto] [--max-wall-s S] [--out DIR]
+                                      [--workers 1] [--sampler auto] [--max-wall-s S] [--paired] [--out DIR]
 
 For each space: the exact pruned sweep (`--exhaustive`, same worker count) proves the optimum, then
 one sampled study per seed runs `--trials` trials (or until the sampler has settled the space, or
@@ -11,6 +11,12 @@ numbers are read back from its Optuna storage: best throughput / the sweep's opt
 and the elapsed seconds (the study's own clock, from opening it) at which 99% was first reached,
 and the study's wall time. Prints one markdown table per space and writes it as JSON under --out.
 The sweep is reused when its summary exists; a sampled study resumes (a settled one runs nothing).
+
+`--paired`: on a shared machine whose load moves timings 2-3x between runs, one sweep timed once
+cannot be compared with studies run minutes later. With it, every seed's study is paired with a
+sweep of its own run right beside it in time (the sweep first for even seeds, the study first for
+odd ones), and each pair's ratio of times to 99% is reported: the comparison is between runs under
+the same load. Every pair's sweep must prove the same optimum.
 """
 
 from __future__ import annotations
@@ -79,7 +85,8 @@ def bench_space(args, space: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     sweep_name = f"{args.model}-{space}-exhaustive-bound"
     sweep_file = out / f"{sweep_name}-summary.json"
-    if not sweep_file.is_file():
+    fresh = not sweep_file.is_file()  # run now: it pairs with the first seed's study, run next
+    if fresh:
         print(f"[{space}] the exact sweep ({args.workers} worker(s)) ...", flush=True)
         run(study_cmd(args, space, out, ["--exhaustive", "--prune", "bound"]), out, "sweep", None)
     sweep = json.loads(sweep_file.read_text())
@@ -90,13 +97,24 @@ def bench_space(args, space: str) -> dict:
     rows = []
     for seed in args.seeds:
         extra = ["--trials", str(args.trials), "--seed", str(seed), "--sampler", args.sampler]
+        pair = None
+        if args.paired and seed == args.seeds[0] and fresh:
+            pair = {k: sweep_row[k] for k in ("to_99", "wall_s")}
+        elif args.paired and seed % 2 == 0:
+            pair = paired_sweep(args, space, out, seed, optimum)
         summary = run(study_cmd(args, space, out, extra), out, f"seed{seed}", args.max_wall_s)
+        if args.paired and seed % 2 == 1:
+            pair = paired_sweep(args, space, out, seed, optimum)
         name = next(p.stem for p in out.glob(f"{args.model}-{space}-*-seed{seed}.db"))
         study, trials = trials_of(out, name)
         row = {"study": name, "seed": seed, "trials": len(trials), **curve(trials, optimum),
                "settled": "bound_settled" in study.user_attrs,
                "repeats": len(trials) - len({tuple(sorted(t.params.items())) for t in trials}),
                "over_area": sum(1 for t in trials if t.constraints.get("area", 0) > 0)}
+        if pair is not None:
+            row["pair"] = pair
+            if row["to_99"] and pair["to_99"]:
+                row["pair_ratio"] = row["to_99"]["elapsed_s"] / pair["to_99"]["elapsed_s"]
         if summary and "cut_at_s" in summary:
             row["cut_at_s"] = summary["cut_at_s"]
         elif summary:
@@ -108,6 +126,22 @@ def bench_space(args, space: str) -> dict:
               f"{row['trials']} trials in {row.get('cut_at_s', row['wall_s']):.0f} s", flush=True)
     return {"space": space, "model": args.model, "workers": args.workers, "trials": args.trials,
             "sampler": args.sampler, "sweep": sweep_row, "seeds": rows}
+
+
+def paired_sweep(args, space: str, out: Path, seed: int, optimum: float) -> dict:
+    """A fresh sweep (cold caches, a folder of its own) run next to seed `seed`'s study: its time to
+    99% and its wall, under the load that study saw."""
+    where = out / f"pair-seed{seed}"
+    where.mkdir(parents=True, exist_ok=True)
+    name = f"{args.model}-{space}-exhaustive-bound"
+    if not (where / f"{name}-summary.json").is_file():
+        run(study_cmd(args, space, where, ["--exhaustive", "--prune", "bound"]), where, "sweep", None)
+    summary = json.loads((where / f"{name}-summary.json").read_text())
+    found = float(summary["best"]["score"])
+    if abs(found - optimum) > 1e-9 * optimum:
+        raise SystemExit(f"the paired sweep of seed {seed} proved {found}, the first sweep {optimum}")
+    _, trials = trials_of(where, name)
+    return {**curve(trials, optimum), "wall_s": float(summary["wall_s"])}
 
 
 def table(result: dict) -> str:
@@ -126,6 +160,20 @@ def table(result: dict) -> str:
                      f"{r['repeats']} | {r['over_area']} |" if h else
                      f"| {r['seed']} | {r['fraction']:.4f} | never | never | {r['trials']} | {wall} | "
                      f"{'yes' if r['settled'] else 'no'} | {r['repeats']} | {r['over_area']} |")
+    pairs = [r for r in result["seeds"] if "pair" in r]
+    if pairs:
+        lines += ["", "| seed | study: time to 99% (s) | its paired sweep: time to 99% (s) | sweep done (s) | ratio |",
+                  "|---|---|---|---|---|"]
+        for r in pairs:
+            ph = r["pair"]["to_99"] or {}
+            mine = f"{r['to_99']['elapsed_s']:.1f}" if r["to_99"] else "never"
+            ratio = f"{r['pair_ratio']:.2f}" if "pair_ratio" in r else "-"
+            lines.append(f"| {r['seed']} | {mine} | {ph.get('elapsed_s', float('nan')):.1f} | "
+                         f"{r['pair']['wall_s']:.1f} | {ratio} |")
+        ratios = [r["pair_ratio"] for r in pairs if "pair_ratio" in r]
+        if ratios:
+            lines += ["", f"paired: the study reached 99% first in {sum(x < 1 for x in ratios)} of {len(pairs)} pairs; "
+                          f"median ratio of times to 99% {statistics.median(ratios):.2f}"]
     times = [r["to_99"]["elapsed_s"] for r in result["seeds"] if r["to_99"]]
     if times:
         lines += ["", f"median time to 99%: {statistics.median(times):.1f} s over {len(times)} of "
@@ -150,6 +198,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--sampler", default="auto")
     p.add_argument("--max-wall-s", type=float, default=None)
+    p.add_argument("--paired", action="store_true",
+                   help="pair every seed's study with a fresh sweep run beside it in time (see the docstring)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "search"))
     args = p.parse_args()
     for space in args.space or ["phaze", "phaze-recipes"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -20,6 +21,7 @@ from phaze_opt.design.evaluate import tp_widths
 from phaze_opt.design.space import load_space, space_from_mapping
 from phaze_opt.design.upper_bound import layer_lower_bounds
 from phaze_opt.hardware.latency import DesignArrays
+from phaze_opt.search import bound_sampler
 from phaze_opt.search.bound_sampler import SETTLED_ATTR, BoundSampler, held_keys
 from phaze_opt.search.config import StudyConfig
 from phaze_opt.search.encoding import SpaceCodec
@@ -35,8 +37,9 @@ MODEL, SYSTEM = load_model("gpt2-xl"), load_system("default")
 
 
 def _space(params: dict):
+    fixed = {} if "clock_ghz" in params else {"clock_ghz": 1.05}
     return space_from_mapping({"name": "drawn", "params": params, "tied": {"vc_width": "tc_x"},
-                               "fixed": {"clock_ghz": 1.05}, "hbm_bw_gbps": {32: 1200, 80: 2048},
+                               "fixed": fixed, "hbm_bw_gbps": {32: 1200, 80: 2048},
                                "area": {"budget": "tpuv4", "min_fraction": 0.05,
                                         "floor_exempt_if_one": ["num_tc", "num_vc"]}}, "drawn.yaml")
 
@@ -57,6 +60,8 @@ def spaces(draw):
                 "attention": ["unfused", "flash"]}
     for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=2, unique=True)):
         params[name] = draw(_subset(optional[name]))
+    if draw(st.booleans()):  # a chip field that costs no area: each die at each clock (`SearchSpace.dies`)
+        params["clock_ghz"] = draw(_subset([0.7, 1.05]))
     return _space(params)
 
 
@@ -74,7 +79,7 @@ def _brute_force(space) -> dict:
         if dom[rcs.index(recipe)] != rcs.index(recipe):
             continue
         acc = space.accelerator(point)
-        cell = (acc.name, mbs)
+        cell = (tuple(sorted(space.arch_values(point).items())), mbs)  # the name leaves the clock out
         if cell not in cells:
             designs = DesignArrays.from_accelerators([acc])
             widths = [[layer_lower_bounds(MODEL, designs, mbs, SYSTEM, tp, a) for tp in tp_widths(MODEL, SYSTEM)]
@@ -195,6 +200,47 @@ def test_the_sampler_waits_for_the_results_it_depends_on():
     codec.suggest(second)  # Optuna samples on the first suggest; trial 0 is still running and workers = 1 needs it
     assert time.monotonic() - t0 >= 0.3
     assert len(held_keys(study.get_trials())) == 2
+
+
+def _one_beating_trial(tmp_path, grace_s: int):
+    """A study on a storage with heartbeats whose trial 0 is running and has beaten once."""
+    space = load_space("small")
+    sampler = BoundSampler(space, lambda: BoundOrder(MODEL, SYSTEM, space, seed=0), seed=0, workers=1, wait_s=0.05)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'beat.db'}", heartbeat_interval=1,
+                                         grace_period=grace_s)
+    study = optuna.create_study(storage=storage, direction="maximize", sampler=sampler)
+    codec = SpaceCodec(space.params)
+    first = study.ask()
+    codec.suggest(first)
+    storage.record_heartbeat(first._trial_id)
+    return study, codec, first
+
+
+def test_with_heartbeats_a_proposal_waits_for_a_live_trial_however_long_it_runs(tmp_path):
+    """A trial that runs longer than `wait_s` (a slow evaluation on a loaded machine) but whose
+    process lives is waited for: the next proposal sees its result, as on a quiet machine."""
+    study, codec, first = _one_beating_trial(tmp_path, grace_s=60)
+
+    def finish_later():
+        time.sleep(0.5)  # ten times wait_s
+        study.tell(first, 1.0)
+
+    worker = threading.Thread(target=finish_later)
+    worker.start()
+    codec.suggest(study.ask())
+    state_when_proposed = study.get_trials(deepcopy=False)[0].state
+    worker.join()
+    assert state_when_proposed == optuna.trial.TrialState.COMPLETE
+
+
+def test_with_heartbeats_a_dead_workers_trial_is_failed_and_not_waited_on(tmp_path, monkeypatch):
+    """A trial whose process stopped beating (one beat, then gone) is failed by the heartbeat rule
+    while the next proposal waits for it (and queued again by the storage's retry callback, where
+    one is set)."""
+    monkeypatch.setattr(bound_sampler, "STALE_CHECK_S", 0.1)
+    study, codec, _ = _one_beating_trial(tmp_path, grace_s=1)
+    codec.suggest(study.ask())
+    assert study.get_trials(deepcopy=False)[0].state == optuna.trial.TrialState.FAIL
 
 
 def _tiny_study(tmp_path, **kw):

@@ -218,6 +218,18 @@ def test_pruned_sweep_finds_the_exact_optimum_and_settles_every_point(tmp_path):
     assert f"{pruned['study']}: time to 99% of the optimum" in " ".join(result["legend"])
 
 
+CLOCK_SPACE = TINY_SPACE.replace("num_tc: [4, 16]", "num_tc: [16]").replace("mbs: [1, 2]", "mbs: [1]").replace(
+    "fixed:\n  clock_ghz: 1.05", "fixed: {}").replace("glb_mib: [32]", "glb_mib: [32]\n  clock_ghz: [0.7, 1.05]")
+
+
+def test_pruned_sweep_is_exact_over_a_chip_field_that_costs_no_area(tmp_path):
+    """The clock changes no area, so the area grid's architectures alone do not name a die: the
+    sweep walks each architecture at each clock (`SearchSpace.dies`) and settles every point."""
+    assert "clock_ghz: [0.7, 1.05]" in CLOCK_SPACE and "clock_ghz: 1.05" not in CLOCK_SPACE
+    _, pruned, rows = _full_and_pruned_sweeps(tmp_path, CLOCK_SPACE, "clock.yaml")
+    assert {float(r["clock_ghz"]) for r in rows} == {0.7, 1.05}
+
+
 RECIPE_SPACE = TINY_SPACE.replace("mbs: [1, 2]", "mbs: [1]").replace("num_tc: [4, 16]", "num_tc: [16]").replace(
     "tc_x: [64, 128]", "tc_x: [128]").replace(
     "hbm_gib: [32, 80]", "hbm_gib: [0.8, 80]").replace("{32: 1200, 80: 2048}", "{0.8: 400, 80: 2048}").replace(

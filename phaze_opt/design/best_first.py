@@ -118,7 +118,7 @@ class BoundOrder:
 
     def __init__(self, model, system, space, seed: int = 0):
         self.model, self.system, self.space = model, system, space
-        self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.architectures(order="grid")]
+        self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.dies()]
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
         self.rcs = recipe_choices(space.params)

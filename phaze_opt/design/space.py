@@ -377,6 +377,16 @@ class SearchSpace:
         rows = zip(*cols) if names else [()] * areas.size
         return [dict(zip(names, vals), area_mm2=float(a)) for vals, a in zip(rows, areas[perm])]
 
+    def dies(self, order: str = "grid") -> list[dict]:
+        """Every die a point can name but its HBM: the area-feasible architectures crossed with the
+        sampled chip fields that cost no area (the clock), each with its `area_mm2`. The exhaustive
+        sweep and the bound order walk these; `architectures` alone would leave such a field out."""
+        free = [f for f in ARCH_FIELDS if f in self.params and f != "hbm_gib" and f not in self.area_params]
+        archs = self.architectures(order)
+        for name in free:
+            archs = [{**a, name: v} for a in archs for v in self.params[name]]
+        return archs
+
     @staticmethod
     def _order(areas: np.ndarray, order: str) -> np.ndarray:
         if order == "grid":

@@ -24,11 +24,12 @@ trial can improve on it, and the study stops (`stop_when_settled`) before `--tri
 
 Deterministic: the proposal for trial k depends only on the seed, the study's trials numbered
 below k, and the results of those numbered below k - (workers - 1). Before proposing, a trial waits
-(`wait_s` at most) until those trials have finished and every earlier trial has its parameters, so
-a study with a given seed and worker count proposes the same designs in the same order on a quiet
-and on a loaded machine. Every random draw comes from a generator seeded by (seed, trial number),
-and each process replays, in trial order, the proposal step of every trial another process
-proposed, so its `BoundOrder` is where a single process's would be.
+until those trials have finished (however long they take: a dead worker's trial is failed by
+Optuna's heartbeat) and every earlier trial has its parameters, so a study with a given seed and
+worker count proposes the same designs in the same order on a quiet and on a loaded machine. Every
+random draw comes from a generator seeded by (seed, trial number), and each process replays, in
+trial order, the proposal step of every trial another process proposed, so its `BoundOrder` is
+where a single process's would be.
 
 It is an ordinary `optuna.samplers.BaseSampler`: it works with every Optuna storage, in several
 processes, and beside enqueued trials (it proposes nothing for a trial whose parameters are fixed).
@@ -43,6 +44,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution
+from optuna.storages._heartbeat import fail_stale_trials, is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from .. import interrupt
@@ -59,8 +61,12 @@ WORK_PER_TRIAL = 64
 # ...and the allowance of the first proposals: the architectures' level 0 and the first cells
 # (about 150 units on `phaze`) come before any point, so the order's best points are not delayed.
 WORK_AT_START = 256
-WAIT_S = 120.0  # how long a trial waits for earlier ones before proposing anyway (a dead worker's trial)
+WAIT_S = 120.0  # without heartbeats (in-memory storage): how long a trial waits for earlier ones
+# with heartbeats: a dead worker's trial is failed within the storage's grace period (minutes); this
+# deadline only covers a process that died before its trial's first heartbeat
+WAIT_BEATING_S = 1800.0
 POLL_S = 0.05
+STALE_CHECK_S = 5.0  # how often a waiting trial checks the heartbeats of the trials it waits for
 
 
 def _key(params: Mapping[str, Any]) -> tuple:
@@ -177,15 +183,25 @@ class BoundSampler(optuna.samplers.BaseSampler):
 
     def _wait_for_earlier(self, study, number: int) -> list[FrozenTrial]:
         """The trials numbered below `number`, once those below number - lag have finished and every
-        one has its parameters (or `wait_s` has passed: a dead worker's trial is not waited on for good)."""
-        deadline = time.monotonic() + self._wait_s
+        one has its parameters. On a storage with heartbeats (every storage several processes share)
+        a dead worker's trial is failed by the heartbeat rule, checked here too, which goes by whether
+        its process lives, not by how long an evaluation takes; the deadline is then `WAIT_BEATING_S`,
+        far beyond any evaluation, for a trial whose process died before its first heartbeat. So a
+        slow evaluation on a loaded machine never changes a proposal. Without heartbeats (one
+        process, in memory) it waits `wait_s` at most."""
+        beating = is_heartbeat_enabled(study._storage)
+        deadline = time.monotonic() + (max(self._wait_s, WAIT_BEATING_S) if beating else self._wait_s)
+        next_check = time.monotonic() + STALE_CHECK_S
         while True:
             earlier = [t for t in study.get_trials(deepcopy=False) if t.number < number]
             ready = all((t.state.is_finished() if t.number < number - self._lag
                          else (t.params or t.state.is_finished() or "fixed_params" in t.system_attrs))
                         for t in earlier)
-            if ready or time.monotonic() >= deadline or interrupt.stop_requested():
+            if ready or interrupt.stop_requested() or time.monotonic() >= deadline:
                 return earlier
+            if beating and time.monotonic() >= next_check:
+                fail_stale_trials(study)  # a trial whose process died: failed (and queued again) by its heartbeat
+                next_check = time.monotonic() + STALE_CHECK_S
             time.sleep(POLL_S)
 
     def _feasible(self, point: dict) -> bool:

@@ -93,7 +93,7 @@ class Grid:
 
     def __init__(self, space):
         self.space = space
-        self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.architectures(order="grid")]
+        self.archs = [{k: v for k, v in a.items() if k != "area_mm2"} for a in space.dies()]
         self.hbms = list(space.params["hbm_gib"])
         self.mbss = [int(m) for m in space.params["mbs"]]
         self.rcs = recipe_choices(space.params)

@@ -62,7 +62,7 @@ class AreaOrder:
 
 def row_areas(space, grid) -> np.ndarray:
     """Each design row's area (architecture-major, HBM minor, as `branch_bound.Grid` numbers rows)."""
-    areas = np.array([a["area_mm2"] for a in space.architectures(order="grid")], dtype=float)
+    areas = np.array([a["area_mm2"] for a in space.dies()], dtype=float)
     return np.repeat(areas, len(grid.hbms))
 
 
