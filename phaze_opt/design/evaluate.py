@@ -53,6 +53,7 @@ from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import EXPERT, OPTIMAL, Expert, Fixed, Layout, Training
 from ..workload.graphs import SP_COLLECTIVE
+from ..workload.kinds import BLOCK_KINDS
 from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
@@ -186,6 +187,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}
     module_s: dict[str, float] = {}  # module-level recompute's forward again (Training.recompute_modules)
+    op_policy_s: dict[str, float] = {}  # torchtitan's op-level policy's forward again (Training.recompute_ops)
     module_tags = recompute_tags(training)
     lower: dict[tuple[str, str], float] = {}
     unproven = []
@@ -206,6 +208,9 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
                 core_s[kind] = attention_core_s(op_graph, lat.split[0])
                 module_s[kind] = recomputed_s(op_graph, lat.split[0], graph.extra.get("forward_modules", {}).get(kind, {}),
                                               module_tags)
+                if training.recompute_ops:
+                    rerun = graph.extra.get("op_policy_rerun", {}).get(kind, ())
+                    op_policy_s[kind] = recomputed_s(op_graph, lat.split[0], dict.fromkeys(rerun, "op"), {"op"})
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
@@ -233,6 +238,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         module_s=[min(module_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) for l in layers],
         # `moe` reruns the MoE layer whole: its all-to-alls too (placement.evaluate)
         module_moe=[float("moe" in module_tags and l.module_bytes({"moe"}) > 0) for l in layers],
+        op_policy_s=[min(op_policy_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) if l.kind in BLOCK_KINDS else 0.0
+                     for l in layers],
     )
     bound_costs = None
     if unproven:
@@ -286,7 +293,7 @@ def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, 
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system,
-                        recompute_core="core_attn" in training.recomputed_modules).total_j
+                        recompute_core="core_attn" in training.recomputed_modules, training=training).total_j
 
 
 def check_ilp_time_limit(value) -> float:
