@@ -939,10 +939,11 @@ class Training:
 
     def memory_rank(self) -> tuple:
         """Orders recipes by what they keep in memory, leanest first, field by field: the smaller
-        microbatch, the more recompute, sequence parallelism on, the deeper ZeRO, fewer virtual stages
-        (more keep more microbatches in flight), flash attention (no s x s scores kept)."""
-        return (self.mbs, -RECOMPUTE_MODES.index(self.recompute), -int(self.sequence_parallel), -self.zero,
-                self.virtual_stages, self.attention != "flash")
+        microbatch, the more recompute (of full recompute, the more blocks checkpointed), sequence
+        parallelism on, the deeper ZeRO, fewer virtual stages (more keep more microbatches in flight),
+        flash attention (no s x s scores kept)."""
+        return (self.mbs, -RECOMPUTE_MODES.index(self.recompute), self.recompute_every, -int(self.sequence_parallel),
+                -self.zero, self.virtual_stages, self.attention != "flash")
 
     def pipeline_steps(self, microbatches: int, stages: int) -> int:
         """Steps of the (interleaved) 1F1B schedule a batch takes: m v + S - 1 (Narayanan et al., SC'21,

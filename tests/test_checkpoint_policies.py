@@ -57,6 +57,10 @@ def test_every_nth_block_counts_blocks_over_the_whole_model():
     assert Training(recompute="full", recompute_every=4).checkpointed(ordinal).tolist() == \
         [False] * 4 + [True] + [False] * 3
     assert not Training().checkpointed(ordinal).any()
+    # the leanest-recipe order: every block checkpointed, then every second, then no recompute
+    ranks = [Training(recompute="full").memory_rank(), Training(recompute="full", recompute_every=2).memory_rank(),
+             Training().memory_rank()]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 3
 
 
 # --- the op policy on a traced block against an eager run ----------------------------------------
