@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from phaze_opt.design.evaluate import op_policy_tags
 from phaze_opt.errors import PhazeError
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
@@ -26,6 +27,7 @@ from phaze_opt.training import Training
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.layers import build_layer, example_inputs
 from phaze_opt.workload.models import load_model, parse_model
+from phaze_opt.workload.stack import recipe_graph
 from phaze_opt.workload.trace import trace_layer_details
 
 from test_qkv_projection import TINY
@@ -148,6 +150,19 @@ def test_the_collectives_output_is_kept_and_sharded_by_sequence_parallelism():
     assert block.op_policy_sp_bytes == 2 * s_b_h  # the attention's and the MLP's all-reduce (reduce-scatter with SP)
     # SP halves the checkpointed input (s b h) and both collectives' outputs (2 s b h) at TP 2
     assert block.op_policy_kept_bytes(False) - block.op_policy_kept_bytes(True) == s_b_h // 2 + s_b_h
+
+
+def test_a_rerun_gemms_fp8_cast_reruns_with_it_and_a_kept_ones_does_not():
+    graph = recipe_graph("llama3-8b", 1, Training(precision="fp8"))
+    fwd = graph.op_graphs["block"]["fwd"]
+    rerun = set(graph.extra["op_policy_rerun"]["block"])
+    tags = op_policy_tags(fwd, rerun)
+    gemms = [op.name for op in fwd.ops if op.datatype == "fp8"]
+    casts = {op.name.rpartition(".cast_")[0]: op.name for op in fwd.ops if ".cast_" in op.name}
+    assert gemms and casts and set(casts) <= set(gemms)
+    for gemm, cast in casts.items():
+        assert (cast in tags) == (gemm in rerun) == (gemm in tags), gemm
+    assert any(g in rerun for g in casts) and any(g not in rerun for g in casts)
 
 
 # --- memory and time ordered, through the evaluator ----------------------------------------------

@@ -155,6 +155,15 @@ def recomputed_s(op_graph, split, op_modules: dict, tags) -> float:
                      if set(op_modules.get(op.name, "").split(",")) & tags))
 
 
+def op_policy_tags(op_graph, rerun) -> dict:
+    """The forward ops torchtitan's op-level policy reruns (`rerun`: the traced ops it does not
+    keep, workload/trace.py), tagged "op" for `recomputed_s`, with the low-precision cast of each
+    rerun GEMM's operand (workload/precision.py names it `<gemm>.cast_<format>`): it reruns with the
+    GEMM it feeds."""
+    rerun = set(rerun)
+    return {op.name: "op" for op in op_graph.ops if op.name in rerun or op.name.rpartition(".cast_")[0] in rerun}
+
+
 def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
@@ -209,8 +218,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
                 module_s[kind] = recomputed_s(op_graph, lat.split[0], graph.extra.get("forward_modules", {}).get(kind, {}),
                                               module_tags)
                 if training.recompute_ops:
-                    rerun = graph.extra.get("op_policy_rerun", {}).get(kind, ())
-                    op_policy_s[kind] = recomputed_s(op_graph, lat.split[0], dict.fromkeys(rerun, "op"), {"op"})
+                    rerun = op_policy_tags(op_graph, graph.extra.get("op_policy_rerun", {}).get(kind, ()))
+                    op_policy_s[kind] = recomputed_s(op_graph, lat.split[0], rerun, {"op"})
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
