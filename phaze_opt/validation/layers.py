@@ -109,8 +109,8 @@ def _check(suite: Suite) -> None:
 # ASPLOS 2024, Sec. 4), which is what `megatron-te`'s row fusion merges (workload/stack.py). The
 # `torch-compile` stack's fuller fusion (across consumers, softmax with its scale and mask) predicts
 # these rows less well with the per-kernel efficiencies fitted on eager kernels (H200 compiled rows:
-# 7.6% mean error against 5.0%; the compiled Llama-3 8B block measured slower than eager), so the
-# measured compiled blocks keep the row fusion.
+# 7.6% mean error against 5.0%; GPT-3's unfused attention and Qwen3's MoE block 7-14% too fast), so
+# the measured compiled blocks keep the row fusion (docs/validation.md).
 KERNEL_FUSION = {"inductor": TRACE_FUSION["megatron-te"]}
 
 
