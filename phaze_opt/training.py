@@ -49,7 +49,7 @@ Attention = Literal["unfused", "flash"]
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
 # Software stacks by kernel fusion (workload/stack.py); the first is the default.
-Stack = Literal["megatron-lm", "eager", "megatron-te"]
+Stack = Literal["megatron-lm", "eager", "megatron-te", "torch-compile"]
 # EP token dispatchers (`System.alltoall_s`); the first is the default all-to-all.
 MoeDispatcher = Literal["alltoall", "deepep"]
 # Where a MoE layer applies its router's gate weights (workload/layers.py MoE).
@@ -336,6 +336,34 @@ class Memory(_Config):
     recompute_modules: tuple[RecomputeModule, ...] | None = knob(
         None, "with recompute selective: the modules recomputed (Megatron-Core --recompute-modules); "
               "default core_attn", layer=True, says=lambda v: "recomputing " + "+".join(v))
+    # `recompute_every`: with `recompute = "full"`, checkpoint only every n-th decoder block, the rest
+    # keeping all their activations: torchtitan's `activation_checkpoint.mode = "selective"` with
+    # `selective_ac_option = "<n>"` (torchtitan `apply_ac` / `_apply_layer_sac`: a counter over the
+    # model's transformer blocks, global across pipeline stages, wraps block i (1-based) in
+    # `checkpoint_wrapper` when i % n == 0). A checkpointed block keeps its input and reruns its forward
+    # (Korthikanti et al. 2022, Sec. 5, as `full`); the embedding and the head are never wrapped. 1
+    # (default) is `full` itself: every layer checkpointed (Megatron's `--recompute-granularity full`).
+    # Which blocks a stage holds is priced block by block (`solve.placement.types.checkpointed`).
+    recompute_every: int = knob(1, "with recompute full: checkpoint only every n-th decoder block (torchtitan "
+                                   "selective_ac_option=n); 1: every layer", unit="blocks", low=1, high=1 << 16,
+                                bound=AT_DEFAULT, why="the bounds charge every layer's full recompute, more than "
+                                                      "checkpointing some blocks costs",
+                                says=lambda v: f"full recompute of 1 block in {v}")
+    # `recompute_ops`: with `recompute = "selective"`, PyTorch's op-level selective activation
+    # checkpointing as torchtitan runs it (`activation_checkpoint.mode = "selective"`,
+    # `selective_ac_option = "op"`; torchtitan `_save_list` and `_custom_policy`, applied through
+    # `torch.utils.checkpoint.create_selective_checkpoint_contexts`): every decoder block is
+    # checkpointed, and inside it the outputs of matmuls (`aten.mm`) are kept but every second one, the
+    # attention kernels' outputs (`_scaled_dot_product_flash_attention` and its kin) and the
+    # reduce-scatters' are kept, everything else (norms, element-wise ops, the alternate matmuls) is
+    # rerun before the block's backward. Which tensors are kept and which ops rerun is read off the traced
+    # graph (`workload/trace.py`, "Op-level selective checkpointing"), not a fraction. The embedding and the
+    # head are not wrapped. Not with `recompute_modules` (Megatron's module list).
+    recompute_ops: bool = knob(False, "with recompute selective: torchtitan's op-level policy (matmul outputs kept "
+                                      "but every second one, attention and reduce-scatter outputs kept, the rest "
+                                      "rerun; selective_ac_option=op)", layer=True, bound=AT_DEFAULT,
+                               why="its kept bytes and rerun ops are not in the bounds' layer rows",
+                               says="op-level selective checkpointing")
     # `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
     # optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer state
     # and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec. 5.2;
@@ -446,10 +474,12 @@ class Kernels(_Config):
     # operator, as the `layers-h100` truth ran), `megatron-lm` (default: chains of pointwise operators
     # fused, Megatron-LM's fused bias+GeLU, bias+dropout+add and scale+mask+softmax; Narayanan et al.,
     # SC'21, Sec. 4.2) or `megatron-te` (Megatron-Core with Transformer Engine: also LayerNorm/RMSNorm and
-    # RoPE as one kernel each, FP8 casts inside the kernel that produces the operand).
+    # RoPE as one kernel each, FP8 casts inside the kernel that produces the operand) or `torch-compile`
+    # (TorchInductor's generated kernels: pointwise ops fused with the reductions around them and across
+    # consumers, GEMMs left to cuBLAS; Ansel et al., ASPLOS 2024).
     stack: Stack = knob(STACKS[0], "the software stack's kernel fusion: megatron-lm (pointwise chains fused), "
-                                   "eager (one kernel per operator) or megatron-te (norms, RoPE, FP8 casts "
-                                   "fused too)", layer=True, bound=AT_DEFAULT,
+                                   "eager (one kernel per operator), megatron-te (norms, RoPE, FP8 casts "
+                                   "fused too) or torch-compile (TorchInductor)", layer=True, bound=AT_DEFAULT,
                         why="a fusing stack moves fewer bytes than the graph the bounds are traced on", says='{} kernels')
 
 
@@ -671,6 +701,12 @@ RULES = (
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
          "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
+    Rule("recompute_every", lambda t: t.recompute_every == 1 or t.recompute == "full",
+         "needs recompute full (the checkpointed blocks rerun whole), got recompute {recompute}"),
+    Rule("recompute_ops", lambda t: not t.recompute_ops or t.recompute == "selective",
+         "needs recompute selective (torchtitan's op policy is a selective mode), got recompute {recompute}"),
+    Rule("recompute_ops", lambda t: not t.recompute_ops or t.recompute_modules is None,
+         "cannot run with recompute_modules (one selective policy per recipe: Megatron's modules or the op policy)"),
     # Megatron-Core's TransformerConfig refuses it: "disable full recomputation when enabling
     # overlap_moe_expert_parallel_comm".
     Rule("moe_a2a_overlap", lambda t: not (t.moe_a2a_overlap and t.recompute == "full"),
@@ -811,10 +847,25 @@ class Training:
     @property
     def recomputed_modules(self) -> tuple[str, ...]:
         """The modules selective recompute reruns (Megatron's default, the attention core, when
-        `recompute_modules` is None); empty unless the mode is `selective`."""
-        if self.recompute != "selective":
+        `recompute_modules` is None); empty unless the mode is `selective` with Megatron's module list (the
+        op-level policy, `recompute_ops`, names no module)."""
+        if self.recompute != "selective" or self.recompute_ops:
             return ()
         return DEFAULT_RECOMPUTE_MODULES if self.recompute_modules is None else self.recompute_modules
+
+    def checkpointed(self, block_ordinal):
+        """Which layers full recompute checkpoints (an array of each layer's 1-based place among the
+        model's decoder blocks, 0 for the embedding, head and MTP modules -> bools): at
+        `recompute_every` 1 every layer (Megatron's full recompute, embedding and head too); at n the
+        blocks whose place is a multiple of n (torchtitan `_apply_layer_sac`: one counter over all
+        blocks, so a pipeline stage holds the checkpointed blocks its layer range happens to contain,
+        priced block by block by the evaluator and both DPs alike); none without full recompute."""
+        ordinal = np.asarray(block_ordinal)
+        if self.recompute != "full":
+            return np.zeros(ordinal.shape, dtype=bool)
+        if self.recompute_every == 1:
+            return np.ones(ordinal.shape, dtype=bool)
+        return (ordinal > 0) & (ordinal % self.recompute_every == 0)
 
     @property
     def optimizer_state_bytes(self) -> int | None:
@@ -888,10 +939,11 @@ class Training:
 
     def memory_rank(self) -> tuple:
         """Orders recipes by what they keep in memory, leanest first, field by field: the smaller
-        microbatch, the more recompute, sequence parallelism on, the deeper ZeRO, fewer virtual stages
-        (more keep more microbatches in flight), flash attention (no s x s scores kept)."""
-        return (self.mbs, -RECOMPUTE_MODES.index(self.recompute), -int(self.sequence_parallel), -self.zero,
-                self.virtual_stages, self.attention != "flash")
+        microbatch, the more recompute (of full recompute, the more blocks checkpointed), sequence
+        parallelism on, the deeper ZeRO, fewer virtual stages (more keep more microbatches in flight),
+        flash attention (no s x s scores kept)."""
+        return (self.mbs, -RECOMPUTE_MODES.index(self.recompute), self.recompute_every, -int(self.sequence_parallel),
+                -self.zero, self.virtual_stages, self.attention != "flash")
 
     def pipeline_steps(self, microbatches: int, stages: int) -> int:
         """Steps of the (interleaved) 1F1B schedule a batch takes: m v + S - 1 (Narayanan et al., SC'21,

@@ -39,6 +39,9 @@ def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
         dispatch_bytes=np.where(moe, rng.integers(10, 200, n) * seq_scale, 0.0),
         expert_fwd_s=np.where(moe, 0.4 * fwd, 0.0), expert_bwd_s=np.where(moe, 0.8 * fwd, 0.0),
         core_fwd_s=0.1 * fwd, core_bwd_s=0.25 * fwd, kv_bytes=np.ceil(rng.integers(1, 50, n) * seq_scale), cp=cp,
+        # every n-th block checkpointed and torchtitan's op-level policy (decoder blocks only: 0 is none)
+        block_ordinal=np.cumsum(blocks := rng.random(n) < 0.8) * blocks,
+        op_policy_bytes=np.floor(acts * rng.uniform(0.2, 1.1, n)), op_policy_s=0.4 * fwd,
     )
 
 
@@ -54,7 +57,7 @@ def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
                 for t in widths for c in cp if c > 1]
     hbm = float(kw.pop("hbm", rng.uniform(200, 2000)))
     recipe = {k: kw.pop(k) for k in list(kw) if k in RECIPE_FIELDS or k in ("load_imbalance", "account_for_embedding", "account_for_loss", "recompute_modules",
-                                                                      "overlap_p2p_comm")}
+                                                                      "overlap_p2p_comm", "recompute_every", "recompute_ops")}
     return PlacementProblem(costs=tuple(base), system=system, hbm_bytes=hbm, peak_flops=1.0, seq_len=8,
                             ep_widths=ep, cp_widths=cp, cp_costs=tuple(cp_costs), training=Training(**recipe), **kw)
 
@@ -102,6 +105,17 @@ def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_b
         return
     assert got.feasible, (want, where, got.reason)
     assert got.time_per_batch_s == pytest.approx(want, rel=1e-9), (where, got.tp, got.dp, got.ep, got.cp)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), policy=st.sampled_from([("full", 2, False), ("full", 3, False),
+                                                           ("selective", 1, True)]),
+       zero=st.sampled_from([0, 1]), imbalance=st.sampled_from([1.0, 1.5]))
+def test_dp_matches_brute_force_under_checkpoint_policies(seed, policy, zero, imbalance):
+    """Every n-th block checkpointed and torchtitan's op-level policy, block by block, under EP and CP."""
+    recompute, every, ops = policy
+    assert_dp_is_brute(moe_problem(seed, recompute=recompute, recompute_every=every, recompute_ops=ops, zero=zero,
+                                   load_imbalance=imbalance))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -328,14 +328,20 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
             # module-level recompute (Training.recompute_modules): at most what selective keeps
             module_bytes=[draw(st.integers(0, s)) for s in selective],
             module_s=[f * draw(st.floats(0.0, 0.5)) for f in c.fwd_s],
+            # decoder blocks (0: embedding, head) for every-n-th checkpointing and the op-level policy
+            block_ordinal=np.cumsum(blocks := [draw(st.booleans()) for _ in range(n)]) * blocks,
+            op_policy_bytes=[draw(st.integers(0, int(a) + 10)) for a in acts],
+            op_policy_s=[f * draw(st.floats(0.0, 1.0)) for f in c.fwd_s],
         ))
     v = draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
     recompute = draw(st.sampled_from(["none", "selective", "full"]))
+    modules = draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")])) if recompute == "selective" else None
     training = dataclasses.replace(
         base.training,
         recompute=recompute,
-        recompute_modules=draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
-        if recompute == "selective" else None,
+        recompute_modules=modules,
+        recompute_every=draw(st.sampled_from([1, 2, 3])) if recompute == "full" else 1,
+        recompute_ops=recompute == "selective" and modules is None and draw(st.booleans()),
         virtual_stages=v,
         zero=draw(st.sampled_from([0, 1, 2, 3])),
         overlap_grad_reduce=draw(st.booleans()),
@@ -546,6 +552,22 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     import dataclasses
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
+                                   recompute_every=1, recompute_ops=False,
+                                   virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
+    assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(recipe_problems(), st.sampled_from([("full", 2, False), ("full", 3, False), ("selective", 1, True)]))
+def test_checkpoint_policy_least_memory_is_the_brute_forces(problem, policy):
+    """Every n-th block checkpointed and torchtitan's op-level policy, without ZeRO or interleaving:
+    the DP's least memory of an infeasible problem is exactly the oracle's (kept bytes and working
+    set block by block, as the evaluator prices them)."""
+    import dataclasses
+
+    recompute, every, ops = policy
+    training = dataclasses.replace(problem.training, recompute=recompute, recompute_modules=None, zero=0,
+                                   recompute_every=every, recompute_ops=ops,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 

@@ -102,7 +102,8 @@ def test_every_field_is_a_flag_that_reaches_the_recipe(name):
         argv = [k.flag, *value]
     else:
         argv = [k.flag, str(value)]
-    base = {"recompute": "selective"} if name == "recompute_modules" else {}
+    base = {"recompute": "selective"} if name in ("recompute_modules", "recompute_ops") else {}
+    base.update({"recompute": "full"} if name == "recompute_every" else {})
     base.update({"precision": "fp8"} if name == "fp8_param_gather" else {})
     args = parser.parse_args(argv + [f"--{f.replace('_', '-')}={v}" for f, v in base.items()])
     recipe = recipe_from_args(args)

@@ -34,7 +34,7 @@ def test_default_stack_keeps_every_earlier_key():
 
 
 def test_bad_stack_is_one_line():
-    with pytest.raises(PhazeError, match="stack must be one of megatron-lm, eager, megatron-te, got 'te'"):
+    with pytest.raises(PhazeError, match="stack must be one of megatron-lm, eager, megatron-te, torch-compile, got 'te'"):
         Training(stack="te")
 
 
@@ -46,15 +46,43 @@ def _traffic(graph, kind, pass_name):
 @pytest.mark.parametrize("model", [m if m in QUICK else pytest.param(m, marks=pytest.mark.slow)
                                    for m in configs.available("models")])
 def test_fused_stacks_never_move_more_bytes_than_eager(model):
-    """Fusion only merges kernels: per layer kind and pass, megatron-te <= megatron-lm <= eager in
-    bytes moved and kernels launched, in BF16 and in FP8 (where TE's casts are fused too)."""
+    """Fusion only merges kernels: per layer kind and pass, torch-compile <= megatron-te <=
+    megatron-lm <= eager in bytes moved and kernels launched, in BF16 and in FP8 (where TE's and
+    Inductor's casts are fused too): Inductor fuses every pair TE's row fusion does, and more (the
+    two compared with the router's weights in one place: they are not a fusion, `expert_weights`)."""
+    moe = load_model(model).moe
     for precision in ("bf16", "fp8"):
         graphs = {s: recipe_graph(model, 1, Training(stack=s, precision=precision)) for s in STACKS}
+        same = {"expert_weights": "combine"} if moe else {}
+        te_combine = recipe_graph(model, 1, Training(stack="megatron-te", precision=precision, **same))
         for kind in graphs["eager"].kinds:
             for pass_name in ("fwd", "bwd"):
-                eager, lm, te = (_traffic(graphs[s], kind, pass_name) for s in ("eager", "megatron-lm", "megatron-te"))
+                eager, lm, te, inductor = (_traffic(graphs[s], kind, pass_name)
+                                           for s in ("eager", "megatron-lm", "megatron-te", "torch-compile"))
+                te_same = _traffic(te_combine, kind, pass_name)
+                assert inductor[0] <= te_same[0] * (1 + 1e-12) and inductor[1] <= te_same[1], (kind, pass_name, precision)
                 assert te[0] <= lm[0] * (1 + 1e-12) and lm[0] <= eager[0] * (1 + 1e-12), (kind, pass_name, precision)
                 assert te[1] <= lm[1] <= eager[1], (kind, pass_name, precision)
+
+
+def test_inductor_fuses_the_residual_add_into_the_norm_and_softmax_with_its_scale_and_mask():
+    """What Inductor's fusion adds to TE's row fusion on a GPT block (LayerNorm, unfused attention):
+    the residual add that feeds both the next norm and the next residual (two consumers) joins the
+    norm's kernel, and the scores' scale, mask and softmax are one kernel; the GEMMs stay alone, so
+    the GEMM count is every stack's."""
+    graphs = {s: recipe_graph("megatron-gpt-1.7b", 1, Training(stack=s, attention="unfused"))
+              for s in ("megatron-te", "torch-compile")}
+    fwd = {s: g.op_graphs["block"]["fwd"].ops for s, g in graphs.items()}
+    inductor = fwd["torch-compile"]
+    assert any(op.unit == VC and "add" in op.vector_ops and "layernorm" in op.vector_ops for op in inductor)
+    assert not any(op.unit == VC and "add" in op.vector_ops and "layernorm" in op.vector_ops
+                   for op in fwd["megatron-te"])
+    assert any(op.unit == VC and "softmax" in op.vector_ops and "masked_fill" in op.vector_ops for op in inductor)
+    gemms = {s: sum(op.unit in ("tc", "tc+vc") for op in ops) for s, ops in fwd.items()}
+    assert gemms["torch-compile"] == gemms["megatron-te"] > 0
+    for s, graph in graphs.items():  # a topological order of the fused kernels
+        for pass_name in ("fwd", "bwd"):
+            assert all(a < b for a, b in graph.op_graphs["block"][pass_name].edges), s
 
 
 def test_te_fuses_norm_and_rope_into_one_kernel_each():
@@ -92,7 +120,7 @@ def test_stack_changes_layer_costs():
         costs = layer_costs(model, arch, Training(mbs=1, stack=stack), system, 1, ilp_time_limit_s=10.0)
         times[stack] = sum(costs.costs.fwd_s) + sum(costs.costs.bwd_s)
         assert ("stack", stack) in costs.key or stack == STACKS[0]
-    assert times["eager"] > times["megatron-lm"] > times["megatron-te"]
+    assert times["eager"] > times["megatron-lm"] > times["megatron-te"] > times["torch-compile"]
 
 
 def test_suites_name_the_stack_of_their_software(tmp_path):

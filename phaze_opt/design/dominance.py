@@ -50,7 +50,7 @@ def _improve(recipe: Mapping, weight_le_grad: bool, keeps_no_core: Callable[[obj
     if recipe.get("zero") == 0 and weight_le_grad and not recipe.get("overlap_param_gather"):
         out.append(("zero", {**recipe, "zero": 1}))
     if recipe.get("recompute") == "selective" and keeps_no_core(recipe.get("attention")) \
-            and not recipe.get("recompute_modules"):  # other modules drop more than the core
+            and not recipe.get("recompute_modules") and not recipe.get("recompute_ops"):  # others drop more than the core
         out.append(("selective", {**recipe, "recompute": "none"}))
     return out
 

@@ -53,6 +53,7 @@ from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import EXPERT, OPTIMAL, Expert, Fixed, Layout, Training
 from ..workload.graphs import SP_COLLECTIVE
+from ..workload.kinds import BLOCK_KINDS
 from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
@@ -154,6 +155,15 @@ def recomputed_s(op_graph, split, op_modules: dict, tags) -> float:
                      if set(op_modules.get(op.name, "").split(",")) & tags))
 
 
+def op_policy_tags(op_graph, rerun) -> dict:
+    """The forward ops torchtitan's op-level policy reruns (`rerun`: the traced ops it does not
+    keep, workload/trace.py), tagged "op" for `recomputed_s`, with the low-precision cast of each
+    rerun GEMM's operand (workload/precision.py names it `<gemm>.cast_<format>`): it reruns with the
+    GEMM it feeds."""
+    rerun = set(rerun)
+    return {op.name: "op" for op in op_graph.ops if op.name in rerun or op.name.rpartition(".cast_")[0] in rerun}
+
+
 def _link_key(link) -> tuple:
     return (float(link.bandwidth), float(link.latency))
 
@@ -186,6 +196,7 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     times: dict[tuple[str, str], float] = {}
     core_s: dict[str, float] = {}
     module_s: dict[str, float] = {}  # module-level recompute's forward again (Training.recompute_modules)
+    op_policy_s: dict[str, float] = {}  # torchtitan's op-level policy's forward again (Training.recompute_ops)
     module_tags = recompute_tags(training)
     lower: dict[tuple[str, str], float] = {}
     unproven = []
@@ -206,6 +217,9 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
                 core_s[kind] = attention_core_s(op_graph, lat.split[0])
                 module_s[kind] = recomputed_s(op_graph, lat.split[0], graph.extra.get("forward_modules", {}).get(kind, {}),
                                               module_tags)
+                if training.recompute_ops:
+                    rerun = op_policy_tags(op_graph, graph.extra.get("op_policy_rerun", {}).get(kind, ()))
+                    op_policy_s[kind] = recomputed_s(op_graph, lat.split[0], rerun, {"op"})
             if sched.status not in ("optimal", "time_limit"):
                 raise RuntimeError(f"schedule of {model.name} {kind}/{pass_name} (tp {tp}) failed: {sched.status}")
             label = sched.method if sched.status == "optimal" else "time_limit"
@@ -233,6 +247,8 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
         module_s=[min(module_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) for l in layers],
         # `moe` reruns the MoE layer whole: its all-to-alls too (placement.evaluate)
         module_moe=[float("moe" in module_tags and l.module_bytes({"moe"}) > 0) for l in layers],
+        op_policy_s=[min(op_policy_s.get(l.kind, 0.0), times[(l.kind, "fwd")]) if l.kind in BLOCK_KINDS else 0.0
+                     for l in layers],
     )
     bound_costs = None
     if unproven:
@@ -286,7 +302,7 @@ def _design_energy(model, arch, training: Training, system, tp_costs: _TpCosts, 
     stages = [st.layers for st in result.stages]
     return batch_energy(fwd, bwd, tp_costs.costs, stages, result.dp, result.microbatches, training.recompute,
                         result.time_per_batch_s, area, system,
-                        recompute_core="core_attn" in training.recomputed_modules).total_j
+                        recompute_core="core_attn" in training.recomputed_modules, training=training).total_j
 
 
 def check_ilp_time_limit(value) -> float:

@@ -258,8 +258,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     """
     if training.expert_tensor_parallel is not None and model.moe:
         return float("inf")  # folded experts run at another width than these layer bounds: no bound
-    if training.recompute_modules is not None:
-        return float("inf")  # module-level recompute's kept bytes are not in these layer rows: no bound
+    if training.recompute_modules is not None or training.recompute_ops or training.recompute_every != 1:
+        return float("inf")  # module-level, op-level and every-n-th recompute are not in these layer rows: no bound
     mbs, attention = training.mbs, training.attention
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
@@ -291,7 +291,8 @@ def relaxed_recipe(training: Training) -> Training:
     relaxation takes the best of (recompute mode, sequence parallelism, attention kernel) cleared.
     Recipes with the same relaxed recipe share every other field, including any added later, so they
     may be bounded together."""
-    return replace(training, recompute="none", recompute_modules=None, sequence_parallel=False, attention=None,
+    return replace(training, recompute="none", recompute_modules=None, recompute_every=1, recompute_ops=False,
+                   sequence_parallel=False, attention=None,
                    placement="optimal")
 
 
@@ -315,7 +316,7 @@ def group_placement_throughput(model, widths_by_attention: dict, row: int, *, sy
                          "parallelism and attention kernel")
     relaxed = shared.pop()
     mbs = relaxed.mbs
-    if any(r.recompute_modules is not None for r in recipes):
+    if any(r.recompute_modules is not None or r.recompute_ops or r.recompute_every != 1 for r in recipes):
         return float("inf")  # the kept bytes below are by mode only: no bound for module-level recompute
     recomputes = {r.recompute for r in recipes}
     sequence_parallels = {r.sequence_parallel for r in recipes}

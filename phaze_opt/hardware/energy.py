@@ -303,6 +303,7 @@ def batch_energy(
     system,
     constants: EnergyConstants | None = None,
     recompute_core: bool = True,
+    training=None,
 ) -> BatchEnergy:
     """Energy per batch of a placement.
 
@@ -311,6 +312,8 @@ def batch_energy(
     params); `stages`: layer indices per stage, first to last; `system`: the System (links, precision).
     `recompute_core`: whether selective recompute reruns the attention core (`selective_s`; the
     recipe's modules, `Training.recompute_modules`), besides its other modules' `module_s`.
+    `training` (the recipe, where the caller has it): full recompute on the layers it checkpoints
+    (`Training.checkpointed`), the op-level policy's rerun ops (`op_policy_s`).
     """
     c = constants or load_constants()
     fwd = np.asarray(layer_fwd_j, dtype=float)
@@ -321,10 +324,13 @@ def batch_energy(
         stage_of[list(stage)] = s
     # share of each layer's forward run again in its backward (every stage, as Megatron does)
     share = np.zeros(costs.n_layers)
+    fwd_s = np.asarray(costs.fwd_s, dtype=float)
     if recompute is True or recompute == "full":
-        share = np.ones(costs.n_layers)
+        share = np.ones(costs.n_layers) if training is None else training.checkpointed(costs.block_ordinal) * 1.0
+    elif training is not None and training.recompute_ops:
+        share = np.divide(np.asarray(costs.op_policy_s, dtype=float), fwd_s, out=np.zeros(costs.n_layers),
+                          where=fwd_s > 0)
     elif recompute == "selective":
-        fwd_s = np.asarray(costs.fwd_s, dtype=float)
         again_s = np.asarray(costs.module_s, dtype=float) + (np.asarray(costs.selective_s, dtype=float)
                                                              if recompute_core else 0.0)
         share = np.divide(again_s, fwd_s, out=np.zeros(costs.n_layers), where=fwd_s > 0)

@@ -12,7 +12,7 @@ A suite is one YAML file. Its top-level fields:
                       layer_seconds     forward and backward seconds of one layer's TP shard (compute only)
     flops_formula   for the training metrics: which FLOP count the paper used (see FLOPS_FORMULAS)
     stack           optional, training metrics: the software stack's kernel fusion the runs used
-                    (`Training.stack`: eager, megatron-lm, megatron-te; default megatron-lm), which
+                    (`Training.stack`: eager, megatron-lm, megatron-te, torch-compile; default megatron-lm), which
                     a row's own `stack` overrides
     papers          {key: citation}; every row's source names one of the keys
     rows            training metrics: the published runs (see below)

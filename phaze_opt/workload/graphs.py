@@ -339,6 +339,7 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
             linear_shared_bytes=float(tr.linear_shared_bytes),
             linear_shared_sp_bytes=float(tr.linear_shared_sp_bytes),
             module_groups=_module_groups(tr),
+            op_policy_bytes=float(tr.op_policy_bytes), op_policy_sp_bytes=float(tr.op_policy_sp_bytes),
         ))
     op_graphs = {kind: {"fwd": tr.fwd, "bwd": tr.bwd} for kind, tr in traces.items()}
     step_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
@@ -361,6 +362,8 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
             "saved_tensors": {kind: tr.saved for kind, tr in traces.items()},
             # forward op name -> the recompute modules that made it ("a,b"), per kind (trace.py)
             "forward_modules": {kind: dict(tr.forward_modules) for kind, tr in traces.items()},
+            # forward op names torchtitan's op-level checkpointing reruns, per kind (trace.py)
+            "op_policy_rerun": {kind: list(tr.op_policy_rerun) for kind, tr in traces.items()},
         },
     )
 

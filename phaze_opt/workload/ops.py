@@ -31,6 +31,8 @@ ATTENTION_MODES = ("unfused", "flash")
 # Here, not in trace.py, so the stacks (workload/stack.py) name it without importing PyTorch: a
 # study's processes never trace and start seconds sooner without it.
 ROW_FUSION = "row"
+# The trace's fusion level of TorchInductor's generated kernels (torch.compile; trace.py says what it fuses).
+INDUCTOR_FUSION = "inductor"
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -153,6 +155,10 @@ class Layer:
     # bytes made inside modules with a recompute name, grouped by those names, as ("a,b" (every
     # such module around the producer), bytes, of which sequence-parallel bytes); the rest untagged.
     module_groups: tuple[tuple[str, float, float], ...] = ()
+    # Op-level selective checkpointing (trace.py): the bytes of the ops a checkpointed block keeps the
+    # outputs of, of which sequence-parallel (the TP collectives').
+    op_policy_bytes: float = 0.0
+    op_policy_sp_bytes: float = 0.0
 
     def module_bytes(self, tags, sequence_parallel: bool = False) -> int:
         """Bytes one microbatch stops keeping when the modules named `tags` (a set of
@@ -165,6 +171,12 @@ class Layer:
         dropped = sum(_whole(b) - self._sp_saving(sp, sequence_parallel)
                       for names, b, sp in self.module_groups if tags & set(names.split(",")))
         return max(0, min(dropped, self.activation_bytes_for("selective", sequence_parallel)))
+
+    def op_policy_kept_bytes(self, sequence_parallel: bool = False) -> int:
+        """What a block checkpointed under torchtitan's op-level policy keeps per microbatch: its input
+        (the checkpoint) and the cached outputs of the kept ops, the collectives' s/t shard with SP."""
+        return (self.checkpoint_bytes(sequence_parallel) + _whole(self.op_policy_bytes)
+                - self._sp_saving(self.op_policy_sp_bytes, sequence_parallel))
 
     def activation_bytes_for(self, recompute: str = "none", sequence_parallel: bool = False) -> int:
         """Bytes one microbatch keeps between this layer's forward and its backward.
@@ -276,7 +288,7 @@ LAYER_FIELDS = {
     "boundary_bytes": "num", "input_bytes": "num", "fwd_flops": "num", "bwd_flops": "num", "tp": "int",
     "attention_core_bytes": "num", "sequence_parallel_bytes": "num", "input_sequence_parallel_bytes": "num",
     "linear_input_bytes": "num", "linear_input_sp_bytes": "num", "linear_shared_bytes": "num",
-    "linear_shared_sp_bytes": "num", "module_groups": "groups",
+    "linear_shared_sp_bytes": "num", "module_groups": "groups", "op_policy_bytes": "num", "op_policy_sp_bytes": "num",
 }
 GRAPH_FIELDS = {  # LayerGraph's plain fields; layers, edges, op_graphs and extra are decoded by hand
     "model": "str", "tp": "int", "mbs": "int", "seq": "int", "bytes_per_element": "int", "total_params": "int",

@@ -31,6 +31,21 @@ field (`Training.stack`) that picks the kernels, and the efficiencies stay one s
   (`cast_transpose`; Hopper's FP8 GEMMs take only the TN layout); `precision.precision_graph` with
   `fused_casts`. An operand no vector kernel produces (an attention output, a GEMM's gradient) keeps
   a cast kernel, shared by the GEMMs that read it.
+- `torch-compile`: a PyTorch-native trainer compiling its blocks with `torch.compile` (TorchInductor;
+  torchtitan's `compile.enable`, per transformer block). Inductor generates Triton kernels for
+  everything but the matrix multiplies and the attention kernel: its scheduler fuses pointwise ops
+  with the reductions they feed or follow (a norm's statistics and scaling, softmax, a bias
+  gradient) and across consumers, so a value read by several fused ops is computed once (Ansel et
+  al., "PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode Transformation and Graph
+  Compilation", ASPLOS 2024, Sec. 5.3; the trace's `INDUCTOR_FUSION`). Beyond `megatron-te` it
+  therefore fuses a residual add into the norm that reads it, RoPE with what surrounds it, and
+  softmax with its scale and mask; unlike it, a norm is never fused into the GEMM it feeds (GEMMs
+  stay cuBLAS calls unless `max-autotune` picks a Triton template), and FlashAttention runs only
+  where the model calls SDPA (the recipe's `attention`; Inductor does not rewrite an unfused
+  attention in training here). In FP8 the casts fuse into the kernels that produce their operands
+  (torchao's float8 training: "torch.compile ... is required to get good performance", the scale
+  and cast fused with the producer; pytorch/ao, torchao/float8/README.md), as under `megatron-te`.
+  MoE gate weights on the combine, as torchtitan's MoE applies them by default.
 
 Every fusion only merges kernels (a merged kernel reads what enters it and writes what leaves it),
 so a stack never moves more bytes than `eager` (tested for every preset model).
@@ -42,17 +57,18 @@ from ..training import Training
 from .graphs import build_layer_graph, sequence_parallel_graph
 from .kinds import LAYERNORM_LINEAR
 from .models import ModelConfig
-from .ops import ROW_FUSION, LayerGraph
+from .ops import INDUCTOR_FUSION, ROW_FUSION, LayerGraph
 from .precision import precision_graph
 
 # The trace's fusion level of each stack (`graphs.build_layer_graph`'s `fuse`).
-TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION}
+TRACE_FUSION = {"eager": False, "megatron-lm": True, "megatron-te": ROW_FUSION, "torch-compile": INDUCTOR_FUSION}
 # Where each stack's MoE layers apply the router's gate weights unless the recipe says
 # (`Training.expert_weights`): Megatron-Core moved them from the combine into the expert MLP's
 # activation in 0.13 (2025-07, commit 2659630721 "Memory efficient token permutation"), which the
 # `megatron-te` stack stands for (NeMo 25.09 and later). Not a fusion: it changes which tensors a
 # layer keeps, so it is a graph key of its own.
-STACK_EXPERT_WEIGHTS = {"eager": "combine", "megatron-lm": "combine", "megatron-te": "activation"}
+STACK_EXPERT_WEIGHTS = {"eager": "combine", "megatron-lm": "combine", "megatron-te": "activation",
+                        "torch-compile": "combine"}
 
 
 def expert_weights(training: Training) -> str:
@@ -61,7 +77,7 @@ def expert_weights(training: Training) -> str:
 
 
 # Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
-FUSED_CASTS = ("megatron-te",)
+FUSED_CASTS = ("megatron-te", "torch-compile")
 
 
 # Stacks whose layer specs fuse a norm read only by a column-parallel linear into that linear

@@ -66,6 +66,19 @@ tagged m (an output-discarding one the module's outputs and statistics, a standa
 everything inside the module; the module's input was made outside it and stays) and reruns the
 forward ops tagged m (`ops.Layer.module_bytes`, `design.evaluate.layer_costs`).
 
+Op-level selective checkpointing (`Training.recompute_ops`): PyTorch's selective activation
+checkpointing with torchtitan's policy (torchtitan `_save_list` and `_custom_policy`, used through
+`torch.utils.checkpoint.create_selective_checkpoint_contexts`): inside a checkpointed block the
+outputs of `aten.mm` are kept but every second one (the policy counts the block's matmuls and
+recomputes the even-numbered ones), the attention kernel's outputs are kept (SDPA's flash and
+efficient kernels are on the list; here `phaze::flash_attention`), so are the TP collectives'
+(torchtitan runs TP with sequence parallelism, whose `reduce_scatter_tensor` is on the list), and
+every other forward op is rerun before the block's backward. The checkpoint caches a kept op's
+output whether or not autograd would have saved it (`_CachingTorchDispatchMode` stores every
+MUST_SAVE output), so a block keeps its inputs plus those outputs (`LayerTrace.op_policy_bytes`,
+of which the collectives' `op_policy_sp_bytes` shard under SP) and reruns the forward ops that
+made none of them (`op_policy_rerun`). A linear with a bias is an `addmm`, not on the list.
+
 Fused attention (`ModelConfig.attention = "flash"`; layers.flash_attention): the FlashAttention
 kernels (Dao et al., NeurIPS 2022; Dao, FlashAttention-2, 2023) trace as one node per pass and map
 to one "tc+vc" op each (`_flash_cost`). FLOPs count the whole s x s square even for causal models
@@ -89,7 +102,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._pytree import tree_flatten
 
 from . import collectives  # noqa: F401  (registers phaze::allreduce)
-from .ops import FLASH_ATTENTION, NET, NONE, ROW_FUSION, TC, TCVC, VC, Op, OpGraph
+from .ops import FLASH_ATTENTION, INDUCTOR_FUSION, NET, NONE, ROW_FUSION, TC, TCVC, VC, Op, OpGraph
 
 # Regions of the saved tensors (see the module docstring).
 ATTENTION_CORE = "attention_core"
@@ -149,6 +162,17 @@ _POINTWISE = frozenset(_VECTOR)
 # broadcast back over its row inside one kernel): TE's fused LayerNorm/RMSNorm and RoPE kernels, and
 # its activation-backward + bias-gradient kernels.
 _ROW_FUSABLE = _POINTWISE | {"mean", "sum", "cat", "slice_backward", "native_layer_norm", "native_layer_norm_backward"}
+# `fuse=INDUCTOR_FUSION` (torch.compile, workload/stack.py): TorchInductor's scheduler fuses any two
+# pointwise or reduction nodes joined by a data edge whose iteration spaces are compatible (a
+# reduction with the pointwise ops before and after it), not only a single-consumer chain: a value
+# read by several fused consumers is computed once in their kernel and written only where something
+# outside reads it, and a fusion that would close a cycle through another kernel is refused (Ansel
+# et al., "PyTorch 2", ASPLOS 2024, Sec. 5.3, "vertical and horizontal fusion";
+# torch/_inductor/scheduler.py `can_fuse`, `will_fusion_create_cycle`). Softmax is decomposed into
+# its reductions and pointwise ops there, so it fuses too. Matrix multiplies stay library calls
+# (cuBLAS; Triton GEMM templates only with `max-autotune`), never fused with their neighbours.
+_INDUCTOR_FUSABLE = _ROW_FUSABLE | {"_softmax", "_safe_softmax", "_softmax_backward_data", "_log_softmax",
+                                    "_log_softmax_backward_data", "amax", "max"}
 _OTHER_VECTOR = {
     "native_layer_norm": ("norm", "layernorm"), "native_layer_norm_backward": ("norm", "layernorm_bwd"),
     "_softmax": ("softmax", "softmax"), "_safe_softmax": ("softmax", "softmax"),
@@ -228,6 +252,11 @@ class LayerTrace:
     # (op name, "a,b").
     saved_modules: tuple[str, ...] = ()
     forward_modules: tuple[tuple[str, str], ...] = ()
+    # Op-level selective checkpointing (module docstring): the kept ops' output bytes (beyond the
+    # layer's inputs), of which sequence-parallel, and the forward ops (by name) rerun.
+    op_policy_bytes: int = 0
+    op_policy_sp_bytes: int = 0
+    op_policy_rerun: tuple[str, ...] = ()
 
 
 class _ModuleScopes:
@@ -321,6 +350,8 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
     fwd_ops = mapped["fwd"].ops
     forward_modules = tuple((op.name, tag) for op in fwd_ops
                             if (tag := scopes.of(op.contains[-1] if op.contains else op.name)))
+    kept_ops = mapped["op_policy"]
+    rerun = tuple(op.name for op in fwd_ops if op.unit != NONE and not set(op.contains or (op.name,)) <= kept_ops["names"])
 
     param_count = sum(p.numel() for p in module.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -335,6 +366,7 @@ def trace_layer_details(module: nn.Module, example_inputs, *, name: str = "layer
         attention_core_bytes=_region_bytes(mapped, ATTENTION_CORE),
         sequence_parallel_bytes=_region_bytes(mapped, SEQUENCE_PARALLEL),
         saved_modules=tuple(scopes.of(entry[0]) for entry in mapped["saved"]), forward_modules=forward_modules,
+        op_policy_bytes=kept_ops["bytes"], op_policy_sp_bytes=kept_ops["sp_bytes"], op_policy_rerun=rerun,
         input_sequence_parallel_bytes=sum(_nbytes(x) for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
         **mapped["linear"],
     )
@@ -695,7 +727,31 @@ class _Mapper:
             "unmapped": tuple(dict.fromkeys(self.unmapped)),
             "saved_regions": saved_regions,
             "linear": linear,
+            "op_policy": self._op_policy(),
         }
+
+    def _op_policy(self) -> dict:
+        """What torchtitan's op-level selective checkpointing keeps of this forward (module docstring):
+        the output bytes of the kept ops, of which the collectives' (sharded under SP), and the traced
+        names of those ops."""
+        bpos = self.pos[self.boundary]
+        out = {"bytes": 0, "sp_bytes": 0, "names": set()}
+        matmuls = 0
+        for n in self.nodes[:bpos]:
+            if n.op != "call_function" or n in self.const:
+                continue
+            name, space = _op_name(n), _namespace(n)
+            if space == "aten" and name == "mm":
+                matmuls += 1
+                if matmuls % 2 == 0:  # `_custom_policy`: "Saves output of all compute ops, except every second mm"
+                    continue
+            elif not (space == "phaze" and name in ("flash_attention", "allreduce")):
+                continue
+            size = sum(_nbytes(v) for v in _vals(n))
+            out["bytes"] += size
+            out["sp_bytes"] += size if name == "allreduce" else 0
+            out["names"].add(n.name)
+        return out
 
     def _linear_inputs(self) -> dict[str, str]:
         """Forward values that are a linear GEMM's activation operand (the other operand a weight),
@@ -765,8 +821,9 @@ class _Mapper:
                 return True
             if not self.fuse:
                 return False
-            if self.fuse == ROW_FUSION:
-                return da.unit == VC and db.unit == VC and _op_name(a) in _ROW_FUSABLE and _op_name(b) in _ROW_FUSABLE
+            if self.fuse in (ROW_FUSION, INDUCTOR_FUSION):
+                kinds = _ROW_FUSABLE if self.fuse == ROW_FUSION else _INDUCTOR_FUSABLE
+                return da.unit == VC and db.unit == VC and _op_name(a) in kinds and _op_name(b) in kinds
             return (da.unit == VC and db.unit == VC and _op_name(a) in _POINTWISE and _op_name(b) in _POINTWISE
                     and da.elements == db.elements)
 
@@ -775,10 +832,14 @@ class _Mapper:
                 (b,) = succ[n]
                 if fusable(n, b):
                     group[find(n)] = find(b)
+        if self.fuse == INDUCTOR_FUSION:
+            self._fuse_across_consumers(live, succ, desc, fusable, find, group)
         members = defaultdict(list)
         for n in live:
             members[find(n)].append(n)
         order = sorted(members, key=lambda r: max(self.pos[m] for m in members[r]))
+        if self.fuse == INDUCTOR_FUSION:  # a kernel fused across consumers may feed one traced before its last node
+            order = _topological(order, {r: {find(p) for m in members[r] for p in preds[m]} - {r} for r in order})
         index = {r: i for i, r in enumerate(order)}
 
         ops, edges = [], set()
@@ -800,6 +861,40 @@ class _Mapper:
             return index[find(node)] if node in group else None
 
         return graph, op_index
+
+    def _fuse_across_consumers(self, live, succ, desc, fusable, find, group) -> None:
+        """TorchInductor's fusion beyond single-consumer chains (`_INDUCTOR_FUSABLE`): each fusable
+        producer-consumer pair, directly or through views (which cost nothing and join the kernel),
+        merges their groups unless a path between them runs through a group left out (the merged
+        kernel would both feed and wait for it)."""
+        for n in live:
+            if desc[n].unit != VC:
+                continue
+            paths, stack = [], [(b, ()) for b in succ[n]]
+            while stack:  # the vector ops n reaches, each with the views passed on the way
+                b, views = stack.pop()
+                if desc[b].unit == NONE:
+                    stack.extend((c, views + (b,)) for c in succ[b])
+                elif desc[b].unit == VC and fusable(n, b):
+                    paths.append((b, views))
+            for b, views in sorted(paths, key=lambda p: self.pos[p[0]]):
+                merged = {find(m) for m in (n, b, *views)}
+                if len(merged) == 1:
+                    continue
+                after = defaultdict(set)  # group -> the groups it feeds
+                for m in live:
+                    after[find(m)].update(find(u) for u in succ[m])
+                seen = set(merged)
+                frontier = [g for r in merged for g in after[r] if g not in merged]
+                while frontier and not merged & after[frontier[-1]]:  # back into the kernel through another?
+                    g = frontier.pop()
+                    if g not in seen:
+                        seen.add(g)
+                        frontier.extend(after[g] - seen)
+                if not frontier:
+                    root = find(b)
+                    for r in merged:
+                        group[r] = root
 
     def _read_bytes(self, node) -> int:
         """Bytes an op reads from an argument: a broadcast view reads only its source."""
@@ -853,7 +948,31 @@ class _Mapper:
                       vector_ops=last.vector_ops, shape=shape)
         return Op(name=name, kind="fused" if len(ms) > 1 else last.kind, unit=VC, flops=flops,
                   bytes_read=float(reads), bytes_written=float(writes), elements=max(desc[m].elements for m in ms),
-                  vector_ops=tuple(desc[m].vkind for m in ms), contains=contains, shape=shape)
+                  vector_ops=tuple(desc[m].vkind for m in ms if desc[m].unit != NONE), contains=contains, shape=shape)
+
+
+def _topological(order: list, needs: dict) -> list:
+    """`order` rearranged so that every item comes after the items it `needs`, otherwise as early
+    as `order` has it (Kahn's algorithm, ready items taken in their place in `order`)."""
+    import heapq
+
+    place = {r: i for i, r in enumerate(order)}
+    waiting = {r: len(needs[r]) for r in order}
+    feeds = defaultdict(list)
+    for r in order:
+        for p in needs[r]:
+            feeds[p].append(r)
+    ready = [place[r] for r in order if waiting[r] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        r = order[heapq.heappop(ready)]
+        out.append(r)
+        for c in feeds[r]:
+            waiting[c] -= 1
+            if waiting[c] == 0:
+                heapq.heappush(ready, place[c])
+    return out
 
 
 def _outputs(node):

@@ -12,7 +12,11 @@ disagreement in the tests. The model it implements (the definition the DP must o
   the recipe's mode on every stage, the last included, as Megatron does (Korthikanti et al. 2022,
   Sec. 5): `full` adds each layer's forward, `selective` the attention core's forward
   (`LayerCosts.selective_s`) when the core is among `Training.recompute_modules` (the default)
-  plus the forward of the recipe's other modules (`module_s`), `none` nothing; plus receiving its inputs and the gradients of its
+  plus the forward of the recipe's other modules (`module_s`), `none` nothing; `full` with
+  `Training.recompute_every` n > 1 only on the blocks it checkpoints (`Training.checkpointed`: every
+  n-th decoder block, torchtitan), the others as `none`; torchtitan's op-level policy
+  (`Training.recompute_ops`) on each decoder block the forward ops it does not keep (`op_policy_s`);
+  plus receiving its inputs and the gradients of its
   outputs. Inputs are the outputs of producers in earlier stages that feed the stage (each
   producer's `boundary_bytes` once); output gradients are those of the stage's layers that feed
   later stages. Each direction with anything to receive costs one message on the pipeline link:
@@ -42,7 +46,9 @@ disagreement in the tests. The model it implements (the definition the DP must o
   ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
   `activation_bytes` (none), `selective_bytes` (selective; `activation_bytes` when the attention
-  core is not recomputed; less `module_bytes` of the other modules) or `checkpoint_bytes` (full).
+  core is not recomputed; less `module_bytes` of the other modules), `checkpoint_bytes` (full, on a
+  checkpointed layer) or `op_policy_bytes` (a block under the op-level policy: its input and the
+  kept ops' outputs).
   A `moe` recompute reruns the MoE layer's forward whole, its two all-to-alls and the busiest
   rank's extra expert time included (`LayerCosts.module_moe`). Under
   1F1B (PipeDream-Flush; Narayanan et al., SOSP'19) the stage k-th from the end holds q = min(k, m)
@@ -52,7 +58,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   stage's activations: ceil(chunks x stash / v) bytes (on the first device (1 + (p - 1)/(p v)) p
   microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
   the stage's layers, of what exists only during that layer's backward: its attention core and
-  its other recomputed modules' `module_bytes` (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
+  its other recomputed modules' `module_bytes` (selective), all its activations (full on a
+  checkpointed layer, and a block under the op-level policy), plus under ZeRO-3 its gathered parameters.
   Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
   split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
   loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
@@ -294,6 +301,8 @@ def evaluate_placement(
 
     mode = problem.training.recompute
     core = "core_attn" in problem.training.recomputed_modules
+    op_policy = problem.training.recompute_ops
+    wrapped = problem.training.checkpointed(costs.block_ordinal)
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
@@ -322,9 +331,12 @@ def evaluate_placement(
             params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
             experts += expert_v
             flops += float(costs.flops[v])
-            if mode == "full":  # Korthikanti et al. 2022, Sec. 5: the whole forward again
+            if mode == "full" and wrapped[v]:  # Korthikanti et al. 2022, Sec. 5: the whole forward again
                 rec, kept, work = fwd_v, float(costs.checkpoint_bytes[v]), float(costs.full_work_bytes[v]) + extra_work
-            elif mode == "selective":  # the attention core again (all c of its blocks under CP) ...
+            elif op_policy and costs.block_ordinal[v] > 0:  # torchtitan's op policy: the unkept forward ops again
+                rec, kept = float(costs.op_policy_s[v]), float(costs.op_policy_bytes[v])
+                work = float(costs.full_work_bytes[v]) + extra_work
+            elif mode == "selective" and not op_policy:  # the attention core again (all c of its blocks under CP) ...
                 if core:
                     rec, kept = c * float(costs.selective_s[v]), float(costs.selective_bytes[v])
                     work = c * float(costs.selective_work_bytes[v])

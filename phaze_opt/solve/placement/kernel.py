@@ -168,7 +168,13 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
     """Per layer, by the recipe's recompute mode: (bytes kept per in-flight microbatch, working set
     during its backward, recompute time); see placement.evaluate for the model and its sources."""
     if problem.training.recompute == "full":
-        kept, work, rec = c.checkpoint_bytes, c.full_work_bytes, c.fwd_s
+        wrapped = problem.training.checkpointed(c.block_ordinal)
+        kept = np.where(wrapped, c.checkpoint_bytes, c.activation_bytes)
+        work, rec = np.where(wrapped, c.full_work_bytes, 0.0), np.where(wrapped, c.fwd_s, 0.0)
+    elif problem.training.recompute_ops:
+        wrapped = c.block_ordinal > 0
+        kept = np.where(wrapped, c.op_policy_bytes, c.activation_bytes)
+        work, rec = np.where(wrapped, c.full_work_bytes, 0.0), np.where(wrapped, c.op_policy_s, 0.0)
     elif problem.training.recompute == "selective":
         if "core_attn" in problem.training.recomputed_modules:
             kept, work, rec = c.selective_bytes, c.selective_work_bytes, c.selective_s

@@ -23,6 +23,7 @@ import numpy as np
 from ...errors import PhazeError
 from ...system import System
 from ...training import Layout, Training
+from ...workload.kinds import BLOCK_KINDS
 from ...workload.ops import EXACT_BYTES, largest_memory_bytes
 from ...workload.precision import weight_copy_bytes
 
@@ -63,6 +64,12 @@ class LayerCosts:
       backward; default `activation_bytes`);
     - `selective_s`: the forward time of the attention core, what selective recompute adds to the
       backward (default 0); full recompute adds `fwd_s`.
+    - `block_ordinal`: a decoder block's 1-based place among the model's blocks, 0 for the embedding,
+      the head and MTP modules (default: every layer a block, 1..n): which blocks `recompute_every`
+      checkpoints (`Training.checkpointed`) and which torchtitan's op-level policy wraps;
+    - `op_policy_bytes`, `op_policy_s`: a block under torchtitan's op-level selective checkpointing
+      (`Training.recompute_ops`; workload/trace.py): its input and the kept ops' outputs, and the
+      forward ops it reruns (defaults `activation_bytes` and 0: nothing dropped);
     - module-level selective recompute (`Training.recompute_modules`, beyond the attention core):
       `module_bytes`, the bytes the recipe's other modules stop keeping per microbatch, rebuilt
       during the layer's backward (so also working set), and `module_s`, those modules' forward
@@ -104,6 +111,9 @@ class LayerCosts:
     module_bytes: np.ndarray | None = None
     module_s: np.ndarray | None = None
     module_moe: np.ndarray | None = None
+    block_ordinal: np.ndarray | None = None
+    op_policy_bytes: np.ndarray | None = None
+    op_policy_s: np.ndarray | None = None
     expert_params: np.ndarray | None = None
     dispatch_bytes: np.ndarray | None = None
     expert_fwd_s: np.ndarray | None = None
@@ -159,6 +169,12 @@ class LayerCosts:
         for name, whole in (("module_bytes", True), ("module_s", False), ("module_moe", False)):
             value = getattr(self, name)
             object.__setattr__(self, name, _array(name, np.zeros(n) if value is None else value, n, whole=whole))
+        blocks = np.arange(1, n + 1) if self.block_ordinal is None else self.block_ordinal
+        object.__setattr__(self, "block_ordinal", _array("block_ordinal", blocks, n, whole=True))
+        kept = self.activation_bytes if self.op_policy_bytes is None else self.op_policy_bytes
+        object.__setattr__(self, "op_policy_bytes", _array("op_policy_bytes", kept, n, whole=True))
+        rerun = np.zeros(n) if self.op_policy_s is None else self.op_policy_s
+        object.__setattr__(self, "op_policy_s", _array("op_policy_s", rerun, n, whole=False))
         if np.any(self.module_bytes > self.activation_bytes):
             raise ValueError("LayerCosts.module_bytes: more than the layer's activation_bytes")
         for name in PARALLEL_ARRAYS:
@@ -177,15 +193,21 @@ class LayerCosts:
 
     @classmethod
     def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False,
-                         module_tags=frozenset(), module_s=None, module_moe=None) -> "LayerCosts":
+                         module_tags=frozenset(), module_s=None, module_moe=None, op_policy_s=None) -> "LayerCosts":
         """Per-layer arrays of a workload `LayerGraph` at its TP width, with each layer's forward
         and backward time (seconds per microbatch, e.g. from its kind's schedules), the attention
         core's forward time (selective recompute) and the memory of every recompute mode; with
         sequence parallelism the pipeline sends carry each rank's s/t share (`boundary_bytes_for`).
-        `module_tags` (workload.stack.recompute_tags) and `module_s`: module-level recompute."""
+        `module_tags` (workload.stack.recompute_tags) and `module_s`: module-level recompute;
+        `op_policy_s`: the forward ops torchtitan's op-level policy reruns (blocks only)."""
         layers = graph.layers
         sp = bool(sequence_parallel)
+        ordinal = np.cumsum([l.kind in BLOCK_KINDS for l in layers]) * [l.kind in BLOCK_KINDS for l in layers]
         return cls(
+            block_ordinal=ordinal,
+            op_policy_bytes=[l.op_policy_kept_bytes(sp) if b else l.activation_bytes_for("none", sp)
+                             for l, b in zip(layers, ordinal)],
+            op_policy_s=op_policy_s,
             module_bytes=[l.module_bytes(module_tags, sp) for l in layers] if module_tags else None,
             module_s=module_s,
             module_moe=module_moe,
