@@ -338,17 +338,36 @@ class Memory(_Config):
               "default core_attn", layer=True, says=lambda v: "recomputing " + "+".join(v))
     # `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
     # optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer state
-    # and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec. 5.2;
-    # PyTorch FSDP `SHARD_GRAD_OP`, FSDP2 `reshard_after_forward=False`; Llama 3 405B: "Our use of FSDP
+    # and the gradients and holds the 16-bit weights whole through the iteration (ZeRO P_os+g, Sec. 5.2;
+    # PyTorch FSDP `SHARD_GRAD_OP` under `no_sync`, which frees no gathered weight until the last
+    # microbatch's backward, FSDP1 `_should_free_in_backward`; Llama 3 405B: "Our use of FSDP
     # for Llama 3 shards optimizer states and gradients, but for model shards we do not reshard after
     # forward computation", Llama Team, arXiv 2407.21783, Sec. 3.3.2). A sharded gradient cannot wait for
     # the last microbatch, so each microbatch's backward reduce-scatters the stage's gradients (DeepSpeed
     # ZeRO-2 reduces after every backward: "each rank retains only the accumulated gradients of its
     # partition", deepspeedai/DeepSpeed issue 2252; FSDP reduce-scatters after each backward unless
     # `no_sync`, which keeps whole gradients); the updated weights are all-gathered once per iteration
-    # after the optimizer step (`solve.placement.evaluate`);
+    # after the optimizer step (`solve.placement.evaluate`). Stage 3 shards the weights too: each layer's
+    # are all-gathered before its forward in every microbatch (and again before its backward unless
+    # `reshard_after_forward` is off) and its gradients reduce-scattered after its backward;
     zero: ZeroStage = knob(0, "optimizer sharding over data parallelism: 0, 1 (distributed optimizer), 2 "
-                              "(gradients too; FSDP without resharding) or 3 (FSDP)", listed="always", says='ZeRO-{}', quiet=(1,))
+                              "(gradients too; weights whole, gathered once per iteration) or 3 (FSDP: "
+                              "weights gathered per layer and microbatch)", listed="always", says='ZeRO-{}', quiet=(1,))
+    # `reshard_after_forward`: under ZeRO-3, whether a layer's gathered weights are freed after its
+    # forward (True, the default: FSDP's FULL_SHARD, FSDP2 `fully_shard(reshard_after_forward=True)`,
+    # so the backward all-gathers them again; Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2.1-3.2.2)
+    # or held from each microbatch's forward to its backward (False: FSDP2 `reshard_after_forward=False`,
+    # torchtitan `--parallelism.fsdp_reshard_after_forward never`): one gather per layer and microbatch
+    # instead of two, for the stage's whole gathered weights held beside their shards (one copy,
+    # whatever the microbatches in flight share). FSDP2 still reshards after each backward
+    # (`FSDPModule.set_reshard_after_backward`, default True), so every microbatch gathers again:
+    # unlike ZeRO-2, whose weights stay whole and are gathered once per iteration. Only ZeRO-3 shards
+    # weights between passes, so the field needs zero 3 (a rule). FSDP2's integer form (reshard to a
+    # smaller group) is not modelled.
+    reshard_after_forward: bool = knob(True, "with zero 3: free each layer's gathered weights after its "
+                                             "forward and gather them again for its backward (FSDP2); off: "
+                                             "hold them to the backward", says=lambda v: "no reshard after forward"
+                                       if not v else "reshard after forward")
     # `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
     # gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
     # fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20, Sec. 3.1,
@@ -669,6 +688,8 @@ def _layout(training: "Training") -> Layout | None:
 RULES = (
     Rule("fp8_param_gather", lambda t: not t.fp8_param_gather or t.precision in LOW_PRECISION_PARAMS,
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
+    Rule("reshard_after_forward", lambda t: t.reshard_after_forward or t.zero == 3,
+         "off needs zero 3 (only ZeRO-3 frees gathered weights between passes), got zero {zero}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
          "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
     # Megatron-Core's TransformerConfig refuses it: "disable full recomputation when enabling
@@ -1049,14 +1070,15 @@ def recipe_from_mapping(raw: Mapping[str, Any], **given) -> Training:
 def add_recipe_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
     """One flag per recipe field (`--virtual-stages`, `--tp-comm-overlap`), its help the field's doc;
     `skip`: fields the command declares itself. Yes/no fields with a default of off are switches;
-    ones whose default is the stack's (None) take --x / --no-x."""
+    ones whose default is on or the stack's (None) take --x / --no-x."""
     for name, k in FIELDS.items():
         if name in skip:
             continue
         kw: dict[str, Any] = {"default": k.default if k.kind != "placement" else k.default.spec(),
                               "help": _help(k), "dest": name}
         if k.kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction if k.optional else "store_true"
+            # a switch that is on by default needs its --no- form to be turned off
+            kw["action"] = argparse.BooleanOptionalAction if k.optional or k.default else "store_true"
         elif k.kind == "choice":
             kw.update(choices=k.choices, type=type(k.choices[0]))
         elif k.kind == "choices":

@@ -20,7 +20,7 @@ from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.kernel import min_memory_needed
 from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_half_s
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
-from phaze_opt.training import Training
+from phaze_opt.training import RecipeError, Training
 from test_placement_oracle import (
     brute_force,
     brute_min_memory,
@@ -337,7 +337,9 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         recompute_modules=draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
         if recompute == "selective" else None,
         virtual_stages=v,
-        zero=draw(st.sampled_from([0, 1, 2, 3])),
+        zero=(zero := draw(st.sampled_from([0, 1, 2, 3]))),
+        # FSDP2 without resharding after forward: one gather a microbatch, the stage's weights held
+        reshard_after_forward=zero != 3 or draw(st.booleans()),
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         overlap_p2p_comm=draw(st.booleans()),  # a stage time that depends on S and m
@@ -537,6 +539,49 @@ def test_zero2_memory_lies_between_zero1_and_zero3_and_it_reduces_every_microbat
     assert optimal_dense_placement(problem2).feasible and not evaluate_placement(problem1, pl).feasible
 
 
+def test_zero3_gathers_every_microbatch_and_reshard_after_forward_trades_a_gather_for_memory():
+    """ZeRO-3 under gradient accumulation: each microbatch all-gathers every layer's weights before
+    its forward and (resharded after forward) again before its backward, so a batch of more
+    microbatches pays proportionally more gather time; only the first layer's gather of a pass and
+    the part of each later one longer than the layer before it are exposed (FSDP's prefetch).
+    Four layers of 10 parameters, d = 4 on a slow ring so each gather (about 19 s) outlasts a
+    layer's compute (1 s forward, 2 s backward). Holding the gathered weights (reshard_after_forward
+    off) drops the backward gathers and adds the stage's 20 gathered parameters x 2 B to its memory.
+    Fails if the gathers are priced once per batch, if the backward gathers stay, or if the held
+    weights are not counted."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+
+    def run(batch, zero=3, **recipe):
+        system = make_system(accelerators=8, devices_per_node=8, global_batch=batch, intra=(1.0, 0.5))
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, **recipe), costs=(costs,), system=system,
+                                   hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl), system.dp_ring_link(1, 2, 4)
+
+    (few, ring), (many, _) = run(8), run(32)
+    p2p = run(8, zero=1)[0].stages[0].comm_s  # the pipeline messages alone
+    assert (few.microbatches, many.microbatches) == (2, 8)
+    gather = ring_half_s(10 * 2, 4, ring.bandwidth, ring.latency)
+    scatter = ring_half_s(20 * 2, 4, ring.bandwidth, ring.latency)
+    assert gather > 2.0  # longer than a layer's backward: the prefetch cannot hide it
+    # per microbatch: forward g + (g - 1); backward g + (g - 2); the reduce-scatter after the backward
+    per_mb = (2 * gather - 1.0) + (2 * gather - 2.0) + scatter
+    assert few.stages[0].comm_s - p2p == pytest.approx(per_mb, rel=1e-12)
+    assert few.bottleneck_s == pytest.approx(6.0 + p2p + per_mb, rel=1e-12)
+    # six more microbatches, six more stage times, each with its gathers and reduce-scatter
+    assert many.time_per_batch_s - few.time_per_batch_s == pytest.approx(6 * few.bottleneck_s, rel=1e-9)
+    held, _ = run(8, reshard_after_forward=False)
+    assert held.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + scatter, rel=1e-12)
+    assert held.peak_memory_bytes - few.peak_memory_bytes == 20 * 2 - 10 * 2  # held stage less one layer's working set
+    assert held.stages[0].memory_split["gathered_weights"] == 40
+
+
+def test_reshard_after_forward_off_needs_zero_3():
+    with pytest.raises(RecipeError, match="reshard_after_forward off needs zero 3"):
+        Training(zero=2, reshard_after_forward=False)
+    assert Training(zero=3, reshard_after_forward="off").reshard_after_forward is False
+
+
 @settings(max_examples=200, **SETTINGS)
 @given(recipe_problems(), st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
 def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
@@ -546,6 +591,7 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     import dataclasses
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
+                                   reshard_after_forward=True,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 

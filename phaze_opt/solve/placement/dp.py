@@ -405,8 +405,9 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # the mean stage is at least this.
             gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
-            over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
-            first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
+            passes = 2 if problem.training.reshard_after_forward else 1  # without resharding: forward only
+            over = np.maximum(0.0, gathers - f_total) + (passes - 1) * np.maximum(0.0, gathers - b_total)
+            first_last = passes * S * half(float(np.min(c.params)) * w_b)  # each gathering pass's first shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
@@ -431,8 +432,9 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
         # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
         k = weight_copies(problem)  # held whole by every rank under ZeRO 0, 1 and 2 (types.weight_copies)
+        held = 0.0 if problem.training.reshard_after_forward else w_b + k  # ZeRO-3's gathered weights kept
         coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 2: w_b + k + (g_b + o_b) / d,
-                3: (w_b + g_b + o_b) / d}[problem.training.zero]
+                3: (w_b + g_b + o_b) / d + held}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
@@ -505,6 +507,8 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             scatter = _half(params0 * g_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
             exposed_f, exposed_b = _zero3_exposed(st, b, gather)
+            if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
+                exposed_b = np.zeros_like(exposed_b)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
             beside = exposed_f + exposed_b + scatter

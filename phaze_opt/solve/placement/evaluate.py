@@ -24,8 +24,9 @@ disagreement in the tests. The model it implements (the definition the DP must o
   share f = ((S - 1) / v) / (m + (S - 1) / v) of the steps stay exposed, so the stage takes
   max(W + f P, f W + P) instead of W + P, non-decreasing in every layer time.
   With ZeRO-3 the stage also all-gathers each layer's parameters over the d replicas before the
-  layer's forward and again before its backward, and reduce-scatters its gradients after the
-  backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
+  layer's forward and again before its backward (not again with `reshard_after_forward` off, which
+  holds the stage's gathered weights from forward to backward: FSDP2), and reduce-scatters its
+  gradients after the backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
   bytes / bw + (d - 1) x latency each). The gathers are prefetched as FSDP does (`fsdp_exposed_s`:
   each layer's gather runs during the previous layer's compute of the same pass; only what does not
   fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
@@ -39,7 +40,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
 - Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
   parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part, with ZeRO-2
   the optimizer part and the gradients (over their own replicas, as ZeRO-1's state) and with
-  ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
+  ZeRO-3 all three divided over the d replicas (rounded up to whole bytes; without resharding after
+  forward plus the stage's whole gathered weights and their low-precision copies), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
   `activation_bytes` (none), `selective_bytes` (selective; `activation_bytes` when the attention
   core is not recomputed; less `module_bytes` of the other modules) or `checkpoint_bytes` (full).
@@ -52,7 +54,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   stage's activations: ceil(chunks x stash / v) bytes (on the first device (1 + (p - 1)/(p v)) p
   microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
   the stage's layers, of what exists only during that layer's backward: its attention core and
-  its other recomputed modules' `module_bytes` (selective), all its activations (full), plus under ZeRO-3 its gathered parameters.
+  its other recomputed modules' `module_bytes` (selective), all its activations (full), plus under ZeRO-3
+  (resharded after forward) its gathered parameters.
   Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
   split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
   loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
@@ -296,6 +299,7 @@ def evaluate_placement(
     core = "core_attn" in problem.training.recomputed_modules
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
+    reshard = problem.training.reshard_after_forward
     w_b, g_b, o_b = state_split(problem)
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
@@ -336,7 +340,7 @@ def evaluate_placement(
                 work += float(costs.module_bytes[v])
             else:
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
-            if zero == 3:  # the layer's gathered parameters (and their low-precision copies) live through its passes
+            if zero == 3 and reshard:  # the layer's gathered parameters (and their low-precision copies) live through its passes
                 work += float(costs.params[v]) * (w_b + k_b)
             work += gathered  # all-gather CP's K/V, whatever the recompute mode
             recompute += rec
@@ -369,7 +373,8 @@ def evaluate_placement(
             fwds = [fwd_of[v] for v in layers]
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
-            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
+            # held from the forward (reshard_after_forward off), the weights need no gather in backward
+            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True) if reshard else 0.0
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
                 scatter = max(0.0, scatter - (backward + exposed_bwd))
             shard_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
@@ -392,7 +397,10 @@ def evaluate_placement(
         # optimizer state, low-precision weight copies; ZeRO-1 and 2 shard each kind of parameter
         # over its own replicas.
         if zero == 3:
-            kinds = (_ceil(params * w_b / d), _ceil(params * g_b / d), _ceil(params * o_b / d), 0.0)
+            # without resharding after forward the stage's gathered weights (and their copies) are held
+            # beside the shards from the forward to the backward (FSDP2 reshard_after_forward=False)
+            kinds = (_ceil(params * w_b / d), _ceil(params * g_b / d), _ceil(params * o_b / d),
+                     0.0 if reshard else params * (w_b + k_b))
         else:
             def sharded(nbytes):
                 return sum(_ceil(n * nbytes / r) for n, r in groups)
@@ -450,7 +458,7 @@ def evaluate_placement(
                     "parameters": kinds[0],
                     "gradients": kinds[1],
                     "optimizer_state": kinds[2],
-                    **({"low_precision_weights": kinds[3]} if kinds[3] else {}),
+                    **({"gathered_weights" if zero == 3 else "low_precision_weights": kinds[3]} if kinds[3] else {}),
                     "activations": stashed,
                     "recompute_working_set": working,
                 },

@@ -177,7 +177,7 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
         kept, work, rec = kept - c.module_bytes, work + c.module_bytes, rec + c.module_s
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
-    if problem.training.zero == 3:
+    if problem.training.zero == 3 and problem.training.reshard_after_forward:  # else held in `state_bytes`
         work = work + c.params * (state_split(problem)[0] + weight_copies(problem))
     work = work + c.gathered_kv_bytes  # all-gather CP's K/V, whatever the mode (zero but in effective costs)
     return kept, work, rec
@@ -194,7 +194,8 @@ def state_bytes(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
             return params * (w + g + k) + np.ceil(params * o / d)
         if problem.training.zero == 2:
             return params * (w + k) + np.ceil(params * g / d) + np.ceil(params * o / d)
-        return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
+        held = 0.0 if problem.training.reshard_after_forward else params * (w + k)  # gathered, forward to backward
+        return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d) + held
 
 
 def chain_width(problem: PlacementProblem, costs) -> int:
@@ -217,6 +218,8 @@ def chain_width(problem: PlacementProblem, costs) -> int:
         dense = c.params - experts
         if problem.training.zero == 3:
             state = (w + g + o) * (dense / dmax + experts / emax)
+            if not problem.training.reshard_after_forward:  # the gathered weights held (`state_bytes`)
+                state = state + c.params * (w + weight_copies(problem))
         else:
             k = weight_copies(problem)
             whole, shard = (w + k, g + o) if problem.training.zero == 2 else (w + g + k, o)  # ZeRO-2 shards g too
