@@ -66,6 +66,9 @@ ZERO_STAGES = get_args(ZeroStage)
 OPTIMIZER_STATES = dict(zip(get_args(OptimizerState), (12, 8, 4)))
 ATTENTIONS = get_args(Attention)
 PRECISIONS = get_args(Precision)
+# Bytes per gradient element of the formats a data-parallel reduction may run in (`Numerics.reduce_dtype`).
+REDUCE_BYTES = {"bf16": 2, "fp32": 4}
+ReduceDtype = Literal["bf16", "fp32"]
 # Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
 LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 STACKS = get_args(Stack)
@@ -404,6 +407,18 @@ class Numerics(_Config):
     fp8_param_gather: bool = knob(False, "with precision fp8 or mxfp8: parameters held in that format, no "
                                          "BF16 weight (Megatron-Core --fp8-param-gather)", bound=AT_DEFAULT,
                                   why="it needs a lower precision, which the bounds do not price", says='low-precision parameters')
+    # `reduce_dtype`: the number format gradients are reduced in over data parallelism: None (default)
+    # the gradient's own width (the system's `grad_bytes_per_param`), `bf16` (2 B) or `fp32` (4 B): FSDP's
+    # mixed precision, `MixedPrecision(reduce_dtype=torch.float32)` (Zhao et al., "PyTorch FSDP", VLDB
+    # 2023, Sec. 4.4) and FSDP2's `MixedPrecisionPolicy(reduce_dtype=...)`, which torchtitan sets to
+    # float32 by default (`--training.mixed_precision_reduce`); Megatron-Core's `grad_reduce_in_fp32`.
+    # It sets the bytes of every gradient all-reduce and reduce-scatter (`solve/placement/types.py`
+    # `reduce_bytes`), so FP32 doubles them over BF16 gradients; the gradients' memory stays the
+    # system's. FSDP's parameter dtype is no field of its own: the gathered weights are the weights'
+    # format, BF16 by the system's precision or 1 byte with `fp8_param_gather`.
+    reduce_dtype: ReduceDtype | None = knob(None, "number format of the data-parallel gradient reductions: "
+                                                  "bf16 or fp32 (FSDP's reduce_dtype); default: the "
+                                                  "gradient's own", says='gradients reduced in {}')
 
 
 @dataclass(frozen=True)
@@ -841,6 +856,11 @@ class Training:
     def optimizer_state_bytes(self) -> int | None:
         """Optimizer-state bytes per parameter of this recipe's layout; None: the system's own."""
         return None if self.optimizer_state is None else OPTIMIZER_STATES[self.optimizer_state]
+
+    def reduce_bytes(self, grad_bytes: int) -> int:
+        """Bytes per parameter a data-parallel gradient reduction moves: the recipe's `reduce_dtype`,
+        else the gradient's own `grad_bytes`."""
+        return REDUCE_BYTES.get(self.reduce_dtype, grad_bytes)
 
     def interleave_split_ok(self, layers: int, pp):
         """Whether Megatron-Core can split `layers` decoder layers over `pp` pipeline ranks (an int or

@@ -349,6 +349,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
         precision=(precision := draw(st.sampled_from(["bf16", "fp8", "nvfp4"]))),  # low-precision weight copies in the state
         fp8_param_gather=precision == "fp8" and draw(st.booleans()),  # 1-byte parameters, one copy fewer
+        reduce_dtype=draw(st.sampled_from([None, "bf16", "fp32"])),  # FSDP's reduction format
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
@@ -574,6 +575,27 @@ def test_zero3_gathers_every_microbatch_and_reshard_after_forward_trades_a_gathe
     assert held.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + scatter, rel=1e-12)
     assert held.peak_memory_bytes - few.peak_memory_bytes == 20 * 2 - 10 * 2  # held stage less one layer's working set
     assert held.stages[0].memory_split["gathered_weights"] == 40
+
+
+def test_fp32_reduction_doubles_the_bytes_of_every_gradient_collective():
+    """FSDP mixed precision (`reduce_dtype` fp32) on BF16 gradients: ZeRO-0's all-reduce and ZeRO-3's
+    per-microbatch reduce-scatter move 4 B per parameter instead of 2, on a ring whose latency is 0
+    so the time is the bytes over the bandwidth; the gradients' memory is unchanged. Fails if a
+    collective keeps the gradient's width or if the memory grows."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=8, global_batch=8, intra=(1.0, 0.0))
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+
+    def run(zero, reduce_dtype=None):
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, reduce_dtype=reduce_dtype), costs=(costs,),
+                                   system=system, hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl)
+
+    assert run(0, "fp32").allreduce_s == pytest.approx(2 * run(0).allreduce_s, rel=1e-12)
+    assert run(0, "bf16").allreduce_s == pytest.approx(run(0).allreduce_s, rel=1e-12)
+    gathers = run(3).stages[0].comm_s - ring_half_s(20 * 2, 4, 1.0, 0.0)  # all but the reduce-scatter
+    assert run(3, "fp32").stages[0].comm_s == pytest.approx(gathers + ring_half_s(20 * 4, 4, 1.0, 0.0), rel=1e-12)
+    assert run(3, "fp32").peak_memory_bytes == run(3).peak_memory_bytes
 
 
 def test_reshard_after_forward_off_needs_zero_3():

@@ -76,7 +76,7 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
+from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, reduce_bytes, state_split, weight_copies
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -147,8 +147,8 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
         ds, ms = _dp_degrees(problem, t)
         counts = np.minimum(c.n_layers, N // (t * ds))
         S = np.concatenate([np.arange(1, n + 1) for n in counts]).astype(np.int64)
-        total = float(np.sum(c.params)) * system.grad_bytes_per_param
-        largest = float(np.max(c.params)) * system.grad_bytes_per_param
+        total = float(np.sum(c.params)) * reduce_bytes(problem)  # the bytes the all-reduce moves
+        largest = float(np.max(c.params)) * reduce_bytes(problem)
         parts["block"].append(np.full(S.shape, b, dtype=np.int64))
         parts["S"].append(S)
         parts["d"].append(np.repeat(ds, counts))
@@ -183,12 +183,12 @@ def step_per_param(problem: PlacementProblem, d):
 
 
 def _step_rate(problem: PlacementProblem) -> float:
-    """Optimizer step seconds per gradient byte (fast path, no ZeRO): the per-batch HBM traffic of
+    """Optimizer step seconds per reduced gradient byte (fast path, no ZeRO; `stage_stack`'s `grad`
+    holds the bytes the all-reduce moves, `types.reduce_bytes`): the per-batch HBM traffic of
     every parameter of the stage (`types.optimizer_pass_bytes`, both parts whole) over the HBM bandwidth."""
     if problem.hbm_bandwidth <= 0:
         return 0.0
-    g = state_split(problem)[1]
-    return sum(optimizer_pass_bytes(problem)) / g / problem.hbm_bandwidth
+    return sum(optimizer_pass_bytes(problem)) / reduce_bytes(problem) / problem.hbm_bandwidth
 
 
 def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> Best:
@@ -318,7 +318,7 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
-def _zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
     ZeRO-3 with FSDP's prefetch (`placement.evaluate.fsdp_exposed_s`), forward and backward pass, from
     the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
@@ -371,6 +371,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     L = costs[0].n_layers
     groups: dict = {}
     for b, c in enumerate(costs):
@@ -409,21 +410,21 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             over = np.maximum(0.0, gathers - f_total) + (passes - 1) * np.maximum(0.0, gathers - b_total)
             first_last = passes * S * half(float(np.min(c.params)) * w_b)  # each gathering pass's first shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
-            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
+            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * r_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
         elif problem.training.zero == 2:
             # every stage reduce-scatters its gradients each microbatch (affine in its parameters, so
             # the S stages' scatters add up to S of the mean stage's); the weights' all-gather
             # follows the optimizer step, hidden only by an overlapped param gather
             if not problem.training.overlap_grad_reduce:
-                c_lb = np.maximum(c_lb, (work_total + S * half(big * g_b)) / S)
+                c_lb = np.maximum(c_lb, (work_total + S * half(big * r_b)) / S)
             if not problem.training.overlap_param_gather:
                 tail_lb = half(big * w_b)
         elif not problem.training.overlap_grad_reduce:
             # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
             gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
-                big * (g_b if problem.training.zero == 0 else w_b))
-            tail_lb = half(big * g_b) + gather_lb
+                big * (r_b if problem.training.zero == 0 else w_b))
+            tail_lb = half(big * r_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * step_per_param(problem, d) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
@@ -462,6 +463,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     N = system.accelerators
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
     fixed = system.efficiency.microbatch_overhead_s
@@ -499,14 +501,14 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         tail = np.zeros(params.shape)
         hide_gather = problem.training.zero in (1, 2) and problem.training.overlap_param_gather
         if problem.training.zero == 2:  # each microbatch's reduce-scatter (placement.evaluate)
-            scatter = _half(params0 * g_b, d, ring)
+            scatter = _half(params0 * r_b, d, ring)
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 scatter = np.maximum(0.0, scatter - bwdwin)
             beside = scatter
         if problem.training.zero == 3:
-            scatter = _half(params0 * g_b, d, ring)
+            scatter = _half(params0 * r_b, d, ring)
             gather = _half(st.layer_params[b] * w_b, d, ring)
-            exposed_f, exposed_b = _zero3_exposed(st, b, gather)
+            exposed_f, exposed_b = zero3_exposed(st, b, gather)
             if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
                 exposed_b = np.zeros_like(exposed_b)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
@@ -515,13 +517,13 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         else:
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
-                    reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+                    reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * r_b) / ring.bandwidth, 0.0)
             elif problem.training.zero == 2:  # reduce-scattered per microbatch already
                 reduce = np.zeros(params0.shape)
             elif hide_gather:
-                reduce = _half(params0 * g_b, d, ring)
+                reduce = _half(params0 * r_b, d, ring)
             else:
-                reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
+                reduce = _half(params0 * r_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
@@ -550,10 +552,10 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             p = np.float64(max(float(np.sum(c.params)) / S, float(np.max(c.params))))
             red = 0.0  # ZeRO-3 reduces per microbatch; an overlapped reduction may hide entirely
             if problem.training.zero == 0 and not problem.training.overlap_grad_reduce:
-                red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
+                red = float(ring_allreduce_s(p * r_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 # an overlapped param gather may hide entirely: only the reduce-scatter then
-                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
+                red = float(_half(p * r_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
             elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
                 red = float(_half(p * w_b, d, ring))
             step = p * step_per_param(problem, d) / problem.hbm_bandwidth \

@@ -136,8 +136,10 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
 - Gradients: the dense ones are reduced over the d x c ranks that hold the same weights, the routed
   experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
   kind's optimizer state over its own group, ZeRO-2 its gradients and state; the optimizer step
-  likewise. ZeRO-3 with e or c > 1 is not modelled
-  (infeasible, with that reason).
+  likewise. ZeRO-3 shards all three kinds so: each layer's dense weights are gathered over the d c
+  ranks (FSDP over data and context parallelism, as torchtitan's `dp_shard_cp` mesh does), its routed
+  experts over their own replicas (a second gather, only in layers that have experts), and each
+  kind's gradients reduce-scattered over its group every microbatch.
 - MoE parallel folding (`Training.expert_tensor_parallel` set; Liu et al. 2025, arXiv 2504.14960,
   Megatron-Core `--expert-tensor-parallel-size`): the MoE layers run on their own grid ETP x e x EDP
   over the t x c x d ranks of a stage (ranks etp, ep, edp), so e x ETP must divide t c d (not e
@@ -158,6 +160,7 @@ from .types import (
     check_placement_shape,
     infeasible_result,
     optimizer_pass_bytes,
+    reduce_bytes,
     state_split,
     weight_copies,
 )
@@ -301,6 +304,7 @@ def evaluate_placement(
     zero = problem.training.zero
     reshard = problem.training.reshard_after_forward
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # gradient bytes per parameter on the data-parallel ring
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
@@ -314,7 +318,7 @@ def evaluate_placement(
         stash = 0.0
         working = 0.0
         flops = 0.0
-        rec_of, fwd_of, bwd_of = {}, {}, {}
+        rec_of, fwd_of, bwd_of, dense_of, expert_of = {}, {}, {}, {}, {}
         forward = 0.0
         experts = 0.0
         hidden = 0.0
@@ -323,7 +327,8 @@ def evaluate_placement(
                 problem, costs, v, e, c, imb, ring_cp, stride)
             hidden += hidden_v
             compute += fwd_v + bwd_v
-            params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
+            dense_of[v], expert_of[v] = float(costs.params[v]) - float(costs.expert_params[v]), expert_v
+            params += dense_of[v] + expert_v
             experts += expert_v
             flops += float(costs.flops[v])
             if mode == "full":  # Korthikanti et al. 2022, Sec. 5: the whole forward again
@@ -341,7 +346,7 @@ def evaluate_placement(
             else:
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
             if zero == 3 and reshard:  # the layer's gathered parameters (and their low-precision copies) live through its passes
-                work += float(costs.params[v]) * (w_b + k_b)
+                work += (dense_of[v] + expert_v) * (w_b + k_b)
             work += gathered  # all-gather CP's K/V, whatever the recompute mode
             recompute += rec
             rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
@@ -358,21 +363,28 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_in / hop.bandwidth)
         if producers_out:
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
-        grad_bytes = params * g_b
         dense = params - experts
         groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
         shard_s = 0.0  # ZeRO-2 and 3: the data-parallel collectives of every microbatch, exposed part
         if zero == 2:  # each microbatch's gradients reduce-scattered after its backward
             for n_params, n_ranks in groups:
                 if not (split and n_params == 0):
-                    shard_s += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                    shard_s += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 shard_s = max(0.0, shard_s - backward)
         if zero == 3:
-            gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
+            # each layer's weights gathered over the ranks that shard them: the dense ones over the d x c
+            # ranks that hold them alike, the routed experts (where the layer has them) over their own
+            # replicas when they form a group of their own (torchtitan shards over dp x cp and the
+            # experts over their own data-parallel mesh)
+            gathers = [ring_half_s(dense_of[v] * w_b if split else (dense_of[v] + expert_of[v]) * w_b, ranks,
+                                   ring.bandwidth, ring.latency)
+                       + (ring_half_s(expert_of[v] * w_b, expert_ranks, ring.bandwidth, ring.latency)
+                          if split and expert_of[v] > 0 else 0.0) for v in layers]
             fwds = [fwd_of[v] for v in layers]
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
-            scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
+            scatter = sum(ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
+                          for n_params, n_ranks in groups if not (split and n_params == 0))
             # held from the forward (reshard_after_forward off), the weights need no gather in backward
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True) if reshard else 0.0
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
@@ -396,14 +408,13 @@ def evaluate_placement(
         # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5): weights, gradients,
         # optimizer state, low-precision weight copies; ZeRO-1 and 2 shard each kind of parameter
         # over its own replicas.
+        def sharded(nbytes):
+            return sum(_ceil(n * nbytes / r) for n, r in groups)
         if zero == 3:
             # without resharding after forward the stage's gathered weights (and their copies) are held
             # beside the shards from the forward to the backward (FSDP2 reshard_after_forward=False)
-            kinds = (_ceil(params * w_b / d), _ceil(params * g_b / d), _ceil(params * o_b / d),
-                     0.0 if reshard else params * (w_b + k_b))
+            kinds = (sharded(w_b), sharded(g_b), sharded(o_b), 0.0 if reshard else params * (w_b + k_b))
         else:
-            def sharded(nbytes):
-                return sum(_ceil(n * nbytes / r) for n, r in groups)
             kinds = (params * w_b, sharded(g_b) if zero == 2 else params * g_b,
                      sharded(o_b) if zero else params * o_b, params * k_b)
         state = sum(kinds)
@@ -415,13 +426,13 @@ def evaluate_placement(
             if split and n_params == 0:
                 continue
             if zero == 0:
-                reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                reduce += ring_allreduce_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
             elif hide_gather or zero == 2:
                 if zero == 1:
-                    reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                    reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
                 gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
-                reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
+                reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
                     n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
         if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
@@ -488,8 +499,6 @@ def evaluate_placement(
     # (folded, a model without routed experts has no expert grid to fit)
     if not problem.training.expert_fits(t, c, d, e) and (moe or problem.training.expert_tensor_parallel is None):
         reasons.append(problem.training.expert_fit_reason(t, c, d, e))
-    if zero == 3 and (e > 1 or c > 1 or split):
-        reasons.append("ZeRO-3 with expert, expert-tensor or context parallelism is not modelled")
     if problem.training.moe_a2a_overlap and e > 1 and S > 1 and v_virt == 1:
         reasons.append("the EP all-to-all overlap needs interleaving (virtual_stages > 1) when pp > 1 "
                        "(Megatron-Core's TransformerConfig)")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import PhazeError
 from .evaluate import evaluate_placement
-from .types import Placement, PlacementProblem, PlacementResult, state_split, weight_copies
+from .types import Placement, PlacementProblem, PlacementResult, reduce_bytes, state_split, weight_copies
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -53,7 +53,7 @@ class StageStack:
     has_in: np.ndarray  # [T, R, W] bool: something is received from earlier stages
     bytes_out: np.ndarray  # [T, R, W] output gradients received back from later stages
     has_out: np.ndarray
-    grad: np.ndarray  # [T, R, W] gradient bytes of the stage (inf for padding)
+    grad: np.ndarray  # [T, R, W] gradient bytes the stage reduces (`types.reduce_bytes`) (inf for padding)
     base: np.ndarray  # [T, R, W] state + one microbatch's activations
     stash: np.ndarray  # [T, R, W] bytes per further in-flight microbatch
     kmax: np.ndarray  # [T, R, W] most in-flight microbatches that fit HBM (0: never)
@@ -294,7 +294,7 @@ def chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> Stag
         has_in=full(has_in, False, bool),
         bytes_out=full(bytes_out, 0.0),
         has_out=full(has_out, False, bool),
-        grad=full(params * system.grad_bytes_per_param, INF),
+        grad=full(params * reduce_bytes(problem), INF),
         base=base_f,
         stash=stash_f,
         kmax=most_in_flight(base_f, stash_f, problem.hbm_bytes),
@@ -384,7 +384,7 @@ def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
                 arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
                 has_in[ti, r, a] = bool(producers_in)
                 has_out[ti, r, a] = bool(producers_out)
-                arrays["grad"][ti, r, a] = params * system.grad_bytes_per_param
+                arrays["grad"][ti, r, a] = params * reduce_bytes(problem)
                 arrays["base"][ti, r, a] = float(state_bytes(problem, np.float64(params), shard_d)) + acts + workmax
                 arrays["stash"][ti, r, a] = acts
     sizes = np.array([m.bit_count() for m in masks])
