@@ -367,6 +367,21 @@ class Memory(_Config):
     # unlike ZeRO-2, whose weights stay whole and are gathered once per iteration. Only ZeRO-3 shards
     # weights between passes, so the field needs zero 3 (a rule). FSDP2's integer form (reshard to a
     # smaller group) is not modelled.
+    # `shard_group`: hybrid sharding (HSDP): under ZeRO-3 the weights, gradients and optimizer state are
+    # sharded within groups of this many data-parallel ranks and replicated across the groups (PyTorch
+    # FSDP `ShardingStrategy.HYBRID_SHARD`, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2.2, "Hybrid
+    # Sharding"; FSDP2 `fully_shard` on a 2-D (replicate, shard) device mesh, torchtitan's
+    # `data_parallel_shard_degree` beside `data_parallel_replicate_degree`). Each kind of parameter's state
+    # is divided by the group instead of by all its replicas; the per-layer gathers and per-microbatch
+    # reduce-scatters run inside the group (on the intra-node link when it fits in a node,
+    # `System.dp_ring_link`); the gradient shards are all-reduced across the replicas once per
+    # iteration (FSDP2 `set_requires_all_reduce(False)` skips it on every microbatch but the last),
+    # beside the last backward with `overlap_grad_reduce`. It must divide each kind's data-parallel
+    # ranks (dense: DP x CP; routed experts: their replicas), else the placement is infeasible. None
+    # (default): one group of all, plain ZeRO-3.
+    shard_group: int | None = knob(None, "with zero 3: shard within groups of this many data-parallel ranks and "
+                                         "replicate across them (HSDP); default: all ranks", unit="ranks", low=1,
+                                   high=MBS_LIMIT, says='HSDP shard group {}', short="hsdp")
     reshard_after_forward: bool = knob(True, "with zero 3: free each layer's gathered weights after its "
                                              "forward and gather them again for its backward (FSDP2); off: "
                                              "hold them to the backward", says=lambda v: "no reshard after forward"
@@ -703,6 +718,8 @@ def _layout(training: "Training") -> Layout | None:
 RULES = (
     Rule("fp8_param_gather", lambda t: not t.fp8_param_gather or t.precision in LOW_PRECISION_PARAMS,
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
+    Rule("shard_group", lambda t: t.shard_group is None or t.zero == 3,
+         "needs zero 3 (hybrid sharding shards the weights), got zero {zero}"),
     Rule("reshard_after_forward", lambda t: t.reshard_after_forward or t.zero == 3,
          "off needs zero 3 (only ZeRO-3 frees gathered weights between passes), got zero {zero}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
@@ -856,6 +873,11 @@ class Training:
     def optimizer_state_bytes(self) -> int | None:
         """Optimizer-state bytes per parameter of this recipe's layout; None: the system's own."""
         return None if self.optimizer_state is None else OPTIMIZER_STATES[self.optimizer_state]
+
+    def shard_ranks(self, ranks):
+        """The ranks one ZeRO-3 shard spans among `ranks` holders of the same weights (an int or an
+        array): the HSDP shard group, else all of them."""
+        return ranks if self.shard_group is None else self.shard_group
 
     def reduce_bytes(self, grad_bytes: int) -> int:
         """Bytes per parameter a data-parallel gradient reduction moves: the recipe's `reduce_dtype`,

@@ -89,14 +89,14 @@ def assert_dp_is_brute(problem):
        zero=st.sampled_from([0, 1, 2, 3]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans(),
        modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]),
-       reduce_dtype=st.sampled_from([None, "fp32"]), reshard=st.booleans())
+       reduce_dtype=st.sampled_from([None, "fp32"]), reshard=st.booleans(), hsdp=st.sampled_from([None, 2]))
 def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules, reduce_dtype,
-                                reshard):
+                                reshard, hsdp):
     """Module-level selective recompute too (with and without the attention core: under CP the
     core's bytes and time scale by c, the other modules' not); FSDP's FP32 gradient reduction;
-    ZeRO-3 with EP and CP, with and without resharding after forward."""
+    ZeRO-3 with EP and CP, with and without resharding after forward, and hybrid-sharded (HSDP)."""
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap, reduce_dtype=reduce_dtype,
-                          reshard_after_forward=reshard or zero != 3,
+                          reshard_after_forward=reshard or zero != 3, shard_group=hsdp if zero == 3 else None,
                           load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather,
                           recompute_modules=modules if recompute == "selective" else None)
     want, where = brute(problem)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.kernel import min_memory_needed
-from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_half_s
+from phaze_opt.solve.placement.evaluate import evaluate_placement, fsdp_exposed_s, ring_allreduce_s, ring_half_s
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
 from phaze_opt.training import RecipeError, Training
 from test_placement_oracle import (
@@ -340,6 +340,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         zero=(zero := draw(st.sampled_from([0, 1, 2, 3]))),
         # FSDP2 without resharding after forward: one gather a microbatch, the stage's weights held
         reshard_after_forward=zero != 3 or draw(st.booleans()),
+        shard_group=draw(st.sampled_from([None, 1, 2])) if zero == 3 else None,  # HSDP, dividing d or not
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         overlap_p2p_comm=draw(st.booleans()),  # a stage time that depends on S and m
@@ -598,6 +599,35 @@ def test_fp32_reduction_doubles_the_bytes_of_every_gradient_collective():
     assert run(3, "fp32").peak_memory_bytes == run(3).peak_memory_bytes
 
 
+def test_hsdp_shards_within_its_group_on_the_node_link_and_all_reduces_across_groups():
+    """Hybrid sharding (HSDP) at d = 8 on nodes of 4: ZeRO-3 over all 8 shards the 40 parameters'
+    16 B of state 8 ways and gathers over the inter-node ring; a shard group of 4 shards them 4 ways
+    (memory between ZeRO-0 and ZeRO-3), gathers and reduce-scatters on the intra-node ring, and
+    all-reduces its gradient shard across the 2 replicas once per batch. Fails if HSDP divides by
+    the wrong count, keeps the inter-node link for the group or drops the cross-replica all-reduce."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=4, global_batch=8, intra=(100.0, 0.5), inter=(1.0, 0.5))
+    pl = Placement(1, 8, ((0, 1, 2, 3),))
+
+    def run(zero, **recipe):
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, **recipe), costs=(costs,), system=system,
+                                   hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl)
+
+    plain, full, hsdp = run(0), run(3), run(3, shard_group=4)
+    assert full.peak_memory_bytes < hsdp.peak_memory_bytes < plain.peak_memory_bytes
+    assert sum(hsdp.stages[0].memory_split[k] for k in ("parameters", "gradients", "optimizer_state")) == 40 * 16 / 4
+    intra, inter = system.intra_node, system.inter_node
+    gathers = [ring_half_s(10 * 2, 4, intra.bandwidth, intra.latency)] * 4
+    exposed = (fsdp_exposed_s([1.0] * 4, gathers, reverse=False) + fsdp_exposed_s([2.0] * 4, gathers, reverse=True)
+               + ring_half_s(40 * 2, 4, intra.bandwidth, intra.latency))
+    assert hsdp.stages[0].comm_s == pytest.approx(exposed, rel=1e-12)
+    assert hsdp.allreduce_s == pytest.approx(ring_allreduce_s(40 * 2 / 4, 2, inter.bandwidth, inter.latency), rel=1e-12)
+    assert full.allreduce_s == 0.0 and hsdp.stages[0].comm_s < full.stages[0].comm_s
+    odd = run(3, shard_group=3)  # 3 does not divide the 8 ranks
+    assert not odd.feasible and "shard group 3 must divide the 8" in odd.reason
+
+
 def test_reshard_after_forward_off_needs_zero_3():
     with pytest.raises(RecipeError, match="reshard_after_forward off needs zero 3"):
         Training(zero=2, reshard_after_forward=False)
@@ -613,7 +643,7 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     import dataclasses
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
-                                   reshard_after_forward=True,
+                                   reshard_after_forward=True, shard_group=None,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 

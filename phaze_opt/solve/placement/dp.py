@@ -179,6 +179,7 @@ def step_per_param(problem: PlacementProblem, d):
     from ZeRO-2 on)."""
     step_b, zero_b = optimizer_pass_bytes(problem)
     zero = problem.training.zero
+    d = problem.training.shard_ranks(d)  # HSDP: each replica steps its group's shard
     return step_b / (d if zero else 1) + zero_b / (d if zero >= 2 else 1)
 
 
@@ -393,8 +394,15 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         mult = m + (S - 1) / v
         lat, bw = rings.latency(), rings.bandwidth()
 
-        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement.evaluate.ring_half_s)
-            return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
+        def half(nbytes, n=d, lat=lat, bw=bw):  # ring reduce-scatter / all-gather over n replicas (ring_half_s)
+            return np.where(n > 1, (n - 1) * lat + (n - 1) / np.maximum(n, 1) * nbytes / bw, 0.0)
+
+        # ZeRO-3's shard group (HSDP: the recipe's, which must divide d; else all d) and its ring
+        gs = np.broadcast_to(np.asarray(problem.training.shard_ranks(d), dtype=np.int64), d.shape)
+        shards = ring_links(system, t, S, gs) if problem.training.shard_group is not None else rings
+        s_lat, s_bw = shards.latency(), shards.bandwidth()
+        if problem.training.zero == 3:
+            ok &= d % gs == 0
 
         big = total_params / S
         c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
@@ -404,14 +412,17 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # link, each layer waits for its own), and at least its compute plus its first layer's
             # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
             # the mean stage is at least this.
-            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
+            step_lat = np.where(gs > 1, (gs - 1) * s_lat, 0.0)
+            gathers = L * step_lat + half(total_params * w_b, gs, s_lat, s_bw) - step_lat
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
             passes = 2 if problem.training.reshard_after_forward else 1  # without resharding: forward only
             over = np.maximum(0.0, gathers - f_total) + (passes - 1) * np.maximum(0.0, gathers - b_total)
-            first_last = passes * S * half(float(np.min(c.params)) * w_b)  # each gathering pass's first shows
+            first_last = passes * S * half(float(np.min(c.params)) * w_b, gs, s_lat, s_bw)  # each pass's first shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
-            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * r_b)
+            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * r_b, gs, s_lat, s_bw)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
+            if not problem.training.overlap_grad_reduce:  # HSDP: the shards' all-reduce across the replicas
+                tail_lb = 2.0 * half(big * r_b / gs, d // gs)
         elif problem.training.zero == 2:
             # every stage reduce-scatters its gradients each microbatch (affine in its parameters, so
             # the S stages' scatters add up to S of the mean stage's); the weights' all-gather
@@ -435,14 +446,15 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         k = weight_copies(problem)  # held whole by every rank under ZeRO 0, 1 and 2 (types.weight_copies)
         held = 0.0 if problem.training.reshard_after_forward else w_b + k  # ZeRO-3's gathered weights kept
         coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 2: w_b + k + (g_b + o_b) / d,
-                3: (w_b + g_b + o_b) / d + held}[problem.training.zero]
+                3: (w_b + g_b + o_b) / gs + held}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
         keep = np.flatnonzero(ok & np.isfinite(lb))
         s_key = np.where((v > 1) & (S > 1), S, 0)
         for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
-            key = (b, int(d[i]), int(h[i]), rings.links[int(rings.ids[i])], int(s_key[i]))
+            key = (b, int(d[i]), int(h[i]), rings.links[int(rings.ids[i])], shards.links[int(shards.ids[i])],
+                   int(s_key[i]))
             groups.setdefault(key, []).append((float(lb[i]), int(S[i]), float(mult[i])))
     return groups
 
@@ -481,7 +493,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     order = sorted(groups.items(), key=lambda kv: kv[1][0][0])
     best = Best()
     valid = np.isfinite(st.grad)
-    for (b, d, h, ring, S_only), items in order:
+    for (b, d, h, ring, shard, S_only), items in order:
         if items[0][0] >= best.time:  # groups come by their least bound: none after this one can win
             break
         items = [x for x in items if x[0] < best.time]
@@ -506,14 +518,22 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 scatter = np.maximum(0.0, scatter - bwdwin)
             beside = scatter
         if problem.training.zero == 3:
-            scatter = _half(params0 * r_b, d, ring)
-            gather = _half(st.layer_params[b] * w_b, d, ring)
+            g = problem.training.shard_ranks(d)  # HSDP: gathers and reduce-scatters within its group
+            scatter = _half(params0 * r_b, g, shard)
+            gather = _half(st.layer_params[b] * w_b, g, shard)
             exposed_f, exposed_b = zero3_exposed(st, b, gather)
             if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
                 exposed_b = np.zeros_like(exposed_b)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
             beside = exposed_f + exposed_b + scatter
+            if g < d:  # HSDP: the shards all-reduced across the d / g replicas once per batch
+                with np.errstate(invalid="ignore"):
+                    reduce = 2.0 * _half(params0 * r_b / g, d // g, ring)
+                if problem.training.overlap_grad_reduce:
+                    reduce = (np.zeros_like(reduce) if problem.reduction_hidden
+                              else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
+                tail = tail + reduce
         else:
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):

@@ -139,7 +139,12 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
   likewise. ZeRO-3 shards all three kinds so: each layer's dense weights are gathered over the d c
   ranks (FSDP over data and context parallelism, as torchtitan's `dp_shard_cp` mesh does), its routed
   experts over their own replicas (a second gather, only in layers that have experts), and each
-  kind's gradients reduce-scattered over its group every microbatch.
+  kind's gradients reduce-scattered over its group every microbatch. Hybrid sharding
+  (`Training.shard_group` g, HSDP): each kind is sharded within groups of g of its ranks (g must
+  divide them), the gathers and reduce-scatters on the ring of g ranks t apart
+  (`System.dp_ring_link(t, S, g)`), and the per-batch tail adds a ring all-reduce of each kind's
+  shard (n / g parameters) across its n_ranks / g replicas on the data-parallel ring (exposed past
+  the backward with overlap_grad_reduce); the optimizer steps the group's shard.
 - MoE parallel folding (`Training.expert_tensor_parallel` set; Liu et al. 2025, arXiv 2504.14960,
   Megatron-Core `--expert-tensor-parallel-size`): the MoE layers run on their own grid ETP x e x EDP
   over the t x c x d ranks of a stage (ranks etp, ep, edp), so e x ETP must divide t c d (not e
@@ -287,6 +292,9 @@ def evaluate_placement(
     moe = any(float(x) > 0 for x in costs.expert_params)
     split = e > 1 or (expert_ranks != ranks and moe)
     stride = problem.training.expert_stride(t, c)
+    shard_of = problem.training.shard_ranks  # ZeRO-3's shard of a group of ranks (HSDP: its shard group)
+    # the shard group's ring: g data-parallel ranks t apart (the whole data-parallel ring without HSDP)
+    shard_ring = ring if problem.training.shard_group is None else system.dp_ring_link(t, S, shard_of(ranks))
 
     stage_of = {}
     for s, stage in enumerate(placement.stages):
@@ -376,14 +384,15 @@ def evaluate_placement(
             # each layer's weights gathered over the ranks that shard them: the dense ones over the d x c
             # ranks that hold them alike, the routed experts (where the layer has them) over their own
             # replicas when they form a group of their own (torchtitan shards over dp x cp and the
-            # experts over their own data-parallel mesh)
-            gathers = [ring_half_s(dense_of[v] * w_b if split else (dense_of[v] + expert_of[v]) * w_b, ranks,
-                                   ring.bandwidth, ring.latency)
-                       + (ring_half_s(expert_of[v] * w_b, expert_ranks, ring.bandwidth, ring.latency)
+            # experts over their own data-parallel mesh); under HSDP within the shard group, on its link
+            gathers = [ring_half_s(dense_of[v] * w_b if split else (dense_of[v] + expert_of[v]) * w_b,
+                                   shard_of(ranks), shard_ring.bandwidth, shard_ring.latency)
+                       + (ring_half_s(expert_of[v] * w_b, shard_of(expert_ranks), shard_ring.bandwidth,
+                                      shard_ring.latency)
                           if split and expert_of[v] > 0 else 0.0) for v in layers]
             fwds = [fwd_of[v] for v in layers]
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
-            scatter = sum(ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
+            scatter = sum(ring_half_s(n_params * r_b, shard_of(n_ranks), shard_ring.bandwidth, shard_ring.latency)
                           for n_params, n_ranks in groups if not (split and n_params == 0))
             # held from the forward (reshard_after_forward off), the weights need no gather in backward
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True) if reshard else 0.0
@@ -409,7 +418,7 @@ def evaluate_placement(
         # optimizer state, low-precision weight copies; ZeRO-1 and 2 shard each kind of parameter
         # over its own replicas.
         def sharded(nbytes):
-            return sum(_ceil(n * nbytes / r) for n, r in groups)
+            return sum(_ceil(n * nbytes / (shard_of(r) if zero == 3 else r)) for n, r in groups)
         if zero == 3:
             # without resharding after forward the stage's gathered weights (and their copies) are held
             # beside the shards from the forward to the backward (FSDP2 reshard_after_forward=False)
@@ -434,6 +443,9 @@ def evaluate_placement(
             elif zero == 1:
                 reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
                     n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+            elif zero == 3 and shard_of(n_ranks) < n_ranks:  # HSDP: the shards all-reduced across the replicas
+                reduce += ring_allreduce_s(n_params * r_b / shard_of(n_ranks), n_ranks // shard_of(n_ranks),
+                                           ring.bandwidth, ring.latency)
         if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         if hide_gather:  # under the next iteration's forward of this stage
@@ -441,7 +453,8 @@ def evaluate_placement(
         elif zero == 2:  # after the optimizer step, with nothing beside it
             reduce += gather
         # the optimizer's pass over its shard, then the gradient buffer's zeroing (types.optimizer_pass_bytes)
-        shard = dense / ranks + experts / expert_ranks if split else params / ranks
+        shard = (dense / shard_of(ranks) + experts / shard_of(expert_ranks) if split  # HSDP: the group's shard
+                 else params / shard_of(ranks))
         step_b, zero_b = optimizer_pass_bytes(problem)
         step_bytes = (shard if zero else params) * step_b + (shard if zero >= 2 else params) * zero_b
         step = step_bytes / problem.hbm_bandwidth if problem.hbm_bandwidth > 0 else 0.0
@@ -499,6 +512,10 @@ def evaluate_placement(
     # (folded, a model without routed experts has no expert grid to fit)
     if not problem.training.expert_fits(t, c, d, e) and (moe or problem.training.expert_tensor_parallel is None):
         reasons.append(problem.training.expert_fit_reason(t, c, d, e))
+    uneven = [r for r in ((ranks, expert_ranks) if split else (ranks,)) if r % problem.training.shard_ranks(r)]
+    if zero == 3 and uneven:
+        reasons.append(f"the HSDP shard group {problem.training.shard_group} must divide the {uneven[0]} "
+                       f"data-parallel ranks that hold the same weights")
     if problem.training.moe_a2a_overlap and e > 1 and S > 1 and v_virt == 1:
         reasons.append("the EP all-to-all overlap needs interleaving (virtual_stages > 1) when pp > 1 "
                        "(Megatron-Core's TransformerConfig)")

@@ -351,9 +351,14 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         state = P * whole + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * shard
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
+    shards = rings  # ZeRO-3's shard group ring: the whole data-parallel ring, or HSDP's group of g ranks t apart
+    if zero == 3 and problem.training.shard_group is not None:
+        g = problem.training.shard_group
+        fits &= (ranks % g == 0) & (~split | (eranks % g == 0))  # the group divides each kind's ranks
+        shards = ring_links(system, b.t[blk], S, np.full(d.shape, g))
     s_only = np.where((v > 1) & (S > 1), S, 0)
     return {"blk": blk, "d": d, "S": S, "h": h, "ring_bw": bw, "ring_lat": lat, "mult": mult, "lb": lb, "tail_lb": tail_lb,
-            "s_only": s_only, "fits": fits}
+            "s_only": s_only, "fits": fits, "shard_bw": shards.bandwidth(), "shard_lat": shards.latency()}
 
 
 def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Best, stats: dict) -> None:
@@ -368,7 +373,8 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
     # One integer per group: the (class, block, d) run (items come in that order) and the links and
     # S_only; the ring link's id orders the distinct rings by bandwidth (0 inter-node, 1 intra-node
     # without a torus), so groups of different classes on the same ring share an id.
-    items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"]]), axis=1, return_inverse=True)[1].reshape(-1)
+    items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"], items["shard_bw"], items["shard_lat"]]), axis=1,
+                              return_inverse=True)[1].reshape(-1)
     rings = int(np.max(items["ring"])) + 1
     run = np.cumsum(np.concatenate([[0], (items["cls"][1:] != items["cls"][:-1]) | (items["blk"][1:] != items["blk"][:-1])
                                     | (items["d"][1:] != items["d"][:-1])]))
@@ -387,14 +393,16 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
         i = int(idx[0])
         key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "s_only"))
         ring = Link(float(items["ring_bw"][i]), float(items["ring_lat"][i]))
-        _search_group(problem, classes[int(items["cls"][i])], key, ring, items["S"][idx].tolist(), items["mult"][idx].tolist(),
-                      items["tail_lb"][idx].tolist(), best, stats)
+        shard = Link(float(items["shard_bw"][i]), float(items["shard_lat"][i]))
+        _search_group(problem, classes[int(items["cls"][i])], key, (ring, shard), items["S"][idx].tolist(),
+                      items["mult"][idx].tolist(), items["tail_lb"][idx].tolist(), best, stats)
 
 
-def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link, Ss: list, mults: list, floors: list,
+def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, rings: tuple, Ss: list, mults: list, floors: list,
                   best: Best, stats: dict):
-    """One (block, d, pipeline link, S_only) group on the data-parallel ring `ring`: the
-    epsilon-constraint on the stage tail."""
+    """One (block, d, pipeline link, S_only) group on the data-parallel ring and ZeRO-3's shard-group
+    ring `rings`: the epsilon-constraint on the stage tail."""
+    ring, shard = rings
     system = problem.system
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
@@ -426,9 +434,11 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
             return np.where(n_params > 0, x, 0.0) if split else x
         if zero == 0:
             r = _ring_allreduce(n_params * r_b, n_ranks, ring)
-        elif zero == 3:  # reduce-scattered every microbatch (placement.evaluate); nothing per batch
-            r = np.zeros(params0.shape)
-            scatter = scatter + kept(_ring_half(n_params * r_b, n_ranks, ring))
+        elif zero == 3:  # reduce-scattered every microbatch in its shard group (placement.evaluate) ...
+            g = problem.training.shard_ranks(n_ranks)
+            scatter = scatter + kept(_ring_half(n_params * r_b, g, shard))
+            # ... and under HSDP the shards all-reduced across the n / g replicas once per batch
+            r = _ring_allreduce(n_params * r_b / g, n_ranks // g, ring)
         elif zero == 2:
             r = np.zeros(params0.shape)
             scatter = scatter + kept(_ring_half(n_params * r_b, n_ranks, ring))
@@ -443,9 +453,11 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     if zero == 3:
         lc = costs[blk]
         dense_l = lc.params - lc.expert_params
-        gathers = _ring_half((dense_l if split else lc.params) * w_b, ranks, ring)
+        shard_of = problem.training.shard_ranks
+        gathers = _ring_half((dense_l if split else lc.params) * w_b, shard_of(ranks), shard)
         if split:  # the routed experts' own gather, in the layers that have them
-            gathers = gathers + np.where(lc.expert_params > 0, _ring_half(lc.expert_params * w_b, expert_ranks, ring), 0.0)
+            gathers = gathers + np.where(lc.expert_params > 0,
+                                         _ring_half(lc.expert_params * w_b, shard_of(expert_ranks), shard), 0.0)
         exposed_f, exposed_b = zero3_exposed(st, blk, gathers)
         if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
             exposed_b = np.zeros_like(exposed_b)
@@ -465,15 +477,16 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     tail = reduce
     if problem.hbm_bandwidth > 0:  # as the evaluator (types.optimizer_pass_bytes)
         step_b, zero_b = optimizer_pass_bytes(problem)
-        shard = dense0 / ranks + expert0 / expert_ranks if split else params0 / ranks
-        step = (shard if zero else params0) * step_b + (shard if zero >= 2 else params0) * zero_b
+        hs = problem.training.shard_ranks  # HSDP: each replica steps its group's shard
+        part = dense0 / hs(ranks) + expert0 / hs(expert_ranks) if split else params0 / hs(ranks)
+        step = (part if zero else params0) * step_b + (part if zero >= 2 else params0) * zero_b
         tail = tail + step / problem.hbm_bandwidth
     tail = np.where(ok, tail, INF)
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b + k_b)
     elif zero == 3:  # every kind sharded over its group, the gathered weights held without resharding
-        state = sum(np.ceil(n * x / r) for n, r in parts for x in (w_b, g_b, o_b))
+        state = sum(np.ceil(n * x / problem.training.shard_ranks(r)) for n, r in parts for x in (w_b, g_b, o_b))
         state = state if problem.training.reshard_after_forward else state + params0 * (w_b + k_b)
     elif zero == 2 and split:
         state = (params0 * (w_b + k_b) + np.ceil(dense0 * g_b / ranks) + np.ceil(dense0 * o_b / ranks)

@@ -195,6 +195,7 @@ def state_bytes(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
         if problem.training.zero == 2:
             return params * (w + k) + np.ceil(params * g / d) + np.ceil(params * o / d)
         held = 0.0 if problem.training.reshard_after_forward else params * (w + k)  # gathered, forward to backward
+        d = problem.training.shard_ranks(d)  # HSDP: sharded within its group
         return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d) + held
 
 
@@ -217,6 +218,8 @@ def chain_width(problem: PlacementProblem, costs) -> int:
         experts = np.asarray(c.expert_params, dtype=float) if c.expert_params is not None else 0.0
         dense = c.params - experts
         if problem.training.zero == 3:
+            # HSDP shards within its group, which divides the replicas (at most dmax, emax)
+            dmax, emax = min(dmax, problem.training.shard_ranks(dmax)), min(emax, problem.training.shard_ranks(emax))
             state = (w + g + o) * (dense / dmax + experts / emax)
             if not problem.training.reshard_after_forward:  # the gathered weights held (`state_bytes`)
                 state = state + c.params * (w + weight_copies(problem))
