@@ -572,6 +572,12 @@ def test_zero3_gathers_every_microbatch_and_reshard_after_forward_trades_a_gathe
     assert few.bottleneck_s == pytest.approx(6.0 + p2p + per_mb, rel=1e-12)
     # six more microbatches, six more stage times, each with its gathers and reduce-scatter
     assert many.time_per_batch_s - few.time_per_batch_s == pytest.approx(6 * few.bottleneck_s, rel=1e-9)
+    # overlapped, the reduce-scatter shares the link with the backward's two gathers: the backward
+    # pass takes max(compute 4 + exposed gathers 2g - 2, gathers 2g + scatter), not max(..., scatter)
+    overlapped, _ = run(8, overlap_grad_reduce=True)
+    assert scatter > 2.0
+    assert overlapped.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + (2 * gather - 2.0) + (scatter - 2.0),
+                                                              rel=1e-12)
     held, _ = run(8, reshard_after_forward=False)
     assert held.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + scatter, rel=1e-12)
     assert held.peak_memory_bytes - few.peak_memory_bytes == 20 * 2 - 10 * 2  # held stage less one layer's working set

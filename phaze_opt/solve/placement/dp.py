@@ -319,17 +319,19 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
-def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
+def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([1, R, W] forward, backward, all): the all-gather time each candidate stage of width b exposes per microbatch under
     ZeRO-3 with FSDP's prefetch (`placement.evaluate.fsdp_exposed_s`), forward and backward pass, from
     the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
     g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
-    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms."""
+    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms; and the
+    stage's gathers of one pass, g_i + ... + g_{i+w} (the link time they take)."""
     f, bw = st.layer_fwd[b], st.layer_bwd[b]
     L = st.n_layers
     R, W = st.dst.shape
     out = np.full((1, R, W), INF)
     out_b = np.full((1, R, W), INF)
+    total = np.full((1, R, W), INF)
     if st.masks is None:
         pf = np.zeros(L)
         pf[:-1] = np.maximum(f[:-1], gather[1:]) - f[:-1]
@@ -345,7 +347,8 @@ def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarra
         bwd = wg + (np.cumsum(wb, axis=1) - wb[:, :1])
         out[0, :L] = fwd
         out_b[0, :L] = bwd
-        return out, out_b
+        total[0, :L] = np.cumsum(wg, axis=1)
+        return out, out_b, total
     for r in range(R - 1):
         for a in range(W):
             if int(st.dst[r, a]) >= R:
@@ -354,7 +357,8 @@ def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarra
             g = [float(gather[v]) for v in members]
             out[0, r, a] = fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
             out_b[0, r, a] = fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True)
-    return out, out_b
+            total[0, r, a] = sum(g)
+    return out, out_b, total
 
 
 def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
@@ -521,11 +525,12 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             g = problem.training.shard_ranks(d)  # HSDP: gathers and reduce-scatters within its group
             scatter = _half(params0 * r_b, g, shard)
             gather = _half(st.layer_params[b] * w_b, g, shard)
-            exposed_f, exposed_b = zero3_exposed(st, b, gather)
+            exposed_f, exposed_b, busy = zero3_exposed(st, b, gather)
             if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
-                exposed_b = np.zeros_like(exposed_b)
-            if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
-                scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
+                exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)
+            if problem.training.overlap_grad_reduce:  # beside the backward pass, on the link its gathers leave
+                with np.errstate(invalid="ignore"):  # padding (inf - inf) is masked with the invalid stages
+                    scatter = np.maximum(0.0, scatter + busy - (bwdwin + exposed_b))
             beside = exposed_f + exposed_b + scatter
             if g < d:  # HSDP: the shards all-reduced across the d / g replicas once per batch
                 with np.errstate(invalid="ignore"):

@@ -30,8 +30,9 @@ disagreement in the tests. The model it implements (the definition the DP must o
   bytes / bw + (d - 1) x latency each). The gathers are prefetched as FSDP does (`fsdp_exposed_s`:
   each layer's gather runs during the previous layer's compute of the same pass; only what does not
   fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
-  than the stage's backward pass (its compute and exposed gathers) is exposed, so the stage time
-  holds max(backward pass, reduce-scatter), non-decreasing in every layer time.
+  than the stage's backward pass (its compute and exposed gathers) less the backward's gathers
+  (one link carries both) is exposed, so the stage time holds max(backward pass, gathers +
+  reduce-scatter), non-decreasing in every layer time.
   With ZeRO-2 the stage reduce-scatters its gradients after every microbatch's backward (a
   sharded gradient cannot be held whole until the last one: DeepSpeed ZeRO-2 reduces after every
   backward, deepspeedai/DeepSpeed issue 2252; ZeRO, Sec. 5.2), each kind over its own replicas
@@ -397,7 +398,11 @@ def evaluate_placement(
             # held from the forward (reshard_after_forward off), the weights need no gather in backward
             exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True) if reshard else 0.0
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
-                scatter = max(0.0, scatter - (backward + exposed_bwd))
+                # The backward's gathers and the reduce-scatters share the data-parallel link (FSDP runs
+                # them on two streams over one NIC; Zhao et al., VLDB 2023, Sec. 3.3.2): the pass lasts at
+                # least their sum, so the scatter hides only under what the gathers leave of it
+                busy = sum(gathers) if reshard else 0.0
+                scatter = max(0.0, scatter + busy - (backward + exposed_bwd))
             shard_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         if problem.training.overlaps_p2p and v_virt > 1 and S > 1:
             # Megatron's overlapped p2p: a step's sends and receives run beside the stage's work (its

@@ -458,11 +458,13 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, rings: tupl
         if split:  # the routed experts' own gather, in the layers that have them
             gathers = gathers + np.where(lc.expert_params > 0,
                                          _ring_half(lc.expert_params * w_b, shard_of(expert_ranks), shard), 0.0)
-        exposed_f, exposed_b = zero3_exposed(st, blk, gathers)
+        exposed_f, exposed_b, busy = zero3_exposed(st, blk, gathers)
         if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
-            exposed_b = np.zeros_like(exposed_b)
+            exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)
         exposed = exposed_f + exposed_b
-        window = bwdwin + exposed_b  # an overlapped reduce-scatter runs beside the whole backward pass
+        # an overlapped reduce-scatter runs beside the whole backward pass, on the link its gathers leave
+        with np.errstate(invalid="ignore"):  # padding (inf - inf) is masked below (`ok`)
+            window = bwdwin + exposed_b - busy
     else:
         window = bwdwin
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
