@@ -1,5 +1,6 @@
 """EP/CP placement DP speed: a Mixtral-8x7B-like chain (34 layers) on 1024 accelerators, TP 1/2/4/8,
-EP 1/2/4/8, CP 1/2/4/8 (the sequence 32K so CP is searched), no recompute and full recompute.
+EP 1/2/4/8, CP 1/2/4/8 (the sequence 32K so CP is searched), no recompute and full recompute, and
+full recompute under ZeRO-3 (FSDP over DP x CP, the experts over their own replicas).
 
 Target: at most 50 ms per solve, excluding the per-layer ILP. The layer costs are
 synthetic but sized like Mixtral at 32K tokens (hidden 4096, 8 experts of FFN 14336, top-2, 8 KV
@@ -60,12 +61,12 @@ def mixtral_costs(t: int, c: int, system, seq: int = 32768, hidden: int = 4096, 
     )
 
 
-def problem(recompute: str, imbalance: float = 1.0) -> PlacementProblem:
+def problem(recompute: str, imbalance: float = 1.0, **recipe) -> PlacementProblem:
     system = load_system("default")
     widths, cps = (1, 2, 4, 8), (1, 2, 4, 8)
     return PlacementProblem(
         costs=tuple(mixtral_costs(t, 1, system) for t in widths), system=system, hbm_bytes=32 * GIB,
-        peak_flops=275e12, training=Training(recompute=recompute, load_imbalance=imbalance), seq_len=32768,
+        peak_flops=275e12, training=Training(recompute=recompute, load_imbalance=imbalance, **recipe), seq_len=32768,
         ep_widths=(1, 2, 4, 8), cp_widths=cps,
         cp_costs=tuple(mixtral_costs(t, c, system) for t in widths for c in cps if c > 1),
     )
@@ -75,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=9)
     args = ap.parse_args()
-    for name, prob in (("none", problem("none")), ("full", problem("full")), ("full, imbalance 1.2", problem("full", 1.2))):
+    for name, prob in (("none", problem("none")), ("full", problem("full")), ("full, imbalance 1.2", problem("full", 1.2)),
+                       ("full, ZeRO-3 (FSDP)", problem("full", zero=3, overlap_grad_reduce=True))):
         optimal_placement(prob)  # cold
         times = []
         for _ in range(args.runs):

@@ -66,6 +66,9 @@ ZERO_STAGES = get_args(ZeroStage)
 OPTIMIZER_STATES = dict(zip(get_args(OptimizerState), (12, 8, 4)))
 ATTENTIONS = get_args(Attention)
 PRECISIONS = get_args(Precision)
+# Bytes per gradient element of the formats a data-parallel reduction may run in (`Numerics.reduce_dtype`).
+REDUCE_BYTES = {"bf16": 2, "fp32": 4}
+ReduceDtype = Literal["bf16", "fp32"]
 # Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
 LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 STACKS = get_args(Stack)
@@ -366,17 +369,51 @@ class Memory(_Config):
                                says="op-level selective checkpointing")
     # `zero`: optimizer sharding over data parallelism, 0 (none), 1 (ZeRO-1 / Megatron's distributed
     # optimizer), 2 or 3 (ZeRO-3 / FSDP; Rajbhandari et al., SC'20). Stage 2 shards the optimizer state
-    # and the gradients and holds the 16-bit weights whole through the step (ZeRO P_os+g, Sec. 5.2;
-    # PyTorch FSDP `SHARD_GRAD_OP`, FSDP2 `reshard_after_forward=False`; Llama 3 405B: "Our use of FSDP
+    # and the gradients and holds the 16-bit weights whole through the iteration (ZeRO P_os+g, Sec. 5.2;
+    # PyTorch FSDP `SHARD_GRAD_OP` under `no_sync`, which frees no gathered weight until the last
+    # microbatch's backward, FSDP1 `_should_free_in_backward`; Llama 3 405B: "Our use of FSDP
     # for Llama 3 shards optimizer states and gradients, but for model shards we do not reshard after
     # forward computation", Llama Team, arXiv 2407.21783, Sec. 3.3.2). A sharded gradient cannot wait for
     # the last microbatch, so each microbatch's backward reduce-scatters the stage's gradients (DeepSpeed
     # ZeRO-2 reduces after every backward: "each rank retains only the accumulated gradients of its
     # partition", deepspeedai/DeepSpeed issue 2252; FSDP reduce-scatters after each backward unless
     # `no_sync`, which keeps whole gradients); the updated weights are all-gathered once per iteration
-    # after the optimizer step (`solve.placement.evaluate`);
+    # after the optimizer step (`solve.placement.evaluate`). Stage 3 shards the weights too: each layer's
+    # are all-gathered before its forward in every microbatch (and again before its backward unless
+    # `reshard_after_forward` is off) and its gradients reduce-scattered after its backward;
     zero: ZeroStage = knob(0, "optimizer sharding over data parallelism: 0, 1 (distributed optimizer), 2 "
-                              "(gradients too; FSDP without resharding) or 3 (FSDP)", listed="always", says='ZeRO-{}', quiet=(1,))
+                              "(gradients too; weights whole, gathered once per iteration) or 3 (FSDP: "
+                              "weights gathered per layer and microbatch)", listed="always", says='ZeRO-{}', quiet=(1,))
+    # `reshard_after_forward`: under ZeRO-3, whether a layer's gathered weights are freed after its
+    # forward (True, the default: FSDP's FULL_SHARD, FSDP2 `fully_shard(reshard_after_forward=True)`,
+    # so the backward all-gathers them again; Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2.1-3.2.2)
+    # or held from each microbatch's forward to its backward (False: FSDP2 `reshard_after_forward=False`,
+    # torchtitan `--parallelism.fsdp_reshard_after_forward never`): one gather per layer and microbatch
+    # instead of two, for the stage's whole gathered weights held beside their shards (one copy,
+    # whatever the microbatches in flight share). FSDP2 still reshards after each backward
+    # (`FSDPModule.set_reshard_after_backward`, default True), so every microbatch gathers again:
+    # unlike ZeRO-2, whose weights stay whole and are gathered once per iteration. Only ZeRO-3 shards
+    # weights between passes, so the field needs zero 3 (a rule). FSDP2's integer form (reshard to a
+    # smaller group) is not modelled.
+    # `shard_group`: hybrid sharding (HSDP): under ZeRO-3 the weights, gradients and optimizer state are
+    # sharded within groups of this many data-parallel ranks and replicated across the groups (PyTorch
+    # FSDP `ShardingStrategy.HYBRID_SHARD`, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2.2, "Hybrid
+    # Sharding"; FSDP2 `fully_shard` on a 2-D (replicate, shard) device mesh, torchtitan's
+    # `data_parallel_shard_degree` beside `data_parallel_replicate_degree`). Each kind of parameter's state
+    # is divided by the group instead of by all its replicas; the per-layer gathers and per-microbatch
+    # reduce-scatters run inside the group (on the intra-node link when it fits in a node,
+    # `System.dp_ring_link`); the gradient shards are all-reduced across the replicas once per
+    # iteration (FSDP2 `set_requires_all_reduce(False)` skips it on every microbatch but the last),
+    # beside the last backward with `overlap_grad_reduce`. It must divide each kind's data-parallel
+    # ranks (dense: DP x CP; routed experts: their replicas), else the placement is infeasible. None
+    # (default): one group of all, plain ZeRO-3.
+    shard_group: int | None = knob(None, "with zero 3: shard within groups of this many data-parallel ranks and "
+                                         "replicate across them (HSDP); default: all ranks", unit="ranks", low=1,
+                                   high=MBS_LIMIT, says='HSDP shard group {}', short="hsdp")
+    reshard_after_forward: bool = knob(True, "with zero 3: free each layer's gathered weights after its "
+                                             "forward and gather them again for its backward (FSDP2); off: "
+                                             "hold them to the backward", says=lambda v: "no reshard after forward"
+                                       if not v else "reshard after forward")
     # `optimizer_state`: the optimizer-state layout, bytes per parameter beyond the weight and its
     # gradient: None (default) keeps the system's own accounting; `fp32-adam` an fp32 master weight and
     # fp32 Adam moments, 12 B (16 B with 16-bit weight and gradient; Rajbhandari et al., SC'20, Sec. 3.1,
@@ -413,6 +450,18 @@ class Numerics(_Config):
     fp8_param_gather: bool = knob(False, "with precision fp8 or mxfp8: parameters held in that format, no "
                                          "BF16 weight (Megatron-Core --fp8-param-gather)", bound=AT_DEFAULT,
                                   why="it needs a lower precision, which the bounds do not price", says='low-precision parameters')
+    # `reduce_dtype`: the number format gradients are reduced in over data parallelism: None (default)
+    # the gradient's own width (the system's `grad_bytes_per_param`), `bf16` (2 B) or `fp32` (4 B): FSDP's
+    # mixed precision, `MixedPrecision(reduce_dtype=torch.float32)` (Zhao et al., "PyTorch FSDP", VLDB
+    # 2023, Sec. 4.4) and FSDP2's `MixedPrecisionPolicy(reduce_dtype=...)`, which torchtitan sets to
+    # float32 by default (`--training.mixed_precision_reduce`); Megatron-Core's `grad_reduce_in_fp32`.
+    # It sets the bytes of every gradient all-reduce and reduce-scatter (`solve/placement/types.py`
+    # `reduce_bytes`), so FP32 doubles them over BF16 gradients; the gradients' memory stays the
+    # system's. FSDP's parameter dtype is no field of its own: the gathered weights are the weights'
+    # format, BF16 by the system's precision or 1 byte with `fp8_param_gather`.
+    reduce_dtype: ReduceDtype | None = knob(None, "number format of the data-parallel gradient reductions: "
+                                                  "bf16 or fp32 (FSDP's reduce_dtype); default: the "
+                                                  "gradient's own", says='gradients reduced in {}')
 
 
 @dataclass(frozen=True)
@@ -699,6 +748,10 @@ def _layout(training: "Training") -> Layout | None:
 RULES = (
     Rule("fp8_param_gather", lambda t: not t.fp8_param_gather or t.precision in LOW_PRECISION_PARAMS,
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
+    Rule("shard_group", lambda t: t.shard_group is None or t.zero == 3,
+         "needs zero 3 (hybrid sharding shards the weights), got zero {zero}"),
+    Rule("reshard_after_forward", lambda t: t.reshard_after_forward or t.zero == 3,
+         "off needs zero 3 (only ZeRO-3 frees gathered weights between passes), got zero {zero}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
          "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
     Rule("recompute_every", lambda t: t.recompute_every == 1 or t.recompute == "full",
@@ -871,6 +924,16 @@ class Training:
     def optimizer_state_bytes(self) -> int | None:
         """Optimizer-state bytes per parameter of this recipe's layout; None: the system's own."""
         return None if self.optimizer_state is None else OPTIMIZER_STATES[self.optimizer_state]
+
+    def shard_ranks(self, ranks):
+        """The ranks one ZeRO-3 shard spans among `ranks` holders of the same weights (an int or an
+        array): the HSDP shard group, else all of them."""
+        return ranks if self.shard_group is None else self.shard_group
+
+    def reduce_bytes(self, grad_bytes: int) -> int:
+        """Bytes per parameter a data-parallel gradient reduction moves: the recipe's `reduce_dtype`,
+        else the gradient's own `grad_bytes`."""
+        return REDUCE_BYTES.get(self.reduce_dtype, grad_bytes)
 
     def interleave_split_ok(self, layers: int, pp):
         """Whether Megatron-Core can split `layers` decoder layers over `pp` pipeline ranks (an int or
@@ -1101,14 +1164,15 @@ def recipe_from_mapping(raw: Mapping[str, Any], **given) -> Training:
 def add_recipe_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
     """One flag per recipe field (`--virtual-stages`, `--tp-comm-overlap`), its help the field's doc;
     `skip`: fields the command declares itself. Yes/no fields with a default of off are switches;
-    ones whose default is the stack's (None) take --x / --no-x."""
+    ones whose default is on or the stack's (None) take --x / --no-x."""
     for name, k in FIELDS.items():
         if name in skip:
             continue
         kw: dict[str, Any] = {"default": k.default if k.kind != "placement" else k.default.spec(),
                               "help": _help(k), "dest": name}
         if k.kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction if k.optional else "store_true"
+            # a switch that is on by default needs its --no- form to be turned off
+            kw["action"] = argparse.BooleanOptionalAction if k.optional or k.default else "store_true"
         elif k.kind == "choice":
             kw.update(choices=k.choices, type=type(k.choices[0]))
         elif k.kind == "choices":

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from phaze_opt.solve.placement.expert import effective_costs, optimal_placement
 from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s, ring_half_s
-from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem, state_split
 from phaze_opt.system import Link, System
 from phaze_opt.training import RECIPE_FIELDS, Training
 
@@ -89,13 +89,17 @@ def assert_dp_is_brute(problem):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
-       zero=st.sampled_from([0, 1, 2]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
+       zero=st.sampled_from([0, 1, 2, 3]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans(),
-       modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]))
-def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules):
+       modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]),
+       reduce_dtype=st.sampled_from([None, "fp32"]), reshard=st.booleans(), hsdp=st.sampled_from([None, 2]))
+def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules, reduce_dtype,
+                                reshard, hsdp):
     """Module-level selective recompute too (with and without the attention core: under CP the
-    core's bytes and time scale by c, the other modules' not)."""
-    problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
+    core's bytes and time scale by c, the other modules' not); FSDP's FP32 gradient reduction;
+    ZeRO-3 with EP and CP, with and without resharding after forward, and hybrid-sharded (HSDP)."""
+    problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap, reduce_dtype=reduce_dtype,
+                          reshard_after_forward=reshard or zero != 3, shard_group=hsdp if zero == 3 else None,
                           load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather,
                           recompute_modules=modules if recompute == "selective" else None)
     want, where = brute(problem)
@@ -231,13 +235,6 @@ def test_evaluator_context_parallel_terms_by_hand():
         assert r.allreduce_s == pytest.approx(ring_allreduce_s(800 * 2, 4, ring.bandwidth, ring.latency))
 
 
-def test_zero3_with_ep_is_refused_with_a_reason():
-    prob = moe_problem(1, zero=3, hbm=1e9, accelerators=8)
-    r = evaluate_placement(prob, Placement(1, 2, ((0, 1, 2),), ep=2))
-    assert not r.feasible and "ZeRO-3" in r.reason
-    assert optimal_placement(prob).ep == 1  # the DP does not pick it
-
-
 def test_effective_costs_are_the_evaluators_layer_terms():
     from phaze_opt.solve.placement.kernel import layer_terms
 
@@ -275,21 +272,24 @@ def test_effective_costs_at_every_ep_width_are_the_single_ones():
 
 
 def test_zero2_with_ep_and_cp_shards_each_kind_over_its_own_replicas():
-    """ZeRO-2 where ZeRO-3 is refused: EP 2 x CP 2 x DP 4. The dense gradients and optimizer state
+    """ZeRO-2 and 3 with EP 2 x CP 2 x DP 4. The dense gradients and optimizer state
     shard over the d c = 8 ranks holding the dense weights, the routed experts' over their own
     d c / e = 4 (as ZeRO-1 shards its state); the weights stay whole. Each microbatch
-    reduce-scatters both kinds, each on its own ring (no overlap here: all of it in the stage time)."""
+    reduce-scatters both kinds, each on its own ring (no overlap here: all of it in the stage time).
+    ZeRO-3 shards the weights over the same groups. Fails if ZeRO-3 is refused with EP or CP."""
     prob = moe_problem(3, zero=2, hbm=1e9, accelerators=16, global_batch=16)
     pl = Placement(1, 4, ((0, 1, 2),), ep=2, cp=2)
     r = evaluate_placement(prob, pl)
     assert r.feasible, r.reason
-    refused = evaluate_placement(replace_training(prob, zero=3), pl)
-    assert not refused.feasible and "ZeRO-3" in refused.reason
     params, experts = r.stages[0].params, float(sum(np.ceil(prob.costs_at(1, 2).expert_params / 2)))
     dense = params - experts
     assert experts > 0 and dense > 0
     split = r.stages[0].memory_split
     assert split["parameters"] == params * 2
+    # ZeRO-3 (FSDP over DP x CP) shards the weights the same way, each kind over its own group
+    three = evaluate_placement(replace_training(prob, zero=3), pl)
+    assert three.feasible, three.reason
+    assert three.stages[0].memory_split["parameters"] == math.ceil(dense * 2 / 8) + math.ceil(experts * 2 / 4)
     assert split["gradients"] == math.ceil(dense * 2 / 8) + math.ceil(experts * 2 / 4)
     assert split["optimizer_state"] == math.ceil(dense * 12 / 8) + math.ceil(experts * 12 / 4)
     one = evaluate_placement(replace_training(prob, zero=1), pl)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.kernel import min_memory_needed
-from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_half_s
+from phaze_opt.solve.placement.evaluate import evaluate_placement, fsdp_exposed_s, ring_allreduce_s, ring_half_s
 from phaze_opt.solve.placement.types import Placement, PlacementProblem
-from phaze_opt.training import Training
+from phaze_opt.training import RecipeError, Training
 from test_placement_oracle import (
     brute_force,
     brute_min_memory,
@@ -343,7 +343,10 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         recompute_every=draw(st.sampled_from([1, 2, 3])) if recompute == "full" else 1,
         recompute_ops=recompute == "selective" and modules is None and draw(st.booleans()),
         virtual_stages=v,
-        zero=draw(st.sampled_from([0, 1, 2, 3])),
+        zero=(zero := draw(st.sampled_from([0, 1, 2, 3]))),
+        # FSDP2 without resharding after forward: one gather a microbatch, the stage's weights held
+        reshard_after_forward=zero != 3 or draw(st.booleans()),
+        shard_group=draw(st.sampled_from([None, 1, 2])) if zero == 3 else None,  # HSDP, dividing d or not
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         overlap_p2p_comm=draw(st.booleans()),  # a stage time that depends on S and m
@@ -353,6 +356,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
         precision=(precision := draw(st.sampled_from(["bf16", "fp8", "nvfp4"]))),  # low-precision weight copies in the state
         fp8_param_gather=precision == "fp8" and draw(st.booleans()),  # 1-byte parameters, one copy fewer
+        reduce_dtype=draw(st.sampled_from([None, "bf16", "fp32"])),  # FSDP's reduction format
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
@@ -543,6 +547,105 @@ def test_zero2_memory_lies_between_zero1_and_zero3_and_it_reduces_every_microbat
     assert optimal_dense_placement(problem2).feasible and not evaluate_placement(problem1, pl).feasible
 
 
+def test_zero3_gathers_every_microbatch_and_reshard_after_forward_trades_a_gather_for_memory():
+    """ZeRO-3 under gradient accumulation: each microbatch all-gathers every layer's weights before
+    its forward and (resharded after forward) again before its backward, so a batch of more
+    microbatches pays proportionally more gather time; only the first layer's gather of a pass and
+    the part of each later one longer than the layer before it are exposed (FSDP's prefetch).
+    Four layers of 10 parameters, d = 4 on a slow ring so each gather (about 19 s) outlasts a
+    layer's compute (1 s forward, 2 s backward). Holding the gathered weights (reshard_after_forward
+    off) drops the backward gathers and adds the stage's 20 gathered parameters x 2 B to its memory.
+    Fails if the gathers are priced once per batch, if the backward gathers stay, or if the held
+    weights are not counted."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+
+    def run(batch, zero=3, **recipe):
+        system = make_system(accelerators=8, devices_per_node=8, global_batch=batch, intra=(1.0, 0.5))
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, **recipe), costs=(costs,), system=system,
+                                   hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl), system.dp_ring_link(1, 2, 4)
+
+    (few, ring), (many, _) = run(8), run(32)
+    p2p = run(8, zero=1)[0].stages[0].comm_s  # the pipeline messages alone
+    assert (few.microbatches, many.microbatches) == (2, 8)
+    gather = ring_half_s(10 * 2, 4, ring.bandwidth, ring.latency)
+    scatter = ring_half_s(20 * 2, 4, ring.bandwidth, ring.latency)
+    assert gather > 2.0  # longer than a layer's backward: the prefetch cannot hide it
+    # per microbatch: forward g + (g - 1); backward g + (g - 2); the reduce-scatter after the backward
+    per_mb = (2 * gather - 1.0) + (2 * gather - 2.0) + scatter
+    assert few.stages[0].comm_s - p2p == pytest.approx(per_mb, rel=1e-12)
+    assert few.bottleneck_s == pytest.approx(6.0 + p2p + per_mb, rel=1e-12)
+    # six more microbatches, six more stage times, each with its gathers and reduce-scatter
+    assert many.time_per_batch_s - few.time_per_batch_s == pytest.approx(6 * few.bottleneck_s, rel=1e-9)
+    # overlapped, the reduce-scatter shares the link with the backward's two gathers: the backward
+    # pass takes max(compute 4 + exposed gathers 2g - 2, gathers 2g + scatter), not max(..., scatter)
+    overlapped, _ = run(8, overlap_grad_reduce=True)
+    assert scatter > 2.0
+    assert overlapped.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + (2 * gather - 2.0) + (scatter - 2.0),
+                                                              rel=1e-12)
+    held, _ = run(8, reshard_after_forward=False)
+    assert held.stages[0].comm_s - p2p == pytest.approx((2 * gather - 1.0) + scatter, rel=1e-12)
+    assert held.peak_memory_bytes - few.peak_memory_bytes == 20 * 2 - 10 * 2  # held stage less one layer's working set
+    assert held.stages[0].memory_split["gathered_weights"] == 40
+
+
+def test_fp32_reduction_doubles_the_bytes_of_every_gradient_collective():
+    """FSDP mixed precision (`reduce_dtype` fp32) on BF16 gradients: ZeRO-0's all-reduce and ZeRO-3's
+    per-microbatch reduce-scatter move 4 B per parameter instead of 2, on a ring whose latency is 0
+    so the time is the bytes over the bandwidth; the gradients' memory is unchanged. Fails if a
+    collective keeps the gradient's width or if the memory grows."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=8, global_batch=8, intra=(1.0, 0.0))
+    pl = Placement(1, 4, ((0, 1), (2, 3)))
+
+    def run(zero, reduce_dtype=None):
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, reduce_dtype=reduce_dtype), costs=(costs,),
+                                   system=system, hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl)
+
+    assert run(0, "fp32").allreduce_s == pytest.approx(2 * run(0).allreduce_s, rel=1e-12)
+    assert run(0, "bf16").allreduce_s == pytest.approx(run(0).allreduce_s, rel=1e-12)
+    gathers = run(3).stages[0].comm_s - ring_half_s(20 * 2, 4, 1.0, 0.0)  # all but the reduce-scatter
+    assert run(3, "fp32").stages[0].comm_s == pytest.approx(gathers + ring_half_s(20 * 4, 4, 1.0, 0.0), rel=1e-12)
+    assert run(3, "fp32").peak_memory_bytes == run(3).peak_memory_bytes
+
+
+def test_hsdp_shards_within_its_group_on_the_node_link_and_all_reduces_across_groups():
+    """Hybrid sharding (HSDP) at d = 8 on nodes of 4: ZeRO-3 over all 8 shards the 40 parameters'
+    16 B of state 8 ways and gathers over the inter-node ring; a shard group of 4 shards them 4 ways
+    (memory between ZeRO-0 and ZeRO-3), gathers and reduce-scatters on the intra-node ring, and
+    all-reduces its gradient shard across the 2 replicas once per batch. Fails if HSDP divides by
+    the wrong count, keeps the inter-node link for the group or drops the cross-replica all-reduce."""
+    costs = make_costs(1, [1.0] * 4, [2.0] * 4, [10] * 4, [0] * 4, [1] * 4)
+    system = make_system(accelerators=8, devices_per_node=4, global_batch=8, intra=(100.0, 0.5), inter=(1.0, 0.5))
+    pl = Placement(1, 8, ((0, 1, 2, 3),))
+
+    def run(zero, **recipe):
+        problem = PlacementProblem(training=Training(mbs=1, zero=zero, **recipe), costs=(costs,), system=system,
+                                   hbm_bytes=1e6, peak_flops=1.0)
+        return evaluate_placement(problem, pl)
+
+    plain, full, hsdp = run(0), run(3), run(3, shard_group=4)
+    assert full.peak_memory_bytes < hsdp.peak_memory_bytes < plain.peak_memory_bytes
+    assert sum(hsdp.stages[0].memory_split[k] for k in ("parameters", "gradients", "optimizer_state")) == 40 * 16 / 4
+    intra, inter = system.intra_node, system.inter_node
+    gathers = [ring_half_s(10 * 2, 4, intra.bandwidth, intra.latency)] * 4
+    exposed = (fsdp_exposed_s([1.0] * 4, gathers, reverse=False) + fsdp_exposed_s([2.0] * 4, gathers, reverse=True)
+               + ring_half_s(40 * 2, 4, intra.bandwidth, intra.latency))
+    assert hsdp.stages[0].comm_s == pytest.approx(exposed, rel=1e-12)
+    assert hsdp.allreduce_s == pytest.approx(ring_allreduce_s(40 * 2 / 4, 2, inter.bandwidth, inter.latency), rel=1e-12)
+    assert full.allreduce_s == 0.0 and hsdp.stages[0].comm_s < full.stages[0].comm_s
+    odd = run(3, shard_group=3)  # 3 does not divide the 8 ranks
+    assert not odd.feasible and "shard group 3 must divide the 8" in odd.reason
+
+
+def test_reshard_after_forward_off_needs_zero_3():
+    with pytest.raises(RecipeError, match="reshard_after_forward off needs zero 3"):
+        Training(zero=2, reshard_after_forward=False)
+    assert Training(zero=3, reshard_after_forward="off").reshard_after_forward is False
+
+
 @settings(max_examples=200, **SETTINGS)
 @given(recipe_problems(), st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
 def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
@@ -552,7 +655,7 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     import dataclasses
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
-                                   recompute_every=1, recompute_ops=False,
+                                   recompute_every=1, recompute_ops=False, reshard_after_forward=True, shard_group=None,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 
@@ -567,7 +670,7 @@ def test_checkpoint_policy_least_memory_is_the_brute_forces(problem, policy):
 
     recompute, every, ops = policy
     training = dataclasses.replace(problem.training, recompute=recompute, recompute_modules=None, zero=0,
-                                   recompute_every=every, recompute_ops=ops,
+                                   recompute_every=every, recompute_ops=ops, reshard_after_forward=True, shard_group=None,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 

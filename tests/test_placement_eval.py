@@ -291,7 +291,9 @@ def test_zero3_stage_time_never_falls_as_a_backward_grows():
         return evaluate_placement(problem, Placement(1, 2, ((0, 1),))).stages[0].time_s
 
     times = [time_with(b) for b in (0.1, 0.5, 0.9, 1.5)]
-    assert all(a <= b for a, b in zip(times, times[1:])), times
+    # up to rounding of equal sums (the bounds keep a 1e-12 slack): a pass held by the link's gathers
+    # and reduce-scatter is the same time whatever the compute under it
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:])), times
 
 
 def test_a_model_whose_ops_cost_nothing_is_one_clear_line():

@@ -105,6 +105,7 @@ def test_every_field_is_a_flag_that_reaches_the_recipe(name):
     base = {"recompute": "selective"} if name in ("recompute_modules", "recompute_ops") else {}
     base.update({"recompute": "full"} if name == "recompute_every" else {})
     base.update({"precision": "fp8"} if name == "fp8_param_gather" else {})
+    base.update({"zero": 3} if name in ("reshard_after_forward", "shard_group") else {})
     args = parser.parse_args(argv + [f"--{f.replace('_', '-')}={v}" for f, v in base.items()])
     recipe = recipe_from_args(args)
     expected = Fixed(Layout(2, 2, 2)) if k.kind == "placement" else value

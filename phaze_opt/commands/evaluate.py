@@ -137,8 +137,9 @@ def render(r: dict) -> str:
         gib = 2.0**30
         head += (f"\nmemory per device (fullest stage {mem['stage']}): parameters {mem.get('parameters', 0) / gib:.2f}, "
                  f"gradients {mem.get('gradients', 0) / gib:.2f}, optimizer state {mem.get('optimizer_state', 0) / gib:.2f}, "
-                 + (f"low-precision weight copies {mem['low_precision_weights'] / gib:.2f}, "
-                    if "low_precision_weights" in mem else "") +
+                 + "".join(f"{words} {mem[key] / gib:.2f}, " for key, words in (
+                     ("low_precision_weights", "low-precision weight copies"),
+                     ("gathered_weights", "gathered weights held forward to backward")) if key in mem) +
                  f"activations {mem.get('activations', 0) / gib:.2f}, recompute working set "
                  f"{mem.get('recompute_working_set', 0) / gib:.2f}; total {mem['total'] / gib:.2f} GiB, "
                  f"headroom {mem['headroom'] / gib:.2f} GiB")

@@ -16,7 +16,8 @@ random placement problems), up to floating-point rounding of equal sums:
   term (kept, checkpoint, recompute working set) only loses the 1 - 1/t of the norm and dropout
   regions it shards (`workload.ops.Layer`; Korthikanti et al. 2022, Sec. 4.2.2); the pipeline sends
   and the all-to-alls carry each rank's s/t share, no more bytes than without it.
-- `zero`: ZeRO-1 beats ZeRO-0 when a weight is no wider than its gradient: the reduce-scatter of
+- `zero`: ZeRO-1 beats ZeRO-0 when a weight is no wider than its gradient as reduced (the recipe's
+  `reduce_dtype`, else the gradient's own width): the reduce-scatter of
   the gradients plus the all-gather of the weights moves (d-1)/d (G + W) <= 2 (d-1)/d G bytes in the
   same 2 (d-1) steps as the all-reduce, the optimizer step is divided over the replicas and so is
   the optimizer state (Rajbhandari et al., SC'20, Sec. 5.1). Not with `overlap_param_gather`: it
@@ -34,15 +35,18 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from ..training import REDUCE_BYTES
 from ..workload.graphs import build_layer_graph
 from .evaluate import tp_widths
 
 RULES = ("overlap", "sequence_parallel", "zero", "selective")
 
 
-def _improve(recipe: Mapping, weight_le_grad: bool, keeps_no_core: Callable[[object], bool]) -> list[tuple[str, dict]]:
+def _improve(recipe: Mapping, system, keeps_no_core: Callable[[object], bool]) -> list[tuple[str, dict]]:
     """(rule, the recipe it leads to) for every rule that applies to `recipe`."""
     out = []
+    reduced = REDUCE_BYTES.get(recipe.get("reduce_dtype"), system.grad_bytes_per_param)  # Training.reduce_bytes
+    weight_le_grad = system.bytes_per_element <= reduced
     if recipe.get("overlap_grad_reduce") is False:
         out.append(("overlap", {**recipe, "overlap_grad_reduce": True}))
     if recipe.get("sequence_parallel") is False:
@@ -61,14 +65,13 @@ def dominators(recipes: Sequence[Mapping], system, keeps_no_core: Callable[[obje
     index when no rule leads to a listed recipe. `keeps_no_core(attention)`: whether that kernel
     keeps no attention core in any layer (for the `selective` rule)."""
     index = {_key(r): i for i, r in enumerate(recipes)}
-    weight_le_grad = system.bytes_per_element <= system.grad_bytes_per_param
     out = []
     for i, r in enumerate(recipes):
         current, seen = dict(r), {i}
         moved = True
         while moved:  # every rule moves to a recipe closer to all-on; the walk ends
             moved = False
-            for _, better in _improve(current, weight_le_grad, keeps_no_core):
+            for _, better in _improve(current, system, keeps_no_core):
                 j = index.get(_key(better))
                 if j is not None and j not in seen:
                     current, moved = better, True

@@ -251,7 +251,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     all-gather minus the stage's forward, shrinks as the forward grows; ZeRO-1's and 2's alike).
     (ZeRO-3's overlapped per-microbatch reduce-scatter needs no such care: it
     runs beside the stage's whole backward pass B, prefetched gathers included, so the stage time
-    holds max(B, scatter), non-decreasing in every layer time; ZeRO-2's likewise beside the stage's
+    holds max(B, its gathers + scatter), non-decreasing in every layer time; ZeRO-2's likewise beside the stage's
     backward compute, which has no gathers; against the backward compute alone
     it would not be, since compute hidden under gathers lengthens the window but not the pass.)
     0.0 when no placement fits memory (then no schedule can make one fit).

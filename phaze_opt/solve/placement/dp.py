@@ -76,7 +76,7 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
+from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, reduce_bytes, state_split, weight_copies
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -147,8 +147,8 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
         ds, ms = _dp_degrees(problem, t)
         counts = np.minimum(c.n_layers, N // (t * ds))
         S = np.concatenate([np.arange(1, n + 1) for n in counts]).astype(np.int64)
-        total = float(np.sum(c.params)) * system.grad_bytes_per_param
-        largest = float(np.max(c.params)) * system.grad_bytes_per_param
+        total = float(np.sum(c.params)) * reduce_bytes(problem)  # the bytes the all-reduce moves
+        largest = float(np.max(c.params)) * reduce_bytes(problem)
         parts["block"].append(np.full(S.shape, b, dtype=np.int64))
         parts["S"].append(S)
         parts["d"].append(np.repeat(ds, counts))
@@ -179,16 +179,17 @@ def step_per_param(problem: PlacementProblem, d):
     from ZeRO-2 on)."""
     step_b, zero_b = optimizer_pass_bytes(problem)
     zero = problem.training.zero
+    d = problem.training.shard_ranks(d)  # HSDP: each replica steps its group's shard
     return step_b / (d if zero else 1) + zero_b / (d if zero >= 2 else 1)
 
 
 def _step_rate(problem: PlacementProblem) -> float:
-    """Optimizer step seconds per gradient byte (fast path, no ZeRO): the per-batch HBM traffic of
+    """Optimizer step seconds per reduced gradient byte (fast path, no ZeRO; `stage_stack`'s `grad`
+    holds the bytes the all-reduce moves, `types.reduce_bytes`): the per-batch HBM traffic of
     every parameter of the stage (`types.optimizer_pass_bytes`, both parts whole) over the HBM bandwidth."""
     if problem.hbm_bandwidth <= 0:
         return 0.0
-    g = state_split(problem)[1]
-    return sum(optimizer_pass_bytes(problem)) / g / problem.hbm_bandwidth
+    return sum(optimizer_pass_bytes(problem)) / reduce_bytes(problem) / problem.hbm_bandwidth
 
 
 def _search(problem: PlacementProblem, costs, force_dag: bool, stats: dict) -> Best:
@@ -318,17 +319,19 @@ def _half(nbytes, d: int, link) -> np.ndarray:
         return (d - 1) * link.latency + (d - 1) / d * nbytes / link.bandwidth
 
 
-def _zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([1, R, W] forward, backward): the all-gather time each candidate stage of width b exposes per microbatch under
+def zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([1, R, W] forward, backward, all): the all-gather time each candidate stage of width b exposes per microbatch under
     ZeRO-3 with FSDP's prefetch (`placement.evaluate.fsdp_exposed_s`), forward and backward pass, from
     the per-layer gather times `gather` [L]. A chain stage [i, i + w] exposes
     g_i + sum_{j=i}^{i+w-1} (max(f_j, g_{j+1}) - f_j) forward and
-    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms."""
+    g_{i+w} + sum_{j=i+1}^{i+w} (max(b_j, g_{j-1}) - b_j) backward: window sums of per-pair terms; and the
+    stage's gathers of one pass, g_i + ... + g_{i+w} (the link time they take)."""
     f, bw = st.layer_fwd[b], st.layer_bwd[b]
     L = st.n_layers
     R, W = st.dst.shape
     out = np.full((1, R, W), INF)
     out_b = np.full((1, R, W), INF)
+    total = np.full((1, R, W), INF)
     if st.masks is None:
         pf = np.zeros(L)
         pf[:-1] = np.maximum(f[:-1], gather[1:]) - f[:-1]
@@ -344,7 +347,8 @@ def _zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarr
         bwd = wg + (np.cumsum(wb, axis=1) - wb[:, :1])
         out[0, :L] = fwd
         out_b[0, :L] = bwd
-        return out, out_b
+        total[0, :L] = np.cumsum(wg, axis=1)
+        return out, out_b, total
     for r in range(R - 1):
         for a in range(W):
             if int(st.dst[r, a]) >= R:
@@ -353,7 +357,8 @@ def _zero3_exposed(st: StageStack, b: int, gather: np.ndarray) -> tuple[np.ndarr
             g = [float(gather[v]) for v in members]
             out[0, r, a] = fsdp_exposed_s([float(f[v]) for v in members], g, reverse=False)
             out_b[0, r, a] = fsdp_exposed_s([float(bw[v]) for v in members], g, reverse=True)
-    return out, out_b
+            total[0, r, a] = sum(g)
+    return out, out_b, total
 
 
 def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dict:
@@ -371,6 +376,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     L = costs[0].n_layers
     groups: dict = {}
     for b, c in enumerate(costs):
@@ -392,8 +398,15 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         mult = m + (S - 1) / v
         lat, bw = rings.latency(), rings.bandwidth()
 
-        def half(nbytes):  # ring reduce-scatter / all-gather over d replicas (placement.evaluate.ring_half_s)
-            return np.where(d > 1, (d - 1) * lat + (d - 1) / d * nbytes / bw, 0.0)
+        def half(nbytes, n=d, lat=lat, bw=bw):  # ring reduce-scatter / all-gather over n replicas (ring_half_s)
+            return np.where(n > 1, (n - 1) * lat + (n - 1) / np.maximum(n, 1) * nbytes / bw, 0.0)
+
+        # ZeRO-3's shard group (HSDP: the recipe's, which must divide d; else all d) and its ring
+        gs = np.broadcast_to(np.asarray(problem.training.shard_ranks(d), dtype=np.int64), d.shape)
+        shards = ring_links(system, t, S, gs) if problem.training.shard_group is not None else rings
+        s_lat, s_bw = shards.latency(), shards.bandwidth()
+        if problem.training.zero == 3:
+            ok &= d % gs == 0
 
         big = total_params / S
         c_lb = np.where(h == 1, free[1].f[S - 1, b, 0], free[0].f[S - 1, b, 0])
@@ -403,26 +416,30 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # link, each layer waits for its own), and at least its compute plus its first layer's
             # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
             # the mean stage is at least this.
-            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
+            step_lat = np.where(gs > 1, (gs - 1) * s_lat, 0.0)
+            gathers = L * step_lat + half(total_params * w_b, gs, s_lat, s_bw) - step_lat
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
-            over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
-            first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
+            passes = 2 if problem.training.reshard_after_forward else 1  # without resharding: forward only
+            over = np.maximum(0.0, gathers - f_total) + (passes - 1) * np.maximum(0.0, gathers - b_total)
+            first_last = passes * S * half(float(np.min(c.params)) * w_b, gs, s_lat, s_bw)  # each pass's first shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
-            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
+            scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * r_b, gs, s_lat, s_bw)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
+            if not problem.training.overlap_grad_reduce:  # HSDP: the shards' all-reduce across the replicas
+                tail_lb = 2.0 * half(big * r_b / gs, d // gs)
         elif problem.training.zero == 2:
             # every stage reduce-scatters its gradients each microbatch (affine in its parameters, so
             # the S stages' scatters add up to S of the mean stage's); the weights' all-gather
             # follows the optimizer step, hidden only by an overlapped param gather
             if not problem.training.overlap_grad_reduce:
-                c_lb = np.maximum(c_lb, (work_total + S * half(big * g_b)) / S)
+                c_lb = np.maximum(c_lb, (work_total + S * half(big * r_b)) / S)
             if not problem.training.overlap_param_gather:
                 tail_lb = half(big * w_b)
         elif not problem.training.overlap_grad_reduce:
             # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
             gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
-                big * (g_b if problem.training.zero == 0 else w_b))
-            tail_lb = half(big * g_b) + gather_lb
+                big * (r_b if problem.training.zero == 0 else w_b))
+            tail_lb = half(big * r_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * step_per_param(problem, d) / problem.hbm_bandwidth
         with np.errstate(invalid="ignore"):
@@ -431,15 +448,17 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         # formulas) plus the in-flight activations of the least-loaded position (1F1B: one
         # microbatch at the last stage; interleaved: its min((v - 1) S + 1, m v) chunks of 1/v).
         k = weight_copies(problem)  # held whole by every rank under ZeRO 0, 1 and 2 (types.weight_copies)
+        held = 0.0 if problem.training.reshard_after_forward else w_b + k  # ZeRO-3's gathered weights kept
         coef = {0: w_b + g_b + o_b + k, 1: w_b + g_b + k + o_b / d, 2: w_b + k + (g_b + o_b) / d,
-                3: (w_b + g_b + o_b) / d}[problem.training.zero]
+                3: (w_b + g_b + o_b) / gs + held}[problem.training.zero]
         inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
         mem_lb = (total_params * coef + inflight * kept_total) / S
         ok &= mem_lb * (1.0 - 1e-12) <= problem.hbm_bytes
         keep = np.flatnonzero(ok & np.isfinite(lb))
         s_key = np.where((v > 1) & (S > 1), S, 0)
         for i in keep[np.argsort(lb[keep], kind="stable")].tolist():
-            key = (b, int(d[i]), int(h[i]), rings.links[int(rings.ids[i])], int(s_key[i]))
+            key = (b, int(d[i]), int(h[i]), rings.links[int(rings.ids[i])], shards.links[int(shards.ids[i])],
+                   int(s_key[i]))
             groups.setdefault(key, []).append((float(lb[i]), int(S[i]), float(mult[i])))
     return groups
 
@@ -460,6 +479,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     N = system.accelerators
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
     fixed = system.efficiency.microbatch_overhead_s
@@ -477,7 +497,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     order = sorted(groups.items(), key=lambda kv: kv[1][0][0])
     best = Best()
     valid = np.isfinite(st.grad)
-    for (b, d, h, ring, S_only), items in order:
+    for (b, d, h, ring, shard, S_only), items in order:
         if items[0][0] >= best.time:  # groups come by their least bound: none after this one can win
             break
         items = [x for x in items if x[0] < best.time]
@@ -497,27 +517,38 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         tail = np.zeros(params.shape)
         hide_gather = problem.training.zero in (1, 2) and problem.training.overlap_param_gather
         if problem.training.zero == 2:  # each microbatch's reduce-scatter (placement.evaluate)
-            scatter = _half(params0 * g_b, d, ring)
+            scatter = _half(params0 * r_b, d, ring)
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 scatter = np.maximum(0.0, scatter - bwdwin)
             beside = scatter
         if problem.training.zero == 3:
-            scatter = _half(params0 * g_b, d, ring)
-            gather = _half(st.layer_params[b] * w_b, d, ring)
-            exposed_f, exposed_b = _zero3_exposed(st, b, gather)
-            if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
-                scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
+            g = problem.training.shard_ranks(d)  # HSDP: gathers and reduce-scatters within its group
+            scatter = _half(params0 * r_b, g, shard)
+            gather = _half(st.layer_params[b] * w_b, g, shard)
+            exposed_f, exposed_b, busy = zero3_exposed(st, b, gather)
+            if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
+                exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)
+            if problem.training.overlap_grad_reduce:  # beside the backward pass, on the link its gathers leave
+                with np.errstate(invalid="ignore"):  # padding (inf - inf) is masked with the invalid stages
+                    scatter = np.maximum(0.0, scatter + busy - (bwdwin + exposed_b))
             beside = exposed_f + exposed_b + scatter
+            if g < d:  # HSDP: the shards all-reduced across the d / g replicas once per batch
+                with np.errstate(invalid="ignore"):
+                    reduce = 2.0 * _half(params0 * r_b / g, d // g, ring)
+                if problem.training.overlap_grad_reduce:
+                    reduce = (np.zeros_like(reduce) if problem.reduction_hidden
+                              else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
+                tail = tail + reduce
         else:
             if problem.training.zero == 0:
                 with np.errstate(invalid="ignore"):
-                    reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * g_b) / ring.bandwidth, 0.0)
+                    reduce = np.where(d > 1, 2 * (d - 1) * ring.latency + 2 * (d - 1) / d * (params0 * r_b) / ring.bandwidth, 0.0)
             elif problem.training.zero == 2:  # reduce-scattered per microbatch already
                 reduce = np.zeros(params0.shape)
             elif hide_gather:
-                reduce = _half(params0 * g_b, d, ring)
+                reduce = _half(params0 * r_b, d, ring)
             else:
-                reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
+                reduce = _half(params0 * r_b, d, ring) + _half(params0 * w_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
@@ -546,10 +577,10 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             p = np.float64(max(float(np.sum(c.params)) / S, float(np.max(c.params))))
             red = 0.0  # ZeRO-3 reduces per microbatch; an overlapped reduction may hide entirely
             if problem.training.zero == 0 and not problem.training.overlap_grad_reduce:
-                red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
+                red = float(ring_allreduce_s(p * r_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 # an overlapped param gather may hide entirely: only the reduce-scatter then
-                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
+                red = float(_half(p * r_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
             elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
                 red = float(_half(p * w_b, d, ring))
             step = p * step_per_param(problem, d) / problem.hbm_bandwidth \

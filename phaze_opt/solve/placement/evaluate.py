@@ -28,13 +28,15 @@ disagreement in the tests. The model it implements (the definition the DP must o
   share f = ((S - 1) / v) / (m + (S - 1) / v) of the steps stay exposed, so the stage takes
   max(W + f P, f W + P) instead of W + P, non-decreasing in every layer time.
   With ZeRO-3 the stage also all-gathers each layer's parameters over the d replicas before the
-  layer's forward and again before its backward, and reduce-scatters its gradients after the
-  backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
+  layer's forward and again before its backward (not again with `reshard_after_forward` off, which
+  holds the stage's gathered weights from forward to backward: FSDP2), and reduce-scatters its
+  gradients after the backward, every microbatch (Rajbhandari et al., SC'20, Sec. 5.3; ring collectives, (d - 1) / d x
   bytes / bw + (d - 1) x latency each). The gathers are prefetched as FSDP does (`fsdp_exposed_s`:
   each layer's gather runs during the previous layer's compute of the same pass; only what does not
   fit under it is exposed); with overlap_grad_reduce only the part of the reduce-scatter longer
-  than the stage's backward pass (its compute and exposed gathers) is exposed, so the stage time
-  holds max(backward pass, reduce-scatter), non-decreasing in every layer time.
+  than the stage's backward pass (its compute and exposed gathers) less the backward's gathers
+  (one link carries both) is exposed, so the stage time holds max(backward pass, gathers +
+  reduce-scatter), non-decreasing in every layer time.
   With ZeRO-2 the stage reduce-scatters its gradients after every microbatch's backward (a
   sharded gradient cannot be held whole until the last one: DeepSpeed ZeRO-2 reduces after every
   backward, deepspeedai/DeepSpeed issue 2252; ZeRO, Sec. 5.2), each kind over its own replicas
@@ -43,7 +45,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
 - Memory per device (Korthikanti et al. 2022, Sec. 4; Rajbhandari et al., SC'20):
   parameters x (weight + gradient + optimizer bytes), with ZeRO-1 the optimizer part, with ZeRO-2
   the optimizer part and the gradients (over their own replicas, as ZeRO-1's state) and with
-  ZeRO-3 all three divided over the d replicas (rounded up to whole bytes), plus the in-flight
+  ZeRO-3 all three divided over the d replicas (rounded up to whole bytes; without resharding after
+  forward plus the stage's whole gathered weights and their low-precision copies), plus the in-flight
   activations, plus the recompute working set. Per microbatch a stage keeps, per layer,
   `activation_bytes` (none), `selective_bytes` (selective; `activation_bytes` when the attention
   core is not recomputed; less `module_bytes` of the other modules), `checkpoint_bytes` (full, on a
@@ -59,7 +62,8 @@ disagreement in the tests. The model it implements (the definition the DP must o
   microbatches' worth, Korthikanti et al. 2022, Sec. 4.2.3). The working set is the largest, over
   the stage's layers, of what exists only during that layer's backward: its attention core and
   its other recomputed modules' `module_bytes` (selective), all its activations (full on a
-  checkpointed layer, and a block under the op-level policy), plus under ZeRO-3 its gathered parameters.
+  checkpointed layer, and a block under the op-level policy), plus under ZeRO-3 (resharded after
+  forward) its gathered parameters.
   Interleaving also needs (Megatron-Core) whole layers in every virtual stage as its pipeline
   split allows them (`Training.interleave_split_ok`: uneven first/last ranks, or the embedding and
   loss counted as layers) and m a multiple of p; otherwise the placement is infeasible.
@@ -140,8 +144,15 @@ its costs traced at seq / c tokens (`PlacementProblem.costs_at`) and i the load 
 - Gradients: the dense ones are reduced over the d x c ranks that hold the same weights, the routed
   experts' over their own d c / e replicas (one reduction over d c when e = 1); ZeRO-1 shards each
   kind's optimizer state over its own group, ZeRO-2 its gradients and state; the optimizer step
-  likewise. ZeRO-3 with e or c > 1 is not modelled
-  (infeasible, with that reason).
+  likewise. ZeRO-3 shards all three kinds so: each layer's dense weights are gathered over the d c
+  ranks (FSDP over data and context parallelism, as torchtitan's `dp_shard_cp` mesh does), its routed
+  experts over their own replicas (a second gather, only in layers that have experts), and each
+  kind's gradients reduce-scattered over its group every microbatch. Hybrid sharding
+  (`Training.shard_group` g, HSDP): each kind is sharded within groups of g of its ranks (g must
+  divide them), the gathers and reduce-scatters on the ring of g ranks t apart
+  (`System.dp_ring_link(t, S, g)`), and the per-batch tail adds a ring all-reduce of each kind's
+  shard (n / g parameters) across its n_ranks / g replicas on the data-parallel ring (exposed past
+  the backward with overlap_grad_reduce); the optimizer steps the group's shard.
 - MoE parallel folding (`Training.expert_tensor_parallel` set; Liu et al. 2025, arXiv 2504.14960,
   Megatron-Core `--expert-tensor-parallel-size`): the MoE layers run on their own grid ETP x e x EDP
   over the t x c x d ranks of a stage (ranks etp, ep, edp), so e x ETP must divide t c d (not e
@@ -162,6 +173,7 @@ from .types import (
     check_placement_shape,
     infeasible_result,
     optimizer_pass_bytes,
+    reduce_bytes,
     state_split,
     weight_copies,
 )
@@ -288,6 +300,9 @@ def evaluate_placement(
     moe = any(float(x) > 0 for x in costs.expert_params)
     split = e > 1 or (expert_ranks != ranks and moe)
     stride = problem.training.expert_stride(t, c)
+    shard_of = problem.training.shard_ranks  # ZeRO-3's shard of a group of ranks (HSDP: its shard group)
+    # the shard group's ring: g data-parallel ranks t apart (the whole data-parallel ring without HSDP)
+    shard_ring = ring if problem.training.shard_group is None else system.dp_ring_link(t, S, shard_of(ranks))
 
     stage_of = {}
     for s, stage in enumerate(placement.stages):
@@ -305,7 +320,9 @@ def evaluate_placement(
     wrapped = problem.training.checkpointed(costs.block_ordinal)
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
+    reshard = problem.training.reshard_after_forward
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # gradient bytes per parameter on the data-parallel ring
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
@@ -319,7 +336,7 @@ def evaluate_placement(
         stash = 0.0
         working = 0.0
         flops = 0.0
-        rec_of, fwd_of, bwd_of = {}, {}, {}
+        rec_of, fwd_of, bwd_of, dense_of, expert_of = {}, {}, {}, {}, {}
         forward = 0.0
         experts = 0.0
         hidden = 0.0
@@ -328,7 +345,8 @@ def evaluate_placement(
                 problem, costs, v, e, c, imb, ring_cp, stride)
             hidden += hidden_v
             compute += fwd_v + bwd_v
-            params += float(costs.params[v]) - float(costs.expert_params[v]) + expert_v
+            dense_of[v], expert_of[v] = float(costs.params[v]) - float(costs.expert_params[v]), expert_v
+            params += dense_of[v] + expert_v
             experts += expert_v
             flops += float(costs.flops[v])
             if mode == "full" and wrapped[v]:  # Korthikanti et al. 2022, Sec. 5: the whole forward again
@@ -348,8 +366,8 @@ def evaluate_placement(
                 work += float(costs.module_bytes[v])
             else:
                 rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
-            if zero == 3:  # the layer's gathered parameters (and their low-precision copies) live through its passes
-                work += float(costs.params[v]) * (w_b + k_b)
+            if zero == 3 and reshard:  # the layer's gathered parameters (and their low-precision copies) live through its passes
+                work += (dense_of[v] + expert_v) * (w_b + k_b)
             work += gathered  # all-gather CP's K/V, whatever the recompute mode
             recompute += rec
             rec_of[v], fwd_of[v], bwd_of[v] = rec, fwd_v, bwd_v
@@ -366,24 +384,37 @@ def evaluate_placement(
             comm += v_virt * (hop.latency + bytes_in / hop.bandwidth)
         if producers_out:
             comm += v_virt * (hop.latency + bytes_out / hop.bandwidth)
-        grad_bytes = params * g_b
         dense = params - experts
         groups = [(dense, ranks), (experts, expert_ranks)] if split else [(params, ranks)]
         shard_s = 0.0  # ZeRO-2 and 3: the data-parallel collectives of every microbatch, exposed part
         if zero == 2:  # each microbatch's gradients reduce-scattered after its backward
             for n_params, n_ranks in groups:
                 if not (split and n_params == 0):
-                    shard_s += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                    shard_s += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 shard_s = max(0.0, shard_s - backward)
         if zero == 3:
-            gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
+            # each layer's weights gathered over the ranks that shard them: the dense ones over the d x c
+            # ranks that hold them alike, the routed experts (where the layer has them) over their own
+            # replicas when they form a group of their own (torchtitan shards over dp x cp and the
+            # experts over their own data-parallel mesh); under HSDP within the shard group, on its link
+            gathers = [ring_half_s(dense_of[v] * w_b if split else (dense_of[v] + expert_of[v]) * w_b,
+                                   shard_of(ranks), shard_ring.bandwidth, shard_ring.latency)
+                       + (ring_half_s(expert_of[v] * w_b, shard_of(expert_ranks), shard_ring.bandwidth,
+                                      shard_ring.latency)
+                          if split and expert_of[v] > 0 else 0.0) for v in layers]
             fwds = [fwd_of[v] for v in layers]
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
-            scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
-            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True)
+            scatter = sum(ring_half_s(n_params * r_b, shard_of(n_ranks), shard_ring.bandwidth, shard_ring.latency)
+                          for n_params, n_ranks in groups if not (split and n_params == 0))
+            # held from the forward (reshard_after_forward off), the weights need no gather in backward
+            exposed_bwd = fsdp_exposed_s(bwds, gathers, reverse=True) if reshard else 0.0
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass, its exposed gathers included
-                scatter = max(0.0, scatter - (backward + exposed_bwd))
+                # The backward's gathers and the reduce-scatters share the data-parallel link (FSDP runs
+                # them on two streams over one NIC; Zhao et al., VLDB 2023, Sec. 3.3.2): the pass lasts at
+                # least their sum, so the scatter hides only under what the gathers leave of it
+                busy = sum(gathers) if reshard else 0.0
+                scatter = max(0.0, scatter + busy - (backward + exposed_bwd))
             shard_s = fsdp_exposed_s(fwds, gathers, reverse=False) + exposed_bwd + scatter
         if problem.training.overlaps_p2p and v_virt > 1 and S > 1:
             # Megatron's overlapped p2p: a step's sends and receives run beside the stage's work (its
@@ -403,11 +434,13 @@ def evaluate_placement(
         # Model state per device (ZeRO, Rajbhandari et al., SC'20, Sec. 5): weights, gradients,
         # optimizer state, low-precision weight copies; ZeRO-1 and 2 shard each kind of parameter
         # over its own replicas.
+        def sharded(nbytes):
+            return sum(_ceil(n * nbytes / (shard_of(r) if zero == 3 else r)) for n, r in groups)
         if zero == 3:
-            kinds = (_ceil(params * w_b / d), _ceil(params * g_b / d), _ceil(params * o_b / d), 0.0)
+            # without resharding after forward the stage's gathered weights (and their copies) are held
+            # beside the shards from the forward to the backward (FSDP2 reshard_after_forward=False)
+            kinds = (sharded(w_b), sharded(g_b), sharded(o_b), 0.0 if reshard else params * (w_b + k_b))
         else:
-            def sharded(nbytes):
-                return sum(_ceil(n * nbytes / r) for n, r in groups)
             kinds = (params * w_b, sharded(g_b) if zero == 2 else params * g_b,
                      sharded(o_b) if zero else params * o_b, params * k_b)
         state = sum(kinds)
@@ -419,14 +452,17 @@ def evaluate_placement(
             if split and n_params == 0:
                 continue
             if zero == 0:
-                reduce += ring_allreduce_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                reduce += ring_allreduce_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
             elif hide_gather or zero == 2:
                 if zero == 1:
-                    reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
+                    reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
                 gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
-                reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
+                reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
                     n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+            elif zero == 3 and shard_of(n_ranks) < n_ranks:  # HSDP: the shards all-reduced across the replicas
+                reduce += ring_allreduce_s(n_params * r_b / shard_of(n_ranks), n_ranks // shard_of(n_ranks),
+                                           ring.bandwidth, ring.latency)
         if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         if hide_gather:  # under the next iteration's forward of this stage
@@ -434,7 +470,8 @@ def evaluate_placement(
         elif zero == 2:  # after the optimizer step, with nothing beside it
             reduce += gather
         # the optimizer's pass over its shard, then the gradient buffer's zeroing (types.optimizer_pass_bytes)
-        shard = dense / ranks + experts / expert_ranks if split else params / ranks
+        shard = (dense / shard_of(ranks) + experts / shard_of(expert_ranks) if split  # HSDP: the group's shard
+                 else params / shard_of(ranks))
         step_b, zero_b = optimizer_pass_bytes(problem)
         step_bytes = (shard if zero else params) * step_b + (shard if zero >= 2 else params) * zero_b
         step = step_bytes / problem.hbm_bandwidth if problem.hbm_bandwidth > 0 else 0.0
@@ -462,7 +499,7 @@ def evaluate_placement(
                     "parameters": kinds[0],
                     "gradients": kinds[1],
                     "optimizer_state": kinds[2],
-                    **({"low_precision_weights": kinds[3]} if kinds[3] else {}),
+                    **({"gathered_weights" if zero == 3 else "low_precision_weights": kinds[3]} if kinds[3] else {}),
                     "activations": stashed,
                     "recompute_working_set": working,
                 },
@@ -492,8 +529,10 @@ def evaluate_placement(
     # (folded, a model without routed experts has no expert grid to fit)
     if not problem.training.expert_fits(t, c, d, e) and (moe or problem.training.expert_tensor_parallel is None):
         reasons.append(problem.training.expert_fit_reason(t, c, d, e))
-    if zero == 3 and (e > 1 or c > 1 or split):
-        reasons.append("ZeRO-3 with expert, expert-tensor or context parallelism is not modelled")
+    uneven = [r for r in ((ranks, expert_ranks) if split else (ranks,)) if r % problem.training.shard_ranks(r)]
+    if zero == 3 and uneven:
+        reasons.append(f"the HSDP shard group {problem.training.shard_group} must divide the {uneven[0]} "
+                       f"data-parallel ranks that hold the same weights")
     if problem.training.moe_a2a_overlap and e > 1 and S > 1 and v_virt == 1:
         reasons.append("the EP all-to-all overlap needs interleaving (virtual_stages > 1) when pp > 1 "
                        "(Megatron-Core's TransformerConfig)")

@@ -48,7 +48,7 @@ import numpy as np
 
 from ...errors import PhazeError
 from ...system import Link
-from .dp import optimal_dense_placement
+from .dp import optimal_dense_placement, zero3_exposed
 from .kernel import (
     INF,
     Best,
@@ -66,7 +66,7 @@ from .kernel import (
     sweep_start,
 )
 from .evaluate import format_bytes
-from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
+from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, reduce_bytes, state_split, weight_copies
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -273,6 +273,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     N, dpn = system.accelerators, system.devices_per_node
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     st = b.st
     L = st.n_layers
     n_seq = -(-system.global_batch // problem.training.mbs)
@@ -326,7 +327,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     zero = problem.training.zero
     hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
     # the tail's ring bytes and latency steps: all-reduce, RS + AG, or (ZeRO-2) the gather after the step
-    ring_bytes = {0: 2 * g_b, 1: g_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
+    ring_bytes = {0: 2 * r_b, 1: r_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
     ring_steps = {0: 2, 1: 1 if hide_gather else 2, 2: 0 if hide_gather else 1}.get(zero, 0)
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
@@ -345,13 +346,19 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     if problem.training.zero == 0:
         state = P * (w_b + g_b + o_b + k_b)
     else:
-        whole, shard = (w_b + k_b, g_b + o_b) if zero == 2 else (w_b + g_b + k_b, o_b)
+        whole, shard = {2: (w_b + k_b, g_b + o_b), 3: (0 if problem.training.reshard_after_forward else w_b + k_b,
+                                                         w_b + g_b + o_b)}.get(zero, (w_b + g_b + k_b, o_b))
         state = P * whole + np.where(split, Pd / ranks + Pe / eranks, P / ranks) * shard
     inflight = np.where((v > 1) & (S > 1), np.minimum((v - 1) * S + 1, m * v) / v, 1.0)
     fits = (state + inflight * kept_b[blk]) / S * (1.0 - 1e-12) <= problem.hbm_bytes
+    shards = rings  # ZeRO-3's shard group ring: the whole data-parallel ring, or HSDP's group of g ranks t apart
+    if zero == 3 and problem.training.shard_group is not None:
+        g = problem.training.shard_group
+        fits &= (ranks % g == 0) & (~split | (eranks % g == 0))  # the group divides each kind's ranks
+        shards = ring_links(system, b.t[blk], S, np.full(d.shape, g))
     s_only = np.where((v > 1) & (S > 1), S, 0)
     return {"blk": blk, "d": d, "S": S, "h": h, "ring_bw": bw, "ring_lat": lat, "mult": mult, "lb": lb, "tail_lb": tail_lb,
-            "s_only": s_only, "fits": fits}
+            "s_only": s_only, "fits": fits, "shard_bw": shards.bandwidth(), "shard_lat": shards.latency()}
 
 
 def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Best, stats: dict) -> None:
@@ -366,7 +373,8 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
     # One integer per group: the (class, block, d) run (items come in that order) and the links and
     # S_only; the ring link's id orders the distinct rings by bandwidth (0 inter-node, 1 intra-node
     # without a torus), so groups of different classes on the same ring share an id.
-    items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"]]), axis=1, return_inverse=True)[1].reshape(-1)
+    items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"], items["shard_bw"], items["shard_lat"]]), axis=1,
+                              return_inverse=True)[1].reshape(-1)
     rings = int(np.max(items["ring"])) + 1
     run = np.cumsum(np.concatenate([[0], (items["cls"][1:] != items["cls"][:-1]) | (items["blk"][1:] != items["blk"][:-1])
                                     | (items["d"][1:] != items["d"][:-1])]))
@@ -385,17 +393,20 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
         i = int(idx[0])
         key = tuple(int(items[k][i]) for k in ("blk", "d", "h", "s_only"))
         ring = Link(float(items["ring_bw"][i]), float(items["ring_lat"][i]))
-        _search_group(problem, classes[int(items["cls"][i])], key, ring, items["S"][idx].tolist(), items["mult"][idx].tolist(),
-                      items["tail_lb"][idx].tolist(), best, stats)
+        shard = Link(float(items["shard_bw"][i]), float(items["shard_lat"][i]))
+        _search_group(problem, classes[int(items["cls"][i])], key, (ring, shard), items["S"][idx].tolist(),
+                      items["mult"][idx].tolist(), items["tail_lb"][idx].tolist(), best, stats)
 
 
-def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link, Ss: list, mults: list, floors: list,
+def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, rings: tuple, Ss: list, mults: list, floors: list,
                   best: Best, stats: dict):
-    """One (block, d, pipeline link, S_only) group on the data-parallel ring `ring`: the
-    epsilon-constraint on the stage tail."""
+    """One (block, d, pipeline link, S_only) group on the data-parallel ring and ZeRO-3's shard-group
+    ring `rings`: the epsilon-constraint on the stage tail."""
+    ring, shard = rings
     system = problem.system
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    r_b = reduce_bytes(problem)  # on the data-parallel ring
     st, experts, costs = b.st, b.experts, b.costs
     blk, d, h, S_only = key
     e, c = int(b.e[blk]), int(b.c[blk])
@@ -422,20 +433,44 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         def kept(x, n_params=n_params):  # a stage without parameters of a kind does not reduce that kind
             return np.where(n_params > 0, x, 0.0) if split else x
         if zero == 0:
-            r = _ring_allreduce(n_params * g_b, n_ranks, ring)
+            r = _ring_allreduce(n_params * r_b, n_ranks, ring)
+        elif zero == 3:  # reduce-scattered every microbatch in its shard group (placement.evaluate) ...
+            g = problem.training.shard_ranks(n_ranks)
+            scatter = scatter + kept(_ring_half(n_params * r_b, g, shard))
+            # ... and under HSDP the shards all-reduced across the n / g replicas once per batch
+            r = _ring_allreduce(n_params * r_b / g, n_ranks // g, ring)
         elif zero == 2:
             r = np.zeros(params0.shape)
-            scatter = scatter + kept(_ring_half(n_params * g_b, n_ranks, ring))
+            scatter = scatter + kept(_ring_half(n_params * r_b, n_ranks, ring))
             gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         elif hide_gather:
-            r = _ring_half(n_params * g_b, n_ranks, ring)
+            r = _ring_half(n_params * r_b, n_ranks, ring)
             gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
         else:
-            r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
+            r = _ring_half(n_params * r_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
         reduce = reduce + kept(r)
+    exposed = np.zeros(params0.shape)  # ZeRO-3: the per-layer gathers FSDP's prefetch leaves exposed
+    if zero == 3:
+        lc = costs[blk]
+        dense_l = lc.params - lc.expert_params
+        shard_of = problem.training.shard_ranks
+        gathers = _ring_half((dense_l if split else lc.params) * w_b, shard_of(ranks), shard)
+        if split:  # the routed experts' own gather, in the layers that have them
+            gathers = gathers + np.where(lc.expert_params > 0,
+                                         _ring_half(lc.expert_params * w_b, shard_of(expert_ranks), shard), 0.0)
+        exposed_f, exposed_b, busy = zero3_exposed(st, blk, gathers)
+        if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
+            exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)
+        exposed = exposed_f + exposed_b
+        # an overlapped reduce-scatter runs beside the whole backward pass, on the link its gathers leave
+        with np.errstate(invalid="ignore"):  # padding (inf - inf) is masked below (`ok`)
+            window = bwdwin + exposed_b - busy
+    else:
+        window = bwdwin
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
-        scatter = np.maximum(0.0, scatter - np.where(ok, bwdwin, 0.0))  # beside its microbatch's backward
+        scatter = np.maximum(0.0, scatter - np.where(ok, window, 0.0))  # beside its microbatch's backward
+    scatter = scatter + exposed
     if hide_gather:  # under the next iteration's forward of the stage (placement_eval)
         reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                            else np.maximum(0.0, gather - np.where(ok, st.fwdwin[sl], 0.0)))
@@ -444,13 +479,17 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     tail = reduce
     if problem.hbm_bandwidth > 0:  # as the evaluator (types.optimizer_pass_bytes)
         step_b, zero_b = optimizer_pass_bytes(problem)
-        shard = dense0 / ranks + expert0 / expert_ranks if split else params0 / ranks
-        step = (shard if zero else params0) * step_b + (shard if zero >= 2 else params0) * zero_b
+        hs = problem.training.shard_ranks  # HSDP: each replica steps its group's shard
+        part = dense0 / hs(ranks) + expert0 / hs(expert_ranks) if split else params0 / hs(ranks)
+        step = (part if zero else params0) * step_b + (part if zero >= 2 else params0) * zero_b
         tail = tail + step / problem.hbm_bandwidth
     tail = np.where(ok, tail, INF)
     k_b = weight_copies(problem)  # held whole by every rank (types.weight_copies)
     if problem.training.zero == 0:
         state = params0 * (w_b + g_b + o_b + k_b)
+    elif zero == 3:  # every kind sharded over its group, the gathered weights held without resharding
+        state = sum(np.ceil(n * x / problem.training.shard_ranks(r)) for n, r in parts for x in (w_b, g_b, o_b))
+        state = state if problem.training.reshard_after_forward else state + params0 * (w_b + k_b)
     elif zero == 2 and split:
         state = (params0 * (w_b + k_b) + np.ceil(dense0 * g_b / ranks) + np.ceil(dense0 * o_b / ranks)
                  + np.ceil(expert0 * g_b / expert_ranks) + np.ceil(expert0 * o_b / expert_ranks))
@@ -519,7 +558,7 @@ def _prepare(problem: PlacementProblem, force_dag: bool) -> tuple[list, dict]:
     N = problem.system.accelerators
     has_experts = any(np.any(lc.expert_params > 0) for lc in problem.costs)
     blocks = []
-    for c in problem.cp_widths if problem.training.zero != 3 else ():
+    for c in problem.cp_widths:
         costs = [problem.costs_at(lc.tp, c) for lc in problem.costs if lc.tp * c <= N]
         es = [e for e in problem.ep_widths if e == 1 or has_experts]
         at = [effective_costs_at(problem, lc, c, es) for lc in costs]
@@ -566,17 +605,6 @@ def optimal_placement(problem: PlacementProblem, *, force_dag: bool = False) -> 
     method = "dp-ep-cp"
     best = Best()
     best.ep, best.cp = 1, 1
-    if problem.training.zero == 3:  # only e = c = 1 (the evaluator refuses the rest): the dense DP on the effective costs
-        # only the TP widths whose experts (if any) share the dense replicas: the evaluator refuses the rest
-        alike = tuple(effective_costs(problem, lc, 1, 1) for lc in problem.costs
-                      if problem.training.expert_tp(lc.tp) == lc.tp or not np.any(lc.expert_params > 0))
-        found = None
-        if alike:
-            plain = replace(problem, costs=alike, ep_widths=(1,), cp_widths=(1,), cp_costs=(),
-                            training=replace(problem.training, load_imbalance=1.0))  # the costs carry the imbalance
-            found = optimal_dense_placement(plain, force_dag=force_dag)
-        if found is not None and found.feasible:
-            best.time, best.tp, best.dp, best.stages = found.time_per_batch_s, found.tp, found.dp, found.placement().stages
     classes, items = _prepare(problem, force_dag)
     _search_all(problem, classes, items, best, stats)
     if not math.isfinite(best.time):

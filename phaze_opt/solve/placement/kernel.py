@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import PhazeError
 from .evaluate import evaluate_placement
-from .types import Placement, PlacementProblem, PlacementResult, state_split, weight_copies
+from .types import Placement, PlacementProblem, PlacementResult, reduce_bytes, state_split, weight_copies
 
 INF = math.inf
 MAX_DOWNSETS = 4096  # a DAG with more downsets than this is refused (chains have layers + 1)
@@ -53,7 +53,7 @@ class StageStack:
     has_in: np.ndarray  # [T, R, W] bool: something is received from earlier stages
     bytes_out: np.ndarray  # [T, R, W] output gradients received back from later stages
     has_out: np.ndarray
-    grad: np.ndarray  # [T, R, W] gradient bytes of the stage (inf for padding)
+    grad: np.ndarray  # [T, R, W] gradient bytes the stage reduces (`types.reduce_bytes`) (inf for padding)
     base: np.ndarray  # [T, R, W] state + one microbatch's activations
     stash: np.ndarray  # [T, R, W] bytes per further in-flight microbatch
     kmax: np.ndarray  # [T, R, W] most in-flight microbatches that fit HBM (0: never)
@@ -183,7 +183,7 @@ def layer_terms(problem: PlacementProblem, c) -> tuple[np.ndarray, np.ndarray, n
         kept, work, rec = kept - c.module_bytes, work + c.module_bytes, rec + c.module_s
     else:
         kept, work, rec = c.activation_bytes, np.zeros(c.n_layers), np.zeros(c.n_layers)
-    if problem.training.zero == 3:
+    if problem.training.zero == 3 and problem.training.reshard_after_forward:  # else held in `state_bytes`
         work = work + c.params * (state_split(problem)[0] + weight_copies(problem))
     work = work + c.gathered_kv_bytes  # all-gather CP's K/V, whatever the mode (zero but in effective costs)
     return kept, work, rec
@@ -200,7 +200,9 @@ def state_bytes(problem: PlacementProblem, params: np.ndarray, d) -> np.ndarray:
             return params * (w + g + k) + np.ceil(params * o / d)
         if problem.training.zero == 2:
             return params * (w + k) + np.ceil(params * g / d) + np.ceil(params * o / d)
-        return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d)
+        held = 0.0 if problem.training.reshard_after_forward else params * (w + k)  # gathered, forward to backward
+        d = problem.training.shard_ranks(d)  # HSDP: sharded within its group
+        return np.ceil(params * w / d) + np.ceil(params * g / d) + np.ceil(params * o / d) + held
 
 
 def chain_width(problem: PlacementProblem, costs) -> int:
@@ -222,7 +224,11 @@ def chain_width(problem: PlacementProblem, costs) -> int:
         experts = np.asarray(c.expert_params, dtype=float) if c.expert_params is not None else 0.0
         dense = c.params - experts
         if problem.training.zero == 3:
+            # HSDP shards within its group, which divides the replicas (at most dmax, emax)
+            dmax, emax = min(dmax, problem.training.shard_ranks(dmax)), min(emax, problem.training.shard_ranks(emax))
             state = (w + g + o) * (dense / dmax + experts / emax)
+            if not problem.training.reshard_after_forward:  # the gathered weights held (`state_bytes`)
+                state = state + c.params * (w + weight_copies(problem))
         else:
             k = weight_copies(problem)
             whole, shard = (w + k, g + o) if problem.training.zero == 2 else (w + g + k, o)  # ZeRO-2 shards g too
@@ -297,7 +303,7 @@ def chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> Stag
         has_in=full(has_in, False, bool),
         bytes_out=full(bytes_out, 0.0),
         has_out=full(has_out, False, bool),
-        grad=full(params * system.grad_bytes_per_param, INF),
+        grad=full(params * reduce_bytes(problem), INF),
         base=base_f,
         stash=stash_f,
         kmax=most_in_flight(base_f, stash_f, problem.hbm_bytes),
@@ -387,7 +393,7 @@ def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
                 arrays["bytes_out"][ti, r, a] = float(sum(c.boundary_bytes[u] for u in producers_out))
                 has_in[ti, r, a] = bool(producers_in)
                 has_out[ti, r, a] = bool(producers_out)
-                arrays["grad"][ti, r, a] = params * system.grad_bytes_per_param
+                arrays["grad"][ti, r, a] = params * reduce_bytes(problem)
                 arrays["base"][ti, r, a] = float(state_bytes(problem, np.float64(params), shard_d)) + acts + workmax
                 arrays["stash"][ti, r, a] = acts
     sizes = np.array([m.bit_count() for m in masks])

@@ -251,6 +251,13 @@ def state_split(problem: "PlacementProblem") -> tuple[int, int, int]:
     return (1 if problem.training.fp8_param_gather else e), system.grad_bytes_per_param, rest
 
 
+def reduce_bytes(problem: "PlacementProblem") -> int:
+    """Bytes per parameter of every data-parallel gradient collective (all-reduce, reduce-scatter):
+    the gradient's width, or the recipe's reduction format (`Training.reduce_dtype`, FSDP's mixed
+    precision). The one rule the evaluator and both DPs read."""
+    return problem.training.reduce_bytes(problem.system.grad_bytes_per_param)
+
+
 def optimizer_pass_bytes(problem: "PlacementProblem") -> tuple[int, int]:
     """HBM bytes per parameter of the once-per-batch work after the last backward, as two parts
     sharded differently: (over the optimizer's shard, over the gradient buffer).
