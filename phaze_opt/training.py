@@ -48,6 +48,9 @@ OptimizerState = Literal["fp32-adam", "bf16-moments", "bf16-adamw"]
 Attention = Literal["unfused", "flash"]
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
+# How a per-tensor or per-row FP8 recipe finds its scales (workload/precision.py); the first is the
+# default. MX and NVFP4 scale by block, which their `precision` already says.
+Fp8Scaling = Literal["delayed", "tensorwise", "rowwise"]
 # Software stacks by kernel fusion (workload/stack.py); the first is the default.
 Stack = Literal["megatron-lm", "eager", "megatron-te"]
 # EP token dispatchers (`System.alltoall_s`); the first is the default all-to-all.
@@ -66,6 +69,7 @@ ZERO_STAGES = get_args(ZeroStage)
 OPTIMIZER_STATES = dict(zip(get_args(OptimizerState), (12, 8, 4)))
 ATTENTIONS = get_args(Attention)
 PRECISIONS = get_args(Precision)
+FP8_SCALINGS = get_args(Fp8Scaling)
 # Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
 LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 STACKS = get_args(Stack)
@@ -385,6 +389,26 @@ class Numerics(_Config):
     fp8_param_gather: bool = knob(False, "with precision fp8 or mxfp8: parameters held in that format, no "
                                          "BF16 weight (Megatron-Core --fp8-param-gather)", bound=AT_DEFAULT,
                                   why="it needs a lower precision, which the bounds do not price", says='low-precision parameters')
+    # `fp8_scaling`: how precision fp8 finds each tensor's scale. `delayed` (default): from an amax history
+    # the previous steps' casts recorded, so a cast is one pass (TE's `DelayedScaling`, Megatron-Core
+    # `--fp8-recipe delayed`). `tensorwise`: dynamic, from the tensor's own amax, a reduction over the whole
+    # tensor before the cast can start (torchao `Float8LinearRecipeName.TENSORWISE`; TE's
+    # `Float8CurrentScaling`, Megatron-Core `--fp8-recipe tensorwise`). `rowwise`: dynamic, one scale per
+    # row of each operand along its reduction axis, applied to the product in the GEMM's epilogue
+    # (torchao `ROWWISE`, `torch._scaled_mm` with per-row scales). What each costs:
+    # `workload/precision.py`, "Scaling recipes". Block scaling is its own precision (mxfp8, nvfp4), so
+    # the field needs precision fp8.
+    fp8_scaling: Fp8Scaling = knob("delayed", "with precision fp8: how each tensor's scale is found, delayed "
+                                              "(amax history), tensorwise (its own amax, dynamic) or rowwise "
+                                              "(per row, dynamic)", layer=True, says='{} FP8 scaling')
+    # `fp8_weight_recast`: the weights are cast to the GEMM format in every microbatch, for its forward
+    # GEMM and again for its data-gradient GEMM (torchao `Float8Linear` casts the high-precision weight it
+    # holds on each call and saves the high-precision tensors for backward, float8_linear.py
+    # `matmul_with_hp_or_float8_args`), instead of once per step and cached (TE's `is_first_microbatch`).
+    # Default off (TE's cache).
+    fp8_weight_recast: bool = knob(False, "with a low precision: weights cast to it in every microbatch's "
+                                          "forward and data-gradient GEMM (torchao), not once per step",
+                                   layer=True, says='weights recast per microbatch')
 
 
 @dataclass(frozen=True)
@@ -669,6 +693,10 @@ def _layout(training: "Training") -> Layout | None:
 RULES = (
     Rule("fp8_param_gather", lambda t: not t.fp8_param_gather or t.precision in LOW_PRECISION_PARAMS,
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
+    Rule("fp8_scaling", lambda t: t.fp8_scaling == "delayed" or t.precision == "fp8",
+         "needs precision fp8 (mxfp8 and nvfp4 scale by block), got precision {precision}"),
+    Rule("fp8_weight_recast", lambda t: not t.fp8_weight_recast or t.precision != "bf16",
+         "needs a low precision (fp8, mxfp8, nvfp4), got precision {precision}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
          "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
     # Megatron-Core's TransformerConfig refuses it: "disable full recomputation when enabling
