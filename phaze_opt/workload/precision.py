@@ -180,8 +180,9 @@ def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_
     """`op_graph` with its linear-layer GEMMs in `precision` and a cast op before each; with
     `fused_casts` (a stack whose kernels cast where they produce, workload/stack.py) the cast is
     folded into the vector op producing the operand, and GEMMs whose operand comes from the same
-    ops share one cast (written once per layout it is read in). `scaling` other than delayed puts
-    an amax pass before each cast and folds none into its producer; rowwise shares no cast across
+    ops share one cast (written once per layout it is read in). `scaling` other than delayed folds no
+    cast into its producer and reduces each operand before its cast (in the producing vector op
+    under `fused_casts` per tensor, else in an amax pass of its own); rowwise shares no cast across
     layouts and scales each forward GEMM's output in its epilogue, each `backward` GEMM's in an
     element-wise op after it (module docstring, "Scaling recipes")."""
     if precision == BF16:
