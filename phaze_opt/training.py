@@ -401,6 +401,16 @@ class Numerics(_Config):
     fp8_scaling: Fp8Scaling = knob("delayed", "with precision fp8: how each tensor's scale is found, delayed "
                                               "(amax history), tensorwise (its own amax, dynamic) or rowwise "
                                               "(per row, dynamic)", layer=True, says='{} FP8 scaling')
+    # `fp8_all_gather`: under ZeRO-2 / ZeRO-3 (FSDP) each rank casts its shard of the weights to FP8 and the
+    # weight all-gathers move the 1-byte cast, the parameters staying BF16 (torchao
+    # `enable_fsdp_float8_all_gather`: "cast Float8Linear.weight from high precision to float8 before FSDP
+    # all-gather so we can communicate in float8 to save bandwidth", torchtitan docs/float8.md). Held
+    # FP8 parameters (`fp8_param_gather`) already gather 1-byte weights, so the two are not combined.
+    # Priced by `solve/placement/types.gather_bytes`. Default off.
+    fp8_all_gather: bool = knob(False, "with precision fp8 and ZeRO 2 or 3: the weight all-gathers move each "
+                                       "shard's FP8 cast, parameters stay BF16 (torchao FSDP float8 all-gather)",
+                                bound=AT_DEFAULT, why="the bounds price the weight gathers at the parameters' bytes",
+                                says='FP8 weight all-gather')
     # `fp8_weight_recast`: the weights are cast to the GEMM format in every microbatch, for its forward
     # GEMM and again for its data-gradient GEMM (torchao `Float8Linear` casts the high-precision weight it
     # holds on each call and saves the high-precision tensors for backward, float8_linear.py
@@ -695,6 +705,10 @@ RULES = (
          "needs precision fp8 or mxfp8 (1-byte parameters), got precision {precision}"),
     Rule("fp8_scaling", lambda t: t.fp8_scaling == "delayed" or t.precision == "fp8",
          "needs precision fp8 (mxfp8 and nvfp4 scale by block), got precision {precision}"),
+    Rule("fp8_all_gather", lambda t: not t.fp8_all_gather or (t.precision == "fp8" and t.zero in (2, 3)
+                                                               and not t.fp8_param_gather),
+         "needs precision fp8, zero 2 or 3 and no fp8_param_gather (which gathers FP8 already), got precision "
+         "{precision}, zero {zero}, fp8_param_gather {fp8_param_gather}"),
     Rule("fp8_weight_recast", lambda t: not t.fp8_weight_recast or t.precision != "bf16",
          "needs a low precision (fp8, mxfp8, nvfp4), got precision {precision}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",

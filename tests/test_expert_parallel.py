@@ -88,13 +88,14 @@ def assert_dp_is_brute(problem):
 @given(seed=st.integers(0, 10**6), recompute=st.sampled_from(["none", "selective", "full"]),
        zero=st.sampled_from([0, 1, 2]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans(),
-       modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]))
-def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules):
+       modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]), fp8=st.booleans())
+def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules, fp8):
     """Module-level selective recompute too (with and without the attention core: under CP the
-    core's bytes and time scale by c, the other modules' not)."""
+    core's bytes and time scale by c, the other modules' not); ZeRO-2's weight gather in FP8 too."""
+    low = dict(precision="fp8", fp8_all_gather=zero == 2) if fp8 else {}
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap,
                           load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather,
-                          recompute_modules=modules if recompute == "selective" else None)
+                          recompute_modules=modules if recompute == "selective" else None, **low)
     want, where = brute(problem)
     got = optimal_placement(problem)
     if not math.isfinite(want):

@@ -243,3 +243,30 @@ def test_a_training_step_orders_the_recipes_and_keeps_their_memory(tmp_path, mon
     times = [t for t, _ in results.values()]
     assert times == sorted(times) and len(set(times)) == len(times)
     assert len({memory for _, memory in results.values()}) == 1
+
+
+def test_fsdp_fp8_all_gather_halves_the_weight_gathers_and_keeps_the_memory(tmp_path, monkeypatch):
+    """ZeRO-3 on a link slow enough that the weight gathers show: gathering each shard's FP8 cast
+    (torchao's FSDP float8 all-gather) makes the step faster, and the parameters held (BF16) and
+    every other byte of memory stay as they were; the rule refuses it without FSDP."""
+    import dataclasses
+
+    from phaze_opt.design.evaluate import evaluate
+    from phaze_opt.system import load_system
+    from test_precision import tiny_llama
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
+    chip = dataclasses.replace(load_arch("h100-sxm"), num_tc=1, num_vc=1)
+    base = load_system("dgx-h100")
+    slow = dataclasses.replace(base.intra_node, bandwidth=base.intra_node.bandwidth / 1000)
+    system = dataclasses.replace(base, accelerators=2, global_batch=4, intra_node=slow)
+    runs = {}
+    for gather in (False, True):
+        recipe = Training(1, placement="tp=1,pp=1,dp=2", precision="fp8", fp8_scaling="tensorwise", zero=3,
+                          fp8_all_gather=gather, stack="megatron-te")
+        r = evaluate(tiny_llama(layers=1, hidden=256, ffn=512), chip, recipe, system, 60.0)
+        assert r.feasible and r.proven, (r.reason, r.unproven)
+        runs[gather] = (r.time_per_batch_s, r.placement["stages"][0]["memory_bytes"])
+    assert runs[True][0] < runs[False][0] and runs[True][1] == runs[False][1]
+    with pytest.raises(RecipeError, match="needs precision fp8, zero 2 or 3"):
+        Training(precision="fp8", zero=1, fp8_all_gather=True)

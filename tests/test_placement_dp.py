@@ -337,7 +337,7 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         recompute_modules=draw(st.sampled_from([None, ("layernorm",), ("core_attn", "mlp")]))
         if recompute == "selective" else None,
         virtual_stages=v,
-        zero=draw(st.sampled_from([0, 1, 2, 3])),
+        zero=(zero := draw(st.sampled_from([0, 1, 2, 3]))),
         overlap_grad_reduce=draw(st.booleans()),
         overlap_param_gather=draw(st.booleans()),
         overlap_p2p_comm=draw(st.booleans()),  # a stage time that depends on S and m
@@ -346,7 +346,9 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         account_for_loss=uneven and draw(st.booleans()),
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
         precision=(precision := draw(st.sampled_from(["bf16", "fp8", "nvfp4"]))),  # low-precision weight copies in the state
-        fp8_param_gather=precision == "fp8" and draw(st.booleans()),  # 1-byte parameters, one copy fewer
+        fp8_param_gather=(held := precision == "fp8" and draw(st.booleans())),  # 1-byte parameters, one copy fewer
+        # FSDP's FP8 all-gather: 1-byte gathers of BF16 parameters
+        fp8_all_gather=precision == "fp8" and zero >= 2 and not held and draw(st.booleans()),
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
     return dataclasses.replace(
@@ -546,7 +548,8 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
     import dataclasses
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
-                                   virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
+                                   fp8_all_gather=False, virtual_stages=1, overlap_grad_reduce=False,
+                                   overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 
 

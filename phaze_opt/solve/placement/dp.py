@@ -76,7 +76,8 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
+from .types import (Placement, PlacementProblem, PlacementResult, gather_bytes, infeasible_result, optimizer_pass_bytes,
+                    state_split, weight_copies)
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -371,6 +372,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     system = problem.system
     N, dpn = system.accelerators, system.devices_per_node
     w_b, g_b, o_b = state_split(problem)
+    gw_b = gather_bytes(problem)
     L = costs[0].n_layers
     groups: dict = {}
     for b, c in enumerate(costs):
@@ -403,10 +405,10 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # link, each layer waits for its own), and at least its compute plus its first layer's
             # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
             # the mean stage is at least this.
-            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * w_b) - np.where(d > 1, (d - 1) * lat, 0.0)
+            gathers = L * np.where(d > 1, (d - 1) * lat, 0.0) + half(total_params * gw_b) - np.where(d > 1, (d - 1) * lat, 0.0)
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
             over = np.maximum(0.0, gathers - f_total) + np.maximum(0.0, gathers - b_total)
-            first_last = 2.0 * S * half(float(np.min(c.params)) * w_b)  # each pass's first gather shows
+            first_last = 2.0 * S * half(float(np.min(c.params)) * gw_b)  # each pass's first gather shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * g_b)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
@@ -417,11 +419,11 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             if not problem.training.overlap_grad_reduce:
                 c_lb = np.maximum(c_lb, (work_total + S * half(big * g_b)) / S)
             if not problem.training.overlap_param_gather:
-                tail_lb = half(big * w_b)
+                tail_lb = half(big * gw_b)
         elif not problem.training.overlap_grad_reduce:
             # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
             gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
-                big * (g_b if problem.training.zero == 0 else w_b))
+                big * (g_b if problem.training.zero == 0 else gw_b))
             tail_lb = half(big * g_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * step_per_param(problem, d) / problem.hbm_bandwidth
@@ -460,6 +462,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     N = system.accelerators
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    gw_b = gather_bytes(problem)
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
     fixed = system.efficiency.microbatch_overhead_s
@@ -503,7 +506,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             beside = scatter
         if problem.training.zero == 3:
             scatter = _half(params0 * g_b, d, ring)
-            gather = _half(st.layer_params[b] * w_b, d, ring)
+            gather = _half(st.layer_params[b] * gw_b, d, ring)
             exposed_f, exposed_b = _zero3_exposed(st, b, gather)
             if problem.training.overlap_grad_reduce:  # beside the whole backward pass (placement.evaluate)
                 scatter = np.maximum(0.0, scatter - (bwdwin + exposed_b))
@@ -517,16 +520,16 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             elif hide_gather:
                 reduce = _half(params0 * g_b, d, ring)
             else:
-                reduce = _half(params0 * g_b, d, ring) + _half(params0 * w_b, d, ring)
+                reduce = _half(params0 * g_b, d, ring) + _half(params0 * gw_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
             if hide_gather:  # under the next iteration's forward (placement_eval)
-                gather = _half(params0 * w_b, d, ring)
+                gather = _half(params0 * gw_b, d, ring)
                 reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                                    else np.maximum(0.0, gather - np.where(valid[sl], st.fwdwin[sl], 0.0)))
             elif problem.training.zero == 2:  # after the optimizer step, with nothing beside it
-                reduce = reduce + _half(params0 * w_b, d, ring)
+                reduce = reduce + _half(params0 * gw_b, d, ring)
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             tail = tail + params0 * step_per_param(problem, d) / problem.hbm_bandwidth
@@ -549,9 +552,9 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 red = float(ring_allreduce_s(p * g_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 # an overlapped param gather may hide entirely: only the reduce-scatter then
-                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
+                red = float(_half(p * g_b, d, ring) + (0.0 if hide_gather else _half(p * gw_b, d, ring)))
             elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
-                red = float(_half(p * w_b, d, ring))
+                red = float(_half(p * gw_b, d, ring))
             step = p * step_per_param(problem, d) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)

@@ -153,6 +153,7 @@ from .types import (
     PlacementResult,
     StageResult,
     check_placement_shape,
+    gather_bytes,
     infeasible_result,
     optimizer_pass_bytes,
     state_split,
@@ -297,6 +298,7 @@ def evaluate_placement(
     v_virt = problem.training.virtual_stages
     zero = problem.training.zero
     w_b, g_b, o_b = state_split(problem)
+    gw_b = gather_bytes(problem)
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
@@ -365,7 +367,7 @@ def evaluate_placement(
             if problem.training.overlap_grad_reduce:  # beside that microbatch's backward
                 shard_s = max(0.0, shard_s - backward)
         if zero == 3:
-            gathers = [ring_half_s(float(costs.params[v]) * w_b, d, ring.bandwidth, ring.latency) for v in layers]
+            gathers = [ring_half_s(float(costs.params[v]) * gw_b, d, ring.bandwidth, ring.latency) for v in layers]
             fwds = [fwd_of[v] for v in layers]
             bwds = [bwd_of[v] + rec_of[v] for v in layers]
             scatter = ring_half_s(grad_bytes, d, ring.bandwidth, ring.latency)
@@ -411,10 +413,10 @@ def evaluate_placement(
             elif hide_gather or zero == 2:
                 if zero == 1:
                     reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency)
-                gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+                gather += ring_half_s(n_params * gw_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
                 reduce += ring_half_s(n_params * g_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
-                    n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+                    n_params * gw_b, n_ranks, ring.bandwidth, ring.latency)
         if problem.training.overlap_grad_reduce:
             reduce = 0.0 if problem.reduction_hidden else max(0.0, reduce - backward)
         if hide_gather:  # under the next iteration's forward of this stage

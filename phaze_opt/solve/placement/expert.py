@@ -66,7 +66,8 @@ from .kernel import (
     sweep_start,
 )
 from .evaluate import format_bytes
-from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, state_split, weight_copies
+from .types import (LayerCosts, Placement, PlacementProblem, PlacementResult, gather_bytes, infeasible_result,
+                    optimizer_pass_bytes, state_split, weight_copies)
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -273,6 +274,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     N, dpn = system.accelerators, system.devices_per_node
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    gw_b = gather_bytes(problem)
     st = b.st
     L = st.n_layers
     n_seq = -(-system.global_batch // problem.training.mbs)
@@ -326,7 +328,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     zero = problem.training.zero
     hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
     # the tail's ring bytes and latency steps: all-reduce, RS + AG, or (ZeRO-2) the gather after the step
-    ring_bytes = {0: 2 * g_b, 1: g_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
+    ring_bytes = {0: 2 * g_b, 1: g_b + (0 if hide_gather else gw_b), 2: 0 if hide_gather else gw_b}.get(zero, 0)
     ring_steps = {0: 2, 1: 1 if hide_gather else 2, 2: 0 if hide_gather else 1}.get(zero, 0)
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
@@ -396,6 +398,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
     system = problem.system
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
+    gw_b = gather_bytes(problem)
     st, experts, costs = b.st, b.experts, b.costs
     blk, d, h, S_only = key
     e, c = int(b.e[blk]), int(b.c[blk])
@@ -426,12 +429,12 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, ring: Link,
         elif zero == 2:
             r = np.zeros(params0.shape)
             scatter = scatter + kept(_ring_half(n_params * g_b, n_ranks, ring))
-            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * gw_b, n_ranks, ring))
         elif hide_gather:
             r = _ring_half(n_params * g_b, n_ranks, ring)
-            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * gw_b, n_ranks, ring))
         else:
-            r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
+            r = _ring_half(n_params * g_b, n_ranks, ring) + _ring_half(n_params * gw_b, n_ranks, ring)
         reduce = reduce + kept(r)
     if problem.training.overlap_grad_reduce:  # wholly hidden in the bound's lower-bound mode (PlacementProblem.reduction_hidden)
         reduce = np.zeros_like(reduce) if problem.reduction_hidden else np.maximum(0.0, reduce - np.where(ok, bwdwin, 0.0))
