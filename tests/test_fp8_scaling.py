@@ -188,8 +188,7 @@ def test_torchtitan_rows_are_the_published_throughput_and_cited(name):
         seq = row.seq or load_model(row.model).seq
         tokens = row.published["tokens_per_s_per_gpu"]
         assert row.value == pytest.approx(row.batch * seq / (tokens * row.gpus), rel=5e-4), row.source
-        assert row.source.paper in suite.papers and "commit" in suite.papers[row.source.paper] or \
-            row.source.paper == "torchao-float8"
+        assert row.source.paper in suite.papers and "commit" in suite.papers[row.source.paper], row.source
         assert row.skip == "" or row.skip.startswith("recipe not expressible yet: "), row.source
         assert row.training.zero in (2, 3)  # FSDP2: resharding after forward, or not under PP
     assert sum(not r.skip for r in suite.rows) >= 2
