@@ -48,6 +48,9 @@ OptimizerState = Literal["fp32-adam", "bf16-moments", "bf16-adamw"]
 Attention = Literal["unfused", "flash"]
 # GEMM number formats a recipe may ask for; bf16 is the template's own (workload/precision.py).
 Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
+# How a per-tensor or per-row FP8 recipe finds its scales (workload/precision.py); the first is the
+# default. MX and NVFP4 scale by block, which their `precision` already says.
+Fp8Scaling = Literal["delayed", "tensorwise", "rowwise"]
 # Software stacks by kernel fusion (workload/stack.py); the first is the default.
 Stack = Literal["megatron-lm", "eager", "megatron-te", "torch-compile"]
 # EP token dispatchers (`System.alltoall_s`); the first is the default all-to-all.
@@ -69,6 +72,7 @@ PRECISIONS = get_args(Precision)
 # Bytes per gradient element of the formats a data-parallel reduction may run in (`Numerics.reduce_dtype`).
 REDUCE_BYTES = {"bf16": 2, "fp32": 4}
 ReduceDtype = Literal["bf16", "fp32"]
+FP8_SCALINGS = get_args(Fp8Scaling)
 # Formats whose elements are whole bytes, so parameters may be held in them (`fp8_param_gather`).
 LOW_PRECISION_PARAMS = ("fp8", "mxfp8")
 STACKS = get_args(Stack)
@@ -462,6 +466,36 @@ class Numerics(_Config):
     reduce_dtype: ReduceDtype | None = knob(None, "number format of the data-parallel gradient reductions: "
                                                   "bf16 or fp32 (FSDP's reduce_dtype); default: the "
                                                   "gradient's own", says='gradients reduced in {}')
+    # `fp8_scaling`: how precision fp8 finds each tensor's scale. `delayed` (default): from an amax history
+    # the previous steps' casts recorded, so a cast is one pass (TE's `DelayedScaling`, Megatron-Core
+    # `--fp8-recipe delayed`). `tensorwise`: dynamic, from the tensor's own amax, a reduction over the whole
+    # tensor before the cast can start (torchao `Float8LinearRecipeName.TENSORWISE`; TE's
+    # `Float8CurrentScaling`, Megatron-Core `--fp8-recipe tensorwise`). `rowwise`: dynamic, one scale per
+    # row of each operand along its reduction axis, applied to the product in the GEMM's epilogue
+    # (torchao `ROWWISE`, `torch._scaled_mm` with per-row scales). What each costs:
+    # `workload/precision.py`, "Scaling recipes". Block scaling is its own precision (mxfp8, nvfp4), so
+    # the field needs precision fp8.
+    fp8_scaling: Fp8Scaling = knob("delayed", "with precision fp8: how each tensor's scale is found, delayed "
+                                              "(amax history), tensorwise (its own amax, dynamic) or rowwise "
+                                              "(per row, dynamic)", layer=True, says='{} FP8 scaling')
+    # `fp8_all_gather`: under ZeRO-2 / ZeRO-3 (FSDP) each rank casts its shard of the weights to FP8 and the
+    # weight all-gathers move the 1-byte cast, the parameters staying BF16 (torchao
+    # `enable_fsdp_float8_all_gather`: "cast Float8Linear.weight from high precision to float8 before FSDP
+    # all-gather so we can communicate in float8 to save bandwidth", torchtitan docs/float8.md). Held
+    # FP8 parameters (`fp8_param_gather`) already gather 1-byte weights, so the two are not combined.
+    # Priced by `solve/placement/types.gather_bytes`. Default off.
+    fp8_all_gather: bool = knob(False, "with precision fp8 and ZeRO 2 or 3: the weight all-gathers move each "
+                                       "shard's FP8 cast, parameters stay BF16 (torchao FSDP float8 all-gather)",
+                                bound=AT_DEFAULT, why="the bounds price the weight gathers at the parameters' bytes",
+                                says='FP8 weight all-gather')
+    # `fp8_weight_recast`: the weights are cast to the GEMM format in every microbatch, for its forward
+    # GEMM and again for its data-gradient GEMM (torchao `Float8Linear` casts the high-precision weight it
+    # holds on each call and saves the high-precision tensors for backward, float8_linear.py
+    # `matmul_with_hp_or_float8_args`), instead of once per step and cached (TE's `is_first_microbatch`).
+    # Default off (TE's cache).
+    fp8_weight_recast: bool = knob(False, "with a low precision: weights cast to it in every microbatch's "
+                                          "forward and data-gradient GEMM (torchao), not once per step",
+                                   layer=True, says='weights recast per microbatch')
 
 
 @dataclass(frozen=True)
@@ -752,6 +786,14 @@ RULES = (
          "needs zero 3 (hybrid sharding shards the weights), got zero {zero}"),
     Rule("reshard_after_forward", lambda t: t.reshard_after_forward or t.zero == 3,
          "off needs zero 3 (only ZeRO-3 frees gathered weights between passes), got zero {zero}"),
+    Rule("fp8_scaling", lambda t: t.fp8_scaling == "delayed" or t.precision == "fp8",
+         "needs precision fp8 (mxfp8 and nvfp4 scale by block), got precision {precision}"),
+    Rule("fp8_all_gather", lambda t: not t.fp8_all_gather or (t.precision == "fp8" and t.zero in (2, 3)
+                                                               and not t.fp8_param_gather),
+         "needs precision fp8, zero 2 or 3 and no fp8_param_gather (which gathers FP8 already), got precision "
+         "{precision}, zero {zero}, fp8_param_gather {fp8_param_gather}"),
+    Rule("fp8_weight_recast", lambda t: not t.fp8_weight_recast or t.precision != "bf16",
+         "needs a low precision (fp8, mxfp8, nvfp4), got precision {precision}"),
     Rule("recompute_modules", lambda t: t.recompute_modules is None or t.recompute == "selective",
          "needs recompute selective (Megatron's --recompute-granularity selective), got recompute {recompute}"),
     Rule("recompute_every", lambda t: t.recompute_every == 1 or t.recompute == "full",

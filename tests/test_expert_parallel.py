@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from phaze_opt.solve.placement.expert import effective_costs, optimal_placement
 from phaze_opt.solve.placement.dp import optimal_dense_placement
 from phaze_opt.solve.placement.evaluate import evaluate_placement, ring_allreduce_s, ring_half_s
-from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem, state_split
+from phaze_opt.solve.placement.types import LayerCosts, Placement, PlacementProblem
 from phaze_opt.system import Link, System
 from phaze_opt.training import RECIPE_FIELDS, Training
 
@@ -92,16 +92,19 @@ def assert_dp_is_brute(problem):
        zero=st.sampled_from([0, 1, 2, 3]), overlap=st.booleans(), imbalance=st.sampled_from([1.0, 1.5]),
        hbm_bw=st.sampled_from([0.0, 50.0]), gather=st.booleans(),
        modules=st.sampled_from([None, ("layernorm", "moe_act"), ("core_attn", "moe")]),
-       reduce_dtype=st.sampled_from([None, "fp32"]), reshard=st.booleans(), hsdp=st.sampled_from([None, 2]))
+       reduce_dtype=st.sampled_from([None, "fp32"]), reshard=st.booleans(), hsdp=st.sampled_from([None, 2]),
+       fp8=st.booleans())
 def test_dp_matches_brute_force(seed, recompute, zero, overlap, imbalance, hbm_bw, gather, modules, reduce_dtype,
-                                reshard, hsdp):
+                                reshard, hsdp, fp8):
     """Module-level selective recompute too (with and without the attention core: under CP the
     core's bytes and time scale by c, the other modules' not); FSDP's FP32 gradient reduction;
-    ZeRO-3 with EP and CP, with and without resharding after forward, and hybrid-sharded (HSDP)."""
+    ZeRO-3 with EP and CP, with and without resharding after forward, and hybrid-sharded (HSDP);
+    ZeRO-2 and 3's weight gathers in FP8 too."""
+    low = dict(precision="fp8", fp8_all_gather=zero in (2, 3)) if fp8 else {}
     problem = moe_problem(seed, recompute=recompute, zero=zero, overlap_grad_reduce=overlap, reduce_dtype=reduce_dtype,
                           reshard_after_forward=reshard or zero != 3, shard_group=hsdp if zero == 3 else None,
                           load_imbalance=imbalance, hbm_bandwidth=hbm_bw, overlap_param_gather=gather,
-                          recompute_modules=modules if recompute == "selective" else None)
+                          recompute_modules=modules if recompute == "selective" else None, **low)
     want, where = brute(problem)
     got = optimal_placement(problem)
     if not math.isfinite(want):

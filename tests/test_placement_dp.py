@@ -355,7 +355,9 @@ def recipe_problems(draw, dag=False, interleaved=False, uneven=False):
         account_for_loss=uneven and draw(st.booleans()),
         optimizer_state=draw(st.sampled_from([None, "fp32-adam", "bf16-moments", "bf16-adamw"])),
         precision=(precision := draw(st.sampled_from(["bf16", "fp8", "nvfp4"]))),  # low-precision weight copies in the state
-        fp8_param_gather=precision == "fp8" and draw(st.booleans()),  # 1-byte parameters, one copy fewer
+        fp8_param_gather=(held := precision == "fp8" and draw(st.booleans())),  # 1-byte parameters, one copy fewer
+        # FSDP's FP8 all-gather: 1-byte gathers of BF16 parameters
+        fp8_all_gather=precision == "fp8" and zero >= 2 and not held and draw(st.booleans()),
         reduce_dtype=draw(st.sampled_from([None, "bf16", "fp32"])),  # FSDP's reduction format
     )
     layers = draw(st.integers(2, 13)) if uneven else 12 if interleaved else draw(st.sampled_from([n, 2 * n, 12]))
@@ -656,6 +658,7 @@ def test_module_recompute_least_memory_is_the_brute_forces(problem, modules):
 
     training = dataclasses.replace(problem.training, recompute="selective", recompute_modules=modules, zero=0,
                                    recompute_every=1, recompute_ops=False, reshard_after_forward=True, shard_group=None,
+                                   fp8_all_gather=False,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 
@@ -671,6 +674,7 @@ def test_checkpoint_policy_least_memory_is_the_brute_forces(problem, policy):
     recompute, every, ops = policy
     training = dataclasses.replace(problem.training, recompute=recompute, recompute_modules=None, zero=0,
                                    recompute_every=every, recompute_ops=ops, reshard_after_forward=True, shard_group=None,
+                                   fp8_all_gather=False,
                                    virtual_stages=1, overlap_grad_reduce=False, overlap_param_gather=False)
     assert_matches_oracle(dataclasses.replace(problem, training=training), chain_splits(problem.n_layers))
 

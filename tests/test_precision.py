@@ -296,7 +296,6 @@ def test_a_chip_reading_fp8_column_wise_keeps_one_weight_copy(monkeypatch, tmp_p
     from phaze_opt.solve.placement.dp import even_placement
     from phaze_opt.solve.placement.evaluate import evaluate_placement
     from phaze_opt.solve.placement.types import weight_copies
-    from phaze_opt.workload.models import parse_model
     from phaze_opt.workload.precision import weight_copy_bytes
 
     assert load_arch("b200").tc_fp8_any_layout and not load_arch("h100-sxm").tc_fp8_any_layout
@@ -320,9 +319,7 @@ def test_a_chip_reading_fp8_column_wise_keeps_one_weight_copy(monkeypatch, tmp_p
     assert "x.yaml" in str(exc.value) and "tc_fp8_any_layout" in str(exc.value) and "\n" not in str(exc.value)
     # The evaluator takes the capability from the arch: a tiny dense model on a small B200-like chip.
     monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path / "cache"))
-    model = parse_model(dict(name="tiny", family="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256,
-                             seq=256, vocab=512, activation="swiglu", norm="rmsnorm", position="rotary",
-                             tied_embeddings=False, bias=False, dropout=0.0, attention="flash"), "tiny.yaml")
+    model = tiny_llama()
     chip = dataclasses.replace(load_arch("b200"), num_tc=2, num_vc=2)
     system = dataclasses.replace(load_system("dgx-b200"), accelerators=2, global_batch=4)
     recipe = Training(1, placement="tp=1,pp=1,dp=2", precision="fp8", zero=1)
@@ -361,3 +358,12 @@ def test_parameters_held_in_fp8_drop_the_bf16_weight_and_halve_the_gather(transp
             Training(precision=bad, fp8_param_gather=True)
     assert Training(precision="fp8", fp8_param_gather=True).recipe()["fp8_param_gather"] is True
     assert "fp8_param_gather" not in Training(precision="fp8").recipe()  # earlier recipes unchanged
+
+
+def tiny_llama(layers: int = 2, hidden: int = 128, ffn: int = 256, seq: int = 256):
+    """A Llama-shaped model small enough to schedule exactly in a test."""
+    from phaze_opt.workload.models import parse_model
+
+    return parse_model(dict(name="tiny", family="llama", layers=layers, hidden=hidden, heads=4, kv_heads=2, ffn=ffn,
+                            seq=seq, vocab=512, activation="swiglu", norm="rmsnorm", position="rotary",
+                            tied_embeddings=False, bias=False, dropout=0.0, attention="flash"), "tiny.yaml")

@@ -104,8 +104,9 @@ def test_every_field_is_a_flag_that_reaches_the_recipe(name):
         argv = [k.flag, str(value)]
     base = {"recompute": "selective"} if name in ("recompute_modules", "recompute_ops") else {}
     base.update({"recompute": "full"} if name == "recompute_every" else {})
-    base.update({"precision": "fp8"} if name == "fp8_param_gather" else {})
+    base.update({"precision": "fp8"} if name in ("fp8_param_gather", "fp8_scaling", "fp8_weight_recast") else {})
     base.update({"zero": 3} if name in ("reshard_after_forward", "shard_group") else {})
+    base.update({"precision": "fp8", "zero": 3} if name == "fp8_all_gather" else {})
     args = parser.parse_args(argv + [f"--{f.replace('_', '-')}={v}" for f, v in base.items()])
     recipe = recipe_from_args(args)
     expected = Fixed(Layout(2, 2, 2)) if k.kind == "placement" else value

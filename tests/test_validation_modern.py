@@ -91,7 +91,7 @@ def test_pending_rows_are_skipped_with_their_reason_and_run_once_the_model_exist
     assert result.mape()["all"] == pytest.approx(abs(iteration_flops("megatron-core", "mixtral-8x7b", 256)
                                                      / (3.0 * 64) / 438e12 - 1))
     text = render_text({"_suites": [result]})
-    assert "skipped" in text and "1 skipped (model config or precision not modelled yet)" in text and "added on another branch" in text
+    assert "skipped" in text and "1 skipped (model config, precision or recipe not modelled yet)" in text and "added on another branch" in text
     assert fit_rows([suite], "dgx-h100") == []  # a skipped row is never fitted
     # the same row with a model that exists is an ordinary, checked row
     present = load_suite(_suite(tmp_path, {**MIXTRAL, "pending_model": "was pending"}, name="present.yaml"))

@@ -19,7 +19,7 @@ from phaze_opt.workload.graphs import model_params
 from phaze_opt.workload.models import load_model
 
 SUITES = ("dgxc-h100-bf16", "korthikanti-2022", "layers-h100", "layers-h100-2026", "layers-h200-2026", "megatron-core-h100",
-          "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100", "tpuv4-pod")
+          "narayanan-sc21", "nemo-fp8-b200", "nemo-fp8-h100", "torchtitan-a100", "torchtitan-h100", "tpuv4-pod")
 TRUTH = configs.shipped_dir() / "validation" / "truth" / "h100-blocks.json"
 
 # Published sizes in billions: Narayanan et al., SC'21, Table 1 ("Number of parameters (billion)"),

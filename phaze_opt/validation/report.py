@@ -60,7 +60,7 @@ def _mape_line(suite: SuiteResult) -> str:
     return (f"MAPE fitted {_pct(m['fitted'])} ({len(suite.fitted)} rows), held out {_pct(m['held_out'])} "
             f"({len(suite.held_out)} rows), all {_pct(m['all'])}"
             + (f"; {len(suite.infeasible)} infeasible" if suite.infeasible else "")
-            + (f"; {len(suite.skipped)} skipped (model config or precision not modelled yet)" if suite.skipped else "")
+            + (f"; {len(suite.skipped)} skipped (model config, precision or recipe not modelled yet)" if suite.skipped else "")
             + _gap_note(suite))
 
 

@@ -48,6 +48,10 @@ A training row is one published run:
                                 under megatron-te); true needs virtual_stages > 1
     fp8_param_gather            optional: parameters held in the fp8 / mxfp8 GEMM format, no BF16
                                 weight (Megatron-Core `--fp8-param-gather`; default false)
+    fp8_scaling                 optional, with precision fp8: delayed | tensorwise | rowwise, how the
+                                scales are found (TE delayed scaling, current scaling, torchao rowwise)
+    fp8_weight_recast           optional: the weights cast in every microbatch (torchao Float8Linear),
+                                not once per step (TE); default false
     expert_tensor_parallel      optional: the MoE layers' TP width with MoE parallel folding
                                 (Megatron-Core `--expert-tensor-parallel-size`, whose default is tp;
                                 then ep x it must divide tp x cp x dp); absent: unfolded, ep divides dp
@@ -65,6 +69,10 @@ A training row is one published run:
     flops_formula               optional: the row's own FLOP count, when its source counts otherwise
     pending_model               optional: why the model config may be missing (e.g. another branch
                                 adds it); such a row is skipped with that reason until it exists
+    pending_recipe              optional: what of the published recipe the Training recipe cannot
+                                write yet (an activation-checkpointing policy, a parallel layout the
+                                placement refuses); the row loads in full, every field checked, and is
+                                skipped with that reason, never priced under a nearest recipe
     system, arch                optional: this row's cluster and chip (names in configs/systems and
                                 configs/archs), in place of the suite's (runs on different machines)
     stack                       optional: this row's software stack, in place of the suite's
@@ -135,7 +143,7 @@ ROW_REQUIRED = ("model", "tp", "pp", "gpus", "batch", "microbatch", "recompute",
 # Beyond the layout and the numbers, a row may name any recipe field (training.FIELDS; the microbatch is
 # `microbatch`, the placement the layout).
 ROW_OPTIONAL = ("heads", "hidden", "layers", "published", "note", *TRAINING_METRICS, "cp", "ep", "seq",
-                "flops_formula", "pending_model", "system", "arch", "qkv_projection",
+                "flops_formula", "pending_model", "pending_recipe", "system", "arch", "qkv_projection",
                 *(f for f in FIELDS if f not in ("mbs", "placement", *ROW_REQUIRED)))
 LAYER_KEYS = ("model", "tp", "mbs", "flash", "fwd_s", "bwd_s", "fwd_bwd_s")
 LAYER_OPTIONAL = ("kernels",)  # measure's KERNELS; absent = eager (the shipped H100 truth)
@@ -223,7 +231,7 @@ class Row:
     ep: int = 1
     seq: int | None = None  # None: the model's
     flops_formula: str | None = None  # None: the suite's
-    skip: str = ""  # why the row cannot run yet (its pending model config is missing); "" runs
+    skip: str = ""  # why the row cannot run yet (its model config or its recipe is pending); "" runs
     system: str | None = None  # None: the suite's
     arch: str | None = None  # None: the suite's
     qkv_projection: str | None = None  # the code's QKV projection layout (ModelConfig.qkv_projection); None: the model's
@@ -508,7 +516,19 @@ def _training_row(raw: Any, at: str, metric: str, papers, file, models) -> Row:
     # The recipe whole, its placement the published layout.
     training = _recipe(row, file, at, model, batch, mbs=mbs, placement=Layout(tp, pp, dp, ep, cp))
     return Row(model=model.name, tp=tp, pp=pp, gpus=gpus, batch=batch, training=training, cp=cp, ep=ep,
-               seq=seq if seq != model.seq else None, flops_formula=formula, qkv_projection=qkv, **_row_numbers(row, at, metric, papers, file), **names)
+               seq=seq if seq != model.seq else None, flops_formula=formula, qkv_projection=qkv,
+               skip=_pending_recipe(row, file, at), **_row_numbers(row, at, metric, papers, file), **names)
+
+
+def _pending_recipe(row: Mapping[str, Any], file, at: str) -> str:
+    """Why the row is skipped for a recipe the Training recipe cannot write yet ("" runs)."""
+    if "pending_recipe" not in row:
+        return ""
+    reason = row["pending_recipe"]
+    if not isinstance(reason, str) or not reason.strip():
+        raise config_error(file, f"{at}.pending_recipe",
+                           f"must say what of the published recipe cannot be written yet, got {reason!r}")
+    return f"recipe not expressible yet: {reason.strip()}"
 
 
 def _row_numbers(row: Mapping[str, Any], at: str, metric: str, papers, file) -> dict:

@@ -36,6 +36,39 @@ both backward GEMMs (`cast_transpose`); one cast per GEMM operand, what the `meg
 microbatch (TE's `is_first_microbatch` caches the FP8 weights over a step's microbatches): that
 traffic is in the optimizer step (`weight_copy_bytes`).
 
+Scaling recipes (`Training.fp8_scaling`, `Training.fp8_weight_recast`). What the paragraph above
+prices is delayed scaling: the scale comes from an amax history, so the cast is one pass that also
+records the tensor's amax (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", Sec. 4.3; TE
+`DelayedScaling`). Dynamic scaling needs the tensor's own amax before its first element can be
+cast: a reduction over the whole tensor, then the cast (torchao `hp_tensor_to_float8_dynamic`:
+`tensor_to_scale` then `hp_tensor_and_scale_to_float8`; TE `Float8CurrentScaling`: "the amax is
+computed from the current tensor", an extra pass the delayed recipe avoids, TE user guide, "FP8
+Current Scaling"). So under `tensorwise` a cast can no longer be folded into the vector op producing
+its operand (the producer must finish, and be reduced over, first): it is a kernel of its own,
+reading the operand at its 16-bit width. Its amax is an op of its own before it, one more read of
+the operand (and a kernel), except where a stack's vector kernel produces the operand: Transformer
+Engine's norm kernels then compute the amax as they write ("Compute norm and amax in high
+precision, then quantize to FP8", `FUSED_NORM_AMAX_FP8`, transformer_engine/pytorch/csrc/extensions/
+normalization.cpp), a fusion `fused_casts` stacks get for any producing vector op. A cast still
+writes both layouts of a gradient from one read (one scale for the tensor). `rowwise` scales each row of
+each operand along the GEMM's reduction axis (torchao `Float8LinearRecipeName.ROWWISE`, axiswise
+scaling): the two layouts of a tensor need scales along different axes, so no cast is shared, each
+operand has its own amax pass and cast. A forward GEMM multiplies each output element by its row's
+and its column's scale in its epilogue (`torch._scaled_mm` with per-row scales, a CUTLASS kernel;
+two multiplies per output element on the vector path beside the tensor cores, `TCVC` in
+hardware/latency.py). The backward GEMMs accumulate in full FP32 (torchao's `gemm_config_grad_input`
+and `gemm_config_grad_weight`, `use_fast_accum=False`), where the CUTLASS row-wise kernel is slow, so
+torchao runs cuBLAS's per-tensor GEMM at unit scales and rescales its output in an element-wise op
+of its own (`addmm_float8_unwrapped`: `output = output * post_inverse_scale`; pytorch/ao PR 1325,
+"circumvent the issue with the slow CUTLASS kernel by using the cuBLAS kernel + manual scaling";
+pytorch/pytorch issue 147971: row-wise `_scaled_mm` "substantially slower than tensor-wise"): one
+read and one write of each backward GEMM's output.
+Weights: TE casts them once per step (above); torchao's `Float8Linear` holds the 16-bit weight and
+casts it on every call, for the forward GEMM and again for the data-gradient GEMM from the 16-bit
+copy it saved (float8_linear.py `matmul_with_hp_or_float8_args`). With `fp8_weight_recast` each
+microbatch's forward and backward pass cast the layer's weights (an amax pass first unless delayed):
+one op per pass ahead of its first low-precision GEMM, on the layer's own parameters per device.
+
 Memory. TE keeps the weights in BF16 (the model's parameters) and quantizes them before the GEMMs
 into an FP8 workspace it caches (TE user guide, "Performance Considerations", "Memory usage":
 "2 MB (weight) + 1 MB (weight in FP8) + 1 MB (input in FP8 saved for backward)" for a 1024 x 1024
@@ -74,6 +107,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..training import Numerics
 from .ops import NONE, TC, TCVC, VC, Layer, LayerGraph, Op, OpGraph
 
 BF16 = "bf16"
@@ -103,6 +137,10 @@ FORMATS = {
 # Layer kinds whose GEMMs stay BF16 (module docstring: the embedding and Megatron-Core's output layer).
 BF16_LAYER_KINDS = ("embedding", "head")
 CAST_OPS = ("cast", "amax")
+AMAX_OPS = ("abs", "amax")  # dynamic scaling's reduction pass before a cast
+# A rowwise-scaled GEMM's epilogue: each output element times its row's and its column's scale.
+ROWWISE_EPILOGUE = ("mul", "mul")
+DELAYED = "delayed"
 # Traced op kinds of linear layers: dense GEMMs and a MoE's grouped expert GEMMs (TE's GroupedLinear
 # runs FP8 as its Linear does); "bgemm" (attention products) is left out on purpose.
 LINEAR_GEMMS = ("gemm", "grouped_gemm")
@@ -138,19 +176,27 @@ def runs_low(op: Op, layer_kind: str) -> bool:
 
 
 def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_element: float,
-                  fused_casts: bool = False) -> OpGraph:
+                  fused_casts: bool = False, scaling: str = DELAYED, backward: bool = False) -> OpGraph:
     """`op_graph` with its linear-layer GEMMs in `precision` and a cast op before each; with
     `fused_casts` (a stack whose kernels cast where they produce, workload/stack.py) the cast is
     folded into the vector op producing the operand, and GEMMs whose operand comes from the same
-    ops share one cast (written once per layout it is read in)."""
+    ops share one cast (written once per layout it is read in). `scaling` other than delayed folds no
+    cast into its producer and reduces each operand before its cast (in the producing vector op
+    under `fused_casts` per tensor, else in an amax pass of its own); rowwise shares no cast across
+    layouts and scales each forward GEMM's output in its epilogue, each `backward` GEMM's in an
+    element-wise op after it (module docstring, "Scaling recipes")."""
     if precision == BF16:
         return op_graph
     fmt = FORMATS[precision]
     e = float(bytes_per_element)
+    dynamic = scaling != DELAYED
     ops: list[Op] = []
     index: dict[int, int] = {}  # old op -> new op
     casts: dict[int, int] = {}  # old GEMM -> its cast
-    shared: dict = {}  # fused_casts: what the operand comes from -> (new op that casts it, layouts written)
+    firsts: dict[int, int] = {}  # old GEMM -> the first op of its cast (the amax pass, else the cast)
+    outs: dict[int, int] = {}  # old op -> the new op its consumers read (a rowwise rescale, else itself)
+    # fused_casts: what the operand comes from -> (new op that casts it, layouts written, its first op)
+    shared: dict = {}
     preds: dict[int, list[int]] = {}
     for u, v in op_graph.edges:
         preds.setdefault(v, []).append(u)
@@ -161,33 +207,90 @@ def precision_ops(op_graph: OpGraph, layer_kind: str, precision: str, bytes_per_
             written = cast_elements * fmt.operand_bytes
             layout = (int(b), int(m), int(k))
             source = _operand_source(op_graph, preds.get(i, ()), cast_elements) if fused_casts else None
+            # The producer cannot cast before its output's amax is known: a cast kernel follows it;
+            # per tensor, the producer computes that amax as it writes (`amax_producer`).
+            amax_producer = None
+            if dynamic and source is not None and source[0] == "op":
+                amax_producer = source[1] if scaling == "tensorwise" else None
+                source = ("ops", source[1])
+            if scaling == "rowwise" and source is not None:
+                source = source + (layout,)  # each layout's scales run along its own axis: no sharing
             if fused_casts and source in shared:
-                at, layouts = shared[source]
+                at, layouts, first = shared[source]
                 if layout not in layouts:  # another layout of the same operand (cast_transpose)
                     layouts.add(layout)
                     ops[at] = dataclasses.replace(ops[at], bytes_written=ops[at].bytes_written + written)
                 if source[0] == "ops":  # a cast op of its own: this GEMM waits for it too
-                    casts[i] = at
+                    casts[i], firsts[i] = at, first
             elif fused_casts and source[0] == "op":
                 at = index[source[1]]
                 ops[at] = dataclasses.replace(ops[at], bytes_written=ops[at].bytes_written + written,
                                               vector_ops=tuple(ops[at].vector_ops) + CAST_OPS)
-                shared[source] = (at, {layout})
+                shared[source] = (at, {layout}, at)
             else:
+                if amax_producer is not None:
+                    at = index[amax_producer]
+                    ops[at] = dataclasses.replace(ops[at], bytes_written=ops[at].bytes_written + 4.0,
+                                                  vector_ops=tuple(ops[at].vector_ops) + ("amax",))
+                elif dynamic:
+                    firsts[i] = len(ops)
+                    ops.append(_amax_op(f"{op.name}.amax_{precision}", cast_elements, e, layout))
                 casts[i] = len(ops)
+                firsts.setdefault(i, casts[i])
                 if fused_casts:
-                    shared[source] = (len(ops), {layout})
+                    shared[source] = (len(ops), {layout}, firsts[i])
                 ops.append(Op(name=f"{op.name}.cast_{precision}", kind="elementwise", unit=VC,
                               bytes_read=cast_elements * e, bytes_written=written,
                               elements=cast_elements, vector_ops=CAST_OPS, shape=layout))
             saved = b * (m * k + k * n) * (e - fmt.operand_bytes)
             op = dataclasses.replace(op, datatype=precision, bytes_read=max(0.0, op.bytes_read - saved))
+            if scaling == "rowwise" and not backward:
+                op = dataclasses.replace(op, unit=TCVC, elements=op.elements or int(b * m * n),
+                                         vector_ops=tuple(op.vector_ops) + ROWWISE_EPILOGUE)
         index[i] = len(ops)
         ops.append(op)
-    edges = {(index[u], index[v]) for u, v in op_graph.edges if v not in casts}
-    edges |= {(index[u], casts[v]) for u, v in op_graph.edges if v in casts}
+        if scaling == "rowwise" and backward and op.datatype == precision:
+            outs[i] = len(ops)
+            out_elements = int(b * m * n)
+            ops.append(Op(name=f"{op.name}.rescale", kind="elementwise", unit=VC, bytes_read=out_elements * e,
+                          bytes_written=out_elements * e, elements=out_elements, vector_ops=ROWWISE_EPILOGUE,
+                          shape=(int(b), int(m), int(n))))
+    edges = {(outs.get(u, index[u]), index[v]) for u, v in op_graph.edges if v not in casts}
+    # A GEMM sharing a cast made earlier may read it through ops placed after that cast (views of
+    # the operand): those feed the GEMM itself, so every edge runs forward.
+    edges |= {(outs.get(u, index[u]), firsts[v] if outs.get(u, index[u]) < firsts[v] else index[v])
+              for u, v in op_graph.edges if v in casts}
+    edges |= {(index[g], r) for g, r in outs.items()}
     edges |= {(c, index[g]) for g, c in casts.items()}
+    edges |= {(firsts[g], c) for g, c in casts.items() if firsts[g] != c}
     return dataclasses.replace(op_graph, ops=tuple(ops), edges=tuple(sorted(edges)))
+
+
+def _amax_op(name: str, elements: int, bytes_per_element: float, shape) -> Op:
+    """Dynamic scaling's reduction: one read of the tensor at its 16-bit width, a scalar (or a
+    vector of row scales) written."""
+    return Op(name=name, kind="reduction", unit=VC, bytes_read=elements * bytes_per_element,
+              bytes_written=4.0, elements=elements, vector_ops=AMAX_OPS, shape=shape)
+
+
+def weight_recast_ops(op_graph: OpGraph, weight_elements: int, precision: str, bytes_per_element: float,
+                      scaling: str = DELAYED) -> OpGraph:
+    """`op_graph` (a low-precision pass) with the layer's weights cast ahead of its first
+    low-precision GEMM (`Training.fp8_weight_recast`; an amax pass first unless delayed)."""
+    gemms = [i for i, op in enumerate(op_graph.ops) if op.datatype == precision]
+    if not gemms or weight_elements <= 0:
+        return op_graph
+    e = float(bytes_per_element)
+    name = f"weights.cast_{precision}"
+    new = [] if scaling == DELAYED else [_amax_op(f"weights.amax_{precision}", weight_elements, e, (weight_elements,))]
+    new.append(Op(name=name, kind="elementwise", unit=VC, bytes_read=weight_elements * e,
+                  bytes_written=weight_elements * FORMATS[precision].operand_bytes, elements=weight_elements,
+                  vector_ops=CAST_OPS, shape=(weight_elements,)))
+    shift = len(new)
+    edges = {(u + shift, v + shift) for u, v in op_graph.edges}
+    edges |= {(j, j + 1) for j in range(shift - 1)}
+    edges.add((shift - 1, gemms[0] + shift))
+    return dataclasses.replace(op_graph, ops=tuple(new) + tuple(op_graph.ops), edges=tuple(sorted(edges)))
 
 
 def precision_layer(layer: Layer, precision: str, bytes_per_element: float) -> Layer:
@@ -229,16 +332,24 @@ def _operand_source(op_graph: OpGraph, preds, elements: int) -> tuple:
     return ("ops",) + tuple(sorted(producers))
 
 
-def precision_graph(graph: LayerGraph, precision: str, fused_casts: bool = False) -> LayerGraph:
-    """The layer graph trained in `precision` (see the module docstring; `fused_casts`:
-    `precision_ops`); BF16: `graph` itself."""
+def precision_graph(graph: LayerGraph, numerics: Numerics | str, fused_casts: bool = False) -> LayerGraph:
+    """The layer graph trained with `numerics` (a precision's name: its defaults; see the module
+    docstring; `fused_casts`: `precision_ops`); BF16: `graph` itself."""
+    if isinstance(numerics, str):
+        numerics = Numerics(precision=numerics)
+    precision = numerics.precision
     if precision == BF16:
         return graph
-    op_graphs = {kind: {name: precision_ops(og, kind, precision, graph.bytes_per_element, fused_casts)
-                        for name, og in passes.items()}
-                 for kind, passes in graph.op_graphs.items()}
+    weights = {layer.kind: layer.params for layer in graph.layers}
+    op_graphs = {}
+    for kind, passes in graph.op_graphs.items():
+        op_graphs[kind] = {}
+        for name, og in passes.items():
+            og = precision_ops(og, kind, precision, graph.bytes_per_element, fused_casts, numerics.fp8_scaling,
+                               backward=name == "bwd")
+            if numerics.fp8_weight_recast:
+                og = weight_recast_ops(og, weights.get(kind, 0), precision, graph.bytes_per_element,
+                                       numerics.fp8_scaling)
+            op_graphs[kind][name] = og
     layers = tuple(precision_layer(layer, precision, graph.bytes_per_element) for layer in graph.layers)
     return dataclasses.replace(graph, op_graphs=op_graphs, layers=layers)
-
-
-

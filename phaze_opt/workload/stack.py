@@ -104,4 +104,4 @@ def recipe_graph(model: ModelConfig | str, tp: int, training: Training, sequence
                               fuse=TRACE_FUSION[training.stack], expert_weights=expert_weights(training))
     if sequence_parallel:
         graph = sequence_parallel_graph(graph)
-    return precision_graph(graph, training.precision, fused_casts=training.stack in FUSED_CASTS)
+    return precision_graph(graph, training.numerics, fused_casts=training.stack in FUSED_CASTS)

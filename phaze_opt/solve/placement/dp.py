@@ -76,7 +76,8 @@ from .kernel import (
     sweep_start,
     walk,
 )
-from .types import Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, reduce_bytes, state_split, weight_copies
+from .types import (Placement, PlacementProblem, PlacementResult, gather_bytes, infeasible_result,
+                    optimizer_pass_bytes, reduce_bytes, state_split, weight_copies)
 
 NO_FIT_CHECK = 8  # groups the general search sweeps without a fitting placement before it asks whether any fits
 
@@ -377,6 +378,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
     N, dpn = system.accelerators, system.devices_per_node
     w_b, g_b, o_b = state_split(problem)
     r_b = reduce_bytes(problem)  # on the data-parallel ring
+    gw_b = gather_bytes(problem)
     L = costs[0].n_layers
     groups: dict = {}
     for b, c in enumerate(costs):
@@ -417,11 +419,11 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             # gather (at least the smallest layer's); summed over the stages (max(0, x) is convex)
             # the mean stage is at least this.
             step_lat = np.where(gs > 1, (gs - 1) * s_lat, 0.0)
-            gathers = L * step_lat + half(total_params * w_b, gs, s_lat, s_bw) - step_lat
+            gathers = L * step_lat + half(total_params * gw_b, gs, s_lat, s_bw) - step_lat
             f_total, b_total = float(np.sum(c.fwd_s)), float(np.sum(c.bwd_s) + np.sum(rec))
             passes = 2 if problem.training.reshard_after_forward else 1  # without resharding: forward only
             over = np.maximum(0.0, gathers - f_total) + (passes - 1) * np.maximum(0.0, gathers - b_total)
-            first_last = passes * S * half(float(np.min(c.params)) * w_b, gs, s_lat, s_bw)  # each pass's first shows
+            first_last = passes * S * half(float(np.min(c.params)) * gw_b, gs, s_lat, s_bw)  # each pass's first shows
             # without overlap each stage also waits for its gradients' reduce-scatter (affine too)
             scatter = 0.0 if problem.training.overlap_grad_reduce else S * half(big * r_b, gs, s_lat, s_bw)
             c_lb = np.maximum(c_lb, (work_total + np.maximum(over, first_last) + scatter) / S)
@@ -434,11 +436,11 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
             if not problem.training.overlap_grad_reduce:
                 c_lb = np.maximum(c_lb, (work_total + S * half(big * r_b)) / S)
             if not problem.training.overlap_param_gather:
-                tail_lb = half(big * w_b)
+                tail_lb = half(big * gw_b)
         elif not problem.training.overlap_grad_reduce:
             # an overlapped param gather (ZeRO-1) may hide entirely: the reduce-scatter alone then
             gather_lb = 0.0 if problem.training.overlap_param_gather and problem.training.zero == 1 else half(
-                big * (r_b if problem.training.zero == 0 else w_b))
+                big * (r_b if problem.training.zero == 0 else gw_b))
             tail_lb = half(big * r_b) + gather_lb
         if problem.hbm_bandwidth > 0:
             tail_lb = tail_lb + big * step_per_param(problem, d) / problem.hbm_bandwidth
@@ -480,6 +482,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
     r_b = reduce_bytes(problem)  # on the data-parallel ring
+    gw_b = gather_bytes(problem)
     st = stage_stack(problem, costs, force_dag)
     links = {0: system.inter_node, 1: system.intra_node}
     fixed = system.efficiency.microbatch_overhead_s
@@ -524,7 +527,7 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
         if problem.training.zero == 3:
             g = problem.training.shard_ranks(d)  # HSDP: gathers and reduce-scatters within its group
             scatter = _half(params0 * r_b, g, shard)
-            gather = _half(st.layer_params[b] * w_b, g, shard)
+            gather = _half(st.layer_params[b] * gw_b, g, shard)
             exposed_f, exposed_b, busy = zero3_exposed(st, b, gather)
             if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
                 exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)
@@ -548,16 +551,16 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
             elif hide_gather:
                 reduce = _half(params0 * r_b, d, ring)
             else:
-                reduce = _half(params0 * r_b, d, ring) + _half(params0 * w_b, d, ring)
+                reduce = _half(params0 * r_b, d, ring) + _half(params0 * gw_b, d, ring)
             if problem.training.overlap_grad_reduce:
                 reduce = (np.zeros_like(reduce) if problem.reduction_hidden
                           else np.maximum(0.0, reduce - np.where(valid[sl], bwdwin, 0.0)))
             if hide_gather:  # under the next iteration's forward (placement_eval)
-                gather = _half(params0 * w_b, d, ring)
+                gather = _half(params0 * gw_b, d, ring)
                 reduce = reduce + (np.zeros_like(reduce) if problem.reduction_hidden
                                    else np.maximum(0.0, gather - np.where(valid[sl], st.fwdwin[sl], 0.0)))
             elif problem.training.zero == 2:  # after the optimizer step, with nothing beside it
-                reduce = reduce + _half(params0 * w_b, d, ring)
+                reduce = reduce + _half(params0 * gw_b, d, ring)
             tail = tail + reduce
         if problem.hbm_bandwidth > 0:
             tail = tail + params0 * step_per_param(problem, d) / problem.hbm_bandwidth
@@ -580,9 +583,9 @@ def _search_general(problem: PlacementProblem, costs, force_dag: bool, stats: di
                 red = float(ring_allreduce_s(p * r_b, d, ring.bandwidth, ring.latency))
             elif problem.training.zero == 1 and not problem.training.overlap_grad_reduce:
                 # an overlapped param gather may hide entirely: only the reduce-scatter then
-                red = float(_half(p * r_b, d, ring) + (0.0 if hide_gather else _half(p * w_b, d, ring)))
+                red = float(_half(p * r_b, d, ring) + (0.0 if hide_gather else _half(p * gw_b, d, ring)))
             elif problem.training.zero == 2 and not hide_gather:  # the gather after the step
-                red = float(_half(p * w_b, d, ring))
+                red = float(_half(p * gw_b, d, ring))
             step = p * step_per_param(problem, d) / problem.hbm_bandwidth \
                 if problem.hbm_bandwidth > 0 else 0.0
             floor[S] = (red + step) * (1.0 - 1e-12)

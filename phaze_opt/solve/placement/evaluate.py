@@ -171,6 +171,7 @@ from .types import (
     PlacementResult,
     StageResult,
     check_placement_shape,
+    gather_bytes,
     infeasible_result,
     optimizer_pass_bytes,
     reduce_bytes,
@@ -323,6 +324,7 @@ def evaluate_placement(
     reshard = problem.training.reshard_after_forward
     w_b, g_b, o_b = state_split(problem)
     r_b = reduce_bytes(problem)  # gradient bytes per parameter on the data-parallel ring
+    gw_b = gather_bytes(problem)
     k_b = weight_copies(problem)  # low-precision weight copies, held whole under ZeRO 0, 1 and 2
     unpaired = problem.unpaired_microbatches(S, d) if problem.training.moe_a2a_overlap else 0.0
     stages = []
@@ -398,9 +400,9 @@ def evaluate_placement(
             # ranks that hold them alike, the routed experts (where the layer has them) over their own
             # replicas when they form a group of their own (torchtitan shards over dp x cp and the
             # experts over their own data-parallel mesh); under HSDP within the shard group, on its link
-            gathers = [ring_half_s(dense_of[v] * w_b if split else (dense_of[v] + expert_of[v]) * w_b,
+            gathers = [ring_half_s(dense_of[v] * gw_b if split else (dense_of[v] + expert_of[v]) * gw_b,
                                    shard_of(ranks), shard_ring.bandwidth, shard_ring.latency)
-                       + (ring_half_s(expert_of[v] * w_b, shard_of(expert_ranks), shard_ring.bandwidth,
+                       + (ring_half_s(expert_of[v] * gw_b, shard_of(expert_ranks), shard_ring.bandwidth,
                                       shard_ring.latency)
                           if split and expert_of[v] > 0 else 0.0) for v in layers]
             fwds = [fwd_of[v] for v in layers]
@@ -456,10 +458,10 @@ def evaluate_placement(
             elif hide_gather or zero == 2:
                 if zero == 1:
                     reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency)
-                gather += ring_half_s(n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+                gather += ring_half_s(n_params * gw_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 1:
                 reduce += ring_half_s(n_params * r_b, n_ranks, ring.bandwidth, ring.latency) + ring_half_s(
-                    n_params * w_b, n_ranks, ring.bandwidth, ring.latency)
+                    n_params * gw_b, n_ranks, ring.bandwidth, ring.latency)
             elif zero == 3 and shard_of(n_ranks) < n_ranks:  # HSDP: the shards all-reduced across the replicas
                 reduce += ring_allreduce_s(n_params * r_b / shard_of(n_ranks), n_ranks // shard_of(n_ranks),
                                            ring.bandwidth, ring.latency)

@@ -66,7 +66,8 @@ from .kernel import (
     sweep_start,
 )
 from .evaluate import format_bytes
-from .types import LayerCosts, Placement, PlacementProblem, PlacementResult, infeasible_result, optimizer_pass_bytes, reduce_bytes, state_split, weight_copies
+from .types import (LayerCosts, Placement, PlacementProblem, PlacementResult, gather_bytes, infeasible_result,
+                    optimizer_pass_bytes, reduce_bytes, state_split, weight_copies)
 
 
 def effective_costs(problem: PlacementProblem, lc: LayerCosts, e: int, c: int) -> LayerCosts:
@@ -274,6 +275,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
     r_b = reduce_bytes(problem)  # on the data-parallel ring
+    gw_b = gather_bytes(problem)
     st = b.st
     L = st.n_layers
     n_seq = -(-system.global_batch // problem.training.mbs)
@@ -327,7 +329,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     zero = problem.training.zero
     hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
     # the tail's ring bytes and latency steps: all-reduce, RS + AG, or (ZeRO-2) the gather after the step
-    ring_bytes = {0: 2 * r_b, 1: r_b + (0 if hide_gather else w_b), 2: 0 if hide_gather else w_b}.get(zero, 0)
+    ring_bytes = {0: 2 * r_b, 1: r_b + (0 if hide_gather else gw_b), 2: 0 if hide_gather else gw_b}.get(zero, 0)
     ring_steps = {0: 2, 1: 1 if hide_gather else 2, 2: 0 if hide_gather else 1}.get(zero, 0)
     tail_lin = np.zeros(d.shape)
     tail_const = np.zeros(d.shape)
@@ -407,6 +409,7 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, rings: tupl
     v = problem.training.virtual_stages
     w_b, g_b, o_b = state_split(problem)
     r_b = reduce_bytes(problem)  # on the data-parallel ring
+    gw_b = gather_bytes(problem)
     st, experts, costs = b.st, b.experts, b.costs
     blk, d, h, S_only = key
     e, c = int(b.e[blk]), int(b.c[blk])
@@ -442,22 +445,22 @@ def _search_group(problem: PlacementProblem, b: _Blocks, key: tuple, rings: tupl
         elif zero == 2:
             r = np.zeros(params0.shape)
             scatter = scatter + kept(_ring_half(n_params * r_b, n_ranks, ring))
-            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * gw_b, n_ranks, ring))
         elif hide_gather:
             r = _ring_half(n_params * r_b, n_ranks, ring)
-            gather = gather + kept(_ring_half(n_params * w_b, n_ranks, ring))
+            gather = gather + kept(_ring_half(n_params * gw_b, n_ranks, ring))
         else:
-            r = _ring_half(n_params * r_b, n_ranks, ring) + _ring_half(n_params * w_b, n_ranks, ring)
+            r = _ring_half(n_params * r_b, n_ranks, ring) + _ring_half(n_params * gw_b, n_ranks, ring)
         reduce = reduce + kept(r)
     exposed = np.zeros(params0.shape)  # ZeRO-3: the per-layer gathers FSDP's prefetch leaves exposed
     if zero == 3:
         lc = costs[blk]
         dense_l = lc.params - lc.expert_params
         shard_of = problem.training.shard_ranks
-        gathers = _ring_half((dense_l if split else lc.params) * w_b, shard_of(ranks), shard)
+        gathers = _ring_half((dense_l if split else lc.params) * gw_b, shard_of(ranks), shard)
         if split:  # the routed experts' own gather, in the layers that have them
             gathers = gathers + np.where(lc.expert_params > 0,
-                                         _ring_half(lc.expert_params * w_b, shard_of(expert_ranks), shard), 0.0)
+                                         _ring_half(lc.expert_params * gw_b, shard_of(expert_ranks), shard), 0.0)
         exposed_f, exposed_b, busy = zero3_exposed(st, blk, gathers)
         if not problem.training.reshard_after_forward:  # held from the forward: no backward gather
             exposed_b, busy = np.zeros_like(exposed_b), np.zeros_like(busy)

@@ -242,7 +242,6 @@ def chain_width(problem: PlacementProblem, costs) -> int:
 
 def chain_stack(problem: PlacementProblem, costs, width: int, shard_d=1) -> StageStack:
     """Stages of a chain are ranges [i, i + w], w < width; all widths at once, [T, L + 1, width]."""
-    system = problem.system
     T = len(costs)
     L = costs[0].n_layers
     R = L + 1
@@ -338,7 +337,6 @@ def downsets(n: int, edges) -> list[int]:
 
 def dag_stack(problem: PlacementProblem, costs, shard_d=1) -> StageStack:
     """Stages of a DAG: every difference of two nested downsets, [T, downsets, most supersets]."""
-    system = problem.system
     first = costs[0]
     n = first.n_layers
     masks = downsets(n, first.edges)

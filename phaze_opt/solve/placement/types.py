@@ -258,6 +258,13 @@ def reduce_bytes(problem: "PlacementProblem") -> int:
     return problem.training.reduce_bytes(problem.system.grad_bytes_per_param)
 
 
+def gather_bytes(problem: "PlacementProblem") -> int:
+    """Bytes per parameter a ZeRO weight all-gather moves: the weight as held (`state_split`), or its
+    FP8 cast with `Training.fp8_all_gather` (each rank casts its shard before the gather; torchao
+    `enable_fsdp_float8_all_gather`)."""
+    return 1 if problem.training.fp8_all_gather else state_split(problem)[0]
+
+
 def optimizer_pass_bytes(problem: "PlacementProblem") -> tuple[int, int]:
     """HBM bytes per parameter of the once-per-batch work after the last backward, as two parts
     sharded differently: (over the optimizer's shard, over the gradient buffer).
