@@ -183,7 +183,7 @@ def implausible(model: ModelConfig, tp: int, mbs: int, seq: int, graph: LayerGra
     at least 2 x batch x M x K x N of its shape, each layer's FLOPs the sum of its ops', the parameters those
     of the model's modules (`model_params`), and the FLOPs of a sequence at least `FLOPS_FLOOR` x
     6 x active parameters x tokens, for the graph as a whole and for its layers at this TP width."""
-    from .layers import layer_sequence
+    from .kinds import layer_sequence
 
     if (graph.model, graph.tp, graph.mbs, graph.seq) != (model.name, tp, mbs, seq):
         return f"it is the graph of {graph.model} at TP {graph.tp}, microbatch {graph.mbs}, sequence {graph.seq}"
@@ -319,7 +319,7 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
     start = time.perf_counter()
     with phase(f"tracing {model.name}'s layer graphs (tp {tp}, mbs {mbs})"):
         traces = trace_kinds(model, tp, mbs, seq, fuse, expert_weights)
-    from .layers import layer_sequence
+    from .kinds import layer_sequence
 
     names, kinds = (list(x) for x in zip(*layer_sequence(model)))
     edges = tuple((i, i + 1) for i in range(len(names) - 1))
