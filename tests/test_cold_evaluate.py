@@ -99,3 +99,13 @@ def test_default_jobs_is_the_cores_at_most_the_cap():
 def test_jobs_below_one_is_a_one_line_error(capsys):
     with pytest.raises(PhazeError, match=r"^--jobs must be a positive number of processes, got 0$"):
         evaluate_command.run(cli.build_parser().parse_args(["evaluate", "--jobs", "0"]))
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-moe-16b", "deepseek-v3", "qwen3-30b-a3b", "gpt-oss-120b"])
+def test_a_routed_experts_parameters_from_its_config_are_the_built_modules(name):
+    from phaze_opt.workload.graphs import routed_expert_params
+    from phaze_opt.workload.layers import build_layer
+
+    model = load_model(name)
+    moe = build_layer(model, "block", 1).mlp
+    assert routed_expert_params(model) * model.experts == moe.w1.numel() + moe.w2.numel()

@@ -54,7 +54,7 @@ from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import EXPERT, OPTIMAL, Expert, Fixed, Layout, Training
-from ..workload.graphs import SP_COLLECTIVE, model_params
+from ..workload.graphs import SP_COLLECTIVE, adopt, memo_entries
 from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
 from .parallel import attention_core_s, check_expert_tp, cp_traces, ep_widths as model_ep_widths, parallel_setup
@@ -64,7 +64,9 @@ PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it 
 DEFAULT_ILP_TIME_LIMIT_S = 60.0  # per layer pass; a pass not proven optimal by then counts as unproven
 # Below this many parameters a model's layers trace and schedule in seconds at every width, less than
 # starting the worker processes costs (each imports torch, ~3 s of CPU); at or above it (Llama 3
-# 405B: 30 graphs of 1-2 s each to trace and schedule) `jobs` processes share the widths.
+# 405B: 30 graphs of 1-2 s each to trace and schedule) `jobs` processes share the widths. Counted
+# as 12 layers x hidden^2 (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1:
+# the non-embedding parameters of a transformer with a 4 x hidden FFN), which needs no tracing.
 SIDE_BY_SIDE_MIN_PARAMS = 10**10
 
 
@@ -279,20 +281,33 @@ def costs_side_by_side(tasks, arch: Accelerator, training: Training, system: Sys
     and schedule disk caches as it goes, so this process reads what it needs of them back."""
     todo = [(m, t) for m, t in dict.fromkeys(tasks)
             if _COSTS_MEMO.get(_costs_key(m, arch, training, system, t, ilp_time_limit_s)) is None]
-    if jobs < 2 or len(todo) < 2 or model_params(todo[0][0]) < SIDE_BY_SIDE_MIN_PARAMS:
+    if jobs < 2 or len(todo) < 2 or 12 * todo[0][0].layers * todo[0][0].hidden ** 2 < SIDE_BY_SIDE_MIN_PARAMS:
         return {}
     workers = min(jobs, len(todo))
     # spawn, as the study's pools: a forked child would inherit this process's threads and torch state
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
     try:
         with phase(f"tracing and scheduling {todo[0][0].name}'s layers at {len(todo)} widths in {workers} processes"):
-            futures = [pool.submit(layer_costs, m, arch, training, system, t, ilp_time_limit_s) for m, t in todo]
-            done = {task: f.result() for task, f in zip(todo, futures)}
-    finally:
+            futures = [pool.submit(_worker_costs, m, arch, training, system, t, ilp_time_limit_s) for m, t in todo]
+            done = {}
+            for task, f in zip(todo, futures):
+                done[task], graphs = f.result()
+                adopt(graphs)
+    except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=False)  # idle workers exit on their own; this process need not wait for them
     for costs in done.values():
         _COSTS_MEMO[costs.key] = costs
     return done
+
+
+def _worker_costs(model, arch, training, system, tp, ilp_time_limit_s):
+    """`layer_costs` in a worker process, with the layer graphs it traced or read for them, so that
+    the process that started it holds them too (the placement's EP and CP terms read them)."""
+    held = {key for key, _ in memo_entries()}
+    costs = layer_costs(model, arch, training, system, tp, ilp_time_limit_s)
+    return costs, [(key, graph) for key, graph in memo_entries() if key not in held]
 
 
 def tp_layer_energies(model: ModelConfig, arch: Accelerator, training: Training, system: System, tp_costs: _TpCosts):
