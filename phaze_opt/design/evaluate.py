@@ -293,7 +293,11 @@ def costs_side_by_side(tasks, arch: Accelerator, training: Training, system: Sys
             for task, f in zip(todo, futures):
                 done[task], graphs = f.result()
                 adopt(graphs)
-    except BaseException:
+    except BaseException:  # a stop request, or a width that failed: the others' work is not wanted
+        # A worker would finish its solve first (seconds to minutes); it holds nothing a kill can
+        # spoil (the caches are written whole or not at all), so end it now.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=False)  # idle workers exit on their own; this process need not wait for them
