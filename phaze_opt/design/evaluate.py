@@ -277,8 +277,8 @@ def costs_side_by_side(tasks, arch: Accelerator, training: Training, system: Sys
     processes at once and memoised here: {(model, tp): costs}. The widths are independent work (a
     graph to trace, its passes to schedule), and a cold evaluation of a 10^11-parameter model is
     mostly that work. Empty, leaving the work to the caller's own process, with `jobs` < 2, fewer
-    than two tasks to do, or a model below SIDE_BY_SIDE_MIN_PARAMS. Each process writes the graph
-    and schedule disk caches as it goes, so this process reads what it needs of them back."""
+    than two tasks to do, or a model below SIDE_BY_SIDE_MIN_PARAMS. The workers write the graph and
+    schedule disk caches as this process would, and hand back the graphs they traced (`_worker_costs`)."""
     todo = [(m, t) for m, t in dict.fromkeys(tasks)
             if _COSTS_MEMO.get(_costs_key(m, arch, training, system, t, ilp_time_limit_s)) is None]
     if jobs < 2 or len(todo) < 2 or 12 * todo[0][0].layers * todo[0][0].hidden ** 2 < SIDE_BY_SIDE_MIN_PARAMS:
