@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli_seconds(args: list[str], cache: str) -> float:
-    """Wall seconds of one `python -m phaze_opt *args` process on `cache`; exits on a failed run."""
+def cli_seconds(args: list[str], cache: str, check=None) -> float:
+    """Wall seconds of one `python -m phaze_opt *args` process on `cache`; exits on a failed run, and
+    on one whose output `check` (given the stdout) answers with a reason."""
     cmd = [sys.executable, "-m", "phaze_opt", *args]
     env = dict(os.environ, PHAZE_OPT_CACHE=cache, PYTHONPATH=str(ROOT), MLFLOW_DISABLE_TELEMETRY="true")
     t0 = time.perf_counter()
@@ -28,6 +29,9 @@ def cli_seconds(args: list[str], cache: str) -> float:
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(f"{args[0]} failed ({done.returncode}): {done.stderr.strip()}")
+    problem = check(done.stdout) if check else None
+    if problem:
+        sys.exit(f"{' '.join(args)}: {problem}")
     return wall
 
 
@@ -45,4 +49,4 @@ def cold_and_warm(run, repeats: int) -> tuple[list[float], list[float]]:
 
 def report(label: str, runs: list[float]) -> None:
     print(f"{label}: median {statistics.median(runs):.1f} s, min {min(runs):.1f} s over {len(runs)} runs "
-          f"({', '.join(f'{r:.1f}' for r in runs)})")
+          f"({', '.join(f'{r:.1f}' for r in runs)}); load average now {os.getloadavg()[0]:.2f}", flush=True)

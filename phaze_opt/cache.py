@@ -115,7 +115,7 @@ def signed(payload, mark) -> bool:
 class BoundedMemo(Generic[V]):
     """A dict-like memo that keeps the `maxsize` most recently used entries.
 
-    Offers the dict operations the memos use (`get`, `[]`, `[]=`, `in`, `len`, `clear`), so a
+    Offers the dict operations the memos use (`get`, `[]`, `[]=`, `in`, `len`, `clear`, `items`), so a
     plain dict can stand in for it (tests swap in an empty one).
     """
 
@@ -152,3 +152,7 @@ class BoundedMemo(Generic[V]):
 
     def clear(self) -> None:
         self._data.clear()
+
+    def items(self) -> list[tuple[Hashable, V]]:
+        """The entries, least recently used first (a copy: safe to keep while the memo changes)."""
+        return list(self._data.items())

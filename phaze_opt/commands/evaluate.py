@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from ..training import add_recipe_arguments, describe
 from . import add_ilp_time_limit, add_mbs, check_mbs
 
 # What runs when neither the flag nor the model's file names a chip or a system (models.DEFAULT_FIELDS).
 GENERIC_ARCH = "tpuv4"
 GENERIC_SYSTEM = "default"
+# The most processes --jobs takes by default: each holds torch and a model's graphs (~0.5 GB), and a
+# 405B-class model has 30 widths to trace at most, so more cores than this add memory, not speed.
+DEFAULT_JOBS_MAX = 8
 
 HELP = "evaluate one design (architecture, microbatch, recompute) with its optimal or a given placement"
 DESCRIPTION = (
@@ -31,6 +36,18 @@ def add_arguments(p):
     p.add_argument("--seq", type=int, default=None, metavar="S",
                    help="override the model's sequence length (tokens per sequence)")
     add_ilp_time_limit(p)
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes that trace and schedule a 10^10+-parameter model's TP widths side by side when "
+                        f"they are not cached (default: this machine's cores, at most {DEFAULT_JOBS_MAX}; 1 for none)")
+
+
+def default_jobs() -> int:
+    """The cores this process may run on, at most DEFAULT_JOBS_MAX."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS, Windows)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, DEFAULT_JOBS_MAX))
 
 
 def run(args) -> dict:
@@ -45,6 +62,8 @@ def run(args) -> dict:
 
     from ..workload.models import load_model
 
+    if args.jobs is not None and args.jobs < 1:
+        raise PhazeError(f"--jobs must be a positive number of processes, got {args.jobs}")
     model = load_model(args.model)
     # Each of chip, system and ILP limit: the flag, else the model's default, else the command's.
     arch_name, arch_from = _choose(args.arch, model.default_arch, GENERIC_ARCH)
@@ -66,7 +85,7 @@ def run(args) -> dict:
         if model.position == "learned" and args.seq > model.positions:
             raise PhazeError(f"--seq {args.seq}: {model.name} has {model.positions} learned positions")
         model = replace(model, seq=args.seq)
-    evaluate = design_evaluator(ilp_limit)
+    evaluate = design_evaluator(ilp_limit, args.jobs or default_jobs())
     result = evaluate(model, arch, recipe, system).to_json()
     result["arch"] = arch.name or arch_name
     result["system"] = system.name or system_name

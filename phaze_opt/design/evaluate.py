@@ -33,7 +33,9 @@ constants; only the cheap per-placement sum runs on every call.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -52,15 +54,21 @@ from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..solve.schedule.solver import schedule_graph
 from ..system import System, load_system
 from ..training import EXPERT, OPTIMAL, Expert, Fixed, Layout, Training
-from ..workload.graphs import SP_COLLECTIVE
+from ..workload.graphs import SP_COLLECTIVE, adopt, memo_entries
 from ..workload.kinds import BLOCK_KINDS
 from ..workload.stack import recipe_graph, recompute_tags
 from ..workload.models import ModelConfig, load_model
-from .parallel import attention_core_s, check_expert_tp, ep_widths as model_ep_widths, parallel_setup
+from .parallel import attention_core_s, check_expert_tp, cp_traces, ep_widths as model_ep_widths, parallel_setup
 
 PASSES = ("fwd", "bwd")
 PROVEN_REL_TOL = 1e-9  # a bound this close to the throughput reached proves it (rounding only)
 DEFAULT_ILP_TIME_LIMIT_S = 60.0  # per layer pass; a pass not proven optimal by then counts as unproven
+# Below this many parameters a model's layers trace and schedule in seconds at every width, less than
+# starting the worker processes costs (each imports torch, ~3 s of CPU); at or above it (Llama 3
+# 405B: 30 graphs of 1-2 s each to trace and schedule) `jobs` processes share the widths. Counted
+# as 12 layers x hidden^2 (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1:
+# the non-embedding parameters of a transformer with a 4 x hidden FFN), which needs no tracing.
+SIDE_BY_SIDE_MIN_PARAMS = 10**10
 
 
 @dataclass
@@ -181,10 +189,9 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     bounds). Only the recipe fields that change a layer's time or memory key the memo
     (`Training.layer_key`), so recipes that differ elsewhere share the work.
     """
-    mbs, sequence_parallel, attention = training.mbs, training.sequence_parallel, training.attention
-    precision, tp_comm_overlap = training.precision, training.tp_comm_overlap
+    sequence_parallel, tp_comm_overlap = training.sequence_parallel, training.tp_comm_overlap
     link = system.tp_link(tp)
-    key = (model, arch.compute_key, tp, _link_key(link), system.precision, float(ilp_time_limit_s)) + training.layer_key()
+    key = _costs_key(model, arch, training, system, tp, ilp_time_limit_s)
     hit = _COSTS_MEMO.get(key)
     if hit is not None:  # the work was paid for by an earlier call: this one spent nothing on it
         return replace(hit, timings={"graph_s": 0.0, "estimate_s": 0.0, "ilp_s": 0.0})
@@ -272,6 +279,56 @@ def layer_costs(model: ModelConfig, arch: Accelerator, training: Training, syste
     return out
 
 
+def _costs_key(model: ModelConfig, arch: Accelerator, training: Training, system: System, tp: int,
+               ilp_time_limit_s: float) -> tuple:
+    """What `layer_costs` depends on, its memo's key."""
+    return ((model, arch.compute_key, tp, _link_key(system.tp_link(tp)), system.precision, float(ilp_time_limit_s))
+            + training.layer_key())
+
+
+def costs_side_by_side(tasks, arch: Accelerator, training: Training, system: System, ilp_time_limit_s: float,
+                       jobs: int) -> dict:
+    """`layer_costs` of each (model, TP width) of `tasks` not memoised yet, computed in up to `jobs`
+    processes at once and memoised here: {(model, tp): costs}. The widths are independent work (a
+    graph to trace, its passes to schedule), and a cold evaluation of a 10^11-parameter model is
+    mostly that work. Empty, leaving the work to the caller's own process, with `jobs` < 2, fewer
+    than two tasks to do, or a model below SIDE_BY_SIDE_MIN_PARAMS. The workers write the graph and
+    schedule disk caches as this process would, and hand back the graphs they traced (`_worker_costs`)."""
+    todo = [(m, t) for m, t in dict.fromkeys(tasks)
+            if _COSTS_MEMO.get(_costs_key(m, arch, training, system, t, ilp_time_limit_s)) is None]
+    if jobs < 2 or len(todo) < 2 or 12 * todo[0][0].layers * todo[0][0].hidden ** 2 < SIDE_BY_SIDE_MIN_PARAMS:
+        return {}
+    workers = min(jobs, len(todo))
+    # spawn, as the study's pools: a forked child would inherit this process's threads and torch state
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        with phase(f"tracing and scheduling {todo[0][0].name}'s layers at {len(todo)} widths in {workers} processes"):
+            futures = [pool.submit(_worker_costs, m, arch, training, system, t, ilp_time_limit_s) for m, t in todo]
+            done = {}
+            for task, f in zip(todo, futures):
+                done[task], graphs = f.result()
+                adopt(graphs)
+    except BaseException:  # a stop request, or a width that failed: the others' work is not wanted
+        # A worker would finish its solve first (seconds to minutes); it holds nothing a kill can
+        # spoil (the caches are written whole or not at all), so end it now.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=False)  # idle workers exit on their own; this process need not wait for them
+    for costs in done.values():
+        _COSTS_MEMO[costs.key] = costs
+    return done
+
+
+def _worker_costs(model, arch, training, system, tp, ilp_time_limit_s):
+    """`layer_costs` in a worker process, with the layer graphs it traced or read for them, so that
+    the process that started it holds them too (the placement's EP and CP terms read them)."""
+    held = {key for key, _ in memo_entries()}
+    costs = layer_costs(model, arch, training, system, tp, ilp_time_limit_s)
+    return costs, [(key, graph) for key, graph in memo_entries() if key not in held]
+
+
 def tp_layer_energies(model: ModelConfig, arch: Accelerator, training: Training, system: System, tp_costs: _TpCosts):
     """Per-layer (fwd, bwd) energy [n_layers, 4] J per device and microbatch at the costs' TP width,
     with every op in the mode its schedule chose (the graph `training` runs, without SP's collectives);
@@ -319,15 +376,19 @@ class DesignEvaluator:
 
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
 
+    jobs: int = 1  # processes that may share a cold evaluation's layer costs (`costs_side_by_side`)
+
     def __call__(self, model, arch: Accelerator, training: Training, system="default") -> DesignResult:
-        return evaluate(model, arch, training, system, self.ilp_time_limit_s)
+        return evaluate(model, arch, training, system, self.ilp_time_limit_s, self.jobs)
 
 
-def design_evaluator(ilp_time_limit_s: float | None = None) -> DesignEvaluator:
-    """The real evaluator, with a per-pass ILP time limit other than the default when one is given."""
+def design_evaluator(ilp_time_limit_s: float | None = None, jobs: int = 1) -> DesignEvaluator:
+    """The real evaluator, with a per-pass ILP time limit other than the default when one is given,
+    computing a cold design's layer costs in up to `jobs` processes (a study's workers keep 1: they
+    are the parallelism there)."""
     if ilp_time_limit_s is None:
-        return DesignEvaluator()
-    return DesignEvaluator(check_ilp_time_limit(ilp_time_limit_s))
+        return DesignEvaluator(jobs=jobs)
+    return DesignEvaluator(check_ilp_time_limit(ilp_time_limit_s), jobs)
 
 
 def tp_widths(model: ModelConfig, system: System) -> tuple[int, ...]:
@@ -342,7 +403,8 @@ def training_problem(model, arch: Accelerator, training: Training, system, width
     return _training_problem(model, arch, training, system, widths, ilp_time_limit_s)[:4]
 
 
-def _training_problem(model, arch: Accelerator, training: Training, system, widths, ilp_time_limit_s: float):
+def _training_problem(model, arch: Accelerator, training: Training, system, widths, ilp_time_limit_s: float,
+                      jobs: int = 1):
     """`training_problem`, plus what `evaluate`'s throughput bound needs of an EP/CP problem: the
     PlacementProblem fields with proven lower-bound layer times (None: the per-TP bound costs serve)
     and the layer passes its CP traces left open."""
@@ -351,7 +413,14 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
         model = replace(model, capacity_factor=training.capacity_factor)
     system = system if isinstance(system, System) else load_system(system)
     widths = tuple(widths) if widths else tp_widths(model, system)
-    per_tp = {t: layer_costs(model, arch, training, system, t, ilp_time_limit_s) for t in widths}
+    fixed = fixed_layout(model, training)
+    # Every width's costs, and those of the shorter sequences context parallelism prices, side by
+    # side where that pays; what that leaves (or all of it) here, one after another.
+    fresh = costs_side_by_side([(model, t) for t in widths] + [(short, t) for _, short, t in
+                                                               cp_traces(model, system, widths, fixed)],
+                               arch, training, system, ilp_time_limit_s, jobs)
+    per_tp = {t: fresh.get((model, t)) or layer_costs(model, arch, training, system, t, ilp_time_limit_s)
+              for t in widths}
     graph = recipe_graph(model, widths[0], training)
     kinds = [l.kind for l in graph.layers]
     repeated = max(kinds.count(k) for k in set(kinds))  # the decoder layers Megatron interleaves
@@ -371,7 +440,6 @@ def _training_problem(model, arch: Accelerator, training: Training, system, widt
     )
     # Expert and context parallelism (design/parallel.py): nothing changes for a dense
     # model at a short sequence.
-    fixed = fixed_layout(model, training)
 
     def short_costs(short, t):
         v = layer_costs(short, arch, training, system, t, ilp_time_limit_s)
@@ -418,8 +486,9 @@ def _fixed_placement(problem: PlacementProblem, model: ModelConfig, training: Tr
 
 
 def evaluate(model, arch: Accelerator, training: Training, system="default",
-             ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> DesignResult:
-    """Throughput of one design: `arch` trained by `training` (its placement the best or the given one)."""
+             ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, jobs: int = 1) -> DesignResult:
+    """Throughput of one design: `arch` trained by `training` (its placement the best or the given one);
+    a cold one's layer costs computed in up to `jobs` processes (`costs_side_by_side`)."""
     check_ilp_time_limit(ilp_time_limit_s)
     model_cfg = load_model(model)
     if arch.mac_rate(training.precision) is None:
@@ -431,7 +500,7 @@ def evaluate(model, arch: Accelerator, training: Training, system="default",
         _check_tp(fixed, model_cfg.tp_widths, model_cfg)
         widths = (fixed.tp,)
     model_cfg, system, problem, per_tp, parallel_bounds, parallel_unproven = _training_problem(
-        model_cfg, arch, training, system, widths, float(ilp_time_limit_s))
+        model_cfg, arch, training, system, widths, float(ilp_time_limit_s), jobs)
     t0 = time.perf_counter()
     if fixed is None:
         result = optimal_placement(problem)

@@ -176,17 +176,31 @@ def _bound_of(full: LayerCosts, traced: LayerCosts, bound: LayerCosts | None) ->
                    bwd_s=np.maximum(0.0, bound.bwd_s + (full.bwd_s - traced.bwd_s)))
 
 
+def _ep_cp_widths(model: ModelConfig, fixed=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The EP and CP widths the placement tries: the model's, or 1 and the fixed layout's."""
+    if fixed is not None:
+        return tuple(sorted({1, fixed.ep})), tuple(sorted({1, fixed.cp}))
+    return ep_widths(model), cp_widths(model)
+
+
+def cp_traces(model: ModelConfig, system, widths, fixed=None) -> list[tuple[int, ModelConfig, int]]:
+    """(CP width c, the model at 1/c of its sequence, TP width t) of each shorter sequence whose
+    layer costs `parallel_setup` prices, in the order it asks for them: known before any is traced,
+    so that they can be computed side by side."""
+    eps, cps = _ep_cp_widths(model, fixed)
+    if eps == (1,) and cps == (1,) and not model.moe:
+        return []
+    return [(c, replace(model, seq=model.seq // c), t) for c in cps if c > 1
+            for t in widths if t * c <= system.accelerators]
+
+
 def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, layer_costs_fn, fixed=None) -> dict:
     """The PlacementProblem fields for EP and CP: {} for a dense model with short sequences (the
     problem then has no EP or CP terms). `per_tp`: {t: LayerCosts} at the full sequence;
     `layer_costs_fn(model_at_seq, t)` gives (LayerCosts, proven lower-bound LayerCosts or None) of a
     shorter sequence (CP). The result's `bounds` are the costs with proven lower-bound layer times
     (for the throughput bound), `unproven` what the CP traces left open."""
-    eps = ep_widths(model)
-    cps = cp_widths(model)
-    if fixed is not None:
-        eps = tuple(sorted({1, fixed.ep}))
-        cps = tuple(sorted({1, fixed.cp}))
+    eps, cps = _ep_cp_widths(model, fixed)
     if eps == (1,) and cps == (1,) and not model.moe:
         return {}
     costs, bounds = [], []
@@ -195,16 +209,11 @@ def parallel_setup(model: ModelConfig, arch, training, system, per_tp: dict, lay
         costs.append(full)
         bounds.append(_bound_of(full, lc, bound))
     cp_costs, cp_bounds, unproven = [], [], []
-    for c in cps:
-        if c == 1:
-            continue
-        short = replace(model, seq=model.seq // c)
-        for t in per_tp:
-            if t * c <= system.accelerators:
-                lc, bound, open_passes = layer_costs_fn(short, t)
-                full = with_parallel_terms(lc, short, arch, training, system, c)
-                cp_costs.append(full)
-                cp_bounds.append(_bound_of(full, lc, bound))
-                unproven += [f"tp{t} cp{c} {u}" for u in open_passes]
+    for c, short, t in cp_traces(model, system, per_tp, fixed):
+        lc, bound, open_passes = layer_costs_fn(short, t)
+        full = with_parallel_terms(lc, short, arch, training, system, c)
+        cp_costs.append(full)
+        cp_bounds.append(_bound_of(full, lc, bound))
+        unproven += [f"tp{t} cp{c} {u}" for u in open_passes]
     return {"costs": tuple(costs), "cp_costs": tuple(cp_costs), "ep_widths": eps, "cp_widths": cps,
             "bounds": {"costs": tuple(bounds), "cp_costs": tuple(cp_bounds)}, "unproven": unproven}

@@ -125,6 +125,19 @@ def build_layer_graph(
     return graph
 
 
+def memo_entries() -> list[tuple[str, LayerGraph]]:
+    """The graphs this process holds, by key: what a worker process hands back (`adopt`) so that
+    the process that started it neither reads them from disk nor checks them again."""
+    return _MEMO.items()
+
+
+def adopt(entries: list[tuple[str, LayerGraph]]) -> None:
+    """Hold the graphs a worker process of this run traced or read (`memo_entries`), as if this
+    process had: they passed the same checks there."""
+    for key, graph in entries:
+        _MEMO[key] = graph
+
+
 SP_COLLECTIVE = "reducescatter+allgather"
 
 
@@ -183,7 +196,7 @@ def implausible(model: ModelConfig, tp: int, mbs: int, seq: int, graph: LayerGra
     at least 2 x batch x M x K x N of its shape, each layer's FLOPs the sum of its ops', the parameters those
     of the model's modules (`model_params`), and the FLOPs of a sequence at least `FLOPS_FLOOR` x
     6 x active parameters x tokens, for the graph as a whole and for its layers at this TP width."""
-    from .layers import layer_sequence
+    from .kinds import layer_sequence
 
     if (graph.model, graph.tp, graph.mbs, graph.seq) != (model.name, tp, mbs, seq):
         return f"it is the graph of {graph.model} at TP {graph.tp}, microbatch {graph.mbs}, sequence {graph.seq}"
@@ -298,13 +311,13 @@ def _kind_params(model: ModelConfig, counted) -> int:
 
 
 def routed_expert_params(model: ModelConfig) -> int:
-    """Parameters of one routed expert (both linears, no TP); 0 for a dense model."""
+    """Parameters of one routed expert (both linears, no TP); 0 for a dense model. From the config,
+    as `layers.MoE` shapes them (a test counts the module's): the first linear hidden x expert_ffn,
+    twice that with SwiGLU's gate, the second expert_ffn x hidden. Counting the built module would
+    import torch into a process that only prices graphs traced elsewhere."""
     if not model.moe:
         return 0
-    from .layers import build_layer
-
-    moe = build_layer(model, "block", 1).mlp  # every MoE block's experts are alike, local or global
-    return (moe.w1.numel() + moe.w2.numel()) // model.experts
+    return model.hidden * model.expert_ffn * (3 if model.activation == "swiglu" else 2)
 
 
 def active_params(model: ModelConfig) -> int:
@@ -319,7 +332,7 @@ def _extract(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str, 
     start = time.perf_counter()
     with phase(f"tracing {model.name}'s layer graphs (tp {tp}, mbs {mbs})"):
         traces = trace_kinds(model, tp, mbs, seq, fuse, expert_weights)
-    from .layers import layer_sequence
+    from .kinds import layer_sequence
 
     names, kinds = (list(x) for x in zip(*layer_sequence(model)))
     edges = tuple((i, i + 1) for i in range(len(names) - 1))

@@ -110,6 +110,13 @@ HINT_RETRY_GAP = 1e-4  # ... and ends within this relative gap of the relaxation
 DISJ, SPLIT, CAP = "disj", "split", "cap"
 
 
+def _add_ge(prob: pulp.LpProblem, terms: dict, constant: float = 0.0) -> None:
+    """Add the row sum(coefficient * variable) + constant >= 0. PuLP's operators copy an expression
+    for every term they add; a row of a block's O(ops^2) cuts built that way cost more than solving
+    the relaxation, built from its coefficients it costs one pass."""
+    prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms, constant), pulp.LpConstraintGE))
+
+
 @dataclass
 class IlpResult:
     makespan: float  # seconds, of the realised schedule (the better of it and the incumbent)
@@ -484,7 +491,7 @@ class BlockModel:
             self.T, self.L, self.cmask = T, L, cmask
             self._idle_chain_cuts(compute, split_time, single_part)
             if self.anchored:
-                self._anchored_cuts(compute, single_part)
+                self._anchored_cuts(compute)
                 self._partner_args = (compute, split_time, single_part)  # added on demand: add_partner_cuts
         nets = [i for i in ops if inst.net[i]]
         if len(nets) > 1:
@@ -790,17 +797,13 @@ class BlockModel:
         self.stats["partner_covers"] = self.stats.get("partner_covers", 0) + added
         return added
 
-    def _anchored_cuts(self, compute: list[int], single_part) -> None:
+    def _anchored_cuts(self, compute: list[int]) -> None:
         """The timeline cut anchored at every op j (see the module docstring): the compute ops after
         j run inside [S_j + d_j, C] and those before it inside [0, S_j], each set with its split time
-        plus the non-split time its single-mode ops need (work over cores, chains of single ops)."""
+        plus the non-split time its single-mode ops need (work over cores, chains of single ops).
+        There are O(ops^2) terms, so each row is built from its coefficients (`_add_ge`)."""
         inst, prob = self.inst, self.prob
         cm = self.cmask
-
-        def split_part(i):
-            if i in self.free_mode:
-                return self.s2[i] * self.x[i]
-            return self.s2[i] if i in self.fixed_split else 0.0
 
         def extremes(mask: int, rel) -> list[int]:  # the elements of mask not above (rel) another one
             covered = 0
@@ -811,28 +814,55 @@ class BlockModel:
         R = {}  # R_i >= the longest chain of single-mode compute ops starting at i
         for i in reversed(compute):
             R[i] = prob.add_variable(f"R_{i}", lowBound=0)
-            prob += R[i] >= single_part(i)
+            terms = {R[i]: 1.0}
+            const = self._add_parts(terms, (i,), split=False, scale=-1.0)
+            _add_ge(prob, terms, const)
             for s in extremes(inst.desc[i] & cm, inst.desc):
-                prob += R[i] >= R[s] + single_part(i)
+                _add_ge(prob, {**terms, R[s]: -1.0}, const)
         cores = [(inst.num_tc, inst.uses_tc), (inst.num_vc, inst.uses_vc)]
         for j in self.view.ops:
-            d_j = self.d(j) if inst.compute[j] else self.s1[j]
             for mask, rel, chains, after in ((inst.desc[j] & cm, inst.desc, R, True),
                                              (inst.anc[j] & cm, inst.anc, self.L, False)):
                 if not mask:
                     continue
                 group = list(set_bits(mask))
                 t = prob.add_variable(f"{'Tpost' if after else 'Tpre'}_{j}", lowBound=0)
-                if after:
-                    prob += self.C >= self.S[j] + d_j + pulp.lpSum(split_part(k) for k in group) + t
-                else:
-                    prob += self.S[j] >= pulp.lpSum(split_part(k) for k in group) + t
+                if after:  # C >= S_j + d_j + split time after j + t
+                    terms = {self.C: 1.0, self.S[j]: -1.0}
+                    if inst.compute[j]:  # d_j: its single part plus its split part
+                        const = self._add_parts(terms, (j,), split=False, scale=-1.0)
+                        const += self._add_parts(terms, (j,), split=True, scale=-1.0)
+                    else:
+                        const = -self.s1[j]
+                else:  # S_j >= split time before j + t
+                    terms, const = {self.S[j]: 1.0}, 0.0
+                const += self._add_parts(terms, group, split=True, scale=-1.0)
+                terms[t] = -1.0
+                _add_ge(prob, terms, const)
                 for k, uses in cores:
-                    work = [single_part(i) for i in group if uses[i]]
-                    if k and work:
-                        prob += t >= pulp.lpSum(work) * (1.0 / k)
+                    work = [i for i in group if uses[i]]
+                    if k and work:  # t >= single-mode work / cores
+                        terms = {t: 1.0}
+                        _add_ge(prob, terms, self._add_parts(terms, work, split=False, scale=-1.0 / k))
                 for e in extremes(mask, rel):  # minimal descendants / maximal ancestors
-                    prob += t >= chains[e]
+                    _add_ge(prob, {t: 1.0, chains[e]: -1.0})
+
+    def _add_parts(self, terms: dict, ops, split: bool, scale: float) -> float:
+        """Add `scale` times the split time (`split`) or the single-mode time of `ops` to `terms`
+        (variable -> coefficient); return the constant part. Op i takes s2_i x_i and s1_i (1 - x_i)
+        where its mode is free, s2_i where it always splits, s1_i where it never does."""
+        const = 0.0
+        for i in ops:
+            if i in self.free_mode:
+                coef = self.s2[i] if split else -self.s1[i]
+                const += 0.0 if split else scale * self.s1[i]
+                x = self.x[i]
+                terms[x] = terms.get(x, 0.0) + scale * coef
+            elif i in self.fixed_split:
+                const += scale * self.s2[i] if split else 0.0
+            else:
+                const += 0.0 if split else scale * self.s1[i]
+        return const
 
     def _order_var(self, a: int, b: int, m_ab: float, fixed_zero: bool = False):
         if fixed_zero:
@@ -932,6 +962,9 @@ def relaxation_bound(inst: Instance, view: BlockView, incumbent, lower_bound: fl
     stats); `solution`, when given, receives the last round's modes and start times (a hint for a
     schedule, not one: the relaxation ignores core limits)."""
     t0 = time.perf_counter()
+    if time_limit_s <= 0:  # a model that could not run proves nothing: do not build it
+        return lower_bound, False, {"relaxation_s": 0.0, "relaxation_nodes": 0, "relaxation_bound_s": lower_bound,
+                                    "relaxation_rounds": 0, "partner_covers": 0}
     model = BlockModel(inst, view, incumbent, lower_bound, with_pairs=False, anchored=True)
     rounds = 0
     best, best_proven, best_nodes, hint = lower_bound, False, 0, None
@@ -1066,6 +1099,13 @@ def solve_block(inst: Instance, view: BlockView, incumbent, lower_bound: float, 
     if deadline is not None:
         mip_end = min(mip_end, deadline)
     lower_bound = max(lower_bound, rb)
+    if mip_end <= time.perf_counter():
+        # No time is left for the MIP, so it would be built and never run (on a block of 100+ ops
+        # its pair constraints take longer to build than the relaxation took to solve): report the
+        # best schedule with the proven bound, unproven.
+        stats = dict(rstats, proof="none", rounds=0, capacity_cuts=0, nodes=0, binaries=0,
+                     build_solve_s=time.perf_counter() - t0)
+        return IlpResult(best_ms, min(lower_bound, best_ms), "time_limit", best_start, best_modes, stats)
     model = BlockModel(inst, view, incumbent, lower_bound)
     model.stats.update(rstats)
     bound = lower_bound
