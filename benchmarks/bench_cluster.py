@@ -146,9 +146,11 @@ def project(run: dict, engine: dict, points: float, cores: int, shape: dict = RE
     per_l0 = c["level0"]["s"] / run["cells"]  # phaze: one kernel
     per_l1 = c["level1"]["s"] / computed
     per_eval = c["evaluate"]["s"] / max(1, c["evaluate"]["tasks"])
-    # how full the measured run's level-1 tasks were against its own target (a batch stops early
-    # where an evaluation is due), and the share of level-1 work computed ahead and never read
-    fill = min(1.0, c["level1"]["s"] / c["level1"]["tasks"] / level1_task_s(run["workers"]))
+    # how full the measured run's level-1 tasks were against their CPU-second target (a batch stops
+    # early where an evaluation is due; the workers' CPU split by kind as their compute time is),
+    # and the share of level-1 work computed ahead and never read
+    l1_cpu = run["worker_cpu_s"] * c["level1"]["s"] / sum(k["s"] for k in c.values())
+    fill = min(1.0, l1_cpu / c["level1"]["tasks"] / level1_task_s(run["workers"]))
     ahead = computed / run["level1_runs"]
     cells = points / shape["recipes"]
     expanded = cells * shape["expanded"]

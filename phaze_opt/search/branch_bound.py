@@ -82,16 +82,17 @@ from .trials import add_trial, best_history, existing_scores, frozen_trial, poin
 # change the numbers.
 LEVEL0_ROWS = CHUNK
 
-# Level-1 tasks. One scheduler and one parent hand out every task, at 13-21 ms each on Dask
+# Level-1 tasks. One scheduler and one parent hand out every task, at 10-21 ms each on Dask
 # (`ENGINE_TASK_S`, measured by benchmarks/bench_cluster.py --noop), while one cell's level 1 costs
-# ~35 ms a recipe: a task of one cell spends 8% of a 2-worker sweep in the engine. A task therefore
-# carries the next cells of the best-first order up to `level1_task_s(workers)` seconds of work, priced
-# at the per-recipe cost measured on the tasks so far: at least LEVEL1_TASK_S, 25 times the engine's
-# cost (the engine under 5% of a task even at its slowest, 21 ms), and with many workers
+# ~35 ms of CPU a recipe: a task of one cell spends 8% of a 2-worker sweep in the engine. A task
+# therefore carries the next cells of the best-first order up to `level1_task_s(workers)` CPU seconds
+# of work, priced at the CPU time per recipe measured on the tasks so far (CPU, not wall time, so a
+# loaded machine does not shrink the batches): at least LEVEL1_TASK_S, 50 times the engine's slowest
+# cost per task (the engine at most 2% of a task; about 15 cells of `phaze`), and with many workers
 # 2 x workers x ENGINE_TASK_S, so that handing each worker its next task takes the one scheduler at
-# most half a task's time. The order decides nothing about exactness (`_Sweep._hand_out`).
+# most half a task's time. The size decides nothing about exactness (`_Sweep._hand_out`).
 ENGINE_TASK_S = 0.015
-LEVEL1_TASK_S = 0.5
+LEVEL1_TASK_S = 1.0
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated", "dominated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED, DOMINATED = range(4)
@@ -189,19 +190,19 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
 
 
 def level1_task_s(workers: int) -> float:
-    """Seconds of level-1 work one task carries (see LEVEL1_TASK_S)."""
+    """CPU seconds of level-1 work one task carries (see LEVEL1_TASK_S)."""
     return max(LEVEL1_TASK_S, 2.0 * max(workers, 1) * ENGINE_TASK_S)
 
 
 def _level1(cells: list[tuple], attns: list, incumbent: float = 0.0) -> tuple[list, float]:
     """Level 1 of each (widths, mbs, HBM bytes, peak FLOP/s, recipes) cell: per recipe its
     `best_first.recipe_bound_pairs` (the parent picks the bound at its incumbent), with this worker's
-    model and system, and the seconds the cells took (the parent sizes the next tasks by them);
+    model and system, and the CPU seconds the cells took (the parent sizes the next tasks by them);
     `incumbent` is the best score when the task was handed out."""
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     pairs = [recipe_bound_pairs(_W["model"], _W["system"], widths, mbs, hbm_bytes, peak_flops, rcs, attns, incumbent)
              for widths, mbs, hbm_bytes, peak_flops, rcs in cells]
-    return pairs, time.perf_counter() - t0
+    return pairs, time.process_time() - t0
 
 
 def _evaluate(points: list[dict]) -> list[tuple]:
@@ -345,7 +346,7 @@ class _Sweep:
         self.since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
         self.heap: list = []  # (-bound, seq, m, row, {r: ub1})
         self.ready: list = []  # cells whose level 1 came back, not yet read: (index in `order`, m, row, pairs)
-        self.level1_cost = [0.0, 0]  # seconds and recipes of the level-1 tasks so far
+        self.level1_cost = [0.0, 0]  # CPU seconds and recipes of the level-1 tasks so far
         self.seq = itertools.count()
         self.inflight: dict[Future, tuple] = {}
         self.failed_keys: set = set()
@@ -464,7 +465,7 @@ class _Sweep:
 
     def _bound_cells(self, pool, top1: float, evaluating: bool) -> None:
         """Hand out level 1 of the next level-0 cells in one task, for the recipes no other recipe
-        dominates: as many as `level1_task_s` seconds of work at the measured cost per recipe (one
+        dominates: as many as `level1_task_s` CPU seconds of work at the measured cost per recipe (one
         until a task was measured), and only cells the loop would bound before it evaluates anything,
         so no batch delays an evaluation that is due: each cell's level-0 bound above the best
         level-1 bound waiting (`top1`) and the incumbent, and no more cells than are left before a
