@@ -14,10 +14,13 @@ round trip) and 2 and 16 in flight (the engine's rate). Prints the figures and w
 
 The projection (a model, not a measurement): a space of `--points` points shaped like
 `phaze-recipes` (`RECIPES_SHAPE`: its recipes a cell, its fractions of cells expanded and points
-evaluated), priced at the measured run's unit costs (level 0 per cell, level 1 per recipe, one
-evaluation) and spread over `--cores`; every task also pays the engine's measured per-task cost on
-its one scheduler and one parent, and one evaluation is the critical path's floor (it cannot be
-split). `--from-json FILE` recomputes it from a saved result.
+evaluated), priced at the measured run's unit costs (level 0 per cell, level 1 per recipe computed,
+one evaluation) and spread over `--cores`. Its tasks are sized as the sweep sizes them on that many
+workers (level 0: `LEVEL0_ROWS` rows; level 1: `level1_task_s(cores)` seconds, filled as fully as
+the measured run filled its own), and every task pays the engine's measured per-task cost on its
+one scheduler and one parent. Level 0 ends before level 1 starts, each phase takes at least one of
+its tasks, and one evaluation is the critical path's floor (it cannot be split). `--from-json FILE`
+recomputes it from a saved result.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from phaze_opt.runs import cluster  # noqa: E402
+from phaze_opt.search.branch_bound import LEVEL0_ROWS, level1_task_s  # noqa: E402
 from phaze_opt.search.runner import run_study  # noqa: E402
 from phaze_opt.search.setup import StudyConfig  # noqa: E402
 
@@ -87,7 +91,8 @@ def sweep_on_cluster(args, workers: int, out: Path) -> dict:
     ex = summary["exhaustive"]
     return {"workers": workers, "wall_s": wall, "sweep_s": ex["wall_s"], "level0_s": ex["level0_s"],
             "points": ex["points"], "settled": ex["settled"], "cells": ex["cells"],
-            "cells_expanded": ex["cells_expanded"], "level1_runs": ex["level1_runs"], "optimum": ex["optimum"], "optimum_proven": ex["optimum_proven"],
+            "cells_expanded": ex["cells_expanded"], "level1_runs": ex["level1_runs"],
+            "level1_unused": ex["level1_unused"], "optimum": ex["optimum"], "optimum_proven": ex["optimum_proven"],
             "executor": seen[-1] if seen else None,
             "compute": {k: {"tasks": n, "s": s} for k, (n, s) in compute.items()},
             "points_per_s_per_core": ex["points"] / ex["wall_s"] / workers,
@@ -133,26 +138,39 @@ RECIPES_SHAPE = {"recipes": 144, "attention": 2, "expanded": 1311 / 351564, "lev
 
 def project(run: dict, engine: dict, points: float, cores: int, shape: dict = RECIPES_SHAPE) -> dict:
     """The model of the module docstring. Unit costs come from the measured run (one worker, so no
-    task waits on another): level 0 per cell and kernel, level 1 per recipe bounded, one evaluation;
-    counts from the projected space's shape, scaled linearly with its cells (pessimistic for the
-    evaluations: the points near the optimum do not multiply with the grid)."""
+    task waits on another): level 0 per cell and kernel, level 1 per recipe computed (read or not),
+    one evaluation; counts from the projected space's shape, scaled linearly with its cells
+    (pessimistic for the evaluations: the points near the optimum do not multiply with the grid)."""
     c = run["compute"]
+    computed = run["level1_runs"] + run.get("level1_unused", 0)
     per_l0 = c["level0"]["s"] / run["cells"]  # phaze: one kernel
-    per_l1 = c["level1"]["s"] / run.get("level1_runs", 2 * c["level1"]["tasks"])  # phaze: 2 recipes a cell
+    per_l1 = c["level1"]["s"] / computed
     per_eval = c["evaluate"]["s"] / max(1, c["evaluate"]["tasks"])
+    # how full the measured run's level-1 tasks were against their CPU-second target (a batch stops
+    # early where an evaluation is due; the workers' CPU split by kind as their compute time is),
+    # and the share of level-1 work computed ahead and never read
+    l1_cpu = run["worker_cpu_s"] * c["level1"]["s"] / sum(k["s"] for k in c.values())
+    fill = min(1.0, l1_cpu / c["level1"]["tasks"] / level1_task_s(run["workers"]))
+    ahead = computed / run["level1_runs"]
     cells = points / shape["recipes"]
     expanded = cells * shape["expanded"]
     evaluated = cells * shape["evaluated_per_cell"]
-    work = {"level0": per_l0 * cells * shape["attention"], "level1": per_l1 * expanded * shape["level1_per_cell"],
-            "evaluate": per_eval * evaluated}
-    rows_per_task = 16384  # branch_bound.LEVEL0_ROWS
-    tasks = {"level0": cells * shape["attention"] / rows_per_task, "level1": expanded, "evaluate": evaluated}
-    engine_s = sum(tasks.values()) * engine["per_task_s_16_in_flight"]  # one scheduler and one parent hand out every task
-    spread = sum(work.values()) / cores
-    total = max(spread, engine_s) + per_eval  # one evaluation cannot be split: the critical path's floor
-    return {"points": points, "cores": cores, "cells": cells, "unit_s": {"level0_cell": per_l0, "level1_recipe": per_l1,
-            "evaluation": per_eval}, "work_core_s": work, "tasks": tasks, "spread_s": spread, "engine_s": engine_s,
-            "time_s": total, "engine_share": engine_s / total}
+    work = {"level0": per_l0 * cells * shape["attention"],
+            "level1": per_l1 * expanded * shape["level1_per_cell"] * ahead, "evaluate": per_eval * evaluated}
+    l1_task = max(level1_task_s(cores) * fill, work["level1"] / expanded)  # at least one cell a task
+    tasks = {"level0": cells * shape["attention"] / LEVEL0_ROWS, "level1": work["level1"] / l1_task,
+             "evaluate": evaluated}
+    per_task = engine["per_task_s_16_in_flight"]  # one scheduler and one parent hand out every task
+    phases = {"level0": max(work["level0"] / cores, per_l0 * LEVEL0_ROWS, tasks["level0"] * per_task),
+              "settle": max((work["level1"] + work["evaluate"]) / cores, l1_task,
+                            (tasks["level1"] + tasks["evaluate"]) * per_task)}
+    engine_s = sum(tasks.values()) * per_task
+    total = sum(phases.values()) + per_eval  # one evaluation cannot be split: the critical path's floor
+    return {"points": points, "cores": cores, "cells": cells,
+            "unit_s": {"level0_cell": per_l0, "level1_recipe": per_l1, "evaluation": per_eval},
+            "level1_fill": fill, "level1_computed_per_read": ahead, "level1_task_s": l1_task,
+            "work_core_s": work, "tasks": tasks, "phases_s": phases, "spread_s": sum(work.values()) / cores,
+            "engine_s": engine_s, "time_s": total, "engine_share": engine_s / total}
 
 
 def main(argv=None) -> dict:

@@ -36,12 +36,16 @@ MODEL, SYSTEM = load_model("gpt2-xl"), load_system("default")
 
 
 
-def _space(params: dict):
+def space_mapping(params: dict) -> dict:
+    """A drawn space as its YAML file holds it (a sweep takes the file)."""
     fixed = {} if "clock_ghz" in params else {"clock_ghz": 1.05}
-    return space_from_mapping({"name": "drawn", "params": params, "tied": {"vc_width": "tc_x"},
-                               "fixed": fixed, "hbm_bw_gbps": {32: 1200, 80: 2048},
-                               "area": {"budget": "tpuv4", "min_fraction": 0.05,
-                                        "floor_exempt_if_one": ["num_tc", "num_vc"]}}, "drawn.yaml")
+    return {"name": "drawn", "params": params, "tied": {"vc_width": "tc_x"}, "fixed": fixed,
+            "hbm_bw_gbps": {32: 1200, 80: 2048},
+            "area": {"budget": "tpuv4", "min_fraction": 0.05, "floor_exempt_if_one": ["num_tc", "num_vc"]}}
+
+
+def _space(params: dict):
+    return space_from_mapping(space_mapping(params), "drawn.yaml")
 
 
 def _subset(choices):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 
 distributed = pytest.importorskip("distributed")
 
@@ -30,12 +29,10 @@ from phaze_opt.search.runner import run_study  # noqa: E402
 from phaze_opt.search.setup import StudyConfig, validate  # noqa: E402
 
 from cluster_faults import KillWorkers, killed  # noqa: E402
+from test_branch_bound_batches import slice_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A slice of the `phaze` space around its optimum (the full sweep's optimum lies inside it).
-SLICE = {"num_tc": {"pow2": [16, 64]}, "num_vc": {"pow2": [64, 256]}, "tc_x": {"pow2": [32, 128]}, "tc_y": [128],
-         "glb_mib": {"pow2": [16, 64]}, "hbm_gib": [32, 80], "mbs": [1, 2, 4], "recompute": [False, True]}
 SPACES = {"small": ("gpt2-xl", "small"), "phaze-slice": ("gpt3-175b", None)}
 
 
@@ -47,10 +44,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def spaces(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spaces")
-    spec = yaml.safe_load((REPO / "phaze_opt" / "presets" / "spaces" / "phaze.yaml").read_text())
-    (folder / "slice.yaml").write_text(yaml.safe_dump({**spec, "name": "phaze-slice", "params": SLICE}))
-    return {name: (model, space or str(folder / "slice.yaml")) for name, (model, space) in SPACES.items()}
+    path = slice_file(tmp_path_factory.mktemp("spaces"))
+    return {name: (model, space or path) for name, (model, space) in SPACES.items()}
 
 
 def sweep_config(out: Path, model: str, space: str, **options) -> StudyConfig:

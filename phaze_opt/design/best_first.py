@@ -69,12 +69,24 @@ def recipe_bounds(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: i
     Recipes are grouped by `relaxed_recipe` (all fields but recompute, SP and kernel); each group is first bounded at once
     (`upper_bound.group_placement_throughput`, valid for every recipe of the group). A group whose
     bound cannot beat `incumbent` gives all its recipes that bound; the others are bounded one by one."""
+    pairs = recipe_bound_pairs(model, system, widths, mbs, hbm_bytes, peak_flops, rcs, attns, incumbent)
+    return [pick_bound(pair, incumbent) for pair in pairs]
+
+
+def recipe_bound_pairs(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: int, hbm_bytes: float,
+                       peak_flops: float, rcs: Sequence[Mapping], attns: Sequence,
+                       incumbent: float = 0.0) -> list[tuple[float, float | None]]:
+    """`recipe_bounds` before it reads the incumbent: per recipe (its group's bound, its own bound, or
+    None where the group's bound cannot beat `incumbent` and its own was not computed). A task of the
+    sweep computes them at the incumbent it was handed; the parent picks at the incumbent it holds
+    when it reads the cell (`pick_bound`), so a cell computed ahead of its turn gives the numbers it
+    would have given in its turn."""
     recipes = [point_recipe({"mbs": mbs, **rc})[0] for rc in rcs]
     groups: dict = {}
     for i, recipe in enumerate(recipes):
         if recipe is not None:  # a point that names no recipe stays at 0: nothing can run it
             groups.setdefault(relaxed_recipe(recipe), []).append(i)
-    out = [0.0] * len(rcs)
+    out: list[tuple[float, float | None]] = [(0.0, None)] * len(rcs)
     for members in groups.values():
         group_bound = float("inf")
         if len(members) > 1:
@@ -83,13 +95,20 @@ def recipe_bounds(model, system, widths: Sequence[Sequence[WidthBounds]], mbs: i
                                                      recipes=[recipes[i] for i in members], hbm_bytes=hbm_bytes,
                                                      peak_flops=peak_flops)
         for i in members:
-            if group_bound <= incumbent:
-                out[i] = group_bound
-                continue
-            out[i] = min(group_bound, placement_throughput(
-                model, widths[attns.index(rcs[i].get("attention"))], 0, system=system, training=recipes[i],
-                hbm_bytes=hbm_bytes, peak_flops=peak_flops))
+            own = None
+            if group_bound > incumbent:
+                own = placement_throughput(model, widths[attns.index(rcs[i].get("attention"))], 0, system=system,
+                                           training=recipes[i], hbm_bytes=hbm_bytes, peak_flops=peak_flops)
+            out[i] = (group_bound, own)
     return out
+
+
+def pick_bound(pair: tuple[float, float | None], incumbent: float) -> float:
+    """A recipe's level-1 bound from its (group, own) pair: the group's where that cannot beat
+    `incumbent` (no placement DP of its own is needed to settle it), else the tighter of the two.
+    With an incumbent at least the one the pair was computed at, every own bound it needs is there."""
+    group, own = pair
+    return group if own is None or group <= incumbent else min(group, own)
 
 
 def flops_per_sequence(model, system, attns: Sequence) -> float:

@@ -8,7 +8,9 @@ by a bound instead (`upper_bound` explains both bounds and why they hold):
    covering every recipe (recompute, and the further recipe fields a space samples; the larger
    over the attention kernels). Computed in tasks of `LEVEL0_ROWS` designs of one microbatch,
    so the processes share the work and its progress is reported as the tasks finish.
-2. level 1: the exact placement DP on lower-bound layer times of one point (~10-30 ms).
+2. level 1: the exact placement DP on lower-bound layer times of one point (~10-30 ms), for the
+   next cells of the best-first order in one task (`level1_task_s`: a cluster's scheduler costs
+   about as much per task as one cell's level 1).
 3. full evaluation, logged as a trial like any sampled or swept point.
 
 Best-first branch and bound: candidates are taken in decreasing order of their current bound, so
@@ -53,7 +55,7 @@ import numpy as np
 from ..activity import phase
 from ..design.dominance import model_dominators
 from ..design.evaluate import tp_widths
-from ..design.best_first import level0_throughput, recipe_bounds
+from ..design.best_first import level0_throughput, pick_bound, recipe_bound_pairs
 from ..design.upper_bound import CHUNK, WidthBounds, concat_bounds, layer_lower_bounds, slice_designs
 from ..errors import PhazeError
 from ..hardware.latency import DesignArrays
@@ -74,8 +76,23 @@ from .strategy import BranchAndBound, register
 from .trials import add_trial, best_history, existing_scores, frozen_trial, point_key
 
 # Design rows per level-0 task: a multiple of upper_bound.CHUNK, so every `estimate` call sees exactly
-# the slice of designs it saw when a task bounded all of them (the same numbers, bit for bit).
+# the slice of designs it saw when a task bounded all of them (the same numbers, bit for bit). One
+# chunk is about 16 s of work at ~1 ms a design row (BENCHMARKS.md, "The sweep on a Dask cluster"),
+# a thousand times the engine's cost per task, so level 0 needs no larger tasks; smaller ones would
+# change the numbers.
 LEVEL0_ROWS = CHUNK
+
+# Level-1 tasks. One scheduler and one parent hand out every task, at 10-21 ms each on Dask
+# (`ENGINE_TASK_S`, measured by benchmarks/bench_cluster.py --noop), while one cell's level 1 costs
+# ~35 ms of CPU a recipe: a task of one cell spends 8% of a 2-worker sweep in the engine. A task
+# therefore carries the next cells of the best-first order up to `level1_task_s(workers)` CPU seconds
+# of work, priced at the CPU time per recipe measured on the tasks so far (CPU, not wall time, so a
+# loaded machine does not shrink the batches): at least LEVEL1_TASK_S, 50 times the engine's slowest
+# cost per task (the engine at most 2% of a task; about 15 cells of `phaze`), and with many workers
+# 2 x workers x ENGINE_TASK_S, so that handing each worker its next task takes the one scheduler at
+# most half a task's time. The size decides nothing about exactness (`_Sweep._hand_out`).
+ENGINE_TASK_S = 0.015
+LEVEL1_TASK_S = 1.0
 
 SETTLED = ("bound-ideal", "bound-placement", "evaluated", "dominated")
 BOUND_IDEAL, BOUND_PLACEMENT, EVALUATED, DOMINATED = range(4)
@@ -172,11 +189,20 @@ def _concat(chunks: list[WidthBounds]) -> WidthBounds:
     return concat_bounds(chunks)  # keeps the context-parallel widths' bounds
 
 
-def _level1(widths, mbs: int, hbm_bytes: float, peak_flops: float, rcs: list, attns: list,
-            incumbent: float = 0.0) -> list[float]:
-    """Level 1 of one design row at one microbatch for every recipe (`best_first.recipe_bounds`), with
-    this worker's model and system; `incumbent` is the best score when the task was handed out."""
-    return recipe_bounds(_W["model"], _W["system"], widths, mbs, hbm_bytes, peak_flops, rcs, attns, incumbent)
+def level1_task_s(workers: int) -> float:
+    """CPU seconds of level-1 work one task carries (see LEVEL1_TASK_S)."""
+    return max(LEVEL1_TASK_S, 2.0 * max(workers, 1) * ENGINE_TASK_S)
+
+
+def _level1(cells: list[tuple], attns: list, incumbent: float = 0.0) -> tuple[list, float]:
+    """Level 1 of each (widths, mbs, HBM bytes, peak FLOP/s, recipes) cell: per recipe its
+    `best_first.recipe_bound_pairs` (the parent picks the bound at its incumbent), with this worker's
+    model and system, and the CPU seconds the cells took (the parent sizes the next tasks by them);
+    `incumbent` is the best score when the task was handed out."""
+    t0 = time.process_time()
+    pairs = [recipe_bound_pairs(_W["model"], _W["system"], widths, mbs, hbm_bytes, peak_flops, rcs, attns, incumbent)
+             for widths, mbs, hbm_bytes, peak_flops, rcs in cells]
+    return pairs, time.process_time() - t0
 
 
 def _evaluate(points: list[dict]) -> list[tuple]:
@@ -314,11 +340,13 @@ class _Sweep:
         self.incumbent = self.visit.incumbent(self.done)
         self.n_m, self.n_r = len(self.grid.mbss), len(self.grid.rcs)
         self.stats = {"workers": self.config.workers, "evaluated_this_run": 0, "resumed": 0, "level1_runs": 0,
-                      "failed": []}
+                      "level1_tasks": 0, "level1_unused": 0, "failed": []}
         self.accels: dict[int, object] = {}
-        self.pos = 0  # next level-0 candidate in `order`
+        self.pos = 0  # next level-0 candidate in `order` not handed out
         self.since_eval = 0  # cells bounded at level 1 since the last evaluation was handed out
         self.heap: list = []  # (-bound, seq, m, row, {r: ub1})
+        self.ready: list = []  # cells whose level 1 came back, not yet read: (index in `order`, m, row, pairs)
+        self.level1_cost = [0.0, 0]  # CPU seconds and recipes of the level-1 tasks so far
         self.seq = itertools.count()
         self.inflight: dict[Future, tuple] = {}
         self.failed_keys: set = set()
@@ -353,6 +381,8 @@ class _Sweep:
             self.incumbent = max(self.incumbent, floor)
             self.heap.clear()  # a drained group leaves only bounds at or below the incumbent
             self._drain(pool)
+            self.stats["level1_unused"] += sum(len(self.canon[m]) for _, m, _, _ in self.ready)
+            self.ready.clear()  # computed ahead of their turn, which never came: level 0 settles them
         self._report()
         self.progress.close()
 
@@ -370,9 +400,15 @@ class _Sweep:
 
     def _hand_out(self, pool) -> None:
         """Fill the workers: the best candidate is evaluated when its placement bound (level 1) is
-        known and not below the best level-0 bound, else the best level-0 cell is bounded at level 1."""
+        known and not below the best level-0 bound, else the best level-0 cell is bounded at level 1:
+        read from a task that already computed it, or handed out with the cells after it.
+
+        The cells of a task come back together but are read one at a time, each when the best-first
+        loop reaches it, at the incumbent it holds then; cells it never reaches are dropped. So with
+        one worker the sweep takes the same steps, and settles every point the same way, whatever
+        the tasks' size: a batch changes which work runs ahead, never what is settled."""
         while len(self.inflight) < max(self.config.workers, 1):
-            top0 = self.ub0.flat[self.order[self.pos]] if self.pos < self.order.size else -np.inf
+            top0 = self._top0()
             top1 = -self.heap[0][0] if self.heap else -np.inf
             if max(top0, top1) <= self.incumbent:
                 break
@@ -385,8 +421,16 @@ class _Sweep:
                     _, _, m, row, ub1 = heapq.heappop(self.heap)
                     self.since_eval = 0
                 self._evaluate_cell(pool, m, row, ub1)
+            elif self.ready:
+                self._read_cell()
             else:
-                self._bound_cell(pool)
+                self._bound_cells(pool, top1, evaluating)
+
+    def _top0(self) -> float:
+        """The level-0 bound of the best cell not yet read and not in flight."""
+        if self.ready:
+            return float(self.ub0.flat[self.order[self.ready[0][0]]])
+        return float(self.ub0.flat[self.order[self.pos]]) if self.pos < self.order.size else -np.inf
 
     def _dive(self) -> tuple[int, int, dict]:
         """The best level-1 cell's best recipe alone; the cell's other recipes go back on the heap."""
@@ -419,16 +463,45 @@ class _Sweep:
             _end_bounding(self.session, self.stats)
             self.inflight[pool.submit(_evaluate, todo)] = ("eval", todo_cells)
 
-    def _bound_cell(self, pool) -> None:
-        """Hand out level 1 of the next level-0 cell, for the recipes no other recipe dominates."""
-        flat = int(self.order[self.pos])
-        self.pos += 1
-        m, row = divmod(flat, self.grid.n_rows)
-        a = self._accel(row)
-        rows = [[w.take([row]) for w in per_attn] for per_attn in self.widths[m]]
-        self.inflight[pool.submit(_level1, rows, self.grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
-                                  [self.grid.rcs[r] for r in self.canon[m]], self.grid.attns,
-                                  self.incumbent)] = ("l1", m, row)
+    def _bound_cells(self, pool, top1: float, evaluating: bool) -> None:
+        """Hand out level 1 of the next level-0 cells in one task, for the recipes no other recipe
+        dominates: as many as `level1_task_s` CPU seconds of work at the measured cost per recipe (one
+        until a task was measured), and only cells the loop would bound before it evaluates anything,
+        so no batch delays an evaluation that is due: each cell's level-0 bound above the best
+        level-1 bound waiting (`top1`) and the incumbent, and no more cells than are left before a
+        dive (`DIVE_AFTER`) while a point waits."""
+        seconds, recipes = self.level1_cost
+        per_recipe = seconds / recipes if recipes else None
+        floor = max(self.incumbent, top1)
+        room = DIVE_AFTER - self.since_eval if self.heap and not evaluating else self.order.size
+        target, work, batch = level1_task_s(self.config.workers), 0.0, []
+        while self.pos < self.order.size and len(batch) < max(room, 1):
+            flat = int(self.order[self.pos])
+            if batch and (per_recipe is None or work >= target or self.ub0.flat[flat] <= floor):
+                break
+            m, row = divmod(flat, self.grid.n_rows)
+            a = self._accel(row)
+            rows = [[w.take([row]) for w in per_attn] for per_attn in self.widths[m]]
+            batch.append((self.pos, m, row, (rows, self.grid.mbss[m], float(a.hbm_bytes), float(a.peak_flops),
+                                             [self.grid.rcs[r] for r in self.canon[m]])))
+            work += (per_recipe or 0.0) * len(self.canon[m])
+            self.pos += 1
+        self.inflight[pool.submit(_level1, [cell for *_, cell in batch], self.grid.attns, self.incumbent)] = \
+            ("l1", [(i, m, row) for i, m, row, _ in batch])
+        self.stats["level1_tasks"] += 1
+
+    def _read_cell(self) -> None:
+        """The best computed cell's level-1 bounds, at the incumbent held now; the recipes that can
+        still beat it go on the heap."""
+        _, m, row, pairs = heapq.heappop(self.ready)
+        status, bound, _ = self.cells.get(m, row)
+        ub1 = {r: pick_bound(pair, self.incumbent) for r, pair in zip(self.canon[m], pairs)}
+        for r, b in ub1.items():
+            status[r] = BOUND_PLACEMENT
+            bound[r] = b
+        live = {r: b for r, b in ub1.items() if b > self.incumbent}
+        if live:
+            heapq.heappush(self.heap, (-max(live.values()), next(self.seq), m, row, live))
         self.stats["level1_runs"] += len(self.canon[m])
         self.since_eval += 1
 
@@ -438,21 +511,17 @@ class _Sweep:
         return self.accels[row]
 
     def _take(self, future: Future) -> None:
-        """A finished task: an evaluation's trials recorded, or a cell's level-1 bounds (the recipes
-        that can still beat the incumbent pushed on the heap)."""
+        """A finished task: an evaluation's trials recorded, or its cells' level-1 bounds kept until
+        the loop reads them (`_read_cell`) and its time added to the cost per recipe."""
         tag = self.inflight.pop(future)
         if tag[0] == "eval":
             self._record(tag[1], future.result())
             return
-        _, m, row = tag
-        status, bound, _ = self.cells.get(m, row)
-        ub1 = dict(zip(self.canon[m], future.result()))
-        for r, b in ub1.items():
-            status[r] = BOUND_PLACEMENT
-            bound[r] = b
-        live = {r: b for r, b in ub1.items() if b > self.incumbent}
-        if live:
-            heapq.heappush(self.heap, (-max(live.values()), next(self.seq), m, row, live))
+        pairs, seconds = future.result()
+        self.level1_cost[0] += seconds
+        for (i, m, row), cell in zip(tag[1], pairs):
+            self.level1_cost[1] += len(cell)
+            heapq.heappush(self.ready, (i, m, row, cell))
 
     def _record(self, cells_done, results) -> None:
         """Each evaluated point as a trial (and MLflow run), its score in its cell, the incumbent raised."""
