@@ -16,7 +16,8 @@ The sweep is reused when its summary exists; a sampled study resumes (a settled 
 cannot be compared with studies run minutes later. With it, every seed's study is paired with a
 sweep of its own run right beside it in time (the sweep first for even seeds, the study first for
 odd ones), and each pair's ratio of times to 99% is reported: the comparison is between runs under
-the same load. Every pair's sweep must prove the same optimum.
+the same load. Every pair's sweep must prove the same optimum; a study resumed from an earlier
+invocation has no sweep beside it and is not paired.
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ def bench_space(args, space: str) -> dict:
     for seed in args.seeds:
         extra = ["--trials", str(args.trials), "--seed", str(seed), "--sampler", args.sampler]
         pair = None
-        if args.paired and seed == args.seeds[0] and fresh:
+        # a study run before this invocation (resumed) has no sweep beside it in time: not paired
+        paired = args.paired and not any(out.glob(f"{args.model}-{space}-*-seed{seed}.db"))
+        if paired and seed == args.seeds[0] and fresh:
             pair = {k: sweep_row[k] for k in ("to_99", "wall_s")}
-        elif args.paired and seed % 2 == 0:
+        elif paired and seed % 2 == 0:
             pair = paired_sweep(args, space, out, seed, optimum)
         summary = run(study_cmd(args, space, out, extra), out, f"seed{seed}", args.max_wall_s)
-        if args.paired and seed % 2 == 1:
+        if paired and seed % 2 == 1:
             pair = paired_sweep(args, space, out, seed, optimum)
         name = next(p.stem for p in out.glob(f"{args.model}-{space}-*-seed{seed}.db"))
         study, trials = trials_of(out, name)
