@@ -96,7 +96,11 @@ def test_the_cluster_sweep_settles_as_the_local_sweep(name, spaces, local, clust
 
 
 @pytest.mark.slow
-def test_workers_killed_at_ten_moments_lose_nothing_and_repeat_nothing(spaces, local, tmp_path):
+def test_workers_killed_at_ten_moments_lose_nothing_and_repeat_nothing(spaces, local, tmp_path, monkeypatch):
+    """A task of one cell at a time (the batch size decides nothing about exactness), so the slice's
+    sweep runs enough tasks for ten kills at p = 0.2 whatever the machine's speed."""
+    monkeypatch.setattr(branch_bound, "LEVEL1_TASK_S", 0.0)
+    monkeypatch.setattr(branch_bound, "ENGINE_TASK_S", 0.0)
     model, space = spaces["phaze-slice"]
     folder = tmp_path / "kills"
     folder.mkdir()
