@@ -21,6 +21,7 @@ import optuna
 import pytest
 
 distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
 
 from phaze_opt.errors import PhazeError  # noqa: E402
 from phaze_opt.runs.cluster import ClusterExecutor, check_address, connect  # noqa: E402
@@ -200,6 +201,30 @@ def test_a_study_without_a_cluster_never_imports_the_engine():
 
 def _sleep(s):
     time.sleep(s)
+
+
+def _die_until(folder: str, deaths: int) -> str:
+    """Kill this worker process (as the OOM killer would) until `deaths` workers have died."""
+    done = len(os.listdir(folder))
+    if done < deaths:
+        open(os.path.join(folder, f"death-{done}"), "w").close()
+        os._exit(1)
+    return "survived"
+
+
+@pytest.mark.slow
+def test_a_task_that_kills_the_only_worker_again_and_again_is_submitted_until_it_survives(tmp_path):
+    """The only worker dies under a task four times in a row; each time the executor submits it
+    again once the worker's nanny has restarted it, and the fifth run's result is the task's."""
+    lc = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
+    pool = ClusterExecutor(lc.scheduler_address)
+    deaths = dask.config.get("distributed.scheduler.allowed-failures") + 1
+    try:
+        assert pool.submit(_die_until, str(tmp_path), deaths).result(timeout=600) == "survived"
+        assert len(os.listdir(tmp_path)) == deaths and pool.stats["resubmitted"] >= 1
+    finally:
+        pool.shutdown()
+        lc.close()
 
 
 def test_a_cluster_that_goes_away_is_one_line():

@@ -37,6 +37,9 @@ from ..errors import PhazeError
 FLAG = "--cluster"
 CONNECT_S = 30.0  # waiting for the scheduler to answer, and for its first worker
 RESUBMITS = 3  # fresh submissions of a task whose workers kept dying, after Dask's own retries
+# how long a task lost with every worker waits for a nanny to restart one (seconds on a quiet machine;
+# a restart imports the package again, so minutes on a loaded one) before the cluster counts as gone
+WORKER_RETURN_S = 180.0
 # Fresh submissions of a task whose inputs died with their workers (each scatters them again): every
 # task in flight loses them at once, so this counts losses of the cluster, not of the task.
 RESCATTERS = 20
@@ -169,7 +172,7 @@ class ClusterExecutor(Executor):
                 if why == "inputs":
                     self._forget_shared(keys)
                 try:
-                    self._launch(outer, fn, args, tries)
+                    self._relaunch(outer, fn, args, tries)
                     return
                 except Exception as again:  # noqa: BLE001 - the cluster is gone: one line on the future
                     exc = PhazeError(f"{FLAG} {self.address}: the cluster is gone ({type(again).__name__}: "
@@ -183,6 +186,16 @@ class ClusterExecutor(Executor):
             self._live.pop(outer, None)
         if not outer.done():
             outer.set_result(result)
+
+    def _relaunch(self, outer: Future, fn, args: tuple, tries: Counter) -> None:
+        """Submit a lost task again. When every worker died at once (the scatter finds none), wait for
+        a nanny to bring one back (`WORKER_RETURN_S`) before the cluster counts as gone. This runs in
+        Dask's one callback thread, so other results wait too; with no worker alive none can come."""
+        try:
+            self._launch(outer, fn, args, tries)
+        except (TimeoutError, OSError):
+            self.client.wait_for_workers(1, timeout=WORKER_RETURN_S)  # raises TimeoutError: gone for good
+            self._launch(outer, fn, args, tries)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Cancel what is still pending (a loop ends with nothing in flight unless it was stopped),
