@@ -29,7 +29,7 @@ from phaze_opt.search import branch_bound  # noqa: E402
 from phaze_opt.search.runner import run_study  # noqa: E402
 from phaze_opt.search.setup import StudyConfig, validate  # noqa: E402
 
-from cluster_faults import KillWorkers, killed  # noqa: E402
+from cluster_faults import KillWorkers, Replenish, killed  # noqa: E402
 from test_branch_bound_batches import slice_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_workers_killed_at_ten_moments_lose_nothing_and_repeat_nothing(spaces, l
     folder = tmp_path / "kills"
     folder.mkdir()
     with (distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c,
-          distributed.Client(c) as client):
+          distributed.Client(c) as client, Replenish(c)):
         client.register_plugin(KillWorkers(str(folder), kills=10, p=0.6))
         summary = run_study(sweep_config(tmp_path / "out", model, space, cluster=c.scheduler_address, workers=2))
     assert len(killed(str(folder))) == 10
@@ -239,3 +239,88 @@ def test_a_cluster_that_goes_away_is_one_line():
             running.result(timeout=120)
     finally:
         pool.shutdown()
+
+
+class _Shared:
+    """A scattered value's Dask future, as the executor reads it."""
+
+    def __init__(self, key: str):
+        self.key, self.status = key, "finished"
+
+
+class _Task:
+    def __init__(self, outcome):
+        self.outcome, self.callbacks = outcome, []
+
+    def add_done_callback(self, fn):
+        self.callbacks.append(fn)
+
+    def result(self):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+class _NoWorkerClient:
+    """A recording fake of the Dask client: the first scatter after a loss finds no worker (Dask
+    raises TimeoutError), and `wait_for_workers` either sees a nanny bring one back or times out."""
+
+    def __init__(self, returns: bool):
+        self.returns, self.calls, self.workers = returns, [], True
+        self.tasks: list[_Task] = []
+
+    def scatter(self, values, broadcast, hash):
+        self.calls.append("scatter")
+        if not self.workers:
+            raise TimeoutError("No valid workers found")
+        return [_Shared(f"tuple-{len(self.calls)}")]
+
+    def wait_for_workers(self, n, timeout):
+        self.calls.append(("wait_for_workers", n, timeout))
+        if not self.returns:
+            raise TimeoutError(f"Only 0/{n} workers arrived after {timeout}")
+        self.workers = True
+
+    def submit(self, fn, *args, key):
+        self.calls.append("submit")
+        self.tasks.append(_Task(None))
+        return self.tasks[-1]
+
+
+def _offline_executor(client) -> ClusterExecutor:
+    pool = ClusterExecutor.__new__(ClusterExecutor)
+    pool.address, pool.client, pool.workers = "tcp://127.0.0.1:8786", client, 1
+    pool._token, pool._initializer, pool._initargs = "t", None, ()
+    pool._shared, pool._live, pool._lock, pool._closing = {}, {}, __import__("threading").Lock(), False
+    pool.stats = {"tasks": 0, "resubmitted": 0, "workers": 1}
+    return pool
+
+
+@pytest.mark.parametrize("returns", [True, False])
+def test_a_task_lost_with_every_worker_waits_for_one_to_come_back(returns):
+    """The task's scattered inputs died with every worker; the resubmission's scatter finds none. The
+    executor waits `WORKER_RETURN_S` for a worker and submits again, or, when none comes, settles the
+    task with the one-line "cluster is gone" error."""
+    from concurrent.futures import CancelledError
+
+    from phaze_opt.runs import cluster as cluster_mod
+
+    client = _NoWorkerClient(returns)
+    pool = _offline_executor(client)
+    outer = pool.submit(_sleep, 0)
+    assert client.calls == ["scatter", "submit"]
+    lost = client.tasks[0]
+    lost.outcome = CancelledError()  # Dask cancels a task whose scattered inputs are lost
+    client.workers = False
+    lost.callbacks[0](lost)
+    wait = ("wait_for_workers", 1, cluster_mod.WORKER_RETURN_S)
+    if returns:
+        assert client.calls[2:] == ["scatter", wait, "scatter", "submit"]
+        assert not outer.done() and pool.stats["resubmitted"] == 1
+        client.tasks[-1].outcome = "done"
+        client.tasks[-1].callbacks[0](client.tasks[-1])
+        assert outer.result(timeout=0) == "done"
+    else:
+        assert client.calls[2:] == ["scatter", wait]
+        with pytest.raises(PhazeError, match="the cluster is gone .*resumes the study"):
+            outer.result(timeout=0)

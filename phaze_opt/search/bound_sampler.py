@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution
-from optuna.storages._heartbeat import fail_stale_trials, is_heartbeat_enabled
+from optuna.storages import fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from .. import interrupt
@@ -94,6 +94,14 @@ def incumbent_of(trials) -> tuple[float, FrozenTrial | None]:
         if t.values[0] > best:
             best, where = float(t.values[0]), t
     return best, where
+
+
+def _beats(storage) -> bool:
+    """Whether the storage records heartbeats (Optuna's RDB and gRPC storages when a heartbeat
+    interval is set). Optuna's own test for this is private; its public contract is the heartbeat
+    storage's `get_heartbeat_interval`."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return callable(interval) and interval() is not None
 
 
 class BoundSampler(optuna.samplers.BaseSampler):
@@ -189,7 +197,7 @@ class BoundSampler(optuna.samplers.BaseSampler):
         far beyond any evaluation, for a trial whose process died before its first heartbeat. So a
         slow evaluation on a loaded machine never changes a proposal. Without heartbeats (one
         process, in memory) it waits `wait_s` at most."""
-        beating = is_heartbeat_enabled(study._storage)
+        beating = _beats(study._storage)
         deadline = time.monotonic() + (max(self._wait_s, WAIT_BEATING_S) if beating else self._wait_s)
         next_check = time.monotonic() + STALE_CHECK_S
         while True:
