@@ -4,6 +4,8 @@ produce the operands, and validation suites carry the stack of the software that
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -46,21 +48,23 @@ def _traffic(graph, kind, pass_name):
 @pytest.mark.parametrize("model", [m if m in QUICK else pytest.param(m, marks=pytest.mark.slow)
                                    for m in configs.available("models")])
 def test_fused_stacks_never_move_more_bytes_than_eager(model):
-    """Fusion only merges kernels: per layer kind and pass, torch-compile <= megatron-te <=
-    megatron-lm <= eager in bytes moved and kernels launched, in BF16 and in FP8 (where TE's and
-    Inductor's casts are fused too): Inductor fuses every pair TE's row fusion does, and more (the
-    two compared with the router's weights in one place: they are not a fusion, `expert_weights`)."""
+    """Fusion only merges kernels: per layer kind and pass, megatron-te <= megatron-lm <= eager and
+    torch-compile <= megatron-lm in bytes moved and kernels launched, in BF16 and in FP8 (where TE's
+    and Inductor's casts are fused too): Inductor fuses every same-size chain Megatron-LM's fusion
+    does, and more, but not every pair TE's kernels do (TE's RoPE and norms span tensors of other
+    sizes, one Inductor loop nest does not). Compared with the router's weights in one place: they
+    are not a fusion (`expert_weights`)."""
     moe = load_model(model).moe
     for precision in ("bf16", "fp8"):
         graphs = {s: recipe_graph(model, 1, Training(stack=s, precision=precision)) for s in STACKS}
         same = {"expert_weights": "combine"} if moe else {}
-        te_combine = recipe_graph(model, 1, Training(stack="megatron-te", precision=precision, **same))
+        lm_combine = recipe_graph(model, 1, Training(stack="megatron-lm", precision=precision, **same))
         for kind in graphs["eager"].kinds:
             for pass_name in ("fwd", "bwd"):
                 eager, lm, te, inductor = (_traffic(graphs[s], kind, pass_name)
                                            for s in ("eager", "megatron-lm", "megatron-te", "torch-compile"))
-                te_same = _traffic(te_combine, kind, pass_name)
-                assert inductor[0] <= te_same[0] * (1 + 1e-12) and inductor[1] <= te_same[1], (kind, pass_name, precision)
+                lm_same = _traffic(lm_combine, kind, pass_name)
+                assert inductor[0] <= lm_same[0] * (1 + 1e-12) and inductor[1] <= lm_same[1], (kind, pass_name, precision)
                 assert te[0] <= lm[0] * (1 + 1e-12) and lm[0] <= eager[0] * (1 + 1e-12), (kind, pass_name, precision)
                 assert te[1] <= lm[1] <= eager[1], (kind, pass_name, precision)
 
@@ -83,6 +87,27 @@ def test_inductor_fuses_the_residual_add_into_the_norm_and_softmax_with_its_scal
     for s, graph in graphs.items():  # a topological order of the fused kernels
         for pass_name in ("fwd", "bwd"):
             assert all(a < b for a, b in graph.op_graphs["block"][pass_name].edges), s
+
+
+def test_inductor_kernels_iterate_over_one_size():
+    """Inductor runs one loop nest a kernel: under torch-compile every fused kernel's vector ops run
+    over its largest op's points or over a smaller tensor one of its ops touches (a norm's per-row
+    statistic), so GQA's Q and K (32 and 8 heads in Llama 3 8B, 32 and 4 in Qwen3-30B-A3B) never
+    share a kernel, while each RMSNorm (pow, mean, rsqrt, scale) stays one kernel. Without the rule
+    Q's and K's RoPE backward (and Qwen3's Q and K norms) fuse into one kernel."""
+    for model in ("llama3-8b", "qwen3-30b-a3b"):
+        m = load_model(model)
+        q, k = m.seq * m.heads * m.head_dim, m.seq * m.kv_heads * m.head_dim
+        training = Training(stack="torch-compile", attention="flash")
+        graph = recipe_graph(model, 1, training)
+        eager = recipe_graph(model, 1, dataclasses.replace(training, stack="eager"))
+        for pass_name in ("fwd", "bwd"):
+            size = {op.name: op.elements for op in eager.op_graphs["block"][pass_name].ops}  # one op a traced node
+            for op in graph.op_graphs["block"][pass_name].ops:
+                sizes = {size.get(name) for name in op.contains}
+                assert not {q, k} <= sizes, (model, pass_name, op.name)
+        fwd = graph.op_graphs["block"]["fwd"].ops
+        assert sum(op.unit == VC and {"pow", "mean", "rsqrt"} <= set(op.vector_ops) for op in fwd) >= 2
 
 
 def test_te_fuses_norm_and_rope_into_one_kernel_each():

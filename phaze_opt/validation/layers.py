@@ -103,15 +103,14 @@ def _check(suite: Suite) -> None:
         raise ValueError(f"suite {suite.name}: metric {suite.metric}, not layer_seconds")
 
 
-# A row timed with compiled kernels (`measure --kernels inductor`) is predicted with the kernels of
-# the fusing stack: TorchInductor fuses pointwise chains with the reductions they feed (norms,
-# softmax) and RoPE's element-wise work into generated kernels (PyTorch 2 paper, Ansel et al.,
-# ASPLOS 2024, Sec. 4), which is what `megatron-te`'s row fusion merges (workload/stack.py). The
-# `torch-compile` stack's fuller fusion (across consumers, softmax with its scale and mask) predicts
-# these rows less well with the per-kernel efficiencies fitted on eager kernels (H200 compiled rows:
-# 7.6% mean error against 5.0%; GPT-3's unfused attention and Qwen3's MoE block 7-14% too fast), so
-# the measured compiled blocks keep the row fusion (docs/validation.md).
-KERNEL_FUSION = {"inductor": TRACE_FUSION["megatron-te"]}
+# A row timed with compiled kernels (`measure --kernels inductor`: torch.compile, TorchInductor) is
+# predicted with the kernels of the `torch-compile` stack, the one stack every compiled PyTorch run is
+# priced with (the torchtitan suites' compiled rows too): TorchInductor fuses pointwise chains with
+# the reductions they feed and across consumers, one loop nest a kernel (PyTorch 2 paper, Ansel et
+# al., ASPLOS 2024, Sec. 5.3; workload/stack.py). It predicts the backward passes of the compiled
+# GPT-3 (unfused attention) and Qwen3 (MoE) blocks 9-12% too fast, where the row fusion of
+# `megatron-te` is within 4% (docs/validation.md, "Compiled blocks").
+KERNEL_FUSION = {"inductor": TRACE_FUSION["torch-compile"]}
 
 
 def layer_row_config(row: LayerRow) -> dict:

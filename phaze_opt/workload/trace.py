@@ -171,6 +171,16 @@ _ROW_FUSABLE = _POINTWISE | {"mean", "sum", "cat", "slice_backward", "native_lay
 # torch/_inductor/scheduler.py `can_fuse`, `will_fusion_create_cycle`). Softmax is decomposed into
 # its reductions and pointwise ops there, so it fuses too. Matrix multiplies stay library calls
 # (cuBLAS; Triton GEMM templates only with `max-autotune`), never fused with their neighbours.
+# Compatible iteration spaces (`_Mapper._iteration_fits`): one kernel runs one loop nest of numel x
+# rnumel points, so its nodes iterate over the same number of points, or over the reduced size of a
+# reduction in it (a norm's rsqrt on its per-row statistic): torch/_inductor/codegen/simd.py
+# `SIMDScheduling.can_fuse` requires equal (numel, rnumel) groups, or a pointwise numel equal to
+# numel x rnumel. Two reductions over one tensor in different orders (a norm backward's dx over the
+# hidden size and dw over the tokens) fuse since PyTorch 2.10's mix-order reduction (pytorch/pytorch
+# PR 165370, "[inductor] generate fused rms/layer norm bwd", on by default outside fbcode:
+# torch/_inductor/config.py `triton.mix_order_reduction`): both iterate over the tensor's points.
+# Tensors of different sizes never share a kernel (Q's and K's norms and RoPE under GQA: PR 168209
+# also keeps two norms' backward passes apart).
 _INDUCTOR_FUSABLE = _ROW_FUSABLE | {"_softmax", "_safe_softmax", "_softmax_backward_data", "_log_softmax",
                                     "_log_softmax_backward_data", "amax", "max"}
 _OTHER_VECTOR = {
@@ -827,13 +837,14 @@ class _Mapper:
             return (da.unit == VC and db.unit == VC and _op_name(a) in _POINTWISE and _op_name(b) in _POINTWISE
                     and da.elements == db.elements)
 
+        fits = self._iteration_fits(live, desc, find)
         for n in live:
             if len(succ[n]) == 1:
                 (b,) = succ[n]
-                if fusable(n, b):
+                if fusable(n, b) and fits({find(n), find(b)}):
                     group[find(n)] = find(b)
         if self.fuse == INDUCTOR_FUSION:
-            self._fuse_across_consumers(live, succ, desc, fusable, find, group)
+            self._fuse_across_consumers(live, succ, desc, fusable, find, group, fits)
         members = defaultdict(list)
         for n in live:
             members[find(n)].append(n)
@@ -862,11 +873,30 @@ class _Mapper:
 
         return graph, op_index
 
-    def _fuse_across_consumers(self, live, succ, desc, fusable, find, group) -> None:
+    def _iteration_fits(self, live, desc, find):
+        """Whether the groups `roots` (union-find roots) may share one kernel: always, but under
+        `INDUCTOR_FUSION`, where every vector op among them iterates over the group's points (its
+        largest op's `elements`) or over a smaller size one of its ops reads or writes within those
+        points (a reduction's result, a row statistic broadcast back, the half a slice takes):
+        `_INDUCTOR_FUSABLE`'s comment. A concatenation's parts are not among them: Inductor writes
+        each part into its slice of the result, from the part's own kernel."""
+        if self.fuse != INDUCTOR_FUSION:
+            return lambda roots: True
+
+        def fits(roots) -> bool:
+            ops = [m for m in live if desc[m].unit == VC and find(m) in roots]
+            top = max((desc[m].elements for m in ops), default=0)
+            parts = {v.numel() for m in ops
+                     for a in ((m,) if _op_name(m) == "cat" else (m, *_arg_nodes(m))) for v in _vals(a)
+                     if v.numel() < desc[m].elements}
+            return all(desc[m].elements == top or desc[m].elements in parts for m in ops)
+        return fits
+
+    def _fuse_across_consumers(self, live, succ, desc, fusable, find, group, fits) -> None:
         """TorchInductor's fusion beyond single-consumer chains (`_INDUCTOR_FUSABLE`): each fusable
         producer-consumer pair, directly or through views (which cost nothing and join the kernel),
         merges their groups unless a path between them runs through a group left out (the merged
-        kernel would both feed and wait for it)."""
+        kernel would both feed and wait for it) or their iteration spaces do not fit (`fits`)."""
         for n in live:
             if desc[n].unit != VC:
                 continue
@@ -879,7 +909,7 @@ class _Mapper:
                     paths.append((b, views))
             for b, views in sorted(paths, key=lambda p: self.pos[p[0]]):
                 merged = {find(m) for m in (n, b, *views)}
-                if len(merged) == 1:
+                if len(merged) == 1 or not fits(merged):
                     continue
                 after = defaultdict(set)  # group -> the groups it feeds
                 for m in live:
