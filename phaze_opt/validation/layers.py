@@ -108,8 +108,8 @@ def _check(suite: Suite) -> None:
 # priced with (the torchtitan suites' compiled rows too): TorchInductor fuses pointwise chains with
 # the reductions they feed and across consumers, one loop nest a kernel (PyTorch 2 paper, Ansel et
 # al., ASPLOS 2024, Sec. 5.3; workload/stack.py). It predicts the backward passes of the compiled
-# GPT-3 (unfused attention) and Qwen3 (MoE) blocks 9-12% too fast, where the row fusion of
-# `megatron-te` is within 4% (docs/validation.md, "Compiled blocks").
+# GPT-3 (unfused attention) and Qwen3 (MoE) blocks 9-14% too fast, where the row fusion of
+# `megatron-te` is within 4% (docs/validation.md, "Blocks of the 2024-26 models").
 KERNEL_FUSION = {"inductor": TRACE_FUSION["torch-compile"]}
 
 

@@ -39,7 +39,10 @@ field (`Training.stack`) that picks the kernels, and the efficiencies stay one s
   al., "PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode Transformation and Graph
   Compilation", ASPLOS 2024, Sec. 5.3; the trace's `INDUCTOR_FUSION`). Beyond `megatron-te` it
   therefore fuses a residual add into the norm that reads it, RoPE with what surrounds it, and
-  softmax with its scale and mask; unlike it, a norm is never fused into the GEMM it feeds (GEMMs
+  softmax with its scale and mask; unlike it, one kernel runs one loop nest, so tensors of other
+  sizes share one only as the pointwise parts of a concatenation (GQA's Q and K norms and RoPE run
+  apart; the trace's `_INDUCTOR_FUSABLE` comment cites Inductor's rule), and a norm is never fused
+  into the GEMM it feeds (GEMMs
   stay cuBLAS calls unless `max-autotune` picks a Triton template), and FlashAttention runs only
   where the model calls SDPA (the recipe's `attention`; Inductor does not rewrite an unfused
   attention in training here). In FP8 the casts fuse into the kernels that produce their operands

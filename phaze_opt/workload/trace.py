@@ -176,11 +176,12 @@ _ROW_FUSABLE = _POINTWISE | {"mean", "sum", "cat", "slice_backward", "native_lay
 # reduction in it (a norm's rsqrt on its per-row statistic): torch/_inductor/codegen/simd.py
 # `SIMDScheduling.can_fuse` requires equal (numel, rnumel) groups, or a pointwise numel equal to
 # numel x rnumel. Two reductions over one tensor in different orders (a norm backward's dx over the
-# hidden size and dw over the tokens) fuse since PyTorch 2.10's mix-order reduction (pytorch/pytorch
-# PR 165370, "[inductor] generate fused rms/layer norm bwd", on by default outside fbcode:
+# hidden size and dw over the tokens) fuse by Inductor's mix-order reduction (pytorch/pytorch
+# PR 165370, "[inductor] generate fused rms/layer norm bwd", 2025-10; on by default outside fbcode in
 # torch/_inductor/config.py `triton.mix_order_reduction`): both iterate over the tensor's points.
-# Tensors of different sizes never share a kernel (Q's and K's norms and RoPE under GQA: PR 168209
-# also keeps two norms' backward passes apart).
+# Otherwise tensors of different sizes share a kernel only as the pointwise parts of one
+# concatenation (`_Mapper._iteration_fits`): under GQA, Q's and K's RoPE forward and their norms
+# (PR 168209 also keeps two norms' backward passes apart) run in kernels of their own.
 _INDUCTOR_FUSABLE = _ROW_FUSABLE | {"_softmax", "_safe_softmax", "_softmax_backward_data", "_log_softmax",
                                     "_log_softmax_backward_data", "amax", "max"}
 _OTHER_VECTOR = {
@@ -878,18 +879,24 @@ class _Mapper:
         `INDUCTOR_FUSION`, where every vector op among them iterates over the group's points (its
         largest op's `elements`) or over a smaller size one of its ops reads or writes within those
         points (a reduction's result, a row statistic broadcast back, the half a slice takes):
-        `_INDUCTOR_FUSABLE`'s comment. A concatenation's parts are not among them: Inductor writes
-        each part into its slice of the result, from the part's own kernel."""
+        `_INDUCTOR_FUSABLE`'s comment. A concatenation computes a part of another size in its own
+        kernel only where no reduction runs over that size (Inductor's `pointwise_cat`, as RoPE's
+        rotated halves; a part a reduction computes, such as a norm's gradient, is written into its
+        slice by its own kernel, `ConcatKernel`: torch/_inductor/lowering.py `cat`)."""
         if self.fuse != INDUCTOR_FUSION:
             return lambda roots: True
+
+        def smaller(m, nodes):
+            return {v.numel() for a in nodes for v in _vals(a) if v.numel() < desc[m].elements}
 
         def fits(roots) -> bool:
             ops = [m for m in live if desc[m].unit == VC and find(m) in roots]
             top = max((desc[m].elements for m in ops), default=0)
-            parts = {v.numel() for m in ops
-                     for a in ((m,) if _op_name(m) == "cat" else (m, *_arg_nodes(m))) for v in _vals(a)
-                     if v.numel() < desc[m].elements}
-            return all(desc[m].elements == top or desc[m].elements in parts for m in ops)
+            cats = [m for m in ops if _op_name(m) == "cat"]
+            parts = {n for m in ops for n in smaller(m, (m,) if m in cats else (m, *_arg_nodes(m)))}
+            reduced = {desc[m].elements for m in ops if m not in cats and smaller(m, (m,))}
+            inlined = {n for m in cats for n in smaller(m, _arg_nodes(m))} - reduced
+            return all(desc[m].elements in (top, *parts, *inlined) for m in ops)
         return fits
 
     def _fuse_across_consumers(self, live, succ, desc, fusable, find, group, fits) -> None:
