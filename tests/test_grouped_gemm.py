@@ -98,3 +98,61 @@ def test_many_tokens_per_expert_reach_the_dense_gemm(k, n):
     assert grouped / 8 == pytest.approx(dense, rel=0.01)
     small, = _seconds([_gemm(8, 64, k, n)], chip)
     assert small / (8 * 64) > 1.2 * grouped / (8 * m)  # and at 64 tokens each, slower per token
+
+
+@pytest.fixture
+def _graph_cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path_factory.getbasetemp() / "grouped-cache"))
+
+
+@pytest.mark.parametrize("e", [2, 4])
+def test_an_ep_ranks_grouped_gemms_are_those_of_fewer_experts(_graph_cache, e):
+    """Oracle: an EP-e rank's grouped GEMMs (`expert_parallel_op` on the EP-1 trace) are exactly the
+    ones the tracer records for the same tokens routed over E/e experts with the same top-k (each
+    then receives e times the token slots): shapes, FLOPs and bytes, forward and backward."""
+    from phaze_opt.design.parallel import expert_capacity_of, expert_parallel_op
+    from phaze_opt.workload.graphs import build_layer_graph
+    from phaze_opt.workload.models import load_model
+
+    model = load_model("mixtral-8x7b")
+    full = build_layer_graph(model, 8, 1, seq=256)
+    fewer = build_layer_graph(dataclasses.replace(model, experts=model.experts // e), 8, 1, seq=256)
+    capacity = expert_capacity_of(full.op_graphs["block"]["fwd"])
+    assert capacity == 256 * model.top_k // model.experts
+    for pass_name in ("fwd", "bwd"):
+        ours = [expert_parallel_op(op, capacity, e) for op in full.op_graphs["block"][pass_name].ops
+                if op.kind == "grouped_gemm"]
+        traced = [op for op in fewer.op_graphs["block"][pass_name].ops if op.kind == "grouped_gemm"]
+        assert len(ours) == len(traced) > 0
+        for a, b in zip(ours, traced):
+            assert a.gemm == b.gemm and a.flops == b.flops
+            assert a.bytes_read == pytest.approx(b.bytes_read) and a.bytes_written == pytest.approx(b.bytes_written)
+
+
+def test_an_ep_width_that_does_not_divide_the_experts_is_refused():
+    from phaze_opt.design.parallel import expert_parallel_op
+
+    with pytest.raises(ValueError, match="does not divide"):
+        expert_parallel_op(_gemm(6, 64, 128, 256), 64, 4)
+    with pytest.raises(ValueError, match="token slots"):
+        expert_parallel_op(_gemm(8, 64, 128, 256), 32, 2)
+
+
+@pytest.mark.parametrize("e,share", [(1, 1.0), (2, 1.0), (4, 0.25), (8, 0.5), (2, 0.125)])
+def test_a_ranks_share_of_the_slots_sets_the_rows(e, share):
+    """Under MoE parallel folding a rank holds `share` of the traced slots: E/e experts of
+    e x share x the slots each, FLOPs and bytes those of that shape (2-byte operands, counted
+    here from the dimensions), forward and weight-gradient GEMMs alike."""
+    from phaze_opt.design.parallel import expert_parallel_op
+
+    groups, slots, hidden, width = 8, 64, 128, 256
+    data = expert_parallel_op(_gemm(groups, slots, hidden, width), slots, e, share)
+    rows = round(slots * e * share)
+    assert data.gemm == (groups // e, rows, hidden, width)
+    assert data.flops == pytest.approx(2.0 * groups // e * rows * hidden * width)
+    assert data.bytes_read == pytest.approx(2.0 * groups // e * (rows * hidden + hidden * width))
+    assert data.bytes_written == pytest.approx(2.0 * groups // e * rows * width)
+    grad = expert_parallel_op(_gemm(groups, hidden, slots, width), slots, e, share)  # dW = X^T dY
+    assert grad.gemm == (groups // e, hidden, rows, width)
+    assert grad.bytes_read == pytest.approx(2.0 * groups // e * (hidden * rows + rows * width))
+    assert grad.bytes_written == pytest.approx(2.0 * groups // e * hidden * width)
