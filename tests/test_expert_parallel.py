@@ -5,6 +5,7 @@ oracle (every TP, CP, EP, DP and stage split scored by the evaluator) on many ra
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
     acts = np.ceil(rng.integers(4, 40, n) * seq_scale / tp)
     core = np.floor(acts * rng.uniform(0.0, 0.5, n))
     moe = rng.random(n) < 0.7
-    return LayerCosts(
+    costs = LayerCosts(
         tp=tp, fwd_s=fwd, bwd_s=2 * fwd, params=params, activation_bytes=acts,
         boundary_bytes=np.ceil(rng.integers(1, 20, n) * seq_scale), input_bytes=[4.0] * n,
         selective_bytes=acts - core, selective_work_bytes=core, selective_s=0.2 * fwd,
@@ -43,6 +44,13 @@ def moe_costs(tp, n, rng, cp=1, expert_share=0.8, seq_scale=1.0):
         block_ordinal=np.cumsum(blocks := rng.random(n) < 0.8) * blocks,
         op_policy_bytes=np.floor(acts * rng.uniform(0.2, 1.1, n)), op_policy_s=0.4 * fwd,
     )
+    # the experts at EP 2 and 4 as an EP rank runs them (fewer experts, more tokens each): mostly
+    # faster than the traced EP-1 shape, now and then slower, and at times faster than the whole layer
+    # (drawn last, so the draws above stay those of the seeds other tests picked)
+    ep_scale = {e: rng.uniform(0.2, 1.2, n) for e in (2, 4)}
+    return replace(costs, expert_ep=tuple(
+        (e, np.where(moe, 0.4 * fwd * k * (1 + 2 * (k < 0.3)), 0.0), np.where(moe, 0.8 * fwd * k, 0.0))
+        for e, k in ep_scale.items()))
 
 
 def moe_problem(seed, n=3, widths=(1, 2), ep=(1, 2, 4), cp=(1, 2), **kw):
@@ -160,9 +168,8 @@ def test_ep_and_cp_change_nothing_at_width_one():
 
 
 def replace_zero(c):
-    from dataclasses import replace
     return replace(c, expert_params=None, dispatch_bytes=None, expert_fwd_s=None, expert_bwd_s=None,
-                   core_fwd_s=None, core_bwd_s=None, kv_bytes=None)
+                   core_fwd_s=None, core_bwd_s=None, kv_bytes=None, expert_ep=())
 
 
 def one_layer(**kw):
@@ -211,6 +218,36 @@ def test_evaluator_expert_parallel_terms_by_hand():
     assert r.stages[0].memory_bytes == 480 * 16 + 100
     bad = evaluate_placement(prob, Placement(1, 3, ((0,),), ep=2))
     assert not bad.feasible and "must divide the data-parallel degree 3" in bad.reason
+
+
+def test_the_experts_run_at_the_ep_ranks_shape():
+    """At EP 2 the layer's experts take their EP-2 time (`expert_ep`: fewer experts of more tokens)
+    in place of the traced EP-1 one, the load imbalance scaling that time; the DP's effective
+    costs say the same; a width not listed keeps the traced time."""
+    s = hand_system(dpn=4, batch=4)
+    lc = one_layer(expert_ep=((2, [0.2], [0.4]),))
+    prob = PlacementProblem(training=Training(load_imbalance=1.5), costs=(lc,), system=s, hbm_bytes=1e12,
+                            peak_flops=1.0, seq_len=8, ep_widths=(1, 2, 4))
+    a2a = s.alltoall_s(1.5 * 1000.0, 2, 1)
+    fwd = (1.0 - 0.5 + 0.2) + 0.5 * 0.2 + 2 * a2a
+    bwd = (2.0 - 1.0 + 0.4) + 0.5 * 0.4 + 2 * a2a
+    r = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=2, cp=1))
+    assert r.stages[0].compute_s == pytest.approx(fwd + bwd)
+    eff = effective_costs(prob, lc, 2, 1)
+    assert eff.fwd_s[0] == pytest.approx(fwd) and eff.bwd_s[0] == pytest.approx(bwd)
+    a2a4 = s.alltoall_s(1.5 * 1000.0, 4, 1)
+    r4 = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=4, cp=1))
+    assert r4.stages[0].compute_s == pytest.approx(1.0 + 0.25 + 2.0 + 0.5 + 4 * a2a4)
+    # an EP width whose experts run faster than the rest of the layer leaves the layer at 0, never below
+    fast = one_layer(fwd_s=[0.4], expert_ep=((2, [0.0], [1.0]),))
+    assert fast.at_expert_width(2)[0][0] == 0.0 and fast.at_expert_width(2, 0)[:2] == (0.0, 2.0)
+
+
+@pytest.mark.parametrize("entry,problem", [((1, [0.1], [0.1]), "above 1"), ((2, [0.1, 0.2], [0.1]), "expected 1"),
+                                           ((2, [-0.1], [0.1]), "non-negative")])
+def test_expert_ep_is_checked(entry, problem):
+    with pytest.raises(ValueError, match=problem):
+        one_layer(expert_ep=(entry,))
 
 
 def test_evaluator_context_parallel_terms_by_hand():

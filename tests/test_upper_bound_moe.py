@@ -82,3 +82,29 @@ def test_pipeline_bound_counts_context_parallel_stages():
     w = WidthBounds(tp=1, kind_fwd=np.array([[0.25]]), kind_bwd=np.array([[0.75]]), layer_kind=kinds, cp_bounds=(cp2,))
     assert pipeline_throughput([w], 1, 2, 1)[0] == pytest.approx(2.5)
     assert pipeline_throughput([dataclasses.replace(w, cp_bounds=())], 1, 2, 1)[0] == pytest.approx(1.0)
+
+
+def test_layer_bounds_hold_at_every_ep_width():
+    """Many small experts (64 of 16 token slots each): an EP rank runs them as fewer experts of more
+    tokens, faster than the traced EP-1 shape, so a MoE layer's lower bound gives up that saving
+    and stays below the layer's time at every EP width (`LayerCosts.at_expert_width`)."""
+    from phaze_opt.design.evaluate import training_problem
+    from phaze_opt.hardware.arch import load_arch
+
+    model = parse_model(dict(TINY, seq=512, hidden=1024, heads=8, experts=64, top_k=2, expert_ffn=512,
+                             expert_placement={"tp": 1, "pp": 1, "dp": 64}),
+                        "tiny.yaml")
+    system = dataclasses.replace(load_system("default"), accelerators=64, global_batch=64)
+    arch = load_arch("h100-sxm")
+    _, _, problem, _ = training_problem(model, arch, Training(1), system, widths=(1,))
+    costs = problem.costs_at(1)
+    bounds = layer_lower_bounds(model, DesignArrays.from_accelerators([arch]), 1, system, 1)
+    fwd_bound, bwd_bound = bounds.layer_rows(0)
+    moe = np.flatnonzero(costs.expert_fwd_s > 0)
+    assert len(moe) and problem.ep_widths[-1] == 64
+    saved = 0.0
+    for e in problem.ep_widths:
+        fwd, bwd, _, _ = costs.at_expert_width(e)
+        assert np.all(fwd_bound <= fwd * (1 + 1e-9)) and np.all(bwd_bound <= bwd * (1 + 1e-9)), e
+        saved = max(saved, float(np.max(costs.fwd_s[moe] - fwd[moe])))
+    assert saved > 0.1 * float(np.max(costs.fwd_s[moe]))  # the widths do save: the check has teeth

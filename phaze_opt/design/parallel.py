@@ -28,6 +28,17 @@ per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s 
   bounds). As at ETP = t, the ETP group's
   gather of the received tokens (and its reduce-scatter) is left to the traced block's SP
   collectives at width t.
+- Tokens per expert under EP (`expert_parallel_op`): a layer is traced at EP 1, all E experts
+  with C token slots each. An EP-e rank runs the same FLOPs as E/e experts of e x C slots (each
+  local expert receives the slots of all e ranks' tokens) and reads only its E/e experts'
+  weights, so its grouped GEMMs pay E/e groups' fold fills and drains instead of E and move 1/e
+  of the weight bytes (under MoE parallel folding, the slots of a trace at width ETP are a rank's
+  t / ETP times over: ETP / t of them per rank): the grouped GEMM's efficiency follows the tokens
+  per expert the device sees (tests/test_grouped_gemm.py holds the template's per-group cost to DeepGEMM's published
+  kernel timings at 256-8192 tokens per expert). `expert_ep` holds the experts' times at every
+  EP width above 1; the placement replaces the EP-1 experts' time by that width's
+  (`LayerCosts.experts_at`), and the bounds take the largest such saving off
+  (`ep_expert_saving`).
 """
 
 from __future__ import annotations
@@ -87,6 +98,65 @@ def expert_s(op_graph, split) -> float:
     return float(sum(split[i] for i, op in enumerate(op_graph.ops) if op.kind == "grouped_gemm"))
 
 
+def expert_capacity_of(fwd_graph) -> int:
+    """The token slots per expert a MoE layer was traced with: the rows of its first grouped GEMM
+    forward (the dispatched tokens times the first experts' linear, workload/layers.py `MoE`); 0
+    for a layer without routed experts."""
+    return next((int(op.gemm[1]) for op in fwd_graph.ops if op.kind == "grouped_gemm"), 0)
+
+
+def expert_parallel_op(op, capacity: int, e: int, share: float = 1.0):
+    """A routed-expert grouped GEMM traced at EP 1 (E experts of `capacity` token slots) as one
+    rank of an EP group of e runs it: E/e experts, each with the slots of all e ranks' tokens, as
+    the all-to-all gathers them for each local expert (GShard, Lepikhin et al. 2021, Sec. 3.2;
+    Megatron-Core's token dispatcher), so e x `capacity` slots, times `share` when the trace
+    holds 1/share of a rank's tokens (MoE parallel folding: a trace at width ETP under sequence
+    parallelism at TP t holds t / ETP ranks' tokens, share ETP / t). The slots are the rows of a
+    data-path GEMM (tokens x weights: M is the capacity) and the reduction of a weight-gradient
+    GEMM (K is the capacity), whose weight operand, respectively output, shrinks to the E/e
+    local experts'; the token operands follow the slots."""
+    B, M, K, N = (int(x) for x in op.gemm)
+    if B % e:
+        raise ValueError(f"op {op.name}: EP width {e} does not divide its {B} experts")
+    rows = max(1, round(capacity * e * share))
+    f = rows / capacity  # the slots per local expert against the trace's
+    flops = op.flops * f / e
+    if M == capacity:  # data path: read tokens (B M K) and weights (B K N), write B M N
+        tokens, weights = B * M * K, B * K * N
+        read = op.bytes_read * (tokens * f + weights) / (e * (tokens + weights))
+        return replace(op, gemm=(B // e, rows, K, N), flops=flops, bytes_read=read, bytes_written=op.bytes_written * f / e)
+    if K == capacity:  # weight gradient: read two token operands, write the weights' gradient
+        return replace(op, gemm=(B // e, M, rows, N), flops=flops, bytes_read=op.bytes_read * f / e,
+                       bytes_written=op.bytes_written / e)
+    raise ValueError(f"op {op.name}: no dimension of {op.gemm} is the {capacity} token slots per expert")
+
+
+def expert_pass_s(op_graph, capacity: int, e: int, designs, link, share: float = 1.0) -> np.ndarray:
+    """The routed experts' grouped GEMMs of one pass at EP width e (`expert_parallel_op`), split
+    over all cores one after another (as `expert_s`), on each design: [n_designs] seconds."""
+    ops = tuple(expert_parallel_op(op, capacity, e, share) for op in op_graph.ops if op.kind == "grouped_gemm")
+    if not ops:
+        return np.zeros(len(designs))
+    graph = replace(op_graph, ops=ops, edges=())
+    return estimate(graph, designs, interconnect=link).split.sum(axis=1)
+
+
+def ep_expert_saving(fwd_graph, bwd_graph, designs, link, widths) -> tuple[np.ndarray, np.ndarray]:
+    """The most any EP width in `widths` takes off a MoE layer's forward and backward experts' time
+    (the EP-1 shape's less that width's, never below 0), per design: what a lower bound on the
+    layer's time at EP 1 gives up to hold at every EP width."""
+    capacity = expert_capacity_of(fwd_graph)
+    n = len(designs)
+    saving = [np.zeros(n), np.zeros(n)]
+    if not capacity:
+        return saving[0], saving[1]
+    for i, og in enumerate((fwd_graph, bwd_graph)):
+        base = expert_pass_s(og, capacity, 1, designs, link)
+        for e in widths:
+            np.maximum(saving[i], base - expert_pass_s(og, capacity, e, designs, link), out=saving[i])
+    return saving[0], saving[1]
+
+
 def parallel_sizes(costs: LayerCosts, model: ModelConfig, training, cp: int = 1) -> LayerCosts:
     """`costs` (at its TP width, for `model`'s sequence) with the EP/CP per-layer sizes (routed
     expert parameters, all-to-all and K/V bytes) and no time terms: what the bounds use
@@ -117,16 +187,20 @@ def _layer_kinds(model: ModelConfig) -> list[str]:
     return [kind for _, kind in layer_sequence(model)]
 
 
-def _pass_times(graph, arch, link) -> dict:
-    """{kind: {"core": (fwd, bwd), "expert": (fwd, bwd)}} of a layer graph's passes (split latencies)."""
+def _pass_times(graph, arch, link, ep=(), share: float = 1.0) -> dict:
+    """{kind: {"core": (fwd, bwd), "expert": (fwd, bwd), "ep": {e: (fwd, bwd)}}} of a layer graph's
+    passes (split latencies); "ep": the experts' times at each EP width of `ep`, a rank's `share`
+    of the traced tokens (`expert_pass_s`)."""
     per_kind = {}
     for kind in graph.kinds:
+        fwd, bwd = graph.op_graphs[kind]["fwd"], graph.op_graphs[kind]["bwd"]
         lat = {p: estimate(graph.op_graphs[kind][p], [arch], interconnect=link).split[0] for p in ("fwd", "bwd")}
+        capacity = expert_capacity_of(fwd)
         per_kind[kind] = {
-            "core": (attention_core_s(graph.op_graphs[kind]["fwd"], lat["fwd"], True),
-                     attention_core_s(graph.op_graphs[kind]["bwd"], lat["bwd"], False)),
-            "expert": (expert_s(graph.op_graphs[kind]["fwd"], lat["fwd"]),
-                       expert_s(graph.op_graphs[kind]["bwd"], lat["bwd"])),
+            "core": (attention_core_s(fwd, lat["fwd"], True), attention_core_s(bwd, lat["bwd"], False)),
+            "expert": (expert_s(fwd, lat["fwd"]), expert_s(bwd, lat["bwd"])),
+            "ep": {e: tuple(float(expert_pass_s(og, capacity, e, [arch], link, share)[0]) for og in (fwd, bwd))
+                   for e in ep} if capacity else {},
         }
     return per_kind
 
@@ -146,14 +220,17 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     forward and backward)."""
     t = costs.tp
     graph = recipe_graph(model, t, training)
-    per_kind = _pass_times(graph, arch, system.tp_link(t))
+    eps = ep_widths(model)[1:]
+    per_kind = _pass_times(graph, arch, system.tp_link(t), eps)
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     expert = {k: per_kind[k]["expert"] for k in per_kind}
+    at_ep = {k: per_kind[k]["ep"] for k in per_kind}
     etp = training.expert_tp(t)
     if etp != t and model.moe:
         check_expert_tp(model, training)
-        at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp))
+        at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp), eps, etp / t)
         expert = {k: tuple(x * etp / t for x in at_etp[k]["expert"]) for k in per_kind}
+        at_ep = {k: at_etp[k]["ep"] for k in per_kind}
     shift_f = np.array([expert[k][0] - per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows])
     shift_b = np.array([expert[k][1] - per_kind[k]["expert"][1] if moe else 0.0 for k, moe, _ in rows])
     return replace(
@@ -162,6 +239,9 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
         bwd_s=np.maximum(0.0, costs.bwd_s + shift_b) if etp != t else costs.bwd_s,
         expert_fwd_s=[expert[k][0] if moe else 0.0 for k, moe, _ in rows],
         expert_bwd_s=[expert[k][1] if moe else 0.0 for k, moe, _ in rows],
+        expert_ep=tuple((e, np.array([at_ep[k][e][0] if moe else 0.0 for k, moe, _ in rows]),
+                            np.array([at_ep[k][e][1] if moe else 0.0 for k, moe, _ in rows]))
+                        for e in eps if model.moe),
         core_fwd_s=[per_kind[k]["core"][0] if attn else 0.0 for k, _, attn in rows],
         core_bwd_s=[per_kind[k]["core"][1] if attn else 0.0 for k, _, attn in rows],
     )

@@ -33,7 +33,11 @@ microbatches and replicas, the pipeline bubble at the space's most virtual stage
 faster than its slowest layer (per TP and CP width). The sweep takes the smaller of the two.
 
 Expert and context parallelism. EP adds no work per device (the balanced experts'
-FLOPs are the traced ones; imbalance and all-to-alls only add), so level 0 stands. With CP c a
+FLOPs are the traced ones; imbalance and all-to-alls only add), but it runs the experts' grouped
+GEMMs as fewer experts of more tokens each, which can take less time than the traced EP-1 shape
+(design/parallel.py, "Tokens per expert under EP"); a MoE layer's lower bounds therefore give up
+the most any EP width saves on each design (`parallel.ep_expert_saving`): the EP-1 bound less
+that is at most the layer's time at every width, so level 0 stands. With CP c a
 stage's t c devices share each microbatch: time per batch >= B / (mbs d S) x W_{t,c} with W_{t,c}
 the lower-bound work of the layers traced at s / c (the further ring-attention blocks only add), so
 level 0 takes min over t and c of t c W_{t,c} (`WidthBounds.cp_bounds`). Level 1 runs the EP/CP
@@ -71,7 +75,7 @@ from ..solve.placement.types import LayerCosts, PlacementProblem
 from ..training import Training
 from ..workload.graphs import build_layer_graph
 from ..workload.ops import NET, NONE, TC, TCVC, VC
-from .parallel import cp_widths, ep_widths, parallel_sizes
+from .parallel import cp_widths, ep_expert_saving, ep_widths, parallel_sizes
 
 PASSES = ("fwd", "bwd")
 LAMBDAS = np.linspace(0.0, 1.0, 21)
@@ -188,6 +192,14 @@ def layer_lower_bounds(model, designs: DesignArrays, mbs: int, system, tp: int,
                 hi = min(lo + CHUNK, len(designs))
                 lat = estimate(og, slice_designs(designs, lo, hi), interconnect=link)
                 out[pass_name][lo:hi, k] = pass_lower_bounds(og, lat.single, lat.split, num_tc[lo:hi], num_vc[lo:hi])
+        widths = ep_widths(model)[1:]
+        if widths:  # what running the experts at an EP width can save (module docstring)
+            for lo in range(0, len(designs), CHUNK):
+                hi = min(lo + CHUNK, len(designs))
+                saved = ep_expert_saving(graph.op_graphs[kind]["fwd"], graph.op_graphs[kind]["bwd"],
+                                         slice_designs(designs, lo, hi), link, widths)
+                for pass_name, s in zip(PASSES, saved):
+                    out[pass_name][lo:hi, k] = np.maximum(0.0, out[pass_name][lo:hi, k] - s)
     layer_kind = np.array([graph.kinds.index(layer.kind) for layer in graph.layers], dtype=int)
     return WidthBounds(tp=tp, kind_fwd=out["fwd"], kind_bwd=out["bwd"], layer_kind=layer_kind, cp=cp, cp_bounds=further)
 

@@ -230,20 +230,20 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
     activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
     all-to-all time the EP overlap hides per paired forward and backward, the all-to-alls and
     imbalance a `moe` recompute reruns, the gathered K/V bytes of all-gather CP)."""
-    fwd = float(costs.fwd_s[v])
-    bwd = float(costs.bwd_s[v])
+    # the experts' grouped GEMMs at the shape an EP-e rank runs (E/e experts of e x the tokens)
+    fwd, bwd, expert_f, expert_b = costs.at_expert_width(e, v)
     expert = float(costs.expert_params[v])
     a2a = 0.0
     extra_kept = extra_work = moe_again = gathered = 0.0
     if expert > 0 or costs.expert_fwd_s[v] > 0:
-        fwd += (imb - 1.0) * float(costs.expert_fwd_s[v])
-        bwd += (imb - 1.0) * float(costs.expert_bwd_s[v])
+        fwd += (imb - 1.0) * expert_f
+        bwd += (imb - 1.0) * expert_b
         a2a = problem.system.alltoall_s(imb * float(costs.dispatch_bytes[v]), e, stride, problem.training,
                                         problem.top_k, problem.router_groups)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
         # a rerun MoE layer (`moe` recompute) runs these forward terms again
-        moe_again = float(costs.module_moe[v]) * ((imb - 1.0) * float(costs.expert_fwd_s[v]) + 2.0 * a2a)
+        moe_again = float(costs.module_moe[v]) * ((imb - 1.0) * expert_f + 2.0 * a2a)
         expert = _ceil(expert / e)
     if c > 1:
         core_f, core_b = float(costs.core_fwd_s[v]), float(costs.core_bwd_s[v])
@@ -267,8 +267,8 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
     if problem.training.moe_a2a_overlap and a2a > 0:
         # Megatron-Core's paired layer (schedule_layer_1f1b): each of the four all-to-alls runs under
         # one compute phase of the other microbatch; a phase takes max(its compute, the all-to-all)
-        mlp_f = imb * float(costs.expert_fwd_s[v])
-        mlp_b = imb * float(costs.expert_bwd_s[v])
+        mlp_f = imb * expert_f
+        mlp_b = imb * expert_b
         attn_f = max(0.0, fwd - 2.0 * a2a - mlp_f)
         attn_b = max(0.0, bwd - 2.0 * a2a - mlp_b)
         paired = (max(attn_f + 0.5 * attn_b, a2a) + max(0.5 * mlp_b, a2a)

@@ -86,8 +86,6 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
     any_moe = bool(np.any(moe))
     if any_moe:
         sizes, where = np.unique(lc.dispatch_bytes, return_inverse=True)
-        fwd_moe = lc.fwd_s + (imb - 1.0) * lc.expert_fwd_s
-        bwd_moe = lc.bwd_s + (imb - 1.0) * lc.expert_bwd_s
     core_bytes = lc.activation_bytes - lc.selective_bytes
     extra = np.zeros(lc.n_layers)
     zeros = np.zeros(lc.n_layers)
@@ -114,13 +112,13 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
         selective_s=c * lc.selective_s,
         # the arrays below only feed `effective_costs` itself; zero so nothing is added twice
         dispatch_bytes=zeros, expert_fwd_s=zeros, expert_bwd_s=zeros, core_fwd_s=zeros, core_bwd_s=zeros, kv_bytes=zeros,
-        gathered_kv_bytes=gathered,
+        expert_ep=(), gathered_kv_bytes=gathered,
         cp=1,
     )
     outs = []
     for e in es:
-        fwd = lc.fwd_s.copy()
-        bwd = lc.bwd_s.copy()
+        # the experts' grouped GEMMs at the shape an EP-e rank runs (placement.evaluate alike)
+        fwd, bwd, expert_f, expert_b = lc.at_expert_width(e)
         expert = lc.expert_params.copy()
         hidden = zeros
         again = lc.module_s
@@ -128,17 +126,17 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
             stride = problem.training.expert_stride(lc.tp, c)
             a2a = np.array([system.alltoall_s(imb * b, e, stride, problem.training, problem.top_k, problem.router_groups)
                             for b in sizes])[where]
-            fwd = np.where(moe, fwd_moe + 2.0 * a2a, fwd)
-            bwd = np.where(moe, bwd_moe + 2.0 * a2a, bwd)
+            fwd = np.where(moe, fwd + (imb - 1.0) * expert_f + 2.0 * a2a, fwd)
+            bwd = np.where(moe, bwd + (imb - 1.0) * expert_b + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
             # a rerun MoE layer (`moe` recompute) runs its forward's all-to-alls and imbalance again
-            again = lc.module_s + np.where(moe, lc.module_moe * ((imb - 1.0) * lc.expert_fwd_s + 2.0 * a2a), 0.0)
+            again = lc.module_s + np.where(moe, lc.module_moe * ((imb - 1.0) * expert_f + 2.0 * a2a), 0.0)
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b
         if any_moe and problem.training.moe_a2a_overlap:  # placement.evaluate: four phases of a paired layer
-            mlp_f = imb * lc.expert_fwd_s
-            mlp_b = imb * lc.expert_bwd_s
+            mlp_f = imb * expert_f
+            mlp_b = imb * expert_b
             attn_f = np.maximum(0.0, fwd - 2.0 * a2a - mlp_f)
             attn_b = np.maximum(0.0, bwd - 2.0 * a2a - mlp_b)
             paired = (np.maximum(attn_f + 0.5 * attn_b, a2a) + np.maximum(0.5 * mlp_b, a2a)

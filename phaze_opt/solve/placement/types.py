@@ -91,6 +91,10 @@ class LayerCosts:
     `fwd_s` and `bwd_s` (half each), which the unpaired microbatches pay back; `gathered_kv_bytes`,
     likewise set only there: the other CP ranks' K/V blocks all-gather CP holds through the layer's
     attention (`Training.cp_comm`), working set in every recompute mode (`kernel.layer_terms`).
+    `expert_ep`: (e, forward s, backward s) per EP width e > 1, the experts' grouped GEMMs as an
+    EP-e rank runs them (E/e experts of e x the tokens each, `design.parallel.expert_parallel_op`);
+    `experts_at(e)` reads them, the traced EP-1 `expert_fwd_s` / `expert_bwd_s` for a width not
+    listed. The evaluator and the EP DP replace the EP-1 experts' time in `fwd_s` / `bwd_s` by it.
     """
 
     tp: int
@@ -124,6 +128,7 @@ class LayerCosts:
     cp: int = 1
     a2a_hidden_s: np.ndarray | None = None
     gathered_kv_bytes: np.ndarray | None = None
+    expert_ep: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
@@ -183,6 +188,15 @@ class LayerCosts:
             object.__setattr__(self, name, _array(name, np.zeros(n) if value is None else value, n, whole=whole))
         if np.any(self.expert_params > self.params):
             raise ValueError("LayerCosts.expert_params: more than the layer's params")
+        widths = []
+        for entry in self.expert_ep:
+            e, fwd_e, bwd_e = entry
+            if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 2 or int(e) in widths:
+                raise ValueError(f"LayerCosts.expert_ep: widths must be distinct integers above 1, got {e!r}")
+            widths.append(int(e))
+        object.__setattr__(self, "expert_ep", tuple(
+            (int(e), _array("expert_ep", f, n, whole=False), _array("expert_ep", b, n, whole=False))
+            for e, f, b in self.expert_ep))
         if isinstance(self.cp, bool) or not isinstance(self.cp, (int, np.integer)) or self.cp < 1:
             raise ValueError(f"LayerCosts.cp must be a positive integer, got {self.cp!r}")
         object.__setattr__(self, "cp", int(self.cp))
@@ -190,6 +204,25 @@ class LayerCosts:
         if len(names) != n:
             raise ValueError(f"LayerCosts.names: expected {n} names, got {len(names)}")
         object.__setattr__(self, "names", names)
+
+    def experts_at(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """The routed experts' grouped-GEMM (forward, backward) seconds per layer at EP width e."""
+        for width, fwd_e, bwd_e in self.expert_ep:
+            if width == e:
+                return fwd_e, bwd_e
+        return self.expert_fwd_s, self.expert_bwd_s
+
+    def at_expert_width(self, e: int, v: int | None = None):
+        """(forward, backward, experts' forward, experts' backward) of every layer (or of layer v)
+        at EP width e: the layer times with the EP-1 experts' time replaced by that width's
+        (`experts_at`), never below 0. The evaluator and the EP DP both read it."""
+        fwd_e, bwd_e = self.experts_at(e)
+        if v is None:
+            return (np.maximum(0.0, self.fwd_s + (fwd_e - self.expert_fwd_s)),
+                    np.maximum(0.0, self.bwd_s + (bwd_e - self.expert_bwd_s)), fwd_e, bwd_e)
+        f, b = float(fwd_e[v]), float(bwd_e[v])
+        return (max(0.0, float(self.fwd_s[v]) + (f - float(self.expert_fwd_s[v]))),
+                max(0.0, float(self.bwd_s[v]) + (b - float(self.expert_bwd_s[v]))), f, b)
 
     @classmethod
     def from_layer_graph(cls, graph, fwd_s, bwd_s, selective_s=None, sequence_parallel: bool = False,
