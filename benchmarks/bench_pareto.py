@@ -181,7 +181,7 @@ def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: 
         pts = points(out, name)
         mine = hv(pts, c["ref"])
         s = summaries[name]
-        print(f"| {name} | {s.get('trials', {}).get('finished', len(pts))} | {s.get('wall_s', float('nan')):.0f} | "
+        print(f"| {name} | {s.get('trials', {}).get('finished', len(pts))} | {s.get('elapsed_s', s.get('wall_s', float('nan'))):.0f} | "
               f"{pts[:, 0].max() if len(pts) else 0:.4g} | {mine / c['refined'] * 100:.2f}% | "
               f"{mine / best_known * 100:.2f}% |")
 

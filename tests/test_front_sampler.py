@@ -22,8 +22,11 @@ from phaze_opt.errors import PhazeError
 from phaze_opt.search.config import StudyConfig
 from phaze_opt.search.encoding import SpaceCodec
 from phaze_opt.search.front_sampler import FrontSampler
+from phaze_opt.search.runner import run_study
+from phaze_opt.search.session import is_feasible
 from phaze_opt.search.setup import resolve_sampler
 from test_bound_sampler import MODEL, SYSTEM, _brute_force, spaces
+from test_upper_bound import TINY_SPACE
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -151,3 +154,31 @@ def test_the_default_sampler_takes_throughput_and_area_but_not_energy():
     assert resolve_sampler(replace(config, objectives=("throughput", "area", "energy")), None) == "tpe"
     with pytest.raises(PhazeError, match="--sampler bound: energy has no proven lower bound"):
         resolve_sampler(replace(config, sampler="bound", objectives=("throughput", "energy")), None)
+
+
+def _space_front(result) -> tuple[set, list]:
+    """The front of a finished study's trials that the space proposed (the enqueued TPUv4
+    baselines left out), and those trials."""
+    trials = optuna.load_study(study_name=result["study"], storage=result["storage"]).get_trials()
+    searched = [t for t in trials if "fixed_params" not in t.system_attrs]
+    rows = np.array([(-t.values[0], t.values[1]) for t in searched if is_feasible(t)]).reshape(-1, 2)
+    return {tuple(r) for r in front(rows)}, searched
+
+
+def test_a_real_study_settles_on_the_grids_exact_front(tmp_path):
+    """The default sampler with throughput and area on the real evaluator: it stops before
+    `--trials` and holds the full grid's front, no design twice, none over the budget."""
+    space_file = tmp_path / "tiny.yaml"
+    space_file.write_text(TINY_SPACE)
+    base = dict(models=("gpt2-xl",), space=str(space_file), objectives=("throughput", "area"), tracking_uri="off",
+                output_dir=str(tmp_path), progress=False)
+    full = run_study(StudyConfig(**base, strategy="grid", hysteresis="off"))
+    sampled = run_study(StudyConfig(**base, trials=200))
+    assert sampled["sampler"] == "bound"
+    exact, _ = _space_front(full)
+    found, searched = _space_front(sampled)
+    assert found == exact and len(searched) < 200
+    assert any("the space's exact front" in note for note in sampled["notes"])
+    keys = [tuple(sorted(t.params.items())) for t in searched]
+    assert len(keys) == len(set(keys))  # no design twice
+    assert all(t.constraints.get("area", 0) <= 0 for t in searched)  # none over the area budget
