@@ -22,7 +22,8 @@ Over the whole space, without the sweep, each sampled study's hypervolume (refer
 throughput 0, area = the space's budget) is divided by two numbers. The proven ceiling is the
 hypervolume of the bound front (`design.front_order.bound_front`): every cell's level-0 throughput
 bound at its exact area, with level 1 in place of level 0 for the cells the front rests on
-(`refine_front_cells`). Every design's true vector is weakly dominated by its cell's bound vector,
+(`refine_front_cells`), capped at `--proven-optimum` when given (the single-objective sweep's proven
+best throughput: no design exceeds it). Every design's true vector is weakly dominated by its cell's bound vector,
 so the ceiling is at least the exact front's hypervolume, and the study's share of it is a proven
 LOWER bound on the share of the exact front it reached. The best known front (every study's points
 together, the sweep's too) lies on or under the exact front, so the share of it is an UPPER bound.
@@ -159,8 +160,10 @@ def ceiling(args) -> dict:
     cells = level0_cells(order)
     refined, count = refine_front_cells(order, areas, cells, limit=args.refine_cells)
     ref = float(space.area_budget_mm2)
-    return {"ref": ref, "level0": hv(bound_front(areas, cells), ref), "refined": hv(bound_front(areas, refined), ref),
-            "cells_refined": count, "front": bound_front(areas, refined)}
+    top = bound_front(areas, refined)
+    top[:, 0] = np.minimum(top[:, 0], args.proven_optimum or np.inf)  # no design beats a proven optimum
+    return {"ref": ref, "level0": hv(bound_front(areas, cells), ref), "refined": hv(top, ref),
+            "cells_refined": count, "front": top}
 
 
 def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: str | None) -> None:
@@ -171,8 +174,9 @@ def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: 
     swept = [sweep_name] if (out / f"{sweep_name}.db").is_file() else []  # a sweep's points, cut or not
     known = np.vstack([points(out, n) for n in swept + names])
     best_known = hv(known, c["ref"])
+    cap = f", capped at the proven optimum {args.proven_optimum:g} seq/s" if args.proven_optimum else ""
     print(f"## {args.space}, whole space: proven ceiling on the exact front's hypervolume {c['refined']:.6g} "
-          f"(level 0 alone {c['level0']:.6g}; {c['cells_refined']:,} cells refined to level 1; "
+          f"(level 0 alone {c['level0']:.6g}; {c['cells_refined']:,} cells refined to level 1{cap}; "
           f"{len(c['front'])} bound vectors); best known front {best_known:.6g} "
           f"(reference: throughput 0, area {c['ref']:.2f} mm^2)")
     print("| study | trials | wall (s) | best seq/s | share of the ceiling (proven lower bound) | "
@@ -205,6 +209,9 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--sweep-max-s", type=float, default=None, help="interrupt the sweep after this many seconds")
     p.add_argument("--no-sweep", action="store_true", help="no exhaustive sweep: the whole-space comparison only")
+    p.add_argument("--proven-optimum", type=float, default=None,
+                   help="the space's proven best throughput (seq/s, from `study --exhaustive` of the same model, "
+                        "space and system): caps the ceiling")
     p.add_argument("--refine-cells", type=int, default=200,
                    help="cells of the bound front bounded at level 1 for the proven ceiling (each a placement DP)")
     p.add_argument("--out", default="benchmarks/results/pareto")
