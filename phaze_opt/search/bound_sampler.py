@@ -50,6 +50,7 @@ from optuna.trial import FrozenTrial, TrialState
 from .. import interrupt
 from ..activity import phase
 from ..design.best_first import BoundOrder
+from ..design.pareto import Staircase
 from .encoding import SpaceCodec
 
 EXPLORE = 0.1  # share of the trials that explore around the best design instead of following the bounds
@@ -274,10 +275,15 @@ def settled_note(study) -> str | None:
         return None
     trials = study.get_trials(deepcopy=False)
     best = incumbent_of(trials)[0]
+    front = len(study.directions) > 1
+    floor = (lambda t: best)
+    if front:  # what an unproven trial's bound must beat: the best throughput at or below its area
+        done = [t for t in trials if completed_feasible(t)]
+        stairs = Staircase([t.values[1] for t in done], [t.values[0] for t in done], math.inf)
+        floor = (lambda t: stairs.at(t.values[1]) if t.values else 0.0)
     open_trials = [t.number for t in trials if t.state == TrialState.FAIL and not t.user_attrs.get("interrupted")
                    or (t.user_attrs.get("result") or {}).get("proven") is False
-                   and (t.user_attrs.get("result") or {}).get("score_bound", 0) > best]
-    front = len(study.directions) > 1
+                   and (t.user_attrs.get("result") or {}).get("score_bound", 0) > floor(t)]
     line = (f"bound: stopped after trial {info['trial']}: no point outside the study's trials has a proven bound "
             + ("above the best throughput evaluated at or below its area" if front else f"above its best ({best:.6g})"))
     what = ("its throughput-area front", "the space's exact front") if front else ("that best", "the space's optimum")
