@@ -33,10 +33,10 @@ from .pareto import Staircase
 
 CELL, POINT = 0, 1
 CHUNK = 4096  # designs bounded in one vectorised call: a few hundred MB of layer bounds at most
-# A proposal expands at most this many cells once a bounded point is waiting (each expansion runs a
-# placement DP per recipe, 10-50 ms), then takes the best point bounded so far; where the order
-# stops is then a function of the calls made, never of time.
-EXPAND_PER_PROPOSAL = 8
+# A proposal splits at most this many cells into their recipes (each a placement DP per recipe,
+# 10-100 ms), then takes a recipe of the top cell at the cell's bound; where the order stops is a
+# function of the calls made, never of time.
+EXPAND_PER_PROPOSAL = 16
 
 
 def level0_cells(order: BoundOrder) -> np.ndarray:
@@ -151,17 +151,17 @@ class FrontOrder:
         return (-front.gain(bound, area), -(bound - front.at(area)), tie, level, item, bound)
 
     def next_point(self, front: Staircase, taken: Callable[[dict], bool],
-                   expand: float = EXPAND_PER_PROPOSAL) -> tuple[dict, float] | None:
-        """The untaken point whose bound could add the most hypervolume to `front`, with its level-1
-        bound; None when no point left can join the front (then the evaluated front is exact, once
-        every point taken has been evaluated). Points and cells that cannot join are dropped for
-        good: a front only grows."""
-        heap, aside, expanded = self.heap, [], 0
-        while heap or aside:
-            if not heap:  # only cells left, set aside for want of expansions: expand them after all
-                for entry in aside:
-                    heapq.heappush(heap, entry)
-                aside, expand = [], math.inf
+                   expand: int | None = None) -> tuple[dict, float] | None:
+        """The untaken point whose bound could add the most hypervolume to `front`, with its bound;
+        None when no point left can join the front (then the evaluated front is exact, once every
+        point taken has been evaluated). Points and cells that cannot join are dropped for good: a
+        front only grows. After `expand` cells split into their recipes in one call, a cell that
+        comes to the top gives its first untaken recipe at the cell's level 0 (above T(a), so the
+        rule holds): where level 0 is loose, proving cell after cell would otherwise hold a trial
+        for minutes."""
+        heap, expanded = self.heap, 0
+        expand = EXPAND_PER_PROPOSAL if expand is None else expand
+        while heap:
             entry = heapq.heappop(heap)
             level, item, bound = entry[3], entry[4], entry[5]
             area = float(self.areas[item[0]])
@@ -172,12 +172,13 @@ class FrontOrder:
                 heapq.heappush(heap, fresh)
                 continue
             if level == POINT:
-                for e in aside:
-                    heapq.heappush(heap, e)
                 return self.point(*item), bound
             if expanded >= expand:
-                aside.append(fresh)
-                continue
+                a, h, m = item
+                untaken = [r for r in self.base.canonical(m) if not taken(self.point(a, h, m, r))]
+                if untaken:
+                    heapq.heappush(heap, fresh)  # its other recipes stay to be bounded
+                    return self.point(a, h, m, untaken[0]), bound
             self._expand(front, bound, *item)
             expanded += 1
         return None
