@@ -1,7 +1,7 @@
 """The exact throughput-area front against sampled fronts: points pruned, hypervolume reached.
 
-    python benchmarks/bench_pareto.py [--space phaze] [--samplers nsga2,tpe] [--seeds 0] [--trials 500]
-                                      [--workers 1] [--sweep-max-s S] [--out DIR]
+    python benchmarks/bench_pareto.py [--space phaze] [--samplers bound,nsga2,tpe] [--seeds 0] [--trials 500]
+                                      [--workers 1] [--sweep-max-s S | --no-sweep] [--out DIR]
 
 The exhaustive sweep (`--exhaustive --objectives throughput,area`) settles the exact front; then one
 sampled study per sampler and seed runs `--trials` trials with the same objectives. Every study runs
@@ -17,6 +17,16 @@ exactly. The comparison is then made in that window (areas below it): the exact 
 points of the window's designs pruned, and each sampled study's hypervolume in the window (reference
 point: throughput 0, area = the window's edge) as a fraction of the exact front's. A rerun resumes
 the sweep from its storage.
+
+Over the whole space, without the sweep, each sampled study's hypervolume (reference point:
+throughput 0, area = the space's budget) is divided by two numbers. The proven ceiling is the
+hypervolume of the bound front (`design.front_order.bound_front`): every cell's level-0 throughput
+bound at its exact area, with level 1 in place of level 0 for the cells the front rests on
+(`refine_front_cells`), capped at `--proven-optimum` when given (the single-objective sweep's proven
+best throughput: no design exceeds it). Every design's true vector is weakly dominated by its cell's bound vector,
+so the ceiling is at least the exact front's hypervolume, and the study's share of it is a proven
+LOWER bound on the share of the exact front it reached. The best known front (every study's points
+together, the sweep's too) lies on or under the exact front, so the share of it is an UPPER bound.
 """
 
 from __future__ import annotations
@@ -128,6 +138,58 @@ def pruned_at_least(args, known: np.ndarray) -> tuple[int, int]:
     return pruned * n_r, len(points) * len(params["mbs"]) * n_r
 
 
+def hv(rows: np.ndarray, ref_area: float) -> float:
+    """Hypervolume of (throughput, area) rows against (throughput 0, ref_area)."""
+    from phaze_opt.design.pareto import hypervolume
+
+    rows = np.asarray(rows, dtype=float).reshape(-1, 2)
+    return hypervolume(np.column_stack([-rows[:, 0], rows[:, 1]]), [0.0, ref_area])
+
+
+def ceiling(args) -> dict:
+    """The proven ceiling on the exact front's hypervolume (module docstring), level 0 and refined."""
+    from phaze_opt.design.best_first import BoundOrder
+    from phaze_opt.design.front_order import bound_front, level0_cells, refine_front_cells
+    from phaze_opt.design.space import load_space
+    from phaze_opt.system import load_system
+    from phaze_opt.workload.models import load_model
+
+    space = load_space(args.space)
+    order = BoundOrder(load_model(args.model), load_system("default"), space)
+    areas = np.array([d["area_mm2"] for d in space.dies()], dtype=float)
+    cells = level0_cells(order)
+    refined, count = refine_front_cells(order, areas, cells, limit=args.refine_cells)
+    ref = float(space.area_budget_mm2)
+    top = bound_front(areas, refined)
+    top[:, 0] = np.minimum(top[:, 0], args.proven_optimum or np.inf)  # no design beats a proven optimum
+    return {"ref": ref, "level0": hv(bound_front(areas, cells), ref), "refined": hv(top, ref),
+            "cells_refined": count, "front": top}
+
+
+def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: str | None) -> None:
+    """Each sampled study against the proven ceiling (a lower bound on its share of the exact front)
+    and against the best known front (an upper bound): module docstring."""
+    c = ceiling(args)
+    sweep_name = sweep_name or f"{args.model}-{args.space}-exhaustive-bound-throughput+area"
+    swept = [sweep_name] if (out / f"{sweep_name}.db").is_file() else []  # a sweep's points, cut or not
+    known = np.vstack([points(out, n) for n in swept + names])
+    best_known = hv(known, c["ref"])
+    cap = f", capped at the proven optimum {args.proven_optimum:g} seq/s" if args.proven_optimum else ""
+    print(f"## {args.space}, whole space: proven ceiling on the exact front's hypervolume {c['refined']:.6g} "
+          f"(level 0 alone {c['level0']:.6g}; {c['cells_refined']:,} cells refined to level 1{cap}; "
+          f"{len(c['front'])} bound vectors); best known front {best_known:.6g} "
+          f"(reference: throughput 0, area {c['ref']:.2f} mm^2)")
+    print("| study | trials | wall (s) | best seq/s | share of the ceiling (proven lower bound) | "
+          "share of the best known front (upper bound) |\n|---|---|---|---|---|---|")
+    for name in names:
+        pts = points(out, name)
+        mine = hv(pts, c["ref"])
+        s = summaries[name]
+        print(f"| {name} | {s.get('trials', {}).get('finished', len(pts))} | {s.get('elapsed_s', s.get('wall_s', float('nan'))):.0f} | "
+              f"{pts[:, 0].max() if len(pts) else 0:.4g} | {mine / c['refined'] * 100:.2f}% | "
+              f"{mine / best_known * 100:.2f}% |")
+
+
 def points_per_design(space: str) -> list:
     """The (HBM, microbatch, recipe) choices every design of the space is swept with."""
     from phaze_opt.design.space import load_space
@@ -141,11 +203,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt3-175b")
     p.add_argument("--space", default="phaze")
-    p.add_argument("--samplers", default="nsga2,tpe")
+    p.add_argument("--samplers", default="bound,nsga2,tpe")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--trials", type=int, default=500)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--sweep-max-s", type=float, default=None, help="interrupt the sweep after this many seconds")
+    p.add_argument("--no-sweep", action="store_true", help="no exhaustive sweep: the whole-space comparison only")
+    p.add_argument("--proven-optimum", type=float, default=None,
+                   help="the space's proven best throughput (seq/s, from `study --exhaustive` of the same model, "
+                        "space and system): caps the ceiling")
+    p.add_argument("--refine-cells", type=int, default=200,
+                   help="cells of the bound front bounded at level 1 for the proven ceiling (each a placement DP)")
     p.add_argument("--out", default="benchmarks/results/pareto")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -153,13 +221,17 @@ def main(argv=None) -> None:
 
     out = Path(args.out) / args.space
     out.mkdir(parents=True, exist_ok=True)
-    sweep = study(args, args.space, out, "sweep", ["--exhaustive"], args.sweep_max_s)
-    names = []
+    names, summaries = [], {}
     for sampler in args.samplers.split(","):
         for seed in args.seeds.split(","):
             s = study(args, args.space, out, f"{sampler}-{seed}",
                       ["--sampler", sampler, "--seed", seed, "--trials", str(args.trials)])
             names.append(s["study"])
+            summaries[s["study"]] = s
+    if args.no_sweep:
+        whole_space(args, out, names, summaries, None)
+        return
+    sweep = study(args, args.space, out, "sweep", ["--exhaustive"], args.sweep_max_s)
     if sweep is None:
         sweep_name = f"{args.model}-{args.space}-exhaustive-bound-throughput+area"
         window(args, out, sweep_name, names)
@@ -167,6 +239,7 @@ def main(argv=None) -> None:
         pruned, total = pruned_at_least(args, known)
         print(f"whole space: at least {pruned:,} of {total:,} points ({pruned / total * 100:.2f}%) are pruned by "
               "level 0 alone against the front the studies found")
+        whole_space(args, out, names, summaries, sweep_name)
         return
     ex = sweep["exhaustive"]
     pruned = ex["points"] - ex["settled"]["evaluated"]

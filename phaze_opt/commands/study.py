@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--system", default="default", help="system config name or YAML path (default default)")
     p.add_argument("--sampler", default="auto", metavar="NAME",
                    help=f"Optuna sampler: auto, {', '.join(SAMPLERS)} (default auto: bound, the bound-guided sampler, "
-                        "where the proven throughput bounds apply (one model, throughput alone), else tpe)")
+                        "where the proven throughput bounds apply (one model, throughput or throughput,area), else tpe)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0; a seed gives the same study)")
     p.add_argument("--trials", type=int, default=500,
                    help="finished trials the study should hold; a resumed study runs only the rest (default 500)")

@@ -226,7 +226,7 @@ class BoundOrder:
     def _top(heap: list) -> float:
         return -heap[0][0] if heap else 0.0
 
-    def _widths_of(self, accelerators: list, mbs: int) -> list[list[WidthBounds]]:
+    def widths_of(self, accelerators: list, mbs: int) -> list[list[WidthBounds]]:
         designs = DesignArrays.from_accelerators(accelerators)
         return [[layer_lower_bounds(self.model, designs, mbs, self.system, tp, attention)
                  for tp in tp_widths(self.model, self.system)] for attention in self.attns]
@@ -235,7 +235,7 @@ class BoundOrder:
         accs = [self.accelerator(a, self.fast_hbm) for a in archs]
         best = np.zeros(len(archs))
         for m, mbs in enumerate(self.mbss):
-            widths = self._widths_of(accs, mbs)
+            widths = self.widths_of(accs, mbs)
             b0 = level0_throughput(widths, mbs, self.system, self.v_max)
             best = np.maximum(best, b0)
             for i, a in enumerate(archs):
@@ -249,7 +249,7 @@ class BoundOrder:
         accs = [self.accelerator(a, h) for a, h in others]
         for m, mbs in enumerate(self.mbss):
             if accs:
-                widths = self._widths_of(accs, mbs)
+                widths = self.widths_of(accs, mbs)
                 b0 = level0_throughput(widths, mbs, self.system, self.v_max)
                 for i, (a, h) in enumerate(others):
                     self._widths[(a, h, m)] = [[w.take([i]) for w in per] for per in widths]
@@ -324,4 +324,4 @@ class BoundOrder:
         """Level 0 of one point's cell (its architecture, HBM and microbatch), whatever its recipe."""
         acc = self.space.accelerator(dict(point))
         mbs = int(point["mbs"])
-        return float(level0_throughput(self._widths_of([acc], mbs), mbs, self.system, self.v_max)[0])
+        return float(level0_throughput(self.widths_of([acc], mbs), mbs, self.system, self.v_max)[0])

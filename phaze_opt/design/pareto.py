@@ -98,3 +98,33 @@ def best_at_or_below(areas: np.ndarray, scores: np.ndarray):
         return np.where(i >= 0, best[np.maximum(i, 0)] if len(best) else 0.0, 0.0)
 
     return at
+
+
+class Staircase:
+    """The throughput-area front of evaluated designs as the staircase T(a) (`best_at_or_below`),
+    with the hypervolume a new vector would add to it. Throughput is maximised, area minimised, and
+    the reference point is (throughput 0, area `reference_area`), as the comparison measures."""
+
+    def __init__(self, areas, scores, reference_area: float):
+        order = np.argsort(np.asarray(areas, dtype=float), kind="stable")
+        self.areas = np.asarray(areas, dtype=float)[order]
+        self.best = np.maximum.accumulate(np.asarray(scores, dtype=float)[order]) if len(order) else np.zeros(0)
+        self.reference_area = float(reference_area)
+
+    def at(self, area: float) -> float:
+        """T(area): the best throughput of a design no larger (0 when there is none)."""
+        i = int(np.searchsorted(self.areas, area, side="right"))
+        return float(self.best[i - 1]) if i > 0 else 0.0
+
+    def gain(self, throughput: float, area: float) -> float:
+        """The hypervolume the vector (throughput, area) adds: the integral over areas x from `area`
+        to the reference of max(0, throughput - T(x)). An upper bound on the throughput gives an
+        upper bound on the gain, which only falls as the front grows."""
+        ref = self.reference_area
+        if area >= ref:
+            return 0.0
+        i = int(np.searchsorted(self.areas, area, side="right"))
+        j = int(np.searchsorted(self.areas, ref, side="left"))
+        edges = np.concatenate([[area], self.areas[i:j], [ref]])
+        levels = np.concatenate([[self.at(area)], self.best[i:j]])
+        return float(np.sum(np.maximum(0.0, throughput - levels) * np.diff(edges)))

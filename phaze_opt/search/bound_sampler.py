@@ -50,6 +50,7 @@ from optuna.trial import FrozenTrial, TrialState
 from .. import interrupt
 from ..activity import phase
 from ..design.best_first import BoundOrder
+from ..design.pareto import Staircase
 from .encoding import SpaceCodec
 
 EXPLORE = 0.1  # share of the trials that explore around the best design instead of following the bounds
@@ -69,7 +70,7 @@ POLL_S = 0.05
 STALE_CHECK_S = 5.0  # how often a waiting trial checks the heartbeats of the trials it waits for
 
 
-def _key(params: Mapping[str, Any]) -> tuple:
+def params_key(params: Mapping[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
 
@@ -79,17 +80,20 @@ def held_keys(trials) -> set:
     for t in trials:
         params = t.params or t.system_attrs.get("fixed_params") or {}
         if params:
-            keys.add(_key(params))
+            keys.add(params_key(params))
     return keys
+
+
+def completed_feasible(t: FrozenTrial) -> bool:
+    """A finished trial with values and every constraint met (an infeasible design counts nothing)."""
+    return t.state == TrialState.COMPLETE and bool(t.values) and not any(v > 0 for v in t.constraints.values())
 
 
 def incumbent_of(trials) -> tuple[float, FrozenTrial | None]:
     """The best feasible single-objective value among finished trials, and its trial."""
     best, where = 0.0, None
     for t in trials:
-        if t.state != TrialState.COMPLETE or not t.values:
-            continue
-        if any(v > 0 for v in t.constraints.values()):
+        if not completed_feasible(t):
             continue
         if t.values[0] > best:
             best, where = float(t.values[0]), t
@@ -155,7 +159,7 @@ class BoundSampler(optuna.samplers.BaseSampler):
         rng = np.random.default_rng([self._seed, number])
 
         def taken(point: dict) -> bool:
-            return _key(self._codec.encode(point)) in held
+            return params_key(self._codec.encode(point)) in held
 
         order = self.order
         point = None
@@ -271,11 +275,18 @@ def settled_note(study) -> str | None:
         return None
     trials = study.get_trials(deepcopy=False)
     best = incumbent_of(trials)[0]
+    front = len(study.directions) > 1
+    floor = (lambda t: best)
+    if front:  # what an unproven trial's bound must beat: the best throughput at or below its area
+        done = [t for t in trials if completed_feasible(t)]
+        stairs = Staircase([t.values[1] for t in done], [t.values[0] for t in done], math.inf)
+        floor = (lambda t: stairs.at(t.values[1]) if t.values else 0.0)
     open_trials = [t.number for t in trials if t.state == TrialState.FAIL and not t.user_attrs.get("interrupted")
                    or (t.user_attrs.get("result") or {}).get("proven") is False
-                   and (t.user_attrs.get("result") or {}).get("score_bound", 0) > best]
+                   and (t.user_attrs.get("result") or {}).get("score_bound", 0) > floor(t)]
     line = (f"bound: stopped after trial {info['trial']}: no point outside the study's trials has a proven bound "
-            f"above its best ({best:.6g})")
+            + ("above the best throughput evaluated at or below its area" if front else f"above its best ({best:.6g})"))
+    what = ("its throughput-area front", "the space's exact front") if front else ("that best", "the space's optimum")
     if open_trials:
-        return line + f"; trials {', '.join(map(str, open_trials[:5]))} failed or were not proven, so that best is not proven optimal"
-    return line + ", so that best is the space's optimum"
+        return line + f"; trials {', '.join(map(str, open_trials[:5]))} failed or were not proven, so {what[0]} is not proven"
+    return line + f", so {what[0]} is {what[1]}"

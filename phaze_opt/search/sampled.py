@@ -210,9 +210,10 @@ def nothing_to_run(config: StudyConfig, name: str, url: str, held: int, backend:
     for note in notes:
         say(note)
     if settled and held < config.trials:
+        above = ("the best throughput evaluated at or below its area" if len(config.objectives) > 1
+                 else f"its best ({settled.get('best', 0):.6g})")
         say(f"study {name} was settled by its sampler after trial {settled.get('trial')}: no point left has a "
-            f"proven bound above its best ({settled.get('best', 0):.6g}), so more trials cannot improve it: "
-            "nothing to run (no MLflow run started)")
+            f"proven bound above {above}, so more trials cannot improve it: nothing to run (no MLflow run started)")
     else:
         say(f"study {name} already holds {held} finished trials and --trials {config.trials} is the study's total: "
             f"nothing to run (no MLflow run started); give --trials above {held} to add trials")

@@ -262,7 +262,7 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
     return config
 
 
-# What the bound-pruned sweep settles: the best throughput, or the throughput-area front (its area
+# What the bound-pruned sweep and the bound-guided sampler settle: the best throughput, or the throughput-area front (its area
 # is exact per design, `search.pareto`). Energy has no proven lower bound, so it is not pruned.
 SWEEP_OBJECTIVES = (("throughput",), ("throughput", "area"))
 
@@ -271,7 +271,7 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None, objectives=(("t
     """Why the proven throughput bounds do not apply to a study, or None when they do.
 
     They bound one model's throughput under the real hardware model and placement DP, so they need
-    one model, objectives among `objectives` (the bound-guided sampler: throughput alone; the sweep:
+    one model, objectives among `objectives` (the bound-guided sampler and the sweep:
     `SWEEP_OBJECTIVES`), the real evaluator and a space with HBM capacities, no system axes, and
     recipe choices the bounds cover (`training.bound_obstacles`).
     """
@@ -319,12 +319,12 @@ def resolve_strategy(config: StudyConfig, backend: Backend | None) -> str:
 
 
 def resolve_sampler(config: StudyConfig, backend: Backend | None) -> str:
-    """`auto` becomes the bound-guided sampler where the proven bounds apply, else TPE; `bound`
-    where they do not is refused with the reason."""
+    """`auto` becomes the bound-guided sampler where the proven bounds apply (throughput, or
+    throughput and area: `front_sampler`), else TPE; `bound` where they do not is refused with the reason."""
     sampler = str(config.sampler).strip().lower()
     if sampler not in (AUTO, "bound") or config.mode != "sampled":  # a sweep samples nothing
         return sampler
-    return _where_bounds_apply(sampler, bound_obstacle(config, backend), "--sampler", "bound", "tpe",
+    return _where_bounds_apply(sampler, bound_obstacle(config, backend, SWEEP_OBJECTIVES), "--sampler", "bound", "tpe",
                                f"; choose another sampler ({', '.join(SAMPLERS[1:])})")
 
 

@@ -30,13 +30,15 @@ from ..design.best_first import BoundOrder
 from ..errors import PhazeError, unknown_choice
 from ..system import load_system
 from ..workload.models import load_model
+from ..design.front_order import FrontOrder
 from .bound_sampler import EXPLORE, BoundSampler
+from .front_sampler import FrontSampler
 
 # `StudyConfig` in the annotations is `config.StudyConfig`, which imports this module (to look its
 # strategy up), so it is not imported here.
 
 SAMPLERS = ("bound", "tpe", "random", "cmaes", "qmc", "gp", "nsga2")
-SINGLE_OBJECTIVE_SAMPLERS = ("cmaes", "bound")
+SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
 # `--sampler auto` (the default): the bound-guided sampler where the proven bounds apply
 # (`setup.bound_obstacle`), TPE elsewhere.
 AUTO = "auto"
@@ -112,12 +114,19 @@ def _bound_order(config: StudyConfig, space) -> BoundOrder:
     return BoundOrder(load_model(config.models[0]), load_system(config.system), space, seed=config.seed)
 
 
+def _front_order(config: StudyConfig, space) -> FrontOrder:
+    return FrontOrder(load_model(config.models[0]), load_system(config.system), space, seed=config.seed)
+
+
 def make_sampler(config: StudyConfig, space, worker: int = 0) -> optuna.samplers.BaseSampler:
     """The sampler for one process. Optuna's own samplers: worker k > 0 gets seed + k so workers do
     not propose the same points. The bound-guided sampler: every worker the same seed, since its
-    proposal for a trial is a function of the trial's number (see `bound_sampler`)."""
+    proposal for a trial is a function of the trial's number (see `bound_sampler`); with throughput
+    and area, its front version (`front_sampler`)."""
     name, seed = config.sampler, config.seed
     s = seed + worker
+    if name == "bound" and len(config.objectives) > 1:
+        return FrontSampler(space, partial(_front_order, config, space), seed=seed, workers=config.workers)
     if name == "bound":
         return BoundSampler(space, partial(_bound_order, config, space), seed=seed, workers=config.workers)
     if name == "tpe":
@@ -151,8 +160,8 @@ class Sampled:
 
     def check(self, config):
         if len(config.objectives) > 1 and config.sampler in SINGLE_OBJECTIVE_SAMPLERS:
-            raise PhazeError(f"--sampler {config.sampler} optimises one objective; use tpe, random, qmc, gp or nsga2 "
-                             f"with --objectives {','.join(config.objectives)}")
+            raise PhazeError(f"--sampler {config.sampler} optimises one objective; use bound, tpe, random, qmc, gp "
+                             f"or nsga2 with --objectives {','.join(config.objectives)}")
 
     def name_parts(self, config):
         return [config.sampler, f"seed{config.seed}"]
@@ -163,6 +172,9 @@ class Sampled:
     def notes(self, config):
         if config.sampler == "cmaes":
             return ["cmaes ignores Optuna constraints; it learns infeasible designs from their 0 throughput"]
+        if config.sampler == "bound" and len(config.objectives) > 1:
+            return ["bound: area-feasible points only, each design once, by the hypervolume their proven throughput "
+                    "bound could add to the front; none that a smaller evaluated design already matches"]
         if config.sampler == "bound":
             return ["bound: area-feasible points only, each design once, in the order of their proven throughput bounds "
                     f"({round(100 * EXPLORE)}% of trials explore around the best design)"]

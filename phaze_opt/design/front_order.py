@@ -1,0 +1,194 @@
+"""Points in the order that best extends a throughput-area front, and a proven ceiling on that front.
+
+Area is exact per design and costs nothing (`hardware/area.py`); throughput has proven upper bounds
+(level 0 per cell, level 1 per point: `design.best_first`). A point of area a whose bound u is at
+or below T(a), the best evaluated throughput at area <= a, can never join the front: a design
+already evaluated is at least as fast and no larger (the rule the exhaustive sweep prunes by,
+`search.pareto`). Every other point could; if its bound were met it would add the hypervolume
+`Staircase.gain(u, a)` (reference: throughput 0, the space's area budget). `FrontOrder` proposes
+the point of largest such gain, so a short study spends its trials where the front can grow most,
+and a long one evaluates every point the rule cannot settle, which is all the exact front needs.
+
+The gain of a bound only falls as the front grows and as a cell's level 0 is replaced by its
+points' level 1, so a stored gain is an upper bound on the current one: the order is a lazy greedy
+heap (Minoux, "Accelerated greedy algorithms for maximizing submodular set functions", 1978): pop
+the top, recompute its gain, take it if it still beats the next stored one, else push it back.
+
+`bound_front` is the same bounds read as a front: the vectors (u, a) of every cell, whose
+hypervolume is at least the exact front's (every design's true vector is weakly dominated by its
+cell's bound vector, and hypervolume is monotone under dominance), so a sampled front's hypervolume
+divided by it is a proven lower bound on the fraction of the exact front's hypervolume reached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable
+
+import numpy as np
+
+from .best_first import BoundOrder, level0_throughput, recipe_bounds
+from .pareto import Staircase
+
+CELL, POINT = 0, 1
+CHUNK = 4096  # designs bounded in one vectorised call: a few hundred MB of layer bounds at most
+# A proposal splits at most this many cells into their recipes (each a placement DP per recipe,
+# 10-100 ms), then takes a recipe of the top cell at the cell's bound; where the order stops is a
+# function of the calls made, never of time.
+EXPAND_PER_PROPOSAL = 16
+
+
+def level0_cells(order: BoundOrder) -> np.ndarray:
+    """Level 0 of every (architecture, HBM, microbatch) cell of `order`'s space, shape (A, H, M):
+    vectorised over the architectures, one pass per HBM and microbatch."""
+    out = np.zeros((len(order.archs), len(order.hbms), len(order.mbss)))
+    for h in range(len(order.hbms)):
+        accs = [order.accelerator(a, h) for a in range(len(order.archs))]
+        for m, mbs in enumerate(order.mbss):
+            for s in range(0, len(accs), CHUNK):
+                widths = order.widths_of(accs[s:s + CHUNK], mbs)
+                out[s:s + CHUNK, h, m] = level0_throughput(widths, mbs, order.system, order.v_max)
+    return out
+
+
+def _on_front(bounds: np.ndarray, areas: np.ndarray) -> np.ndarray:
+    """Which (bound, area) rows no other row weakly dominates (first of equal rows kept): smallest
+    area first, then fastest, a row is on the front when it beats every row before it."""
+    order = np.lexsort((-bounds, areas))
+    ranked = bounds[order]
+    before = np.maximum.accumulate(np.concatenate([[-np.inf], ranked[:-1]]))
+    keep = np.zeros(len(bounds), dtype=bool)
+    keep[order] = (ranked > before) & (ranked > 0)
+    return keep
+
+
+def bound_front(areas: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """The front of the cells' bound vectors: rows (throughput bound, area), area ascending, each
+    architecture's best cell (area is the architecture's alone)."""
+    areas = np.asarray(areas, dtype=float)
+    best = np.asarray(cells, dtype=float).reshape(len(areas), -1).max(axis=1) if len(areas) else np.zeros(0)
+    keep = _on_front(best, areas)
+    rows = np.column_stack([best[keep], areas[keep]])
+    return rows[np.argsort(rows[:, 1], kind="stable")]
+
+
+def refine_front_cells(order: BoundOrder, areas: np.ndarray, cells: np.ndarray,
+                       limit: float = math.inf) -> tuple[np.ndarray, int]:
+    """`cells` with level 1 in place of level 0 where it matters to the bound front: while an
+    architecture on it takes its bound from a cell still at level 0, that cell gets the largest
+    level-1 bound of its recipes (those no other recipe dominates: a dominated recipe's throughput
+    is at most its dominator's, so the largest still bounds the cell). Each replacement only lowers
+    a valid bound, so the front stays a proven ceiling, and a tighter one. Stops after `limit`
+    cells (each costs a placement DP per recipe). Returns the refined cells and how many were refined."""
+    cells = np.array(cells, dtype=float)
+    flat = cells.reshape(len(areas), -1)
+    refined = np.zeros(flat.shape, dtype=bool)
+    shape = cells.shape[1:]
+    count = 0
+    while True:
+        top = flat.argmax(axis=1)
+        best = flat[np.arange(len(areas)), top]
+        todo = [a for a in np.flatnonzero(_on_front(best, np.asarray(areas, dtype=float))) if not refined[a, top[a]]]
+        if not todo or count >= limit:
+            return cells, count
+        for a in todo[:int(min(len(todo), limit - count))]:
+            h, m = np.unravel_index(top[a], shape)
+            level1 = [b for _, b in cell_recipe_bounds(order, int(a), int(h), int(m))]
+            flat[a, top[a]] = min(flat[a, top[a]], max([0.0, *level1]))
+            refined[a, top[a]] = True
+            count += 1
+
+
+def cell_recipe_bounds(order: BoundOrder, a: int, h: int, m: int, incumbent: float = 0.0) -> list[tuple[int, float]]:
+    """Level 1 of the recipes of cell (a, h, m) that no other recipe dominates, as (recipe, bound);
+    a recipe group bounded at or below `incumbent` gives its members the group's bound."""
+    acc = order.accelerator(a, h)
+    mbs = order.mbss[m]
+    canon = order.canonical(m)
+    bounds = recipe_bounds(order.model, order.system, order.widths_of([acc], mbs), mbs, float(acc.hbm_bytes),
+                           float(acc.peak_flops), [order.rcs[r] for r in canon], order.attns, incumbent=incumbent)
+    return list(zip(canon, [float(b) for b in bounds]))
+
+
+class FrontOrder:
+    """The space's points by the hypervolume their bound could add (see the module docstring), for
+    one model on one system. The level 0 of every cell is computed at the first call (about 35 s
+    for the 351,564 cells of `phaze` on one core); points are bounded at level 1 as their cells
+    come to the top."""
+
+    def __init__(self, model, system, space, seed: int = 0):
+        self.base = BoundOrder(model, system, space, seed=seed)
+        self.archs, self.hbms, self.mbss, self.rcs = self.base.archs, self.base.hbms, self.base.mbss, self.base.rcs
+        self.areas = np.array([d["area_mm2"] for d in space.dies()], dtype=float)
+        self.reference_area = float(space.area_budget_mm2)
+        self._heap: list | None = None
+        self.work = 0  # cells expanded (each: one placement DP per recipe)
+
+    def point(self, a: int, h: int, m: int, r: int) -> dict:
+        return self.base.point(a, h, m, r)
+
+    def staircase(self, areas, scores) -> Staircase:
+        return Staircase(areas, scores, self.reference_area)
+
+    @property
+    def heap(self) -> list:
+        if self._heap is None:
+            cells = level0_cells(self.base)
+            empty = self.staircase([], [])
+            self._heap = []
+            for (a, h, m), u in np.ndenumerate(cells):
+                if u > 0:
+                    self._heap.append(self._entry(empty, float(u), CELL, (a, h, m)))
+            heapq.heapify(self._heap)
+        return self._heap
+
+    def _entry(self, front: Staircase, bound: float, level: int, item: tuple) -> tuple:
+        """A heap entry: largest gain first, then the largest margin over T(a) (a design at the
+        reference area adds no hypervolume yet may join the front), then the seeded tie-break."""
+        area = float(self.areas[item[0]])
+        tie = (int(self.base.tie[item[0]]), *item[1:], -1 if level == CELL else 0)
+        return (-front.gain(bound, area), -(bound - front.at(area)), tie, level, item, bound)
+
+    def next_point(self, front: Staircase, taken: Callable[[dict], bool],
+                   expand: int | None = None) -> tuple[dict, float] | None:
+        """The untaken point whose bound could add the most hypervolume to `front`, with its bound;
+        None when no point left can join the front (then the evaluated front is exact, once every
+        point taken has been evaluated). Points and cells that cannot join are dropped for good: a
+        front only grows. After `expand` cells split into their recipes in one call, a cell that
+        comes to the top gives its first untaken recipe at the cell's level 0 (above T(a), so the
+        rule holds): where level 0 is loose, proving cell after cell would otherwise hold a trial
+        for minutes."""
+        heap, expanded = self.heap, 0
+        expand = EXPAND_PER_PROPOSAL if expand is None else expand
+        while heap:
+            entry = heapq.heappop(heap)
+            level, item, bound = entry[3], entry[4], entry[5]
+            area = float(self.areas[item[0]])
+            if bound <= front.at(area) or (level == POINT and taken(self.point(*item))):
+                continue
+            fresh = self._entry(front, bound, level, item)
+            if heap and fresh[:3] > heap[0][:3]:  # another's stored gain (an upper bound) is higher
+                heapq.heappush(heap, fresh)
+                continue
+            if level == POINT:
+                return self.point(*item), bound
+            if expanded >= expand:
+                a, h, m = item
+                untaken = [r for r in self.base.canonical(m) if not taken(self.point(a, h, m, r))]
+                if untaken:
+                    heapq.heappush(heap, fresh)  # its other recipes stay to be bounded
+                    return self.point(a, h, m, untaken[0]), bound
+            self._expand(front, bound, *item)
+            expanded += 1
+        return None
+
+    def _expand(self, front: Staircase, cell_bound: float, a: int, h: int, m: int) -> None:
+        """A cell's recipes that no other recipe of it dominates, each bounded at level 1 (under
+        the cell's level 0, so a stored gain stays an upper bound) and pushed when it can join."""
+        floor = front.at(float(self.areas[a]))
+        self.work += 1
+        for r, b in cell_recipe_bounds(self.base, a, h, m, incumbent=floor):
+            b = min(b, cell_bound)
+            if b > floor:
+                heapq.heappush(self.heap, self._entry(front, b, POINT, (a, h, m, r)))
