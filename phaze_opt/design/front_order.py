@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .best_first import BoundOrder, level0_throughput, recipe_bounds
-from .pareto import Staircase
+from .pareto import Staircase, front_mask
 
 CELL, POINT = 0, 1
 CHUNK = 4096  # designs bounded in one vectorised call: a few hundred MB of layer bounds at most
@@ -53,14 +53,9 @@ def level0_cells(order: BoundOrder) -> np.ndarray:
 
 
 def _on_front(bounds: np.ndarray, areas: np.ndarray) -> np.ndarray:
-    """Which (bound, area) rows no other row weakly dominates (first of equal rows kept): smallest
-    area first, then fastest, a row is on the front when it beats every row before it."""
-    order = np.lexsort((-bounds, areas))
-    ranked = bounds[order]
-    before = np.maximum.accumulate(np.concatenate([[-np.inf], ranked[:-1]]))
-    keep = np.zeros(len(bounds), dtype=bool)
-    keep[order] = (ranked > before) & (ranked > 0)
-    return keep
+    """Which (bound, area) rows with a positive bound no other row weakly dominates (first of equal
+    rows kept)."""
+    return front_mask(np.column_stack([-np.asarray(bounds, dtype=float), areas])) & (np.asarray(bounds) > 0)
 
 
 def bound_front(areas: np.ndarray, cells: np.ndarray) -> np.ndarray:

@@ -37,6 +37,11 @@ def front_mask(points) -> np.ndarray:
     if n == 0:
         return keep
     order = np.lexsort(pts.T[::-1])  # lexicographic: a row can only be weakly dominated by one before it
+    if pts.shape[1] == 2:  # two objectives: on the front when strictly below every earlier row's second
+        second = pts[order, 1]
+        before = np.minimum.accumulate(np.concatenate([[np.inf], second[:-1]]))
+        keep[order] = second < before
+        return keep
     kept: list[np.ndarray] = []
     for i in order:
         p = pts[i]
