@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     before = os.environ.get(configs.ENV)
     try:
+        interrupt.preload_native()
+        interrupt.checkpoint()  # a signal during the preload: stop here, with no work begun
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         if not getattr(args, "command", None):
@@ -151,7 +153,9 @@ def _main(argv: list[str] | None) -> int:
     except PhazeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_status", 2)  # 1 for a full disk: not the user's mistake
-    except KeyboardInterrupt:
+    except BaseException as exc:  # a stop, whatever form it reached the top level in
+        if not interrupt.is_stop(exc):
+            raise
         interrupt.settle()
         print("interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -27,6 +27,7 @@ Standard library only: the CLI installs this before importing anything heavy.
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 import threading
@@ -163,6 +164,36 @@ def install(raise_outside: bool = True):
                     pass
 
     return restore
+
+
+# Extension modules built with PyO3 that the commands import (MLflow's tracking store imports
+# cryptography's bindings on first use; MLflow's schemas import pydantic-core). PyO3 builds a module's
+# type objects as it is imported; an exception raised inside that (our KeyboardInterrupt) becomes a
+# `pyo3_runtime.PanicException`, a BaseException with a Rust panic's traceback, not a stop (seen in
+# the signal storm: a SIGINT during the MLflow store's first open, exit 1).
+PYO3_MODULES = ("cryptography.hazmat.bindings._rust", "pydantic_core._pydantic_core")
+
+
+def preload_native() -> None:
+    """Import `PYO3_MODULES` where a signal only records its stop, so none can land inside their set-up;
+    the caller's next safe point acts on it. A missing module is skipped: a later import fails as
+    it would have."""
+    with deferred():
+        for name in PYO3_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+
+
+def is_stop(exc: BaseException) -> bool:
+    """Whether `exc`, reaching the top level, is this process's stop: a KeyboardInterrupt, or a PyO3
+    panic raised while a stop was requested (our interrupt cut a native module's set-up: a module not
+    in `PYO3_MODULES`, imported late)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    kind = type(exc)
+    return _STATE["stop"] is not None and (kind.__module__, kind.__name__) == ("pyo3_runtime", "PanicException")
 
 
 def request_stop(reason: str = "stop") -> None:

@@ -264,6 +264,62 @@ logged(ValueError("disk I/O error"))
     assert "ValueError: disk I/O error" in out.stderr
 
 
+def test_native_modules_are_imported_where_a_signal_cannot_cut_them():
+    """A SIGINT that landed while cryptography's PyO3 bindings built their types (MLflow's store, first
+    open) became a Rust panic: exit 1 with a traceback instead of a stop (the signal storm, in CI). The
+    CLI imports every PyO3 module first, in a region where a signal only records; an audit hook sees
+    where each one's import began."""
+    code = """
+import sys
+from phaze_opt import cli, interrupt
+seen = {}
+def hook(event, args):
+    if event == "import" and args[0] in interrupt.PYO3_MODULES and args[0] not in seen:
+        seen[args[0]] = interrupt._raising()
+sys.addaudithook(hook)
+try:
+    cli.main(["arch", "--help"])
+except SystemExit:
+    pass
+print(sorted(seen.items()))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    from phaze_opt import interrupt
+
+    assert out.stdout.strip().splitlines()[-1] == str(sorted((name, False) for name in interrupt.PYO3_MODULES))
+
+
+class PanicException(BaseException):
+    """Stands in for `pyo3_runtime.PanicException` (what a cut PyO3 module set-up raises)."""
+
+
+PanicException.__module__ = "pyo3_runtime"
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_a_panic_during_a_stop_is_the_stop_and_otherwise_an_error(monkeypatch, capsys, stopping):
+    from phaze_opt import cli, interrupt
+    from phaze_opt.commands import arch
+
+    def run(args):
+        if stopping:
+            interrupt.request_stop("SIGINT")
+        raise PanicException("failed to create type object")
+
+    monkeypatch.setattr(arch, "run", run)
+    try:
+        if stopping:
+            assert cli.main(["arch", "--arch", "tpuv4"]) == 130
+            assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+        else:
+            with pytest.raises(PanicException):
+                cli.main(["arch", "--arch", "tpuv4"])
+    finally:
+        interrupt.reset()
+
+
 def test_a_stop_requested_before_the_session_opens_stops_the_study(tmp_path, monkeypatch, capsys):
     """A signal recorded in the start-up before the study's session opens (a deferred region, or one
     a library swallowed) used to be forgotten when the session began: the study ran to its end and
