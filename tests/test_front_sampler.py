@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from phaze_opt.design import front_order
 from phaze_opt.design.front_order import FrontOrder, bound_front, level0_cells, refine_front_cells
 from phaze_opt.design.pareto import Staircase, best_at_or_below, front, hypervolume
-from phaze_opt.design.space import load_space
+from phaze_opt.design.space import load_space, space_from_mapping
 from phaze_opt.errors import PhazeError
 from phaze_opt.search.config import StudyConfig
 from phaze_opt.search.encoding import SpaceCodec
@@ -26,7 +26,7 @@ from phaze_opt.search.front_sampler import FrontSampler
 from phaze_opt.search.runner import run_study
 from phaze_opt.search.session import is_feasible
 from phaze_opt.search.setup import resolve_sampler
-from test_bound_sampler import MODEL, SYSTEM, _brute_force, spaces
+from test_bound_sampler import MODEL, SYSTEM, _brute_force, _subset, space_mapping, spaces
 from test_upper_bound import TINY_SPACE
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -140,6 +140,47 @@ def test_a_settled_study_holds_the_exact_front_and_nothing_twice(space, seed, ex
     assert ceiling >= refined >= exact_hv * (1 - 1e-12)
     half = [t for t in study.get_trials() if t.number < len(points) // 2]
     assert exact_hv >= _hv([t.values for t in half], ref) * (1 - 1e-12)
+
+
+@st.composite
+def tight_spaces(draw):
+    """Spaces whose HBM tiers (2-4 GiB) leave some recipes of gpt2-xl with no placement that fits."""
+    params = {"num_tc": draw(_subset([2, 16])), "num_vc": draw(_subset([8, 64])), "tc_x": draw(_subset([64, 128])),
+              "tc_y": [128], "glb_mib": [32], "hbm_gib": draw(_subset([2, 4, 80])), "mbs": draw(_subset([1, 2])),
+              "recompute": draw(_subset(["none", "selective", "full"]))}
+    mapping = space_mapping(params)
+    mapping["hbm_bw_gbps"] = {2: 1200, 4: 1200, 80: 2048}
+    return space_from_mapping(mapping, "tight.yaml")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_spaces(), st.integers(0, 3))
+def test_past_the_cap_a_proposal_is_a_bounded_point_while_one_is_left(space, seed):
+    """With one cell split per proposal, a proposal is a point with a positive level-1 bound (some
+    placement fits its HBM) whenever the order holds such a point that could join the front; a
+    recipe at its cell's level 0 (possibly one no placement fits) only when it holds none."""
+    bounds = _brute_force(space)
+    codec = SpaceCodec(space.params)
+    order = FrontOrder(MODEL, SYSTEM, space, seed=seed)
+    areas, scores, held = [], [], set()
+
+    def taken(point):
+        return _key(point) in held
+
+    for _ in range(40):
+        stairs = order.staircase(areas, scores)
+        open_points = [e for e in order.points
+                       if e[5] > stairs.at(float(order.areas[e[4][0]])) and not taken(order.point(*e[4]))]
+        found = order.next_point(stairs, taken, expand=1)
+        if found is None:
+            break
+        point, _ = found
+        key = _key(codec.decode(codec.encode(point)))
+        if open_points:
+            assert bounds.get(key, (0.0,))[0] > 0, point
+        held.add(_key(point))
+        areas.append(float(space.area_check(point)[1]))
+        scores.append(0.5 * bounds.get(key, (0.0,))[0])
 
 
 def test_a_seed_repeats_itself_with_one_process_or_two():

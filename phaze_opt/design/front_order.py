@@ -118,6 +118,7 @@ class FrontOrder:
         self.areas = np.array([d["area_mm2"] for d in space.dies()], dtype=float)
         self.reference_area = float(space.area_budget_mm2)
         self._heap: list | None = None
+        self.points: list = []  # recipes bounded at level 1 that could join the front, by stored gain
         self.work = 0  # cells expanded (each: one placement DP per recipe)
 
     def point(self, a: int, h: int, m: int, r: int) -> dict:
@@ -128,6 +129,7 @@ class FrontOrder:
 
     @property
     def heap(self) -> list:
+        """The cells still at level 0, by stored gain (built at the first call)."""
         if self._heap is None:
             cells = level0_cells(self.base)
             empty = self.staircase([], [])
@@ -150,32 +152,67 @@ class FrontOrder:
         """The untaken point whose bound could add the most hypervolume to `front`, with its bound;
         None when no point left can join the front (then the evaluated front is exact, once every
         point taken has been evaluated). Points and cells that cannot join are dropped for good: a
-        front only grows. After `expand` cells split into their recipes in one call, a cell that
-        comes to the top gives its first untaken recipe at the cell's level 0 (above T(a), so the
-        rule holds): where level 0 is loose, proving cell after cell would otherwise hold a trial
-        for minutes."""
-        heap, expanded = self.heap, 0
+        front only grows. After `expand` cells split into their recipes in one call, the proposal is
+        the best point already bounded at level 1 (a recipe some placement fits), or, when there is
+        none, the top cell's first untaken recipe at the cell's level 0 (above T(a), so the rule
+        holds): where level 0 is loose, proving cell after cell would otherwise hold a trial for
+        minutes, and a recipe taken unbounded is often one no placement fits (level 0 does not read
+        HBM capacity)."""
+        expanded = 0
         expand = EXPAND_PER_PROPOSAL if expand is None else expand
-        while heap:
-            entry = heapq.heappop(heap)
-            level, item, bound = entry[3], entry[4], entry[5]
-            area = float(self.areas[item[0]])
-            if bound <= front.at(area) or (level == POINT and taken(self.point(*item))):
+        while self.heap or self.points:
+            source = self._top_heap()
+            entry = heapq.heappop(source)
+            fresh = self._current(front, taken, entry)
+            if fresh is None:
                 continue
-            fresh = self._entry(front, bound, level, item)
-            if heap and fresh[:3] > heap[0][:3]:  # another's stored gain (an upper bound) is higher
-                heapq.heappush(heap, fresh)
+            level, item, bound = fresh[3], fresh[4], fresh[5]
+            rival = self._top_heap()
+            if rival and fresh[:3] > rival[0][:3]:  # another's stored gain (an upper bound) is higher
+                heapq.heappush(source, fresh)
                 continue
             if level == POINT:
                 return self.point(*item), bound
             if expanded >= expand:
-                a, h, m = item
-                untaken = [r for r in self.base.canonical(m) if not taken(self.point(a, h, m, r))]
-                if untaken:
-                    heapq.heappush(heap, fresh)  # its other recipes stay to be bounded
-                    return self.point(a, h, m, untaken[0]), bound
+                found = self._best_point(front, taken)
+                if found is None:
+                    a, h, m = item
+                    untaken = [r for r in self.base.canonical(m) if not taken(self.point(a, h, m, r))]
+                    if not untaken:
+                        continue  # every recipe taken: the cell is spent
+                    found = self.point(a, h, m, untaken[0]), bound
+                heapq.heappush(source, fresh)  # its recipes stay to be bounded
+                return found
             self._expand(front, bound, *item)
             expanded += 1
+        return None
+
+    def _top_heap(self) -> list:
+        """The heap (cells or points) whose top has the larger stored gain; an empty one loses."""
+        cells, points = self.heap, self.points
+        if not points or (cells and cells[0][:3] <= points[0][:3]):
+            return cells
+        return points
+
+    def _current(self, front: Staircase, taken: Callable[[dict], bool], entry: tuple) -> tuple | None:
+        """`entry` with its gain against `front`, or None when it can no longer join it (or, a point,
+        a trial holds it)."""
+        level, item, bound = entry[3], entry[4], entry[5]
+        if bound <= front.at(float(self.areas[item[0]])) or (level == POINT and taken(self.point(*item))):
+            return None
+        return self._entry(front, bound, level, item)
+
+    def _best_point(self, front: Staircase, taken: Callable[[dict], bool]) -> tuple[dict, float] | None:
+        """The bounded point of largest current gain (lazy greedy on the points alone), or None."""
+        points = self.points
+        while points:
+            fresh = self._current(front, taken, heapq.heappop(points))
+            if fresh is None:
+                continue
+            if points and fresh[:3] > points[0][:3]:
+                heapq.heappush(points, fresh)
+                continue
+            return self.point(*fresh[4]), fresh[5]
         return None
 
     def _expand(self, front: Staircase, cell_bound: float, a: int, h: int, m: int) -> None:
@@ -186,4 +223,4 @@ class FrontOrder:
         for r, b in cell_recipe_bounds(self.base, a, h, m, incumbent=floor):
             b = min(b, cell_bound)
             if b > floor:
-                heapq.heappush(self.heap, self._entry(front, b, POINT, (a, h, m, r)))
+                heapq.heappush(self.points, self._entry(front, b, POINT, (a, h, m, r)))
