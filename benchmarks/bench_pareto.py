@@ -22,7 +22,8 @@ Over the whole space, without the sweep, each sampled study's hypervolume (refer
 throughput 0, area = the space's budget) is divided by two numbers. The proven ceiling is the
 hypervolume of the bound front (`design.front_order.bound_front`): every cell's level-0 throughput
 bound at its exact area, with level 1 in place of level 0 for the cells the front rests on
-(`refine_front_cells`), capped at `--proven-optimum` when given (the single-objective sweep's proven
+(`refine_front_cells`; a recipe some study evaluated counts at its evaluated proven bound, its
+throughput where the schedules were proven), capped at `--proven-optimum` when given (the single-objective sweep's proven
 best throughput: no design exceeds it). Every design's true vector is weakly dominated by its cell's bound vector,
 so the ceiling is at least the exact front's hypervolume, and the study's share of it is a proven
 LOWER bound on the share of the exact front it reached. The best known front (every study's points
@@ -146,8 +147,25 @@ def hv(rows: np.ndarray, ref_area: float) -> float:
     return hypervolume(np.column_stack([-rows[:, 0], rows[:, 1]]), [0.0, ref_area])
 
 
-def ceiling(args) -> dict:
-    """The proven ceiling on the exact front's hypervolume (module docstring), level 0 and refined."""
+def evaluated_bounds(order, out: Path, names: list[str]) -> dict:
+    """Each point the studies `names` evaluated, as `order`'s (a, h, m, r), with its proven upper
+    bound (`score_bound`: the throughput where every schedule was proven optimal; 0 where no
+    placement fits); the smallest where several studies hold it."""
+    known: dict = {}
+    for name in names:
+        trials = optuna.load_study(study_name=name, storage=f"sqlite:///{out / name}.db").get_trials(deepcopy=False)
+        for t in trials:
+            result = t.user_attrs.get("result") or {}
+            bound = result.get("score_bound")
+            index = order.index_of(t.user_attrs["point"]) if "point" in t.user_attrs else None
+            if t.state.name == "COMPLETE" and bound is not None and index is not None:
+                known[index] = min(float(bound), known.get(index, np.inf))
+    return known
+
+
+def ceiling(args, out: Path, evaluated: list[str]) -> dict:
+    """The proven ceiling on the exact front's hypervolume (module docstring), level 0 and refined
+    (with the evaluated points of the studies `evaluated` in place of their bounds)."""
     from phaze_opt.design.best_first import BoundOrder
     from phaze_opt.design.front_order import bound_front, level0_cells, refine_front_cells
     from phaze_opt.design.space import load_space
@@ -158,25 +176,27 @@ def ceiling(args) -> dict:
     order = BoundOrder(load_model(args.model), load_system("default"), space)
     areas = np.array([d["area_mm2"] for d in space.dies()], dtype=float)
     cells = level0_cells(order)
-    refined, count = refine_front_cells(order, areas, cells, limit=args.refine_cells)
+    known = evaluated_bounds(order, out, evaluated)
+    refined, count = refine_front_cells(order, areas, cells, limit=args.refine_cells, known=known)
     ref = float(space.area_budget_mm2)
     top = bound_front(areas, refined)
     top[:, 0] = np.minimum(top[:, 0], args.proven_optimum or np.inf)  # no design beats a proven optimum
     return {"ref": ref, "level0": hv(bound_front(areas, cells), ref), "refined": hv(top, ref),
-            "cells_refined": count, "front": top}
+            "cells_refined": count, "front": top, "evaluated": len(known)}
 
 
 def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: str | None) -> None:
     """Each sampled study against the proven ceiling (a lower bound on its share of the exact front)
     and against the best known front (an upper bound): module docstring."""
-    c = ceiling(args)
     sweep_name = sweep_name or f"{args.model}-{args.space}-exhaustive-bound-throughput+area"
     swept = [sweep_name] if (out / f"{sweep_name}.db").is_file() else []  # a sweep's points, cut or not
+    c = ceiling(args, out, swept + names)
     known = np.vstack([points(out, n) for n in swept + names])
     best_known = hv(known, c["ref"])
     cap = f", capped at the proven optimum {args.proven_optimum:g} seq/s" if args.proven_optimum else ""
     print(f"## {args.space}, whole space: proven ceiling on the exact front's hypervolume {c['refined']:.6g} "
-          f"(level 0 alone {c['level0']:.6g}; {c['cells_refined']:,} cells refined to level 1{cap}; "
+          f"(level 0 alone {c['level0']:.6g}; {c['cells_refined']:,} cells refined to level 1, with the "
+          f"{c['evaluated']:,} points the studies evaluated at their proven bounds{cap}; "
           f"{len(c['front'])} bound vectors); best known front {best_known:.6g} "
           f"(reference: throughput 0, area {c['ref']:.2f} mm^2)")
     print("| study | trials | wall (s) | best seq/s | share of the ceiling (proven lower bound) | "

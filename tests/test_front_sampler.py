@@ -138,6 +138,16 @@ def test_a_settled_study_holds_the_exact_front_and_nothing_twice(space, seed, ex
     refined = _hv(bound_front(order.areas, refine_front_cells(order.base, order.areas, cells)[0]), ref)
     exact_hv = _hv([(-x, a) for x, a in exact], ref)
     assert ceiling >= refined >= exact_hv * (1 - 1e-12)
+    # the points half the study evaluated, at their values: a tighter ceiling, still above the exact front
+    known = {order.base.index_of(p): truth.get(_key(p), (0.0,))[0] for p in points[: len(points) // 2]}
+    assert None not in known
+    tighter = _hv(bound_front(order.areas, refine_front_cells(order.base, order.areas, cells, known=known)[0]), ref)
+    assert refined >= tighter >= exact_hv * (1 - 1e-12)
+    # every point evaluated: the ceiling is the exact front
+    every = {order.base.index_of(p): truth.get(_key(p), (0.0,))[0] for p in space.grid_points("grid")
+             if space.area_check(p)[0]}
+    full = _hv(bound_front(order.areas, refine_front_cells(order.base, order.areas, cells, known=every)[0]), ref)
+    assert full == pytest.approx(exact_hv, rel=1e-9, abs=1e-9)
     half = [t for t in study.get_trials() if t.number < len(points) // 2]
     assert exact_hv >= _hv([t.values for t in half], ref) * (1 - 1e-12)
 

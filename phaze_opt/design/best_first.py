@@ -146,6 +146,7 @@ class BoundOrder:
         bandwidth = [float(space.hbm_bw_table[h]) for h in self.hbms]
         self.fast_hbm = int(np.argmax(bandwidth))  # first of the fastest: bounds every HBM choice
         self._canon: dict[int, list[int]] = {}
+        self._arch_index: dict | None = None
         self._recipes: dict[tuple[int, int], Training | None] = {}
         self._widths: dict[tuple, list] = {}  # (arch, hbm, mbs) -> [kernel][tp width] bounds of that one design
         self._cell_bounds: dict[tuple, float] = {}  # (arch, hbm, mbs) -> level 0
@@ -164,6 +165,18 @@ class BoundOrder:
 
     def point(self, a: int, h: int, m: int, r: int) -> dict:
         return {**self.archs[a], "hbm_gib": self.hbms[h], "mbs": self.mbss[m], **self.rcs[r]}
+
+    def index_of(self, point: Mapping) -> tuple[int, int, int, int] | None:
+        """(a, h, m, r) of a decoded point (a trial's values), the inverse of `point`; None when the
+        space does not hold it."""
+        if self._arch_index is None:
+            self._arch_index = {tuple(sorted(arch.items())): a for a, arch in enumerate(self.archs)}
+        try:
+            arch = tuple(sorted((k, point[k]) for k in self.archs[0]))
+            return (self._arch_index[arch], self.hbms.index(point["hbm_gib"]), self.mbss.index(point["mbs"]),
+                    self.rcs.index({k: point[k] for k in self.rcs[0]}))
+        except (KeyError, ValueError):
+            return None
 
 
     def next_point(self, incumbent: float, taken: Callable[[dict], bool],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -68,14 +68,18 @@ def bound_front(areas: np.ndarray, cells: np.ndarray) -> np.ndarray:
     return rows[np.argsort(rows[:, 1], kind="stable")]
 
 
-def refine_front_cells(order: BoundOrder, areas: np.ndarray, cells: np.ndarray,
-                       limit: float = math.inf) -> tuple[np.ndarray, int]:
+def refine_front_cells(order: BoundOrder, areas: np.ndarray, cells: np.ndarray, limit: float = math.inf,
+                       known: Mapping[tuple[int, int, int, int], float] | None = None) -> tuple[np.ndarray, int]:
     """`cells` with level 1 in place of level 0 where it matters to the bound front: while an
     architecture on it takes its bound from a cell still at level 0, that cell gets the largest
-    level-1 bound of its recipes (those no other recipe dominates: a dominated recipe's throughput
-    is at most its dominator's, so the largest still bounds the cell). Each replacement only lowers
-    a valid bound, so the front stays a proven ceiling, and a tighter one. Stops after `limit`
-    cells (each costs a placement DP per recipe). Returns the refined cells and how many were refined."""
+    bound of its recipes (those no other recipe dominates: a dominated recipe's throughput is at most
+    its dominator's, so the largest still bounds the cell), each recipe's bound its level 1 or, when
+    `known` holds the point (a, h, m, r), the smaller of that and its evaluated upper bound (a
+    trial's `score_bound`: its throughput where the schedules were proven). Each replacement only
+    lowers a valid bound, so the front stays a proven ceiling, and a tighter one. Stops after
+    `limit` cells (each costs a placement DP per recipe). Returns the refined cells and how many
+    were refined."""
+    known = known or {}
     cells = np.array(cells, dtype=float)
     flat = cells.reshape(len(areas), -1)
     refined = np.zeros(flat.shape, dtype=bool)
@@ -88,8 +92,9 @@ def refine_front_cells(order: BoundOrder, areas: np.ndarray, cells: np.ndarray,
         if not todo or count >= limit:
             return cells, count
         for a in todo[:int(min(len(todo), limit - count))]:
-            h, m = np.unravel_index(top[a], shape)
-            level1 = [b for _, b in cell_recipe_bounds(order, int(a), int(h), int(m))]
+            h, m = (int(i) for i in np.unravel_index(top[a], shape))
+            level1 = [min(b, known.get((int(a), h, m, r), math.inf))
+                      for r, b in cell_recipe_bounds(order, int(a), h, m)]
             flat[a, top[a]] = min(flat[a, top[a]], max([0.0, *level1]))
             refined[a, top[a]] = True
             count += 1
