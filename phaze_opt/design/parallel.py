@@ -237,6 +237,8 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
         parallel_sizes(costs, model, training, cp),
         fwd_s=np.maximum(0.0, costs.fwd_s + shift_f) if etp != t else costs.fwd_s,
         bwd_s=np.maximum(0.0, costs.bwd_s + shift_b) if etp != t else costs.bwd_s,
+        # a rerun MoE module (`moe` recompute) holds the same experts as the forward
+        module_s=np.maximum(0.0, costs.module_s + costs.module_moe * shift_f) if etp != t else costs.module_s,
         expert_fwd_s=[expert[k][0] if moe else 0.0 for k, moe, _ in rows],
         expert_bwd_s=[expert[k][1] if moe else 0.0 for k, moe, _ in rows],
         expert_ep=tuple((e, np.array([at_ep[k][e][0] if moe else 0.0 for k, moe, _ in rows]),
