@@ -208,3 +208,32 @@ def test_only_the_transformer_engine_stack_issues_grouped_gemms_per_group(_graph
     capacity = expert_capacity_of(te.op_graphs["block"]["fwd"])
     assert kernels_of(expert_parallel_op(op, capacity, 2)) == op.gemm[0] // 2
     assert kernels_of(expert_parallel_op(op, capacity, op.gemm[0])) == 1
+
+
+def test_the_all_to_all_dispatcher_sorts_what_an_ep_rank_receives(_graph_cache):
+    """Megatron-Core's all-to-all dispatcher sorts the received tokens by local expert and back
+    (two copies of the rank's slots x hidden each pass); DeepEP's does not. So at EP e > 1 the
+    experts' pass under `alltoall` is the `deepep` one plus exactly those two copies' time, and at
+    EP 1, or with one expert per rank, the two are the same."""
+    from phaze_opt.design.parallel import chunk_sorts, expert_capacity_of, expert_pass_s
+    from phaze_opt.training import Training
+    from phaze_opt.workload.models import load_model
+    from phaze_opt.workload.stack import recipe_graph
+
+    model = load_model("mixtral-8x7b")
+    chip = load_arch("h100-sxm")
+    graph = recipe_graph(model, 8, Training(stack="megatron-te"))
+    for pass_name in ("fwd", "bwd"):
+        og = graph.op_graphs["block"][pass_name]
+        capacity = expert_capacity_of(graph.op_graphs["block"]["fwd"])
+        for e in (1, 2, 4, 8):
+            plain = expert_pass_s(og, capacity, e, [chip], None)[0]
+            sorted_ = expert_pass_s(og, capacity, e, [chip], None, sort_width=model.hidden)[0]
+            local = model.experts // e
+            if e == 1 or local == 1:
+                assert sorted_ == plain
+                continue
+            sorts = chunk_sorts(local * capacity * e, model.hidden, 2)
+            assert [op.bytes_read for op in sorts] == [2.0 * local * capacity * e * model.hidden] * 2
+            assert sorted_ - plain == pytest.approx(_seconds(sorts, chip).sum(), rel=1e-12)
+            assert sorted_ > plain
