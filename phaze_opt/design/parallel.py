@@ -35,9 +35,9 @@ per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s 
   of the weight bytes (under MoE parallel folding, the slots of a trace at width ETP are a rank's
   t / ETP times over: ETP / t of them per rank): the grouped GEMM's efficiency follows the tokens
   per expert the device sees (tests/test_grouped_gemm.py holds the template's per-group cost to DeepGEMM's published
-  kernel timings at 256-8192 tokens per expert). Under the plain all-to-all dispatcher a rank with more than one
-  local expert also sorts the tokens it receives by expert and back, each pass (`chunk_sorts`), a
-  copy the EP-1 trace has no counterpart for. `expert_ep` holds the experts' times at every
+  kernel timings at 256-8192 tokens per expert). Under the plain all-to-all dispatcher a rank
+  with more than one local expert also sorts the tokens it receives by expert and back, each pass
+  (`chunk_sorts`), copies the EP-1 trace has no counterpart for. `expert_ep` holds the experts' times at every
   EP width above 1; the placement replaces the EP-1 experts' time by that width's
   (`LayerCosts.experts_at`), and the bounds take the largest such saving off
   (`ep_expert_saving`).

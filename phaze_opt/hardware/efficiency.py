@@ -48,7 +48,8 @@ per operator):
   launches (a grouped GEMM its stack issues expert by expert: once per expert; latency.kernels_of).
   Eager PyTorch launches one kernel per operator: a CUDA launch costs a few microseconds (~2-5 us)
   and PyTorch's dispatch with autograd recording some more on the host, which shows when kernels
-  are short; fitted on the H100 layers, 17 us. Collectives keep their own latency term (the link's), "none" ops stay free.
+  are short; fitted on the H100 layers, 17 us. Collectives keep their own latency term (the link's),
+  "none" ops stay free.
   The schedule may overlap it like any op time (ops on different cores); eager PyTorch runs one
   kernel at a time, and on the H100 blocks the exact schedules are within 0.6% of serial.
 

@@ -89,7 +89,8 @@ def build_layer_graph(
     `ops.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
     `expert_weights`: where a MoE layer applies its gate weights (training.EXPERT_WEIGHTS).
     `per_group_kernels`: its grouped GEMMs issued one kernel per expert (`ops.per_group_kernel_graph`;
-    the disk cache holds the traced graph, the in-memory one each form). `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
+    the disk cache holds the traced graph, the in-memory one each form). `cache=False` skips the
+    disk cache (the in-memory one still applies). Bad arguments raise a
     one-line PhazeError.
     """
     model = load_model(model)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 
 # Which core type executes an op.
@@ -402,7 +402,8 @@ def _op_graph(data, kind: str, pass_name: str) -> OpGraph:
     where = f"op_graphs.{kind}.{pass_name}"
     if not isinstance(data, dict) or set(data) != {"layer", "ops", "edges"} or not isinstance(data["ops"], list):
         raise GraphFormatError(f"{where}: expected layer, ops and edges")
-    ops = tuple(Op(**_record({"datatype": "", "per_group_kernels": False, **op} if isinstance(op, dict) else op, OP_FIELDS, f"{where}.ops[{i}]"))
+    unset = {f.name: f.default for f in fields(Op) if f.name in UNSET_WHEN_EMPTY}  # left out when written
+    ops = tuple(Op(**_record({**unset, **op} if isinstance(op, dict) else op, OP_FIELDS, f"{where}.ops[{i}]"))
                 for i, op in enumerate(data["ops"]))
     return OpGraph(layer=_typed(data["layer"], "str", where), pass_name=pass_name, ops=ops,
                    edges=_pairs(data["edges"], len(ops), f"{where}.edges"))
