@@ -598,8 +598,9 @@ class Experts(_Config):
     # token-dispatcher-type alltoall`: every token copy to its expert's rank) or `deepep` (`--moe-token-
     # dispatcher-type flex --moe-enable-deepep`, DeepSeek's DeepEP: a token crosses the inter-node network
     # once per destination node and is forwarded to its experts there over NVLink; DeepSeek-V3 tech
-    # report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s`; inside one node the two are
-    # the same.
+    # report, arXiv 2412.19437, Sec. 3.2.2). Priced by `System.alltoall_s` (inside one node the two move
+    # the same bytes) and, for `alltoall`, the two sorts of an EP rank's received tokens by local
+    # expert (`design.parallel.chunk_sorts`).
     moe_dispatcher: MoeDispatcher = knob(MOE_DISPATCHERS[0], "MoE token dispatcher: alltoall, or deepep (each "
                                                              "token once per destination node, then NVLink)", says='{} dispatcher')
     # `moe_a2a_overlap`: Megatron-Core v0.14's batch-level EP all-to-all overlap (`--overlap-moe-expert-

@@ -238,3 +238,38 @@ def test_the_sweep_bound_does_not_claim_folded_experts():
     got = placement_throughput(load_model("mixtral-8x7b"), [], 0, system=None, training=Training(expert_tensor_parallel=1),
                                hbm_bytes=1.0, peak_flops=1.0)
     assert got == math.inf
+
+
+def test_only_the_all_to_all_dispatcher_pays_the_token_sorts(monkeypatch, tmp_path):
+    """Mixtral 8x7B at TP 2: the `alltoall` dispatcher's experts at EP 2 and 4 (4 and 2 experts a
+    rank) take `deepep`'s time plus the two token sorts of each pass (`chunk_sorts`, the rank's
+    slots x hidden); at EP 8 (one expert a rank) and at EP 1 the two are the same; folded (ETP 1)
+    the sorts cover the rank's share of the slots."""
+    from phaze_opt.design.evaluate import layer_costs
+    from phaze_opt.design.parallel import chunk_sorts, expert_capacity_of, with_parallel_terms
+    from phaze_opt.hardware.arch import load_arch
+    from phaze_opt.hardware.latency import estimate
+    from phaze_opt.system import load_system
+    from phaze_opt.workload.models import load_model
+    from phaze_opt.workload.ops import OpGraph
+    from phaze_opt.workload.stack import recipe_graph
+
+    monkeypatch.setenv("PHAZE_OPT_CACHE", str(tmp_path))
+    model, arch, system = load_model("mixtral-8x7b"), load_arch("h100-sxm"), load_system("dgx-h100")
+    costs = layer_costs(model, arch, Training(), system, 2, 5.0).costs
+    b = costs.names.index("block.0")
+    for etp, width in ((None, 2), (1, 1)):
+        deepep = Training(moe_dispatcher="deepep", expert_tensor_parallel=etp)
+        plain = with_parallel_terms(costs, model, arch, deepep, system)
+        a2a = with_parallel_terms(costs, model, arch, Training(expert_tensor_parallel=etp), system)
+        assert a2a.expert_fwd_s[b] == plain.expert_fwd_s[b] and a2a.expert_bwd_s[b] == plain.expert_bwd_s[b]
+        capacity = expert_capacity_of(recipe_graph(model, width, Training()).op_graphs["block"]["fwd"])
+        for (e, f_a, b_a), (_, f_p, b_p) in zip(a2a.expert_ep, plain.expert_ep):
+            local = model.experts // e
+            if local == 1:
+                assert (f_a[b], b_a[b]) == (f_p[b], b_p[b])
+                continue
+            slots = local * round(capacity * e * width / 2)
+            sorts = estimate(OpGraph("block", "fwd", chunk_sorts(slots, model.hidden, 2), ()), [arch]).split[0].sum()
+            assert f_a[b] - f_p[b] == pytest.approx(sorts, rel=1e-9)
+            assert b_a[b] - b_p[b] == pytest.approx(sorts, rel=1e-9)

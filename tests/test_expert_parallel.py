@@ -355,3 +355,22 @@ def test_zero2_dp_finds_the_placements_only_expert_sharding_fits(seed, hbm):
     problem = moe_problem(seed, zero=2, hbm=hbm, accelerators=16, global_batch=16)
     assert_dp_is_brute(problem)
     assert optimal_placement(problem).ep > 1
+
+
+def test_a_moe_rerun_runs_the_experts_at_the_ep_ranks_shape():
+    """A `moe` module recompute reruns the layer's forward with the experts as an EP-2 rank runs
+    them (the busiest rank's, at the load imbalance), not the traced EP-1 shape `module_s` holds,
+    plus its two all-to-alls; the DP's effective costs say the same, and at EP 1 the rerun is
+    the traced module's plus the imbalance."""
+    s = hand_system(dpn=4, batch=4)
+    lc = one_layer(expert_ep=((2, [0.2], [0.4]),), module_s=[0.7], module_moe=[1.0])
+    training = Training(load_imbalance=1.5, recompute="selective", recompute_modules=("moe",))
+    prob = PlacementProblem(training=training, costs=(lc,), system=s, hbm_bytes=1e12, peak_flops=1.0, seq_len=8,
+                            ep_widths=(1, 2))
+    a2a = s.alltoall_s(1.5 * 1000.0, 2, 1)
+    rerun = 0.7 - 0.5 + 1.5 * 0.2 + 2 * a2a
+    r = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=2, cp=1))
+    assert r.stages[0].recompute_s == pytest.approx(rerun)
+    assert effective_costs(prob, lc, 2, 1).module_s[0] == pytest.approx(rerun)
+    r1 = evaluate_placement(prob, Placement(1, 4, ((0,),), ep=1, cp=1))
+    assert r1.stages[0].recompute_s == pytest.approx(0.7 + 0.5 * 0.5)

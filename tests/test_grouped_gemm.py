@@ -1,6 +1,8 @@
 """Grouped GEMMs (a MoE's experts) by tokens per expert, held against DeepGEMM's published kernel
 timings on an H800 (truth/deepgemm-h800-fp8-2025.json): nothing is fitted on that table, so every
-row is held out; and the template's limits, checked by enumeration over shapes."""
+row is held out; the template's limits, checked by enumeration over shapes; and the stacks that
+issue a grouped GEMM one kernel per expert (TE's GroupedLinear), which pay the per-kernel cost per
+expert."""
 
 from __future__ import annotations
 
@@ -156,3 +158,82 @@ def test_a_ranks_share_of_the_slots_sets_the_rows(e, share):
     assert grad.gemm == (groups // e, hidden, rows, width)
     assert grad.bytes_read == pytest.approx(2.0 * groups // e * (hidden * rows + rows * width))
     assert grad.bytes_written == pytest.approx(2.0 * groups // e * hidden * width)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 16, 128])
+def test_a_grouped_gemm_issued_per_group_pays_the_kernel_cost_per_group(groups):
+    """Issued one kernel per group (TE's GroupedLinear), a grouped GEMM costs the arch's fixed cost
+    per kernel once per group on top of the same kernel time; as one kernel, once; with no fixed
+    cost (the bare template) the two are the same; one group is one kernel either way."""
+    from phaze_opt.hardware.latency import kernels_of
+
+    chip = load_arch("h100-sxm")
+    overhead = chip.efficiency.op_overhead_s
+    assert overhead > 0
+    one = _gemm(groups, 512, 2048, 1536)
+    per_group = dataclasses.replace(one, per_group_kernels=True)
+    assert kernels_of(one) == 1 and kernels_of(per_group) == groups
+    t_one, t_per = _seconds([one, per_group], chip)
+    assert t_per - t_one == pytest.approx((groups - 1) * overhead, rel=1e-9, abs=1e-15)
+    bare = _kernel_chip()
+    assert _seconds([one], bare)[0] == pytest.approx(_seconds([per_group], bare)[0])
+
+
+def test_only_the_transformer_engine_stack_issues_grouped_gemms_per_group(_graph_cache):
+    """`megatron-te` marks every grouped GEMM (forward and backward) as one kernel per expert and
+    nothing else; the other stacks run the traced batched GEMM; a dense model is left as it is.
+    The mark enters an op's hash and plain data only when set, and survives an EP rank's reshape,
+    which leaves E/e kernels (one per local expert)."""
+    from phaze_opt.design.parallel import expert_capacity_of, expert_parallel_op
+    from phaze_opt.hardware.latency import kernels_of
+    from phaze_opt.training import Training
+    from phaze_opt.workload.ops import layer_graph_from_json, layer_graph_to_json, per_group_kernel_graph
+    from phaze_opt.workload.stack import recipe_graph
+
+    def marks(graph):
+        ops = [op for passes in graph.op_graphs.values() for og in passes.values() for op in og.ops]
+        return {(op.kind == "grouped_gemm", op.per_group_kernels) for op in ops}
+
+    te = recipe_graph("mixtral-8x7b", 8, Training(stack="megatron-te"))
+    assert te is recipe_graph("mixtral-8x7b", 8, Training(stack="megatron-te"))  # memoised in its form
+    assert marks(te) == {(True, True), (False, False)}
+    for stack in ("eager", "megatron-lm", "torch-compile"):
+        assert (True, True) not in marks(recipe_graph("mixtral-8x7b", 8, Training(stack=stack)))
+    dense = recipe_graph("llama3-8b", 8, Training(stack="megatron-te"))
+    assert per_group_kernel_graph(dense) is dense
+    op = next(op for op in te.op_graphs["block"]["fwd"].ops if op.kind == "grouped_gemm")
+    assert op.cost_fields()["per_group_kernels"] is True
+    assert "per_group_kernels" not in dataclasses.replace(op, per_group_kernels=False).cost_fields()
+    assert layer_graph_from_json(json.loads(json.dumps(layer_graph_to_json(te)))) == te
+    capacity = expert_capacity_of(te.op_graphs["block"]["fwd"])
+    assert kernels_of(expert_parallel_op(op, capacity, 2)) == op.gemm[0] // 2
+    assert kernels_of(expert_parallel_op(op, capacity, op.gemm[0])) == 1
+
+
+def test_the_all_to_all_dispatcher_sorts_what_an_ep_rank_receives(_graph_cache):
+    """Megatron-Core's all-to-all dispatcher sorts the received tokens by local expert and back
+    (two copies of the rank's slots x hidden each pass); DeepEP's does not. So at EP e > 1 the
+    experts' pass under `alltoall` is the `deepep` one plus exactly those two copies' time, and at
+    EP 1, or with one expert per rank, the two are the same."""
+    from phaze_opt.design.parallel import chunk_sorts, expert_capacity_of, expert_pass_s
+    from phaze_opt.training import Training
+    from phaze_opt.workload.models import load_model
+    from phaze_opt.workload.stack import recipe_graph
+
+    model = load_model("mixtral-8x7b")
+    chip = load_arch("h100-sxm")
+    graph = recipe_graph(model, 8, Training(stack="megatron-te"))
+    for pass_name in ("fwd", "bwd"):
+        og = graph.op_graphs["block"][pass_name]
+        capacity = expert_capacity_of(graph.op_graphs["block"]["fwd"])
+        for e in (1, 2, 4, 8):
+            plain = expert_pass_s(og, capacity, e, [chip], None)[0]
+            sorted_ = expert_pass_s(og, capacity, e, [chip], None, sort_width=model.hidden)[0]
+            local = model.experts // e
+            if e == 1 or local == 1:
+                assert sorted_ == plain
+                continue
+            sorts = chunk_sorts(local * capacity * e, model.hidden, 2)
+            assert [op.bytes_read for op in sorts] == [2.0 * local * capacity * e * model.hidden] * 2
+            assert sorted_ - plain == pytest.approx(_seconds(sorts, chip).sum(), rel=1e-12)
+            assert sorted_ > plain

@@ -35,7 +35,9 @@ per-layer terms the placement prices them with (`solve/placement/evaluate.py`'s 
   of the weight bytes (under MoE parallel folding, the slots of a trace at width ETP are a rank's
   t / ETP times over: ETP / t of them per rank): the grouped GEMM's efficiency follows the tokens
   per expert the device sees (tests/test_grouped_gemm.py holds the template's per-group cost to DeepGEMM's published
-  kernel timings at 256-8192 tokens per expert). `expert_ep` holds the experts' times at every
+  kernel timings at 256-8192 tokens per expert). Under the plain all-to-all dispatcher a rank
+  with more than one local expert also sorts the tokens it receives by expert and back, each pass
+  (`chunk_sorts`), copies the EP-1 trace has no counterpart for. `expert_ep` holds the experts' times at every
   EP width above 1; the placement replaces the EP-1 experts' time by that width's
   (`LayerCosts.experts_at`), and the bounds take the largest such saving off
   (`ep_expert_saving`).
@@ -53,6 +55,7 @@ from ..solve.placement.types import LayerCosts
 from ..workload.graphs import routed_expert_params
 from ..workload.kinds import attention_kind, layer_sequence, routed_kind
 from ..workload.models import ModelConfig
+from ..workload.ops import VC, Op
 from ..workload.stack import recipe_graph
 
 CP_MIN_SEQ = 8192
@@ -131,12 +134,32 @@ def expert_parallel_op(op, capacity: int, e: int, share: float = 1.0):
     raise ValueError(f"op {op.name}: no dimension of {op.gemm} is the {capacity} token slots per expert")
 
 
-def expert_pass_s(op_graph, capacity: int, e: int, designs, link, share: float = 1.0) -> np.ndarray:
+def chunk_sorts(slots: int, width: int, bytes_per_element: int) -> tuple:
+    """The two token sorts Megatron-Core's all-to-all dispatcher adds on an EP rank with more than
+    one local expert (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher:
+    "Permutation 2: Sort tokens by local expert", `sort_chunks_by_idxs`, after the dispatch, and
+    "Unpermutation 2" before the combine; in backward their gradients, the same two copies the
+    other way): each reads and writes the rank's `slots` received token rows of `width` elements
+    once. The traced layer already holds the one permutation every dispatcher does (tokens into
+    expert order), which DeepEP's dispatcher does once too (its kernels send the tokens unsorted)."""
+    elements = slots * width
+    nbytes = float(elements * bytes_per_element)
+    return tuple(Op(name, "gather", VC, bytes_read=nbytes, bytes_written=nbytes, elements=elements,
+                    vector_ops=("gather",)) for name in ("sort_chunks", "unsort_chunks"))
+
+
+def expert_pass_s(op_graph, capacity: int, e: int, designs, link, share: float = 1.0,
+                  sort_width: int = 0, bytes_per_element: int = 2) -> np.ndarray:
     """The routed experts' grouped GEMMs of one pass at EP width e (`expert_parallel_op`), split
-    over all cores one after another (as `expert_s`), on each design: [n_designs] seconds."""
+    over all cores one after another (as `expert_s`), on each design: [n_designs] seconds; with
+    `sort_width` (the tokens' width; 0: none) also the all-to-all dispatcher's two token sorts
+    where the rank holds more than one expert (`chunk_sorts`, none at EP 1)."""
     ops = tuple(expert_parallel_op(op, capacity, e, share) for op in op_graph.ops if op.kind == "grouped_gemm")
     if not ops:
         return np.zeros(len(designs))
+    local = ops[0].gemm[0]  # the rank's experts
+    if sort_width and e > 1 and local > 1:
+        ops += chunk_sorts(local * max(1, round(capacity * e * share)), sort_width, bytes_per_element)
     graph = replace(op_graph, ops=ops, edges=())
     return estimate(graph, designs, interconnect=link).split.sum(axis=1)
 
@@ -187,10 +210,10 @@ def _layer_kinds(model: ModelConfig) -> list[str]:
     return [kind for _, kind in layer_sequence(model)]
 
 
-def _pass_times(graph, arch, link, ep=(), share: float = 1.0) -> dict:
+def _pass_times(graph, arch, link, ep=(), share: float = 1.0, sort_width: int = 0) -> dict:
     """{kind: {"core": (fwd, bwd), "expert": (fwd, bwd), "ep": {e: (fwd, bwd)}}} of a layer graph's
     passes (split latencies); "ep": the experts' times at each EP width of `ep`, a rank's `share`
-    of the traced tokens (`expert_pass_s`)."""
+    of the traced tokens, with the dispatcher's token sorts where `sort_width` (`expert_pass_s`)."""
     per_kind = {}
     for kind in graph.kinds:
         fwd, bwd = graph.op_graphs[kind]["fwd"], graph.op_graphs[kind]["bwd"]
@@ -199,7 +222,8 @@ def _pass_times(graph, arch, link, ep=(), share: float = 1.0) -> dict:
         per_kind[kind] = {
             "core": (attention_core_s(fwd, lat["fwd"], True), attention_core_s(bwd, lat["bwd"], False)),
             "expert": (expert_s(fwd, lat["fwd"]), expert_s(bwd, lat["bwd"])),
-            "ep": {e: tuple(float(expert_pass_s(og, capacity, e, [arch], link, share)[0]) for og in (fwd, bwd))
+            "ep": {e: tuple(float(expert_pass_s(og, capacity, e, [arch], link, share, sort_width,
+                                                graph.bytes_per_element)[0]) for og in (fwd, bwd))
                    for e in ep} if capacity else {},
         }
     return per_kind
@@ -221,14 +245,16 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     t = costs.tp
     graph = recipe_graph(model, t, training)
     eps = ep_widths(model)[1:]
-    per_kind = _pass_times(graph, arch, system.tp_link(t), eps)
+    # the plain all-to-all dispatcher sorts what it receives by local expert (`chunk_sorts`)
+    sort_width = model.hidden if model.moe and training.moe_dispatcher == "alltoall" else 0
+    per_kind = _pass_times(graph, arch, system.tp_link(t), eps, sort_width=sort_width)
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     expert = {k: per_kind[k]["expert"] for k in per_kind}
     at_ep = {k: per_kind[k]["ep"] for k in per_kind}
     etp = training.expert_tp(t)
     if etp != t and model.moe:
         check_expert_tp(model, training)
-        at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp), eps, etp / t)
+        at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp), eps, etp / t, sort_width)
         expert = {k: tuple(x * etp / t for x in at_etp[k]["expert"]) for k in per_kind}
         at_ep = {k: at_etp[k]["ep"] for k in per_kind}
     shift_f = np.array([expert[k][0] - per_kind[k]["expert"][0] if moe else 0.0 for k, moe, _ in rows])
@@ -237,6 +263,8 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
         parallel_sizes(costs, model, training, cp),
         fwd_s=np.maximum(0.0, costs.fwd_s + shift_f) if etp != t else costs.fwd_s,
         bwd_s=np.maximum(0.0, costs.bwd_s + shift_b) if etp != t else costs.bwd_s,
+        # a rerun MoE module (`moe` recompute) holds the same experts as the forward
+        module_s=np.maximum(0.0, costs.module_s + costs.module_moe * shift_f) if etp != t else costs.module_s,
         expert_fwd_s=[expert[k][0] if moe else 0.0 for k, moe, _ in rows],
         expert_bwd_s=[expert[k][1] if moe else 0.0 for k, moe, _ in rows],
         expert_ep=tuple((e, np.array([at_ep[k][e][0] if moe else 0.0 for k, moe, _ in rows]),

@@ -44,10 +44,12 @@ per operator):
   PyTorch's H100 layers, 0.59 (configs/archs/h100-sxm.yaml). Applies to every HBM-bound term (GEMM
   re-reads, vector ops, fused attention).
 - `op_overhead_s` (>= 0 s, identity 0): a fixed cost per operator (kernel launch gap and the ramp and
-  tail of a kernel's waves) added to every operator that runs on the cores. Eager PyTorch launches one
-  kernel per operator: a CUDA launch costs a few microseconds (~2-5 us) and PyTorch's dispatch with
-  autograd recording some more on the host, which shows when kernels are short; fitted on the H100
-  layers, 17 us. Collectives keep their own latency term (the link's), "none" ops stay free.
+  tail of a kernel's waves) added to every operator that runs on the cores, once per kernel it
+  launches (a grouped GEMM its stack issues expert by expert: once per expert; latency.kernels_of).
+  Eager PyTorch launches one kernel per operator: a CUDA launch costs a few microseconds (~2-5 us)
+  and PyTorch's dispatch with autograd recording some more on the host, which shows when kernels
+  are short; fitted on the H100 layers, 17 us. Collectives keep their own latency term (the link's),
+  "none" ops stay free.
   The schedule may overlap it like any op time (ops on different cores); eager PyTorch runs one
   kernel at a time, and on the H100 blocks the exact schedules are within 0.6% of serial.
 

@@ -63,8 +63,9 @@ Software efficiency (hardware/efficiency.py, one `Efficiency` per preset, carrie
 and by DesignArrays as a scalar): the activation's GLB stream is shared by `gemm_tile_reuse` column
 tiles (A x ceil(col / reuse) instead of A x col), `gemm_wave_balance` takes back that share of the
 last round's idle cores (Stream-K), the array computes at `tc_fraction` of its peak,
-every HBM term runs at `hbm_fraction` of the bandwidth, and each op on the cores costs
-`op_overhead_s` more (single and split alike). The identity leaves every number above unchanged.
+every HBM term runs at `hbm_fraction` of the bandwidth, and each kernel on the cores costs
+`op_overhead_s` more (single and split alike): one per op, one per group of a grouped GEMM the
+stack issues expert by expert (`kernels_of`). The identity leaves every number above unchanged.
 """
 
 from __future__ import annotations
@@ -377,6 +378,12 @@ def gemm_formats(datatypes, designs, bytes_per_element: float):
     return op_bytes, rates
 
 
+def kernels_of(op) -> int:
+    """The kernels an op launches: one per group for a grouped GEMM its stack issues expert by
+    expert (`Op.per_group_kernels`, workload/stack.py), else one."""
+    return int(op.gemm[0]) if op.per_group_kernels and op.gemm else 1
+
+
 def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: int = BYTES_PER_ELEMENT) -> OpLatencies:
     """Latency of every op of `op_graph` on every design: `single` and `split`, [n_designs, n_ops] s.
 
@@ -423,10 +430,11 @@ def estimate(op_graph: OpGraph, designs, interconnect=None, bytes_per_element: i
         single[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, 1.0, 1.0 / d.num_vc)
         split[:, vec_idx] = _vector_seconds(elements, cpe, nbytes, d, d.num_vc, 1.0)
     overhead = d.efficiency.op_overhead_s
-    if overhead:  # a fixed cost per operator on the cores (efficiency.op_overhead_s); not collectives
+    if overhead:  # a fixed cost per kernel on the cores (efficiency.op_overhead_s); not collectives
         on_cores = gemm_idx + attention_idx + vec_idx
-        single[:, on_cores] += overhead
-        split[:, on_cores] += overhead
+        kernels = np.array([kernels_of(ops[i]) for i in on_cores], dtype=float)
+        single[:, on_cores] += overhead * kernels
+        split[:, on_cores] += overhead * kernels
 
     return OpLatencies(
         single=single, split=split, units=tuple(op.unit for op in ops), names=tuple(op.name for op in ops),

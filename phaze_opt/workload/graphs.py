@@ -40,6 +40,7 @@ from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
 from ..training import EXPERT_WEIGHTS
 from .models import ATTENTIONS, LIMITS, ModelConfig, check_capacity_factor, check_tp, load_model
 from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
+                  per_group_kernel_graph,
                   layer_graph_to_json)
 
 # A few MB per graph; a sweep touches (models x TP widths x microbatches), a few dozen.
@@ -78,7 +79,7 @@ def graph_key(model: ModelConfig, tp: int, mbs: int, seq: int, fuse: bool | str 
 def build_layer_graph(
     model: ModelConfig | str, tp: int = 1, mbs: int = 1, seq: int | None = None, *, fuse: bool | str = True,
     cache: bool = True, attention: str | None = None, capacity_factor: float | None = None,
-    expert_weights: str = "combine",
+    expert_weights: str = "combine", per_group_kernels: bool = False,
 ) -> LayerGraph:
     """The model's layer graph at TP width `tp` for microbatches of `mbs` sequences of length `seq`.
 
@@ -87,7 +88,9 @@ def build_layer_graph(
     `fuse`: True fuses chains of pointwise ops, False keeps one op per traced operator (eager),
     `ops.ROW_FUSION` also fuses norms and RoPE (workload/stack.py says which stack runs which).
     `expert_weights`: where a MoE layer applies its gate weights (training.EXPERT_WEIGHTS).
-    `cache=False` skips the disk cache (the in-memory one still applies). Bad arguments raise a
+    `per_group_kernels`: its grouped GEMMs issued one kernel per expert (`ops.per_group_kernel_graph`;
+    the disk cache holds the traced graph, the in-memory one each form). `cache=False` skips the
+    disk cache (the in-memory one still applies). Bad arguments raise a
     one-line PhazeError.
     """
     model = load_model(model)
@@ -107,8 +110,9 @@ def build_layer_graph(
     if expert_weights not in EXPERT_WEIGHTS:
         raise PhazeError(f"expert weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {expert_weights!r}")
     key = graph_key(model, tp, mbs, seq, fuse, expert_weights)
-    if key in _MEMO:
-        return _MEMO[key]
+    held = f"{key}+per-group-kernels" if per_group_kernels else key
+    if held in _MEMO:
+        return _MEMO[held]
     path = cache_root() / "graphs" / f"{key}.json"
     graph = _read(path, key) if cache else None
     if graph is not None:
@@ -121,7 +125,9 @@ def build_layer_graph(
         if cache:
             _write(path, key, graph)
     _check_exact(model, graph)
-    _MEMO[key] = graph
+    if per_group_kernels:
+        graph = per_group_kernel_graph(graph)
+    _MEMO[held] = graph
     return graph
 
 

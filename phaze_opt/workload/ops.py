@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 
 # Which core type executes an op.
@@ -71,6 +71,11 @@ class Op:
     # workload/precision.py, never by the tracer): left out of `cost_fields` and the cached JSON
     # when empty, so a BF16 graph's hash and cache file name only what prices it.
     datatype: str = ""
+    # A grouped GEMM the stack issues as one kernel per group (Transformer Engine's GroupedLinear:
+    # a cuBLASLt GEMM per local expert; workload/stack.py), so it pays the arch's fixed cost per
+    # kernel once per group (hardware/latency.py). Left out of `cost_fields` and the cached JSON
+    # when False, as `datatype` is.
+    per_group_kernels: bool = False
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -83,9 +88,19 @@ class Op:
         d.pop("contains")
         if not d["gemms"]:
             d.pop("gemms")
-        if not d["datatype"]:
-            d.pop("datatype")
-        return d
+        return _without_unset(d)
+
+
+# Op fields left out of an op's hash and plain data when unset, so graphs made before a field
+# existed keep their hashes and cache files.
+UNSET_WHEN_EMPTY = ("datatype", "per_group_kernels")
+
+
+def _without_unset(d: dict) -> dict:
+    for key in UNSET_WHEN_EMPTY:
+        if not d[key]:
+            d.pop(key)
+    return d
 
 
 @dataclass(frozen=True)
@@ -282,6 +297,7 @@ OP_FIELDS = {
     "name": "str", "kind": "str", "unit": "str", "flops": "num", "bytes_read": "num", "bytes_written": "num",
     "gemm": "ints", "elements": "int", "vector_ops": "strs", "collective": "str", "comm_bytes": "num",
     "group": "int", "contains": "strs", "shape": "ints", "gemms": "gemm list", "datatype": "str",
+    "per_group_kernels": "bool",
 }
 LAYER_FIELDS = {
     "name": "str", "kind": "str", "params": "int", "param_bytes": "num", "activation_bytes": "num",
@@ -348,6 +364,19 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def per_group_kernel_graph(graph: LayerGraph) -> LayerGraph:
+    """`graph` with its grouped GEMMs issued one kernel per group (`Op.per_group_kernels`); a graph
+    without any is returned as it is."""
+    def marked(og: OpGraph) -> OpGraph:
+        return replace(og, ops=tuple(replace(op, per_group_kernels=True) if op.kind == "grouped_gemm" else op
+                                     for op in og.ops))
+    if not any(op.kind == "grouped_gemm" for passes in graph.op_graphs.values() for og in passes.values()
+               for op in og.ops):
+        return graph
+    return replace(graph, op_graphs={kind: {p: marked(og) for p, og in passes.items()}
+                                     for kind, passes in graph.op_graphs.items()})
+
+
 def layer_graph_to_json(graph: LayerGraph) -> dict:
     """The graph as plain JSON data (`layer_graph_from_json` reads it back equal)."""
     return {
@@ -364,19 +393,17 @@ def layer_graph_to_json(graph: LayerGraph) -> dict:
 
 
 def _op_json(op: Op) -> dict:
-    """An op as plain data; an empty `datatype` (the graph's own format) is left out, as it was
-    before the field existed."""
-    d = asdict(op)
-    if not d["datatype"]:
-        d.pop("datatype")
-    return d
+    """An op as plain data; an unset `UNSET_WHEN_EMPTY` field (an empty `datatype`: the graph's own
+    format) is left out, as it was before the field existed."""
+    return _without_unset(asdict(op))
 
 
 def _op_graph(data, kind: str, pass_name: str) -> OpGraph:
     where = f"op_graphs.{kind}.{pass_name}"
     if not isinstance(data, dict) or set(data) != {"layer", "ops", "edges"} or not isinstance(data["ops"], list):
         raise GraphFormatError(f"{where}: expected layer, ops and edges")
-    ops = tuple(Op(**_record({"datatype": "", **op} if isinstance(op, dict) else op, OP_FIELDS, f"{where}.ops[{i}]"))
+    unset = {f.name: f.default for f in fields(Op) if f.name in UNSET_WHEN_EMPTY}  # left out when written
+    ops = tuple(Op(**_record({**unset, **op} if isinstance(op, dict) else op, OP_FIELDS, f"{where}.ops[{i}]"))
                 for i, op in enumerate(data["ops"]))
     return OpGraph(layer=_typed(data["layer"], "str", where), pass_name=pass_name, ops=ops,
                    edges=_pairs(data["edges"], len(ops), f"{where}.edges"))

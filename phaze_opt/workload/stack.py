@@ -30,7 +30,14 @@ field (`Training.stack`) that picks the kernels, and the efficiencies stay one s
   Getting Started), and a gradient is cast once for both of its GEMMs, in both layouts
   (`cast_transpose`; Hopper's FP8 GEMMs take only the TN layout); `precision.precision_graph` with
   `fused_casts`. An operand no vector kernel produces (an attention output, a GEMM's gradient) keeps
-  a cast kernel, shared by the GEMMs that read it.
+  a cast kernel, shared by the GEMMs that read it. A MoE's grouped GEMM is one kernel per local
+  expert (`per_group_kernels`): Megatron-Core's `--moe-grouped-gemm` runs TE's `GroupedLinear`
+  (TEGroupedMLP), which issues one cuBLASLt GEMM per expert over a few CUDA streams rather than one
+  grouped kernel (NVIDIA/TransformerEngine PR #853, "Grouped GEMM via multi-stream cuBLAS"; issue
+  #1386, a maintainer: multi-stream cuBLASLt beat cuBLAS's grouped-batched GEMM and CUTLASS on the
+  MoE shapes they tried; issue #1499: per-GEMM host work, `torch.split` and two `torch.empty` per
+  GEMM), so each expert's GEMM pays the arch's fixed cost per kernel. The other stacks run the
+  traced batched GEMM: one kernel (`torch.bmm`, as the layer truth measured it).
 - `torch-compile`: a PyTorch-native trainer compiling its blocks with `torch.compile` (TorchInductor;
   torchtitan's `compile.enable`, per transformer block). Inductor generates Triton kernels for
   everything but the matrix multiplies and the attention kernel: its scheduler fuses pointwise ops
@@ -79,6 +86,10 @@ def expert_weights(training: Training) -> str:
     return training.expert_weights or STACK_EXPERT_WEIGHTS[training.stack]
 
 
+# Stacks that issue a grouped GEMM as one kernel per group (the module docstring).
+PER_GROUP_KERNELS = ("megatron-te",)
+
+
 # Stacks whose kernels cast a GEMM operand to FP8 where it is produced.
 FUSED_CASTS = ("megatron-te", "torch-compile")
 
@@ -104,7 +115,8 @@ def recipe_graph(model: ModelConfig | str, tp: int, training: Training, sequence
     stack's fusion and GEMM number format (`precision.py`); with `sequence_parallel` (the recipe's,
     where the caller prices its collectives) the SP collectives in place of the all-reduces."""
     graph = build_layer_graph(model, tp, training.mbs, attention=training.attention,
-                              fuse=TRACE_FUSION[training.stack], expert_weights=expert_weights(training))
+                              fuse=TRACE_FUSION[training.stack], expert_weights=expert_weights(training),
+                              per_group_kernels=training.stack in PER_GROUP_KERNELS)
     if sequence_parallel:
         graph = sequence_parallel_graph(graph)
     return precision_graph(graph, training.numerics, fused_casts=training.stack in FUSED_CASTS)

@@ -53,7 +53,7 @@ disagreement in the tests. The model it implements (the definition the DP must o
   checkpointed layer) or `op_policy_bytes` (a block under the op-level policy: its input and the
   kept ops' outputs).
   A `moe` recompute reruns the MoE layer's forward whole, its two all-to-alls and the busiest
-  rank's extra expert time included (`LayerCosts.module_moe`). Under
+  rank's experts at the EP width's shape included (`LayerCosts.module_moe`). Under
   1F1B (PipeDream-Flush; Narayanan et al., SOSP'19) the stage k-th from the end holds q = min(k, m)
   microbatches. Interleaved (v > 1, pp > 1), Megatron's schedule holds on the device k-th from the
   end min(2 (k - 1) + (v - 1) p + 1, m v) model chunks of one microbatch in flight (its warm-up
@@ -228,8 +228,9 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
     """One layer under expert parallelism e, context parallelism c and load imbalance imb (the
     module docstring), the EP group's members `stride` ranks apart: (forward s, backward s, extra
     activation bytes kept, extra working-set bytes, routed-expert parameters per device, the
-    all-to-all time the EP overlap hides per paired forward and backward, the all-to-alls and
-    imbalance a `moe` recompute reruns, the gathered K/V bytes of all-gather CP)."""
+    all-to-all time the EP overlap hides per paired forward and backward, what a `moe` recompute's
+    rerun adds to `module_s` (its all-to-alls, its experts at this width's shape), the gathered
+    K/V bytes of all-gather CP)."""
     # the experts' grouped GEMMs at the shape an EP-e rank runs (E/e experts of e x the tokens)
     fwd, bwd, expert_f, expert_b = costs.at_expert_width(e, v)
     expert = float(costs.expert_params[v])
@@ -242,8 +243,9 @@ def _parallel_layer(problem, costs, v: int, e: int, c: int, imb: float, ring_cp,
                                         problem.top_k, problem.router_groups)
         fwd += 2.0 * a2a  # dispatch and combine
         bwd += 2.0 * a2a  # their gradients, the other way
-        # a rerun MoE layer (`moe` recompute) runs these forward terms again
-        moe_again = float(costs.module_moe[v]) * ((imb - 1.0) * expert_f + 2.0 * a2a)
+        # a rerun MoE layer (`moe` recompute) runs these forward terms again, its experts at this
+        # width's shape (the busiest rank's) in place of the traced ones `module_s` holds
+        moe_again = float(costs.module_moe[v]) * (imb * expert_f - float(costs.expert_fwd_s[v]) + 2.0 * a2a)
         expert = _ceil(expert / e)
     if c > 1:
         core_f, core_b = float(costs.core_fwd_s[v]), float(costs.core_bwd_s[v])
@@ -363,7 +365,7 @@ def evaluate_placement(
                 else:
                     rec, kept, work = 0.0, float(costs.activation_bytes[v]) + extra_kept, 0.0
                 # ... and the recipe's other modules (traced at s / c: once)
-                rec += float(costs.module_s[v]) + moe_again
+                rec += max(0.0, float(costs.module_s[v]) + moe_again)
                 kept -= float(costs.module_bytes[v])
                 work += float(costs.module_bytes[v])
             else:

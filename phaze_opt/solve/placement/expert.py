@@ -129,8 +129,10 @@ def effective_costs_at(problem: PlacementProblem, lc: LayerCosts, c: int, es) ->
             fwd = np.where(moe, fwd + (imb - 1.0) * expert_f + 2.0 * a2a, fwd)
             bwd = np.where(moe, bwd + (imb - 1.0) * expert_b + 2.0 * a2a, bwd)
             expert = np.where(moe, np.ceil(expert / e), expert)
-            # a rerun MoE layer (`moe` recompute) runs its forward's all-to-alls and imbalance again
-            again = lc.module_s + np.where(moe, lc.module_moe * ((imb - 1.0) * expert_f + 2.0 * a2a), 0.0)
+            # a rerun MoE layer (`moe` recompute) runs its forward's all-to-alls again, its experts at
+            # this width's shape (the busiest rank's) in place of the traced ones
+            again = np.maximum(0.0, lc.module_s + np.where(
+                moe, lc.module_moe * (imb * expert_f - lc.expert_fwd_s + 2.0 * a2a), 0.0))
         if c > 1:
             fwd = fwd + core_f + kv_f
             bwd = bwd + core_b + kv_b

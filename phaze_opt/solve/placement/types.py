@@ -77,7 +77,8 @@ class LayerCosts:
       `selective_bytes - module_bytes`, else `activation_bytes - module_bytes`. `module_moe`: 1
       where the recipe reruns the whole MoE layer (`moe`: Megatron-Core checkpoints its router,
       dispatch, experts and combine together, moe_layer.py), whose rerun then also holds the
-      placement's terms of the layer's forward (its two all-to-alls, the load imbalance), else 0.
+      placement's terms of the layer's forward (its two all-to-alls, the busiest rank's experts at
+      the EP width's shape in place of the traced `expert_fwd_s`, which `module_s` holds), else 0.
 
     Expert and context parallelism (the model in `placement.evaluate`), all default 0:
     `expert_params` (of `params`, the routed experts' share, divided over the EP group),
