@@ -33,10 +33,10 @@ field (`Training.stack`) that picks the kernels, and the efficiencies stay one s
   a cast kernel, shared by the GEMMs that read it. A MoE's grouped GEMM is one kernel per local
   expert (`per_group_kernels`): Megatron-Core's `--moe-grouped-gemm` runs TE's `GroupedLinear`
   (TEGroupedMLP), which issues one cuBLASLt GEMM per expert over a few CUDA streams rather than one
-  grouped kernel (NVIDIA/TransformerEngine PR #853, "Grouped GEMM via multi-stream cuBLAS"; issue
-  #1386, a maintainer: multi-stream cuBLASLt beat cuBLAS's grouped-batched GEMM and CUTLASS on the
-  MoE shapes they tried; issue #1499: per-GEMM host work, `torch.split` and two `torch.empty` per
-  GEMM), so each expert's GEMM pays the arch's fixed cost per kernel. The other stacks run the
+  grouped kernel (NVIDIA/TransformerEngine PR #853, "Grouped GEMM via multi-stream cuBLAS";
+  NVIDIA/TransformerEngine issue #1386, a maintainer: multi-stream cuBLASLt beat cuBLAS's
+  grouped-batched GEMM and CUTLASS on the MoE shapes they tried; NVIDIA/TransformerEngine issue #1499:
+  per-GEMM host work, `torch.split` and two `torch.empty` per GEMM), so each expert's GEMM pays the arch's fixed cost per kernel. The other stacks run the
   traced batched GEMM: one kernel (`torch.bmm`, as the layer truth measured it).
 - `torch-compile`: a PyTorch-native trainer compiling its blocks with `torch.compile` (TorchInductor;
   torchtitan's `compile.enable`, per transformer block). Inductor generates Triton kernels for
