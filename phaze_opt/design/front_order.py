@@ -165,22 +165,16 @@ class FrontOrder:
         HBM capacity)."""
         expanded = 0
         expand = EXPAND_PER_PROPOSAL if expand is None else expand
-        while self.heap or self.points:
-            source = self._top_heap()
-            entry = heapq.heappop(source)
-            fresh = self._current(front, taken, entry)
-            if fresh is None:
-                continue
+        while (top := self._pop_best((self.heap, self.points), front, taken)) is not None:
+            fresh, source = top
             level, item, bound = fresh[3], fresh[4], fresh[5]
-            rival = self._top_heap()
-            if rival and fresh[:3] > rival[0][:3]:  # another's stored gain (an upper bound) is higher
-                heapq.heappush(source, fresh)
-                continue
             if level == POINT:
                 return self.point(*item), bound
             if expanded >= expand:
-                found = self._best_point(front, taken)
-                if found is None:
+                best = self._pop_best((self.points,), front, taken)
+                if best is not None:
+                    found = self.point(*best[0][4]), best[0][5]
+                else:
                     a, h, m = item
                     untaken = [r for r in self.base.canonical(m) if not taken(self.point(a, h, m, r))]
                     if not untaken:
@@ -192,12 +186,21 @@ class FrontOrder:
             expanded += 1
         return None
 
-    def _top_heap(self) -> list:
-        """The heap (cells or points) whose top has the larger stored gain; an empty one loses."""
-        cells, points = self.heap, self.points
-        if not points or (cells and cells[0][:3] <= points[0][:3]):
-            return cells
-        return points
+    def _pop_best(self, heaps: tuple, front: Staircase, taken: Callable[[dict], bool]) -> tuple | None:
+        """Lazy greedy over `heaps` (the cells', the points', or both): pop the entry of largest
+        current gain that can still join `front`, as (entry, the heap it came from); None when no
+        entry left can. A popped entry whose recomputed gain falls below another's stored gain (an
+        upper bound on that one's) goes back."""
+        while any(heaps):
+            source = min((h for h in heaps if h), key=lambda h: h[0][:3])  # the cells' first on a tie
+            fresh = self._current(front, taken, heapq.heappop(source))
+            if fresh is None:
+                continue
+            if any(h and fresh[:3] > h[0][:3] for h in heaps):
+                heapq.heappush(source, fresh)
+                continue
+            return fresh, source
+        return None
 
     def _current(self, front: Staircase, taken: Callable[[dict], bool], entry: tuple) -> tuple | None:
         """`entry` with its gain against `front`, or None when it can no longer join it (or, a point,
@@ -206,19 +209,6 @@ class FrontOrder:
         if bound <= front.at(float(self.areas[item[0]])) or (level == POINT and taken(self.point(*item))):
             return None
         return self._entry(front, bound, level, item)
-
-    def _best_point(self, front: Staircase, taken: Callable[[dict], bool]) -> tuple[dict, float] | None:
-        """The bounded point of largest current gain (lazy greedy on the points alone), or None."""
-        points = self.points
-        while points:
-            fresh = self._current(front, taken, heapq.heappop(points))
-            if fresh is None:
-                continue
-            if points and fresh[:3] > points[0][:3]:
-                heapq.heappush(points, fresh)
-                continue
-            return self.point(*fresh[4]), fresh[5]
-        return None
 
     def _expand(self, front: Staircase, cell_bound: float, a: int, h: int, m: int) -> None:
         """A cell's recipes that no other recipe of it dominates, each bounded at level 1 (under

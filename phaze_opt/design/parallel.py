@@ -108,6 +108,12 @@ def expert_capacity_of(fwd_graph) -> int:
     return next((int(op.gemm[1]) for op in fwd_graph.ops if op.kind == "grouped_gemm"), 0)
 
 
+def slots_per_expert(capacity: int, e: int, share: float = 1.0) -> int:
+    """Token slots each local expert of an EP-e rank receives when the trace gave every expert
+    `capacity` (`expert_parallel_op`): all e ranks' slots, times `share` under MoE parallel folding."""
+    return max(1, round(capacity * e * share))
+
+
 def expert_parallel_op(op, capacity: int, e: int, share: float = 1.0):
     """A routed-expert grouped GEMM traced at EP 1 (E experts of `capacity` token slots) as one
     rank of an EP group of e runs it: E/e experts, each with the slots of all e ranks' tokens, as
@@ -121,7 +127,7 @@ def expert_parallel_op(op, capacity: int, e: int, share: float = 1.0):
     B, M, K, N = (int(x) for x in op.gemm)
     if B % e:
         raise ValueError(f"op {op.name}: EP width {e} does not divide its {B} experts")
-    rows = max(1, round(capacity * e * share))
+    rows = slots_per_expert(capacity, e, share)
     f = rows / capacity  # the slots per local expert against the trace's
     flops = op.flops * f / e
     if M == capacity:  # data path: read tokens (B M K) and weights (B K N), write B M N
@@ -159,7 +165,7 @@ def expert_pass_s(op_graph, capacity: int, e: int, designs, link, share: float =
         return np.zeros(len(designs))
     local = ops[0].gemm[0]  # the rank's experts
     if sort_width and e > 1 and local > 1:
-        ops += chunk_sorts(local * max(1, round(capacity * e * share)), sort_width, bytes_per_element)
+        ops += chunk_sorts(local * slots_per_expert(capacity, e, share), sort_width, bytes_per_element)
     graph = replace(op_graph, ops=ops, edges=())
     return estimate(graph, designs, interconnect=link).split.sum(axis=1)
 
@@ -247,12 +253,13 @@ def with_parallel_terms(costs: LayerCosts, model: ModelConfig, arch, training, s
     eps = ep_widths(model)[1:]
     # the plain all-to-all dispatcher sorts what it receives by local expert (`chunk_sorts`)
     sort_width = model.hidden if model.moe and training.moe_dispatcher == "alltoall" else 0
-    per_kind = _pass_times(graph, arch, system.tp_link(t), eps, sort_width=sort_width)
+    etp = training.expert_tp(t)
+    folded = etp != t and model.moe  # the experts then run at width ETP: their EP times come from there
+    per_kind = _pass_times(graph, arch, system.tp_link(t), () if folded else eps, sort_width=sort_width)
     rows = [(l.kind, routed_kind(model, l.kind), attention_kind(l.kind)) for l in graph.layers]
     expert = {k: per_kind[k]["expert"] for k in per_kind}
     at_ep = {k: per_kind[k]["ep"] for k in per_kind}
-    etp = training.expert_tp(t)
-    if etp != t and model.moe:
+    if folded:
         check_expert_tp(model, training)
         at_etp = _pass_times(recipe_graph(model, etp, training), arch, system.tp_link(etp), eps, etp / t, sort_width)
         expert = {k: tuple(x * etp / t for x in at_etp[k]["expert"]) for k in per_kind}

@@ -40,8 +40,7 @@ from ..system import MAX_STATE_BYTES_PER_PARAM, MBS_LIMIT
 from ..training import EXPERT_WEIGHTS
 from .models import ATTENTIONS, LIMITS, ModelConfig, check_capacity_factor, check_tp, load_model
 from .ops import (EXACT_BYTES, GraphFormatError, Layer, LayerGraph, largest_memory_bytes, layer_graph_from_json,
-                  per_group_kernel_graph,
-                  layer_graph_to_json)
+                  layer_graph_to_json, per_group_kernel_graph)
 
 # A few MB per graph; a sweep touches (models x TP widths x microbatches), a few dozen.
 MEMO_MAX = 256
