@@ -8,12 +8,16 @@ import io
 from ..errors import PhazeError
 from ..hardware.arch import load_arch
 from ..hardware.area import area_mm2, breakdown
+from ..hardware.cost import device_cost
+from ..design import system_axes
 from ..design.space import load_space
+from ..system import load_system
 
-HELP = "show an accelerator (area, peak FLOP/s, fields) or count/list a search space's architectures"
+HELP = "show an accelerator (area, peak FLOP/s, fields, cost) or count/list a search space's architectures"
 DESCRIPTION = (
-    "With --arch: the design's fields, modelled area and peak FLOP/s. With --space: a summary of the "
-    "space; --count prints how many architectures pass its area rule, --csv lists them with their area."
+    "With --arch: the design's fields, modelled area and peak FLOP/s; with --system too, its cluster's "
+    "capital cost (configs/cost.yaml), the system's axes changed by --system-axis. With --space: a summary "
+    "of the space; --count prints how many architectures pass its area rule, --csv lists them with their area."
 )
 
 
@@ -24,6 +28,11 @@ def add_arguments(parser) -> None:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--count", action="store_true", help="with --space: the number of area-feasible architectures")
     out.add_argument("--csv", action="store_true", help="with --space: list the area-feasible architectures as CSV")
+    parser.add_argument("--system", metavar="NAME|PATH",
+                        help="with --arch: price the cluster of this system (presets/systems or a YAML file)")
+    parser.add_argument("--system-axis", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --system: one system axis changed, as a space samples it "
+                             f"({', '.join(system_axes.SYSTEM_FIELDS)}); repeatable")
 
 
 def _arch_result(name_or_path) -> dict:
@@ -42,11 +51,52 @@ def _arch_result(name_or_path) -> dict:
     }
 
 
+def _axis_values(items) -> dict:
+    """`--system-axis NAME=VALUE` flags as the axes' values; a one-line error naming the bad one."""
+    values = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in system_axes.SYSTEM_FIELDS:
+            raise PhazeError(f"--system-axis {item}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(system_axes.SYSTEM_FIELDS)}")
+        try:
+            number = float(text)
+        except ValueError:
+            raise PhazeError(f"--system-axis {item}: VALUE must be a number") from None
+        try:
+            values[name] = system_axes.check_value(name, number)
+        except ValueError as exc:
+            raise PhazeError(f"--system-axis {item}: {exc}") from None
+    return values
+
+
+def _cost_result(acc, system_name, items) -> dict:
+    """The cluster's capital cost of `acc` on the system, per device by part and in all (hardware/cost.py)."""
+    system = load_system(system_name)
+    values = _axis_values(items)
+    if values:
+        try:
+            system = system_axes.system_for(values, system)
+        except ValueError as exc:
+            raise PhazeError(f"--system-axis: {exc}") from None
+    per_device = device_cost(acc, system).to_dict()
+    return {"system": system.name, "devices": system.accelerators, "per_device_usd": per_device,
+            "cluster_usd": per_device["total"] * system.accelerators, "axes": system_axes.summary(system)}
+
+
 def run(args) -> dict:
     if args.arch is not None:
         if args.count or args.csv:
             raise PhazeError("--count and --csv go with --space, not --arch")
-        return _arch_result(args.arch)
+        result = _arch_result(args.arch)
+        if args.system is not None:
+            result["cost"] = _cost_result(load_arch(args.arch), args.system, args.system_axis)
+        elif args.system_axis:
+            raise PhazeError("--system-axis goes with --system")
+        return result
+    if args.system is not None or args.system_axis:
+        raise PhazeError("--system and --system-axis go with --arch, not --space")
     space = load_space(args.space)
     if args.count:
         return {"kind": "count", "space": space.name, "architectures": space.count(), "points": space.size()}
@@ -117,4 +167,14 @@ def render(result: dict) -> str:
         f"  HBM             {result['hbm_bytes'] / 2**30:g} GiB at {result['hbm_bw'] / 1e9:.0f} GB/s",
         f"  clock           {result['clock_hz'] / 1e9:g} GHz",
         *tail,
+        *_cost_lines(result.get("cost")),
     ])
+
+
+def _cost_lines(cost: dict | None) -> list[str]:
+    if not cost:
+        return []
+    d = cost["per_device_usd"]
+    parts = ", ".join(f"{k.replace('_', '-')} {v:,.0f}" for k, v in d.items() if k != "total")
+    return [f"  cost            ${cost['cluster_usd']:,.0f} for {cost['devices']:,} devices on {cost['system']}: "
+            f"${d['total']:,.0f} a device ({parts}; configs/cost.yaml)"]

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=500,
                    help="finished trials the study should hold; a resumed study runs only the rest (default 500)")
     p.add_argument("--objectives", default="throughput", metavar="LIST",
-                   help="throughput[,area][,energy]; several give a Pareto front, saved as a PNG (default throughput)")
+                   help="throughput[,area][,energy][,cost]; several give a Pareto front, saved as a PNG (default throughput)")
     p.add_argument("--study-name", default=None,
                    help="Optuna study name (default derived from model, space, system, sampler/mode, seed)")
     p.add_argument("--storage", default=None, metavar="URL",

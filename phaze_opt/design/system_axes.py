@@ -14,7 +14,7 @@ links as to the base's (the axes give datasheet bandwidths, as a system file doe
                         thing at every domain size
     nic_gbps            one NIC's bandwidth per direction, GB/s (ConnectX-7 400 Gbit/s: 50)
 
-The cost side of each choice, and its sources, is in docs/frontier.md; no term here prices it.
+The cost side of each choice is `hardware/cost.py` (the `cost` objective; sources in docs/frontier.md).
 """
 
 from __future__ import annotations

@@ -61,13 +61,14 @@ TRIAL_METRICS = {
     "mfu": "model FLOPs utilisation, a fraction (0 to 1, not percent)",
     "energy_j": "energy of one global batch, joules",
     "area_mm2": "chip area, mm^2",
+    "cost_usd": "the cluster's capital cost (every device with its share of the network), US dollars",
     "tp, pp, dp, microbatches": "the placement: tensor, pipeline and data parallel degrees, microbatches per batch",
     "graph_s, estimate_s, ilp_s, dp_s": "solver time: workload graph, latency estimates, layer schedule ILPs, "
                                         "placement DP, seconds",
     "trial_s": "wall time of the trial, seconds",
     "elapsed_s": "study search time when the trial finished, seconds (summed over invocations)",
     "objective.<name>_<unit>": "the objective values Optuna sees (throughput_seq_per_s or "
-                               "throughput_ratio_to_tpuv4, area_mm2, energy_j or energy_ratio_to_tpuv4)",
+                               "throughput_ratio_to_tpuv4, area_mm2, energy_j or energy_ratio_to_tpuv4, cost_usd)",
 }
 PARENT_METRICS = {
     "best_score": "best score so far, by trial number (step = trial number)",
@@ -135,9 +136,10 @@ def trial_state(trial) -> str:
 
 
 def objective_metric(name: str, n_models: int = 1) -> str:
-    """The metric of an objective value, with its unit: with several models throughput and energy are ratios."""
-    if name == "area":
-        return "objective.area_mm2"
+    """The metric of an objective value, with its unit: with several models throughput and energy are ratios
+    (area and cost are the design's and the cluster's, whatever the models)."""
+    if name in ("area", "cost"):
+        return {"area": "objective.area_mm2", "cost": "objective.cost_usd"}[name]
     if n_models > 1:
         return f"objective.{name}_ratio_to_tpuv4"
     return {"throughput": "objective.throughput_seq_per_s", "energy": "objective.energy_j"}.get(name, f"objective.{name}")
@@ -215,7 +217,7 @@ def trial_record(trial, *, study_name: str, sampler: str, models: Sequence[str],
         for name, value in zip(objectives, trial.values):
             if _finite(value) is not None:
                 metrics[objective_metric(name, len(models))] = float(value)
-    for k in ("score", "score_bound", "area_mm2", "trial_s", "elapsed_s"):
+    for k in ("score", "score_bound", "area_mm2", "cost_usd", "trial_s", "elapsed_s"):
         if _finite(res.get(k)) is not None:
             metrics[k] = float(res[k])
     per_model = res.get("models") or {}

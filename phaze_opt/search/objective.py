@@ -12,7 +12,11 @@ How an infeasible design is reported (so samplers learn from it and reports neve
   TPE, NSGA-II and GP rank infeasible trials below every feasible one, and among themselves by the
   summed violation, so a design 3% over budget counts as closer than one 50% over.
 - Objective values of an infeasible trial: throughput 0 (an infeasible design trains nothing),
-  area its real area, energy +inf.
+  area its real area, energy +inf, cost its real cost where its cluster is known (a design no
+  placement fits) and +inf where the point is rejected before (the area rule, no recipe, no cluster).
+- The cost objective is the cluster's capital cost in US$ (`hardware/cost.py`, `configs/cost.yaml`):
+  every device with its share of the network, on the point's cluster; it is the same for every
+  model and recipe, so several models do not turn it into a ratio.
 - A design whose layer schedules were not all proven optimal in the ILP time limit is a result,
   not a failure: its score comes from the verified incumbent schedules (a throughput the chip
   reaches), `score_bound` from the proven lower bounds (see design/evaluate.py), and `proven` is
@@ -41,12 +45,13 @@ from ..design import system_axes
 from ..design.dominance import model_dominators
 from ..design.protocols import Evaluator, Result, SearchSpace
 from ..errors import PhazeError
+from ..hardware.cost import cluster_cost_usd
 from ..jsonable import jsonable  # noqa: F401  (re-exported for the sweeps)
 from ..system import load_system
 from ..training import Training, point_recipe, recipe_points
 from ..workload.models import load_model
 
-OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize"}
+OBJECTIVES = {"throughput": "maximize", "area": "minimize", "energy": "minimize", "cost": "minimize"}
 MIN_AREA_VIOLATION = 0.01
 
 
@@ -55,12 +60,12 @@ class FatalStudyError(PhazeError):
 
 
 def parse_objectives(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """`throughput[,area][,energy]` -> a tuple; throughput first, no repeats, nothing else."""
+    """`throughput[,area][,energy][,cost]` -> a tuple; throughput first, no repeats, nothing else."""
     if value is None:
         return ("throughput",)
     items = value.split(",") if isinstance(value, str) else list(value)
     names = tuple(str(v).strip().lower() for v in items)
-    allowed = "throughput[,area][,energy]"
+    allowed = "throughput[,area][,energy][,cost]"
     if not names or any(not n for n in names):
         raise PhazeError(f"--objectives: empty objective name; use {allowed}")
     for n in names:
@@ -84,7 +89,8 @@ def metric_names(objectives: Sequence[str], n_models: int) -> list[str]:
     one = n_models == 1
     names = {"throughput": "throughput (seq/s)" if one else "throughput (x TPUv4 expert, mean)",
              "area": "area (mm^2)",
-             "energy": "energy per batch (J)" if one else "energy (x TPUv4 expert, mean)"}
+             "energy": "energy per batch (J)" if one else "energy (x TPUv4 expert, mean)",
+             "cost": "cluster cost (US$)"}
     return [names[o] for o in objectives]
 
 
@@ -156,6 +162,7 @@ class Outcome:
     trial_s: float = 0.0
     score_bound: float = 0.0  # proven upper bound on the score (== score when every schedule is proven)
     system: dict = field(default_factory=dict)  # the point's cluster when the space samples one (system_axes.summary)
+    cost_usd: float | None = None  # the cluster's capital cost, with the cost objective (hardware/cost.py)
 
     @property
     def proven(self) -> bool:
@@ -193,6 +200,7 @@ class Outcome:
             "trial_s": self.trial_s,
             "accelerator": self.accelerator,
             **({"system": self.system} if self.system else {}),
+            **({"cost_usd": self.cost_usd} if self.cost_usd is not None else {}),
             "models": {m: self.model_summary(m) for m in self.results},
         })
 
@@ -205,6 +213,7 @@ class Outcome:
             "design": self.point,
             "accelerator": self.accelerator,
             **({"system": self.system} if self.system else {}),
+            **({"cost_usd": self.cost_usd} if self.cost_usd is not None else {}),
             "feasible": self.feasible,
             "reason": self.reason,
             "area_mm2": self.area_mm2,
@@ -243,7 +252,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     accel_fields = jsonable(accel.fields())
     if not ok:
         reason = area_reason or f"area {area:.1f} mm^2 is outside the space's area rule ({budget:.1f} mm^2 budget)"
-        values = _values(ctx.objectives, 0.0, area, math.inf)
+        values = _values(ctx.objectives, 0.0, area, math.inf, math.inf)
         return Outcome(point, False, reason, area, 0.0, values, constraints, {}, accel_fields,
                        time.perf_counter() - start)
 
@@ -252,7 +261,7 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     training, invalid = point_recipe(point)
     invalid = invalid or (space.system_problem(point, ctx.system) if cluster else "")
     if invalid:
-        return Outcome(point, False, invalid, area, 0.0, _values(ctx.objectives, 0.0, area, math.inf), constraints,
+        return Outcome(point, False, invalid, area, 0.0, _values(ctx.objectives, 0.0, area, math.inf, math.inf), constraints,
                        {}, accel_fields, time.perf_counter() - start, system=cluster)
     if cluster:
         system = space.system(point, system)
@@ -270,9 +279,10 @@ def evaluate_point(point: Mapping[str, Any], ctx: Context) -> Outcome:
     score = _score(ctx, results) if feasible else 0.0
     score_bound = _score(ctx, results, bound=True) if feasible else 0.0
     energy = _energy(ctx, results) if feasible and "energy" in ctx.objectives else math.inf
-    values = _values(ctx.objectives, score, area, energy)
+    cost = cluster_cost_usd(accel, load_system(system)) if "cost" in ctx.objectives else None
+    values = _values(ctx.objectives, score, area, energy, math.inf if cost is None else cost)
     return Outcome(point, feasible, reason, area, score, values, constraints, results, accel_fields,
-                   time.perf_counter() - start, max(score_bound, score), cluster)
+                   time.perf_counter() - start, max(score_bound, score), cluster, cost)
 
 
 def point_system(space: SearchSpace, point: Mapping[str, Any], system):
@@ -287,8 +297,8 @@ def point_system(space: SearchSpace, point: Mapping[str, Any], system):
     return base, axes
 
 
-def _values(objectives, score: float, area: float, energy: float) -> list[float]:
-    table = {"throughput": score, "area": area, "energy": energy}
+def _values(objectives, score: float, area: float, energy: float, cost: float) -> list[float]:
+    table = {"throughput": score, "area": area, "energy": energy, "cost": cost}
     return [float(table[o]) for o in objectives]
 
 

@@ -97,6 +97,7 @@ def describe_trial(trial, baselines: dict) -> dict:
         "score_bound": result.get("score_bound"),
         "values": list(trial.values or []),
         "area_mm2": result.get("area_mm2"),
+        **({"cost_usd": result["cost_usd"]} if result.get("cost_usd") is not None else {}),  # the cost objective
         "elapsed_s": result.get("elapsed_s"),
         "models": models,
         "ratio_to_tpuv4_expert": (sum(ratios) / len(ratios)) if ratios and None not in ratios else None,
@@ -113,7 +114,8 @@ def plot_pareto(trials, objectives: Sequence[str], directions: Sequence[str], pa
     if len(objectives) == 3:
         pairs.append((1, 2))
     fig, axes = pyplot().subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.5), squeeze=False)
-    labels = {"throughput": "throughput objective", "area": "area (mm$^2$)", "energy": "energy objective"}
+    labels = {"throughput": "throughput objective", "area": "area (mm$^2$)", "energy": "energy objective",
+              "cost": "cluster cost (US\\$)"}
     for ax, (i, j) in zip(axes[0], pairs):
         xs = [t.values[j] for t in feasible]
         ys = [t.values[i] for t in feasible]
@@ -351,6 +353,8 @@ def render(summary: dict) -> str:
         lines.append(f"  best design (trial {best['trial']}): " +
                      ", ".join(f"{k}={v}" for k, v in (best["design"] or {}).items()))
         lines.append(f"    area {_fmt(best['area_mm2'], ' mm^2', 4)}")
+        if best.get("cost_usd") is not None:
+            lines.append(f"    cluster cost ${best['cost_usd']:,.0f} (configs/cost.yaml)")
         if best.get("system"):
             lines.append("    system " + ", ".join(f"{k}={v}" for k, v in best["system"].items()))
         if best.get("proven") is False:

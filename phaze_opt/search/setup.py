@@ -26,6 +26,7 @@ from .. import interrupt
 from ..errors import PhazeError, shown, unknown_choice
 from ..hardware.accelerator import Accelerator
 from ..hardware.arch import load_arch
+from ..hardware.cost import load_constants as load_cost_constants
 from ..system import load_system
 from ..training import SAMPLED_FIELDS, bound_obstacles
 from ..workload.features import feature_fields
@@ -252,6 +253,8 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
         check(m)
     load_system(config.system)
     load_system(config.baseline_system)
+    if "cost" in objectives:  # a malformed cost.yaml stops the study here, not in every trial
+        load_cost_constants()
     config = replace(config, sampler=sampler, objectives=objectives, order=order, hysteresis=hysteresis, models=models)
     config = replace(config, strategy=resolve_strategy(config, backend))
     if config.cluster is not None:
@@ -263,7 +266,8 @@ def validate(config: StudyConfig, backend: Backend | None = None) -> StudyConfig
 
 
 # What the bound-pruned sweep and the bound-guided sampler settle: the best throughput, or the throughput-area front (its area
-# is exact per design, `search.pareto`). Energy has no proven lower bound, so it is not pruned.
+# is exact per design, `search.pareto`). Energy has no proven lower bound, so it is not pruned; cost is exact
+# per design but the area order that proves the front is built for area alone (`search.pareto`).
 SWEEP_OBJECTIVES = (("throughput",), ("throughput", "area"))
 
 
@@ -285,8 +289,11 @@ def bound_obstacle(config: StudyConfig, backend: Backend | None, objectives=(("t
     if len(config.models) != 1:
         return "it bounds one model's throughput; a common design over several models is not bounded"
     if tuple(config.objectives) not in objectives:
-        return ("energy has no proven lower bound; every point is evaluated" if "energy" in config.objectives
-                else "it bounds throughput only; other objectives need every point evaluated")
+        if "energy" in config.objectives:
+            return "energy has no proven lower bound; every point is evaluated"
+        if "cost" in config.objectives:
+            return "its fronts are throughput-area fronts; with cost every point is evaluated"
+        return "it bounds throughput only; other objectives need every point evaluated"
     if evaluator is not None and not isinstance(evaluator, BoundedEvaluator):
         return "a custom evaluator has no throughput bound"
     if space is not None and not (isinstance(space, GridSpace) and "hbm_gib" in space.params):
