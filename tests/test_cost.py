@@ -312,3 +312,22 @@ def test_throughput_cost_study_end_to_end(tmp_path, monkeypatch, capsys):
     for t in feasible:
         metrics = by_trial[t.number].data.metrics
         assert metrics["cost_usd"] == pytest.approx(t.values[1]) == metrics["objective.cost_usd"]
+
+
+def test_a_space_with_system_axes_prices_each_point_on_its_own_cluster():
+    """The frontier space samples the cluster: a point's cost is its die on the base system with the
+    point's axes (`system_axes.system_for`), and a larger domain costs more."""
+    from phaze_opt.design.space import load_space
+
+    space = load_space("frontier")
+    ctx = Context(models=("m-small",), system="dgx-b200-16k", space=space, evaluator=fake_evaluate,
+                  objectives=("throughput", "cost"))
+    point = space.reference_point("b200", system="dgx-b200-16k")
+    costs = {}
+    for domain in (8, 72):
+        out = evaluate_point({**point, "devices_per_node": domain}, ctx)
+        system = system_axes.system_for({k: out.point[k] for k in space.system_params}, DGX)
+        assert out.cost_usd == out.values[1] == pytest.approx(cluster_cost_usd(space.accelerator(out.point), system))
+        costs[domain] = out.cost_usd
+    assert costs[8] < costs[72]
+    assert costs[8] == pytest.approx(cluster_cost_usd(B200, DGX))  # the reference: docs/frontier.md's $271.5 M
