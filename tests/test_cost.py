@@ -331,3 +331,17 @@ def test_a_space_with_system_axes_prices_each_point_on_its_own_cluster():
         costs[domain] = out.cost_usd
     assert costs[8] < costs[72]
     assert costs[8] == pytest.approx(cluster_cost_usd(B200, DGX))  # the reference: docs/frontier.md's $271.5 M
+
+
+def test_the_exhaustive_sweep_with_cost_evaluates_the_grid(tmp_path):
+    """As with energy: no bound pruning, every grid point a trial, each with its cost."""
+    from test_study_fakes import small_space
+
+    space = small_space()
+    cfg = config(tmp_path, strategy="auto", study_name="grid-cost", objectives=("throughput", "cost"))
+    summary = run_study(cfg, backend(space))
+    trials = optuna.load_study(study_name="grid-cost", storage=cfg.storage).get_trials()
+    assert len(trials) == len(space.grid_points("grid")) == summary["exhaustive"]["evaluated"]
+    system = load_system("default")
+    for t in filter(is_feasible, trials):
+        assert t.values[1] == pytest.approx(cluster_cost_usd(space.accelerator(t.user_attrs["point"]), system))
