@@ -28,6 +28,12 @@ best throughput: no design exceeds it). Every design's true vector is weakly dom
 so the ceiling is at least the exact front's hypervolume, and the study's share of it is a proven
 LOWER bound on the share of the exact front it reached. The best known front (every study's points
 together, the sweep's too) lies on or under the exact front, so the share of it is an UPPER bound.
+
+`--exact-study DB`: the storage of a front-sampler study (`--sampler bound --objectives
+throughput,area`) run until it settled (its sampler found no point outside its trials that could
+join its front; every trial's schedules proven). Its front is then the space's exact front, and each
+study's share of it is exact (the settled study's own share is printed by trial as well); a study
+that did not settle, or holds an unproven or failed trial, is refused.
 """
 
 from __future__ import annotations
@@ -185,6 +191,45 @@ def ceiling(args, out: Path, evaluated: list[str]) -> dict:
             "cells_refined": count, "front": top, "evaluated": len(known)}
 
 
+def exact_front(args, out: Path, names: list[str], summaries: dict) -> None:
+    """Every study against the front of a settled front-sampler study (module docstring)."""
+    from phaze_opt.design.pareto import front
+    from phaze_opt.design.space import load_space
+    from phaze_opt.search.bound_sampler import SETTLED_ATTR
+
+    db = Path(args.exact_study)
+    storage = f"sqlite:///{db}"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    open_trials = [t.number for t in trials if t.state.name == "FAIL"
+                   or (t.user_attrs.get("result") or {}).get("proven") is False]
+    if SETTLED_ATTR not in study.user_attrs or open_trials:
+        raise SystemExit(f"{db}: not a settled front study (settled: {SETTLED_ATTR in study.user_attrs}; "
+                         f"unproven or failed trials: {open_trials[:5]})")
+    ref = float(load_space(args.space).area_budget_mm2)
+    exact_pts = points(db.parent, summary.study_name)
+    exact = hv(exact_pts, ref)
+    size = len(front(np.column_stack([-exact_pts[:, 0], exact_pts[:, 1]])))
+    settled_at = study.user_attrs[SETTLED_ATTR]["trial"]
+    print(f"## {args.space}: exact throughput-area front (settled by {summary.study_name} after trial {settled_at}, "
+          f"{len(trials):,} trials): {size} vectors, hypervolume {exact:.6g} (reference: throughput 0, area {ref:.2f} mm^2)")
+    feasible = [(t.number, t.values[0], t.user_attrs["result"]["area_mm2"]) for t in trials
+                if t.state.name == "COMPLETE" and "point" in t.user_attrs and all(v <= 0 for v in t.constraints.values())]
+    by_trial = []
+    for n in (50, 100, 200, 300, 400, 500, 750, 1000, len(trials)):
+        pts = np.array([(v, a) for k, v, a in feasible if k < n]).reshape(-1, 2)
+        by_trial.append(f"{n}: {hv(pts, ref) / exact * 100:.2f}%")
+    print("its share of the exact front by trial: " + ", ".join(by_trial))
+    print("| study | trials | wall (s) | best seq/s | share of the exact front |\n|---|---|---|---|---|")
+    for name in names:
+        pts = points(out, name)
+        s = summaries[name]
+        print(f"| {name} | {s.get('trials', {}).get('finished', len(pts))} | "
+              f"{s.get('elapsed_s', s.get('wall_s', float('nan'))):.0f} | {pts[:, 0].max() if len(pts) else 0:.4g} | "
+              f"{hv(pts, ref) / exact * 100:.2f}% |")
+
+
 def whole_space(args, out: Path, names: list[str], summaries: dict, sweep_name: str | None) -> None:
     """Each sampled study against the proven ceiling (a lower bound on its share of the exact front)
     and against the best known front (an upper bound): module docstring."""
@@ -234,6 +279,8 @@ def main(argv=None) -> None:
                         "space and system): caps the ceiling")
     p.add_argument("--refine-cells", type=int, default=200,
                    help="cells of the bound front bounded at level 1 for the proven ceiling (each a placement DP)")
+    p.add_argument("--exact-study", default=None,
+                   help="storage (.db) of a front-sampler study run until it settled: compare against its exact front")
     p.add_argument("--out", default="benchmarks/results/pareto")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -248,6 +295,9 @@ def main(argv=None) -> None:
                       ["--sampler", sampler, "--seed", seed, "--trials", str(args.trials)])
             names.append(s["study"])
             summaries[s["study"]] = s
+    if args.exact_study:
+        exact_front(args, out, names, summaries)
+        return
     if args.no_sweep:
         whole_space(args, out, names, summaries, None)
         return
