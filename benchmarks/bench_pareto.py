@@ -198,8 +198,13 @@ def exact_front(args, out: Path, names: list[str], summaries: dict) -> None:
     from phaze_opt.search.bound_sampler import SETTLED_ATTR
 
     db = Path(args.exact_study)
+    if not db.is_file():
+        raise SystemExit(f"--exact-study: no such storage file: {db}")
     storage = f"sqlite:///{db}"
-    (summary,) = optuna.get_all_study_summaries(storage)
+    found = optuna.get_all_study_summaries(storage)
+    if len(found) != 1:
+        raise SystemExit(f"{db}: --exact-study needs a storage holding one study, it holds {len(found)}")
+    summary = found[0]
     study = optuna.load_study(study_name=summary.study_name, storage=storage)
     trials = study.get_trials(deepcopy=False)
     open_trials = [t.number for t in trials if t.state.name == "FAIL"
