@@ -35,8 +35,7 @@ def add_arguments(parser) -> None:
                              f"({', '.join(system_axes.SYSTEM_FIELDS)}); repeatable")
 
 
-def _arch_result(name_or_path) -> dict:
-    acc = load_arch(name_or_path)
+def _arch_result(acc) -> dict:
     fields = acc.fields()
     return {
         "kind": "arch",
@@ -89,9 +88,10 @@ def run(args) -> dict:
     if args.arch is not None:
         if args.count or args.csv:
             raise PhazeError("--count and --csv go with --space, not --arch")
-        result = _arch_result(args.arch)
+        acc = load_arch(args.arch)
+        result = _arch_result(acc)
         if args.system is not None:
-            result["cost"] = _cost_result(load_arch(args.arch), args.system, args.system_axis)
+            result["cost"] = _cost_result(acc, args.system, args.system_axis)
         elif args.system_axis:
             raise PhazeError("--system-axis goes with --system")
         return result
