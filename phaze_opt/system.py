@@ -22,9 +22,13 @@ consecutive ranks):
   even a hop that happens to stay inside a node. That is conservative, and it keeps a stage's time
   independent of where in the pipeline it sits, which the placement DP relies on (`pipeline_link`);
 - the data-parallel ring of a stage is intra-node only when the whole job (pp*t*dp devices) fits in
-  one node, else a ring that crosses nodes runs at the inter-node link (`dp_link`; conservative
-  where several of its ranks share a node, whose NICs it could spread over as a TP group does: the
-  placement DP prices the ring by that intra/inter choice alone).
+  one node (`dp_link`, conservative where pp > 1); a ring that crosses nodes spreads its inter-node
+  part over the NICs of its members in each node, as a TP group of whole nodes does
+  (`dp_ring_link`, `spanning_link` below): its dp ranks sit t apart (the rank order puts TP, then
+  CP, inside DP: Megatron-Core's tp-cp-dp-pp, torchtitan's mesh [pp, dp, cp, tp]), so every node it
+  touches holds a multiple of gcd(dp, devices_per_node / t) of them (`ring_members_per_node`). FSDP
+  over whole nodes (t = 1) thus gathers at the node's eight NICs, not one; TP 8 keeps one member a
+  node and the one-NIC link.
 
 Every device has its own intra-node link of the stated bandwidth per direction, so concurrent rings
 and transfers of different devices do not share it. Between nodes, a node has `nics_per_node` NICs of
@@ -81,6 +85,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
 
 from . import configs
 from .configs import Limit, check_keys, one_of, positive_int
@@ -331,13 +337,35 @@ class System:
             return self.intra_node
         return Link(self.intra_node.bandwidth / lines[0].spacing, self.intra_node.latency)
 
-    def dp_ring_link(self, t: int, pp: int, dp: int) -> Link:
-        """The data-parallel ring a torus actually gives, as the evaluator and the placement DPs price
-        it (see the module docstring): the single-ring equivalent
+    def ring_members_per_node(self, t, dp, shard=None):
+        """The fewest members a data-parallel ring of dp ranks t apart has in any node it touches
+        (module docstring; ints or integer arrays): the group is a run of t x dp consecutive ranks
+        and nodes are runs of devices_per_node, so their overlaps are multiples of
+        t x gcd(dp, devices_per_node / t) ranks; 1 when t does not divide a node. Under HSDP
+        (`shard`: its group of g ranks) the same ring also all-reduces across the dp / g replicas,
+        g t apart, so it counts the fewer members of the two groups."""
+        dpn = self.devices_per_node
+        members = np.where(dpn % t == 0, np.gcd(dp, dpn // np.maximum(t, 1)), 1)
+        if shard is not None:
+            stride = t * shard
+            members = np.minimum(members, np.where(dpn % stride == 0, np.gcd(dp // shard, dpn // stride), 1))
+        return members
+
+    def dp_ring_link(self, t: int, pp: int, dp: int, shard: int | None = None, spread: bool = True) -> Link:
+        """The data-parallel ring the network actually gives, as the evaluator and the placement DPs
+        price it (see the module docstring). Without a torus: inside a node by `dp_link`, else the
+        `spanning_link` of its members per node (`ring_members_per_node`, HSDP's `shard` group
+        counted); one member with `spread` off, for rings that also carry groups of other strides
+        (a MoE's expert replicas). On a torus the single-ring equivalent
         of the hierarchical all-reduce, a multi-dimensional ring over the replicas inside a slice and
-        a ring of the 1/g shards across slices. Without a torus, or for a group that does not split
-        into whole slices, `dp_link`."""
-        if self.torus is None or dp <= 1:
+        a ring of the 1/g shards across slices; for a group that does not split into whole slices,
+        `dp_link`."""
+        if self.torus is None:
+            link = self.dp_link(t, pp, dp)
+            if link is self.intra_node:
+                return link
+            return self.spanning_link(int(self.ring_members_per_node(t, dp, shard)) if spread else 1)
+        if dp <= 1:
             return self.dp_link(t, pp, dp)
         stride, size = pp * t, self.torus.size
         inner = dp if stride * dp <= size else size // stride

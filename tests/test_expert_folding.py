@@ -113,7 +113,7 @@ def test_folded_terms_by_hand():
     assert a2a == pytest.approx(3 * (0.01 + 250 / 100))
     assert r.stages[0].compute_s == pytest.approx(1.0 + 2.0 + 4 * a2a)
     assert r.stages[0].params == 160 + 640 / 4
-    ring = s.dp_ring_link(2, 1, 4)
+    ring = s.dp_ring_link(2, 1, 4, spread=False)  # it also carries the expert groups: one NIC a member
     half = lambda n, k: ring_half_s(n, k, ring.bandwidth, ring.latency)
     # dense over d c = 4 ranks, the experts over EDP = 2: reduce-scatter of gradients + all-gather of weights
     want = half(160 * 2, 4) + half(160 * 2, 4) + half(160 * 2, 2) + half(160 * 2, 2)
@@ -132,7 +132,7 @@ def test_expert_replicas_differing_from_the_dense_ones_split_even_at_ep_one():
     prob = PlacementProblem(training=Training(expert_tensor_parallel=1), costs=(one_layer(tp=2),), system=s,
                             hbm_bytes=1e12, peak_flops=1.0, seq_len=8, ep_widths=(1,))
     r = evaluate_placement(prob, Placement(2, 4, ((0,),), ep=1, cp=1))
-    ring = s.dp_ring_link(2, 1, 4)
+    ring = s.dp_ring_link(2, 1, 4, spread=False)  # it also carries the expert groups: one NIC a member
     assert r.allreduce_s == pytest.approx(ring_allreduce_s(160 * 2, 4, ring.bandwidth, ring.latency)
                                           + ring_allreduce_s(640 * 2, 8, ring.bandwidth, ring.latency))
     # ZeRO-3 shards each kind over its own group: the dense weights over d = 4, the experts over 8

@@ -171,7 +171,8 @@ def test_dp_never_worse_than_random_valid_placements(problem, rnd):
 def test_two_max_terms_the_least_bottleneck_is_not_optimal():
     """A witness that minimising the bottleneck alone would be wrong.
 
-    With 6 replicas the gradient all-reduce over the 5 GB/s link is costly, and the split that
+    With 6 replicas the gradient all-reduce over 5 GB/s (two ranks a node, each with a 2.5 GB/s
+    NIC: `System.spanning_link`) is costly, and the split that
     minimises the slowest stage puts the two parameter-heavy layers together. The optimum accepts
     a slower bottleneck for a smaller largest stage.
     """
@@ -184,7 +185,7 @@ def test_two_max_terms_the_least_bottleneck_is_not_optimal():
         boundary=[11, 6, 7],
         inputs=[5, 6, 7],
     )
-    system = make_system(accelerators=12, devices_per_node=4, global_batch=34, intra=(130, 0.2), inter=(5, 0.5),
+    system = make_system(accelerators=12, devices_per_node=2, global_batch=34, intra=(130, 0.2), inter=(2.5, 0.5),
                          optimizer="sgd", optimizer_memory="mixed_precision")
     problem = PlacementProblem((costs,), system, 877.0, 1e3, training=Training(mbs=1, recompute=False), seq_len=8, model_flops_per_sequence=100.0)
     result = optimal_dense_placement(problem)

@@ -201,6 +201,7 @@ def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(
     import numpy as np
 
     from phaze_opt.solve.placement import dp as placement
+    from phaze_opt.solve.placement.kernel import node_divisors
     from phaze_opt.system import LIMITS
 
     system = system_from_dict({**GOOD, "accelerators": LIMITS["accelerators"].maximum})
@@ -214,7 +215,9 @@ def test_the_largest_cluster_allowed_loads_and_places_without_per_device_arrays(
     monkeypatch.setattr(placement.np, "arange", small_arange)
     problem = type("P", (), {"system": system, "training": Training(1)})()
     d, m = placement._dp_degrees(problem, 1)
-    assert d[0] == 1 and m[-1] == 1 and len(d) <= 2 * math.isqrt(system.global_batch) + 1
+    # per microbatch count: its first degree and the first multiple of each divisor of a node (kernel.ring_degrees)
+    per_count = 1 + len(node_divisors(system.devices_per_node))
+    assert d[0] == 1 and m[-1] == 1 and len(d) <= (2 * math.isqrt(system.global_batch) + 1) * per_count
     assert np.all(-(-system.global_batch // d) == m)
 
 

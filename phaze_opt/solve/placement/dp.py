@@ -23,7 +23,8 @@ are swept together as one batch.
 
 Memory makes the position matter: the stage at position k holds min(k, m) microbatches, and m
 depends on d. Only the smallest d of each distinct m can be optimal (the same pipeline, and the
-least all-reduce, since the system configs guarantee the intra-node link is not the slower one);
+least all-reduce, since the system configs guarantee the intra-node link is not the slower one),
+or the smallest whose ring has more members per node and so a faster link (`kernel.ring_degrees`);
 on a torus, whose rings can grow faster with d (`System.dp_ring_link`), every d is tried.
 For S <= m the cap never binds, so one uncapped sweep serves all those (S, d) pairs. A pair with
 S > m needs a capped sweep (continued from row k = m of the uncapped one); its value lies between
@@ -68,6 +69,7 @@ from .kernel import (
     layer_terms,
     min_memory_needed,
     p2p_exposed_share,
+    node_divisors,
     ring_links,
     stage_fit,
     stage_stack,
@@ -93,7 +95,9 @@ def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarr
     m(d) = ceil(B / (mbs d)) = ceil(n / d) with n = ceil(B / mbs) takes at most 2 sqrt(n) values, and
     the next smaller one starts at d = ceil(n / (m - 1)); walking those never touches the other d, so
     the cost does not grow with the accelerator count. The smallest d wins because a larger one
-    only lengthens the ring on a link no faster (`System.dp_link`). On a torus a larger ring can
+    only lengthens the ring on a link no faster (`System.dp_link`), unless it has more ring members
+    per node: the first multiple in the run of each divisor of a node's devices is kept too
+    (`kernel.ring_degrees`). On a torus a larger ring can
     span more torus lines and run faster (`System.dp_ring_link`), so there every d is tried.
     """
     top = problem.system.accelerators // t
@@ -110,6 +114,12 @@ def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarr
         if m == 1:
             break
         d = -(-n // (m - 1))
+    # each run [d_i, d_{i+1}) of one m: its first d and the first multiple of each divisor of a node
+    ends = ds[1:] + [top + 1]
+    divisors = node_divisors(problem.system.devices_per_node)
+    runs = [(sorted({lo, *(-(-lo // k) * k for k in divisors)}), end, m) for lo, end, m in zip(ds, ends, ms)]
+    ds = [d for found, end, _ in runs for d in found if d < end]
+    ms = [m for found, end, m in runs for d in found if d < end]
     return np.array(ds, dtype=np.int64), np.array(ms, dtype=np.int64)
 
 
@@ -158,7 +168,7 @@ def _pairs(problem: PlacementProblem, costs) -> _Pairs:
     block, S, d, m, g_floor = (np.concatenate(parts[k]) for k in ("block", "S", "d", "m", "g_floor"))
     t = np.array([c.tp for c in costs], dtype=np.int64)[block]
     # The link rules of phaze_opt.system, vectorised (the evaluator calls the methods themselves).
-    rings = ring_links(system, t, S, d)
+    rings = ring_links(system, t, S, d, problem.training.shard_group)
     return _Pairs(
         block=block,
         S=S,
@@ -396,7 +406,7 @@ def _general_groups(problem: PlacementProblem, costs, free: dict, v: int) -> dic
         if v > 1:  # Megatron's interleaving constraints (PlacementProblem.interleaves)
             ok = (S == 1) | (problem.training.interleave_split_ok(problem.interleave_layers, S) & (m % S == 0))
         h = (dpn % (S * t) == 0).astype(np.int64)
-        rings = ring_links(system, t, S, d)
+        rings = ring_links(system, t, S, d, problem.training.shard_group)
         mult = m + (S - 1) / v
         lat, bw = rings.latency(), rings.bandwidth()
 

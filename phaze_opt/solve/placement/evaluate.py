@@ -294,7 +294,6 @@ def evaluate_placement(
     m = problem.microbatches(d)
     hbm = problem.hbm_bytes
     hop = system.pipeline_link(t * c, S)
-    ring = system.dp_ring_link(t * c, S, d)  # on a torus the ring it really gives
     imb = problem.training.load_imbalance
     ring_cp = system.cp_link(t, c)
     ranks = d * c  # holders of the same dense weights
@@ -304,8 +303,12 @@ def evaluate_placement(
     split = e > 1 or (expert_ranks != ranks and moe)
     stride = problem.training.expert_stride(t, c)
     shard_of = problem.training.shard_ranks  # ZeRO-3's shard of a group of ranks (HSDP: its shard group)
+    # the ring the network gives (a torus's, or spread over the NICs of its members in each node, the
+    # fewest of every group it carries: HSDP's replicas, none spread beside a MoE's own expert groups)
+    ring = system.dp_ring_link(t * c, S, d, problem.training.shard_group, spread=not split)
     # the shard group's ring: g data-parallel ranks t apart (the whole data-parallel ring without HSDP)
-    shard_ring = ring if problem.training.shard_group is None else system.dp_ring_link(t, S, shard_of(ranks))
+    shard_ring = ring if problem.training.shard_group is None else system.dp_ring_link(
+        t, S, shard_of(ranks), spread=not split)
 
     stage_of = {}
     for s, stage in enumerate(placement.stages):

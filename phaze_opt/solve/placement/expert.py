@@ -33,8 +33,9 @@ that tail floor cannot (`tests/test_expert_parallel_bounds.py` checks every boun
 force).
 
 Which d. Without ZeRO only the smallest allowed d (a multiple of `Training.data_step`) giving each distinct microbatch count m can
-be optimal: memory does not depend on d, and a larger d only lengthens the rings (more ranks, a
-link no faster). With ZeRO-1 or 2 memory falls as d grows, so every allowed d is tried; so it is on
+be optimal, or the smallest whose ring has more members per node (`kernel.ring_degrees`): memory
+does not depend on d, and a larger d only lengthens the rings (more ranks, a link no faster unless
+more of them share a node's NICs). With ZeRO-1 or 2 memory falls as d grows, so every allowed d is tried; so it is on
 a torus, where a larger ring can span more torus lines and run faster (`kernel.RingLinks`).
 """
 
@@ -59,6 +60,7 @@ from .kernel import (
     layer_terms,
     min_memory_needed,
     p2p_exposed_share,
+    ring_degrees,
     ring_links,
     stage_fit,
     stage_stack,
@@ -194,7 +196,7 @@ def _degrees(problem: PlacementProblem, top: int, step: int) -> np.ndarray:
     if problem.training.zero or problem.system.torus is not None or multiples.size == 0:
         return multiples
     m = -(-problem.system.global_batch // (problem.training.mbs * multiples))  # PlacementProblem.microbatches
-    return multiples[np.concatenate([[True], m[1:] != m[:-1]])]
+    return multiples[ring_degrees(multiples, m, problem.system.devices_per_node)]
 
 
 @dataclass
@@ -311,7 +313,6 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
         ok = (S == 1) | (b.e[blk] == 1)
         blk, d, S, m, w = blk[ok], d[ok], S[ok], m[ok], w[ok]
     h = (dpn % (S * w) == 0).astype(np.int64)
-    rings = ring_links(system, w, S, d)
     mult = m + (S - 1) / v
     c_lb = np.where(h == 1, free[1][S - 1, blk], free[0][S - 1, blk])
     # per block: total dense and expert parameters, kept activations per microbatch
@@ -325,6 +326,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     Pd = P - Pe
     moe = np.array([bool(np.any(lc.expert_params > 0)) for lc in b.costs])[blk]
     split = (e > 1) | ((eranks != ranks) & moe)  # the experts reduce as their own group (placement_eval)
+    rings = ring_links(system, w, S, d, problem.training.shard_group, spread=~split)
     lat, bw = rings.latency(), rings.bandwidth()
     zero = problem.training.zero
     hide_gather = zero in (1, 2) and problem.training.overlap_param_gather  # the gather may hide wholly
@@ -357,7 +359,7 @@ def _items(problem: PlacementProblem, b: _Blocks, free: dict) -> dict:
     if zero == 3 and problem.training.shard_group is not None:
         g = problem.training.shard_group
         fits &= (ranks % g == 0) & (~split | (eranks % g == 0))  # the group divides each kind's ranks
-        shards = ring_links(system, b.t[blk], S, np.full(d.shape, g))
+        shards = ring_links(system, b.t[blk], S, np.full(d.shape, g), spread=~split)
     s_only = np.where((v > 1) & (S > 1), S, 0)
     return {"blk": blk, "d": d, "S": S, "h": h, "ring_bw": bw, "ring_lat": lat, "mult": mult, "lb": lb, "tail_lb": tail_lb,
             "s_only": s_only, "fits": fits, "shard_bw": shards.bandwidth(), "shard_lat": shards.latency()}
@@ -373,8 +375,8 @@ def _search_all(problem: PlacementProblem, classes: list, items: dict, best: Bes
     if lb.size == 0:
         return
     # One integer per group: the (class, block, d) run (items come in that order) and the links and
-    # S_only; the ring link's id orders the distinct rings by bandwidth (0 inter-node, 1 intra-node
-    # without a torus), so groups of different classes on the same ring share an id.
+    # S_only; the ring link's id numbers the distinct (ring, shard ring) links, so groups of
+    # different classes on the same rings share an id.
     items["ring"] = np.unique(np.stack([items["ring_bw"], items["ring_lat"], items["shard_bw"], items["shard_lat"]]), axis=1,
                               return_inverse=True)[1].reshape(-1)
     rings = int(np.max(items["ring"])) + 1

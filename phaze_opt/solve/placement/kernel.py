@@ -133,8 +133,9 @@ def most_in_flight(base: np.ndarray, stash: np.ndarray, hbm: float) -> np.ndarra
 class RingLinks:
     """The data-parallel ring link of every candidate (width, S, d), as an id into `links`.
 
-    Without a torus the id is the two-level rule of `System.dp_link` (1: the ring stays inside a
-    node, 0: it crosses nodes), vectorised. On a torus each distinct (width, S, d) asks
+    Without a torus the rule of `System.dp_ring_link`, vectorised: id 0 the intra-node link (the
+    ring stays inside a node), id r > 0 the `spanning_link` of r members per node. On a torus each
+    distinct (width, S, d) asks
     `System.dp_ring_link` for the ring the torus really gives (multi-dimensional inside a slice, the
     1/g shards across slices), the same link `evaluate_placement` prices, so the DPs and their
     independent check agree; the distinct links are few, so a group keyed by the id stays small.
@@ -150,12 +151,38 @@ class RingLinks:
         return np.array([k.latency for k in self.links])[self.ids]
 
 
-def ring_links(system, width, S: np.ndarray, d: np.ndarray) -> RingLinks:
-    """`RingLinks` for the candidates (width, S, d); width is a TP (x CP) width or an array of them."""
+def ring_degrees(ds: np.ndarray, runs: np.ndarray, devices_per_node: int) -> np.ndarray:
+    """Which of the ascending data-parallel degrees `ds` can be optimal where a larger d only costs
+    a longer ring, except through its link: `runs` labels the ds sharing a microbatch count. Kept:
+    the first d of each run, and the first multiple of each divisor k > 1 of a node's devices in it,
+    whose ring may have more members per node (`System.ring_members_per_node`, a multiple of
+    gcd(d, devices_per_node / t)) and so a faster spanning link; any other d of the run has no more
+    members per node than the multiple before it and a longer ring."""
+    ds, runs = np.asarray(ds), np.asarray(runs)
+    keep = np.concatenate([[True], runs[1:] != runs[:-1]]) if ds.size else np.zeros(0, dtype=bool)
+    for k in node_divisors(devices_per_node):
+        idx = np.flatnonzero(ds % k == 0)
+        first = np.concatenate([[True], runs[idx][1:] != runs[idx][:-1]]) if idx.size else idx.astype(bool)
+        keep[idx[first]] = True
+    return keep
+
+
+def node_divisors(devices_per_node: int) -> tuple[int, ...]:
+    """The divisors k > 1 of a node's devices: the members per node a spanning ring can have."""
+    small = [k for k in range(1, math.isqrt(devices_per_node) + 1) if devices_per_node % k == 0]
+    return tuple(sorted({*small, *(devices_per_node // k for k in small)} - {1}))
+
+
+def ring_links(system, width, S: np.ndarray, d: np.ndarray, shard=None, spread=True) -> RingLinks:
+    """`RingLinks` for the candidates (width, S, d); width is a TP (x CP) width or an array of them;
+    `shard` and `spread` (a bool or an array of them) as `System.dp_ring_link` takes them."""
     width = np.broadcast_to(np.asarray(width, dtype=np.int64), np.shape(S))
     if system.torus is None:
-        return RingLinks(ids=(S * width * d <= system.devices_per_node).astype(np.int64),
-                         links=(system.inter_node, system.intra_node))
+        dpn = system.devices_per_node
+        members = np.where(spread, system.ring_members_per_node(width, d, shard), 1)
+        values, inverse = np.unique(np.where(S * width * d <= dpn, 0, members), return_inverse=True)
+        links = tuple(system.spanning_link(int(r)) if r else system.intra_node for r in values)
+        return RingLinks(ids=inverse.reshape(np.shape(S)).astype(np.int64), links=links)
     triples, inverse = np.unique(np.stack([width, S, d]).reshape(3, -1), axis=1, return_inverse=True)
     found = [system.dp_ring_link(int(w), int(s), int(r)) for w, s, r in triples.T]
     links = tuple(dict.fromkeys(found))
