@@ -16,8 +16,9 @@ import math
 import os
 from importlib import resources
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -72,6 +73,26 @@ def constants_file(name: str) -> Path:
         if (folder / name).is_file():
             return folder / name
     return shipped_dir() / name
+
+
+def load_constants(name: str, path: str | os.PathLike | None, missing: str, parse: Callable[[str, Any], Any]) -> Any:
+    """A constants file (area, energy, cost: `name` on the search path, or `path`) as `parse(path,
+    data)` returns it, read and checked once per file and modification time: a study's millions of
+    lookups read nothing, and an edit or a refit is seen without a restart."""
+    p = Path(path) if path is not None else constants_file(name)
+    return _parsed_constants(parse, str(p), file_version(p, missing))
+
+
+@lru_cache(maxsize=16)
+def _parsed_constants(parse: Callable[[str, Any], Any], path: str, _version: int) -> Any:
+    return parse(path, read_yaml(path))
+
+
+def finite_number(value: Any, file, key: str) -> float:
+    """A constant that must be a finite number (not a bool, which YAML's yes/no would give)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise config_error(file, key, f"must be a number, got {shown(value)}")
+    return float(value)
 
 
 def file_version(path: Path, missing: str) -> int:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -109,26 +108,22 @@ def constants_path() -> Path:
 
 def load_constants(path: str | os.PathLike | None = None) -> AreaConstants:
     """Read and validate the fitted constants (cached per file and modification time)."""
-    p = Path(path) if path is not None else constants_path()
-    return _load_constants(str(p), configs.file_version(
-        p, "area constants file not found (refit with `python -m phaze_opt.hardware.calibrate --fit --write`)"))
+    return configs.load_constants(
+        "area.yaml", path, "area constants file not found (refit with `python -m phaze_opt.hardware.calibrate --fit --write`)",
+        _parse_constants)
 
 
-@lru_cache(maxsize=8)
-def _load_constants(path: str, _mtime: int) -> AreaConstants:
-    data = configs.read_yaml(path)
+def _parse_constants(path: str, data) -> AreaConstants:
     if not isinstance(data, dict) or not isinstance(data.get("constants"), dict):
         raise config_error(path, "constants", "missing mapping of fitted constants")
     c = data["constants"]
     configs.check_keys(c, path, CONSTANT_FIELDS)
     values = {}
     for f in CONSTANT_FIELDS:
-        v = c[f]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise config_error(path, f"constants.{f}", f"must be a number, got {shown(v)}")
+        v = configs.finite_number(c[f], path, f"constants.{f}")
         if f not in SIGNED_FIELDS and v < 0:
-            raise config_error(path, f"constants.{f}", f"must be >= 0, got {shown(v)}")
-        values[f] = float(v)
+            raise config_error(path, f"constants.{f}", f"must be >= 0, got {shown(c[f])}")
+        values[f] = v
     return AreaConstants(**values)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
 from pathlib import Path
 
 from .. import configs
@@ -78,29 +77,24 @@ def constants_path() -> Path:
 
 def load_constants(path: str | os.PathLike | None = None) -> CostConstants:
     """Read and validate `configs/cost.yaml` (cached per file and modification time)."""
-    p = Path(path) if path is not None else constants_path()
-    return _load_constants(str(p), configs.file_version(p, "cost constants file not found"))
+    return configs.load_constants("cost.yaml", path, "cost constants file not found", _parse_constants)
 
 
-@lru_cache(maxsize=8)
-def _load_constants(path: str, _mtime: int) -> CostConstants:
-    data = configs.read_yaml(path)
+def _parse_constants(path: str, data) -> CostConstants:
     if not isinstance(data, dict):
         raise PhazeError(f"{path}: expected a mapping of cost constants at the top level")
     configs.check_keys(data, path, FIELDS)
     values = {}
     for f in FIELDS:
-        v = data[f]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise config_error(path, f, f"must be a number, got {shown(v)}")
+        v = configs.finite_number(data[f], path, f)
         if f in INT_MINIMUM:
-            if not float(v).is_integer() or v < INT_MINIMUM[f]:
-                raise config_error(path, f, f"must be a whole number >= {INT_MINIMUM[f]}, got {shown(v)}")
+            if not v.is_integer() or v < INT_MINIMUM[f]:
+                raise config_error(path, f, f"must be a whole number >= {INT_MINIMUM[f]}, got {shown(data[f])}")
             values[f] = int(v)
             continue
         if v < 0 or (f in POSITIVE and v == 0):
-            raise config_error(path, f, f"must be {'> 0' if f in POSITIVE else '>= 0'}, got {shown(v)}")
-        values[f] = float(v)
+            raise config_error(path, f, f"must be {'> 0' if f in POSITIVE else '>= 0'}, got {shown(data[f])}")
+        values[f] = v
     return CostConstants(**values)
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
@@ -131,13 +130,10 @@ def constants_path() -> Path:
 
 def load_constants(path: str | os.PathLike | None = None) -> EnergyConstants:
     """Read and validate `configs/energy.yaml` (cached per file and modification time)."""
-    p = Path(path) if path is not None else constants_path()
-    return _load_constants(str(p), configs.file_version(p, "energy constants file not found"))
+    return configs.load_constants("energy.yaml", path, "energy constants file not found", _parse_constants)
 
 
-@lru_cache(maxsize=8)
-def _load_constants(path: str, _mtime: int) -> EnergyConstants:
-    data = configs.read_yaml(path)
+def _parse_constants(path: str, data) -> EnergyConstants:
     if not isinstance(data, dict):
         raise PhazeError(f"{path}: expected a mapping of energy constants at the top level")
     configs.check_keys(data, path, [f for f in FIELDS if f not in OPTIONAL_FIELDS], OPTIONAL_FIELDS)
@@ -145,17 +141,15 @@ def _load_constants(path: str, _mtime: int) -> EnergyConstants:
     for f in FIELDS:
         if f in OPTIONAL_FIELDS and f not in data:
             continue
-        v = data[f]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise config_error(path, f, f"must be a number, got {shown(v)}")
+        v = configs.finite_number(data[f], path, f)
         if f in INT_FIELDS:
             if v not in NODES_NM:
-                raise config_error(path, f, f"must be one of {', '.join(map(str, NODES_NM))} (nm), got {shown(v)}")
+                raise config_error(path, f, f"must be one of {', '.join(map(str, NODES_NM))} (nm), got {shown(data[f])}")
             values[f] = int(v)
             continue
         if v < 0:
-            raise config_error(path, f, f"must be >= 0, got {shown(v)}")
-        values[f] = float(v)
+            raise config_error(path, f, f"must be >= 0, got {shown(data[f])}")
+        values[f] = v
     for f in ("energy_scale_per_node", "sram_ref_bytes", "sram_bank_bytes"):
         if not values[f] > 0:
             raise config_error(path, f, f"must be > 0, got {shown(data[f])}")
