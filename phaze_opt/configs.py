@@ -75,11 +75,11 @@ def constants_file(name: str) -> Path:
     return shipped_dir() / name
 
 
-def load_constants(name: str, path: str | os.PathLike | None, missing: str, parse: Callable[[str, Any], Any]) -> Any:
-    """A constants file (area, energy, cost: `name` on the search path, or `path`) as `parse(path,
-    data)` returns it, read and checked once per file and modification time: a study's millions of
-    lookups read nothing, and an edit or a refit is seen without a restart."""
-    p = Path(path) if path is not None else constants_file(name)
+def load_constants(path: str | os.PathLike, missing: str, parse: Callable[[str, Any], Any]) -> Any:
+    """A constants file (area, energy, cost) as `parse(path, data)` returns it, read and checked once
+    per file and modification time: a study's millions of lookups read nothing, and an edit or a
+    refit is seen without a restart."""
+    p = Path(path)
     return _parsed_constants(parse, str(p), file_version(p, missing))
 
 

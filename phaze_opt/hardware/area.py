@@ -109,7 +109,8 @@ def constants_path() -> Path:
 def load_constants(path: str | os.PathLike | None = None) -> AreaConstants:
     """Read and validate the fitted constants (cached per file and modification time)."""
     return configs.load_constants(
-        "area.yaml", path, "area constants file not found (refit with `python -m phaze_opt.hardware.calibrate --fit --write`)",
+        path if path is not None else constants_path(),
+        "area constants file not found (refit with `python -m phaze_opt.hardware.calibrate --fit --write`)",
         _parse_constants)
 
 

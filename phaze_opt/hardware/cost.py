@@ -77,7 +77,8 @@ def constants_path() -> Path:
 
 def load_constants(path: str | os.PathLike | None = None) -> CostConstants:
     """Read and validate `configs/cost.yaml` (cached per file and modification time)."""
-    return configs.load_constants("cost.yaml", path, "cost constants file not found", _parse_constants)
+    return configs.load_constants(path if path is not None else constants_path(), "cost constants file not found",
+                                  _parse_constants)
 
 
 def _parse_constants(path: str, data) -> CostConstants:

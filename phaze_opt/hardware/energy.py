@@ -130,7 +130,8 @@ def constants_path() -> Path:
 
 def load_constants(path: str | os.PathLike | None = None) -> EnergyConstants:
     """Read and validate `configs/energy.yaml` (cached per file and modification time)."""
-    return configs.load_constants("energy.yaml", path, "energy constants file not found", _parse_constants)
+    return configs.load_constants(path if path is not None else constants_path(), "energy constants file not found",
+                                  _parse_constants)
 
 
 def _parse_constants(path: str, data) -> EnergyConstants:
