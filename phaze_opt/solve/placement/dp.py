@@ -97,8 +97,9 @@ def _dp_degrees(problem: PlacementProblem, t: int) -> tuple[np.ndarray, np.ndarr
     the cost does not grow with the accelerator count. The smallest d wins because a larger one
     only lengthens the ring on a link no faster (`System.dp_link`), unless it has more ring members
     per node: the first multiple in the run of each divisor of a node's devices is kept too
-    (`kernel.ring_degrees`). On a torus a larger ring can
-    span more torus lines and run faster (`System.dp_ring_link`), so there every d is tried.
+    (`kernel.ring_degrees`' rule, applied here to each run's bounds so no d in between is listed).
+    On a torus a larger ring can span more torus lines and run faster (`System.dp_ring_link`), so
+    there every d is tried.
     """
     top = problem.system.accelerators // t
     n = -(-problem.system.global_batch // problem.training.mbs)
