@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +19,13 @@ import sitecustomize as outside_guard  # noqa: E402  (installs the audit hook in
 
 outside_guard.install()
 OUTSIDE_LOG = os.environ["PHAZE_OPT_OUTSIDE_LOG"]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """A command's stderr without its "still working" heartbeat lines: a command that takes longer
+    than the heartbeat's interval (a torch import on a loaded machine) prints them before its one
+    error line, and that is the command working as meant, not a second line of error."""
+    return [line for line in stderr.strip().splitlines() if not re.match(r"\[.*\] .*still [a-z ]+, \d", line)]
 
 
 # The longest tests, longest first (230-300 s each on CI's two pytest-xdist workers; 43-123 s once a

@@ -15,6 +15,7 @@ from phaze_opt.design.evaluate import evaluate, training_problem
 from phaze_opt.training import Training
 from phaze_opt.solve.placement.evaluate import evaluate_placement
 from phaze_opt.solve.placement.types import Placement
+from conftest import error_lines
 
 TPU = load_arch("tpuv4")
 
@@ -98,7 +99,7 @@ def test_cli_evaluate_json_and_errors():
     assert {"graph_s", "estimate_s", "ilp_s", "dp_s"} <= set(data["timings"])
     bad = _run_cli("evaluate", "--model", "no-such-model", "--json")
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model 'no-such-model'")
-    assert len(bad.stderr.strip().splitlines()) == 1
+    assert len(error_lines(bad.stderr)) == 1
 
 
 def _stretch_block_backward(monkeypatch, factor: float, status: str):

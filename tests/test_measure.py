@@ -27,6 +27,7 @@ from phaze_opt.validation.suites import GEMM_KEYS, LAYER_KEYS, load_suite
 from phaze_opt.workload import collectives
 from phaze_opt.workload.graphs import build_layer_graph
 from phaze_opt.workload.models import load_model
+from conftest import error_lines
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "phaze_opt" / "presets"
@@ -268,7 +269,7 @@ def test_bad_input_from_the_command_line_has_no_traceback(configs, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "phaze_opt", "measure", *argv], capture_output=True,
                               text=True, env=env, cwd=tmp_path, timeout=120)
         assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and words in proc.stderr and "Traceback" not in proc.stderr
+        assert len(error_lines(proc.stderr)) == 1 and words in proc.stderr and "Traceback" not in proc.stderr
         assert proc.stdout == ""
 
 

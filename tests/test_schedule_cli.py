@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from conftest import error_lines
 
 
 def _run(*args, env=None):
@@ -36,4 +37,4 @@ def test_schedule_json_rows_are_proven_and_self_consistent(tmp_path):
 def test_schedule_rejects_a_tp_width_the_heads_do_not_allow():
     out = _run("schedule", "--model", "gpt2-xl", "--tp", "2")
     assert out.returncode == 2 and "not a TP width of gpt2-xl" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    assert len(error_lines(out.stderr)) == 1
