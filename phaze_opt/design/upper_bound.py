@@ -247,6 +247,32 @@ def pipeline_throughput(widths: list[WidthBounds], mbs: int, accelerators: int, 
         return np.where(best > 0, global_batch / best, np.inf)
 
 
+# A process's layer sizes by (model, TP, CP and the recipe fields they read), each with its model
+# object, so that an id freed and taken by another model never matches; cleared when full.
+_SIZES: dict[tuple, tuple] = {}
+SIZES_HELD = 4096
+
+
+def layer_sizes(model, tp: int, cp: int, training: Training) -> LayerCosts:
+    """The model's layers at TP width `tp` and CP width `cp` (traced at seq / cp) under the recipe's
+    microbatch, attention kernel, sequence parallelism and expert TP, with the EP/CP sizes
+    (`parallel_sizes`) and zero times: every design's level 1 prices these same sizes with its own
+    layer times (`LayerCosts.with_times`), so they are built once a process, not once a design."""
+    key = (id(model), tp, cp, training.mbs, training.attention, training.sequence_parallel, training.expert_tp(tp))
+    held = _SIZES.get(key)
+    if held is not None and held[0] is model:
+        return held[1]
+    m = replace(model, seq=model.seq // cp) if cp > 1 else model
+    graph = build_layer_graph(m, tp, training.mbs, attention=training.attention)
+    zeros = np.zeros(len(graph.layers))
+    sizes = parallel_sizes(LayerCosts.from_layer_graph(graph, zeros, zeros, sequence_parallel=training.sequence_parallel),
+                           m, training, cp)
+    if len(_SIZES) >= SIZES_HELD:
+        _SIZES.clear()
+    _SIZES[key] = (model, sizes)
+    return sizes
+
+
 def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, training: Training,
                          hbm_bytes: float, peak_flops: float) -> float:
     """Level 1: the optimal placement's throughput on design `row`'s lower-bound layer times.
@@ -275,11 +301,9 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
     mbs, attention = training.mbs, training.attention
     graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
     kinds = [layer.kind for layer in graphs[0].layers]
+
     def costs_of(w):
-        m = replace(model, seq=model.seq // w.cp) if w.cp > 1 else model
-        g = build_layer_graph(m, w.tp, mbs, attention=attention)
-        return parallel_sizes(LayerCosts.from_layer_graph(g, *w.layer_rows(row),
-                                                          sequence_parallel=training.sequence_parallel), m, training, w.cp)
+        return layer_sizes(model, w.tp, w.cp, training).with_times(*w.layer_rows(row))
 
     further = [costs_of(cw) for w in widths for cw in w.cp_bounds]
     # The imbalance only lengthens the experts' times, which the bound takes at zero (module docstring).
