@@ -265,11 +265,13 @@ class LayerGraph:
 
     @property
     def kinds(self) -> list[str]:
-        """Distinct layer kinds in first-appearance order."""
-        seen: dict[str, None] = {}
-        for layer in self.layers:
-            seen.setdefault(layer.kind, None)
-        return list(seen)
+        """Distinct layer kinds in first-appearance order (a fresh list; the bounds ask for it tens of
+        thousands of times a cell, so the walk over the layers is made once a graph)."""
+        return list(self._kinds)
+
+    @cached_property
+    def _kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(layer.kind for layer in self.layers))
 
     def is_chain(self) -> bool:
         return sorted(self.edges) == [(i, i + 1) for i in range(len(self.layers) - 1)]
