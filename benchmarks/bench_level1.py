@@ -2,11 +2,11 @@
 a sweep of a large model's `phaze-recipes` space: one (architecture, HBM, microbatch) cell's recipes
 that dominance leaves, each bounded by the optimal placement on the design's layer lower bounds.
 
-    python benchmarks/bench_level1.py [--model llama3-70b] [--space phaze-recipes] [--cells 6] [--runs 3]
+    python benchmarks/bench_level1.py [--model llama3-70b] [--space phaze-recipes] [--system default] [--runs 3]
 
 Cells: the largest HBM of the space, the first, middle and last architecture of its grid order, at
-its two smallest microbatches. The first cell is bounded once untimed (graphs traced or read, layer
-bounds scheduled); then every cell is timed `--runs` times in this process, warm. Prints the median
+its two smallest microbatches. Every cell is bounded once untimed (graphs traced or read, the
+designs' layer bounds scheduled); then each is timed `--runs` times in this process, warm. Prints the median
 seconds per cell and a checksum of the bounds (a faster version must print the same checksum).
 """
 

@@ -298,9 +298,8 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         return float("inf")  # folded experts run at another width than these layer bounds: no bound
     if training.recompute_modules is not None or training.recompute_ops or training.recompute_every != 1:
         return float("inf")  # module-level, op-level and every-n-th recompute are not in these layer rows: no bound
-    mbs, attention = training.mbs, training.attention
-    graphs = [build_layer_graph(model, w.tp, mbs, attention=attention) for w in widths]
-    kinds = [layer.kind for layer in graphs[0].layers]
+    graph = build_layer_graph(model, widths[0].tp, training.mbs, attention=training.attention)  # its layers and FLOPs
+    kinds = [layer.kind for layer in graph.layers]
 
     def costs_of(w):
         return layer_sizes(model, w.tp, w.cp, training).with_times(*w.layer_rows(row))
@@ -311,7 +310,7 @@ def placement_throughput(model, widths: list[WidthBounds], row: int, *, system, 
         costs=tuple(costs_of(w) for w in widths),
         ep_widths=ep_widths(model), cp_widths=tuple(sorted({1, *(c.cp for c in further)})), cp_costs=tuple(further),
         system=system, hbm_bytes=hbm_bytes, peak_flops=peak_flops, training=training,
-        seq_len=model.seq, model_flops_per_sequence=graphs[0].train_flops_per_sequence,
+        seq_len=model.seq, model_flops_per_sequence=graph.train_flops_per_sequence,
         interleave_layers=max(kinds.count(k) for k in set(kinds)),
         reduction_hidden=training.overlap_grad_reduce or training.overlap_param_gather,
         fp8_transposed_copy=False,  # the fewest FP8 weight copies any chip keeps: a bound for every chip
